@@ -1,0 +1,31 @@
+# Development tasks. `make example` and `make test` create .venv on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PLUGINS := $(wildcard plugins/*/pyproject.toml)
+
+.PHONY: install example test lint bench-dispatch
+
+$(STAMP): pyproject.toml $(PLUGINS)
+	$(PYTHON) -m venv $(VENV)
+	# torch 2.13.0 is pinned so pip takes the CPU wheel; triton runs its kernels on the CPU
+	# under TRITON_INTERPRET=1 in the tests.
+	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest numpy ruff==0.17.6
+	$(BIN)/pip install --quiet -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	touch $@
+
+install: $(STAMP)
+
+example: $(STAMP)
+	$(BIN)/megablocks backends list
+	$(BIN)/megablocks example
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src plugins tests benchmarks
+
+bench-dispatch: $(STAMP)
+	$(BIN)/python benchmarks/dispatch_overhead.py

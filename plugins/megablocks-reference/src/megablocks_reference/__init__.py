@@ -1,0 +1,3 @@
+"""Pure-PyTorch reference backend for megablocks-core."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,172 @@
+"""The ``megablocks`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import __version__, contracts, dispatch, docgen
+from .descriptors import DeviceInfo
+from .devices import describe
+from .ranking import Trace
+
+
+class CLIError(Exception):
+    """A user error: printed on stderr, exit status 2."""
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _device(text: str) -> DeviceInfo:
+    try:
+        return describe(torch.device(text))
+    except (RuntimeError, ValueError) as exc:
+        raise CLIError(f"device {text!r}: {exc}") from exc
+
+
+def _parse_dtypes(op: str, items: Sequence[str]) -> dict[str, torch.dtype]:
+    """``bfloat16`` applies to every tensor argument that accepts it; ``x=bfloat16`` to one."""
+    contract = contracts.BY_NAME[op]
+    chosen: dict[str, torch.dtype] = {}
+    for item in items:
+        arg, _, name = item.rpartition("=")
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise CLIError(f"unknown dtype {name!r} (try bfloat16, float16, float32, int32, int64)")
+        targets = [a for a in contract.tensor_args if (not arg or a.name == arg)
+                   and (not a.dtypes or dtype in a.dtypes)]
+        if not targets:
+            raise CLIError(f"{op} has no tensor argument {arg or ''} that accepts {name}")
+        chosen.update({a.name: dtype for a in targets})
+    return chosen
+
+
+def _trace_dict(trace: Trace) -> dict[str, Any]:
+    return {
+        "op": trace.op, "device": str(trace.device), "device_kind": trace.device.kind,
+        "dtypes": {k: str(v).removeprefix("torch.") for k, v in trace.dtypes.items()},
+        "policy": trace.policy.describe(),
+        "winner": trace.winner.label if trace.winner else None, "why": trace.why,
+        "fallback": trace.fallback, "error": trace.error,
+        "candidates": [{"backend": c.kernel.backend, "variant": c.kernel.variant,
+                        "priority": c.kernel.priority, "devices": list(c.kernel.devices),
+                        "accepted": c.accepted, "reason": c.reason} for c in trace.candidates],
+    }
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    plugins = list(dispatch.registry().plugins.values())
+    if args.json:
+        print(json.dumps({"core_version": __version__, "plugins": [p.as_dict() for p in plugins]}, indent=2))
+        return 0
+    if not plugins:
+        print("no backends installed (pip install megablocks-reference)")
+        return 0
+    status_text = {"ok": "ok", "unavailable": "unavailable here"}
+    rows = [[p.name, f"{p.distribution or '?'} {p.version or ''}".strip(),
+             status_text.get(p.status, p.status), ", ".join(p.device_kinds) or "-",
+             str(len(p.ops))] for p in plugins]
+    print(_table(rows, ["backend", "distribution", "status", "devices", "ops"]))
+    for p in plugins:
+        if p.reason:
+            print(f"\n{p.name}: {p.reason}")
+    if args.verbose:
+        for p in plugins:
+            print(f"\n{p.name} provides: {', '.join(p.ops) or 'nothing'}")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    if args.op not in contracts.BY_NAME or not contracts.BY_NAME[args.op].dispatched:
+        names = ", ".join(c.name for c in contracts.ALL if c.dispatched)
+        raise CLIError(f"unknown op {args.op!r}; ops: {names}")
+    trace = dispatch.explain(args.op, _device(args.device), _parse_dtypes(args.op, args.dtype))
+    if args.json:
+        print(json.dumps(_trace_dict(trace), indent=2))
+        return 0 if trace.winner else 1
+    dtypes = ", ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in trace.dtypes.items())
+    print(f"{args.op} on {trace.device}" + (f" with {dtypes}" if dtypes else ""))
+    print(f"policy: {trace.policy.describe()}\n")
+    rows = [[c.kernel.label, str(c.kernel.priority), ", ".join(c.kernel.devices),
+             "yes" if c.accepted else "no", c.reason] for c in trace.candidates]
+    print(_table(rows, ["candidate", "priority", "devices", "eligible", "reason"]) if rows else "no candidates")
+    if trace.winner:
+        print(f"\nwinner: {trace.winner.label} ({trace.why})")
+        if trace.fallback:
+            print("note: this is the portable fallback; no kernel specific to this device can serve it")
+        return 0
+    print(f"\nno winner: {trace.error}", file=sys.stderr)
+    return 1
+
+
+def cmd_contracts(args: argparse.Namespace) -> int:
+    print(docgen.render_markdown(), end="")
+    return 0
+
+
+def cmd_example(args: argparse.Namespace) -> int:
+    from . import example
+
+    return example.run(device=args.device, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
+                       experts=args.experts, top_k=args.top_k, dtype=args.dtype)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megablocks",
+        description="Mixture-of-Experts ops with pluggable backends: inspect backends and run examples.")
+    parser.add_argument("--version", action="version", version=f"megablocks-core {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    backends = commands.add_parser("backends", help="list installed backends and explain choices")
+    backend_commands = backends.add_subparsers(dest="backends_command", metavar="SUBCOMMAND")
+    backend_commands.required = True
+    listing = backend_commands.add_parser("list", help="installed plugins: status, devices, ops")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.add_argument("-v", "--verbose", action="store_true", help="also list each plugin's ops")
+    listing.set_defaults(func=cmd_list)
+    explain = backend_commands.add_parser(
+        "explain", help="every candidate for an op on a device, why it was accepted or rejected")
+    explain.add_argument("op", help="op name, e.g. gather or gmm")
+    explain.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    explain.add_argument("--dtype", action="append", default=[], metavar="[ARG=]DTYPE",
+                         help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16")
+    explain.add_argument("--json", action="store_true", help="machine-readable output")
+    explain.set_defaults(func=cmd_explain)
+
+    contracts_cmd = commands.add_parser("contracts", help="print every op's contract as Markdown")
+    contracts_cmd.set_defaults(func=cmd_contracts)
+
+    example = commands.add_parser(
+        "example", help="run a small MoE layer (routing → gather → gmm → scatter) and check it")
+    example.add_argument("--device", default="cpu")
+    example.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    example.add_argument("--tokens", type=int, default=64)
+    example.add_argument("--hidden", type=int, default=32)
+    example.add_argument("--ffn", type=int, default=48)
+    example.add_argument("--experts", type=int, default=8)
+    example.add_argument("--top-k", type=int, default=2)
+    example.set_defaults(func=cmd_example)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (CLIError, ValueError, RuntimeError) as exc:
+        print(f"megablocks: error: {exc}", file=sys.stderr)
+        return 2

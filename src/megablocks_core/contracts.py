@@ -1,0 +1,451 @@
+"""Every op's contract, written once.
+
+Read an entry top to bottom to know an op: its arguments (dtype, rank), the
+rules relating them, what it returns, which inputs get gradients, edge cases,
+and where it knowingly differs from MegaBlocks. Validation, fake (meta)
+implementations, docs/contracts.md and the conformance kit are all derived
+from these entries; nothing else describes an op.
+
+Argument order is the kernel order: a backend's kernel receives exactly these
+arguments, positionally. Public ops (``megablocks_core.ops``) take the same
+arguments minus those marked ``public=False`` (passed as None).
+"""
+
+from __future__ import annotations
+
+from .contract import (
+    COUNT_DTYPES,
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    BoolArg,
+    DataDim,
+    IntArg,
+    OpContract,
+    Output,
+    Rule,
+    SequenceArg,
+    TensorArg,
+)
+
+ANY_DTYPE: frozenset = frozenset()  # an empty set means "any dtype"
+
+# ---------------------------------------------------------------------------
+# Arguments shared by many ops: one definition each.
+
+INDICES = TensorArg(
+    "indices", INT_DTYPES, (1,),
+    "flat id (token * top_k + k) of each row, in expert-sorted order; length tokens * top_k",
+)
+BIN_IDS = TensorArg("bin_ids", INT_DTYPES, (1,), "expert of each sorted row; length tokens * top_k")
+BINS = TensorArg(
+    "bins", INT_DTYPES, (1,),
+    "inclusive cumsum of tokens per expert (end offset of each expert in sorted order); length experts",
+)
+PADDED_BINS = TensorArg(
+    "padded_bins", INT_DTYPES, (1,),
+    "inclusive cumsum of per-expert token counts rounded up to the block size; length experts",
+)
+WEIGHTS = TensorArg(
+    "weights", FLOAT_DTYPES, (1,),
+    "per-(token, k) scale indexed by flat id, length tokens * top_k; None means 1",
+    optional=True,
+)
+# Gathers take weights only at kernel level: the backward of a weighted scatter
+# is a weighted gather, so kernels must support it; the public op passes None.
+GATHER_WEIGHTS = TensorArg(
+    WEIGHTS.name, WEIGHTS.dtypes, WEIGHTS.ndim,
+    "optional per-row scale (kernel level only: used by scatter's backward)",
+    optional=True, public=False,
+)
+TOP_K = IntArg("top_k", "experts per token", min=1)
+TOKENS = TensorArg("x", FLOAT_DTYPES, (2,), "token rows, (tokens, hidden)")
+SORTED_ROWS = TensorArg("x", FLOAT_DTYPES, (2,), "rows in expert-sorted order, (tokens * top_k, hidden)")
+PADDED_ROWS = TensorArg("x", FLOAT_DTYPES, (2,), "rows in padded expert order, (padded_bins[-1], hidden)")
+BINNED_ROWS = TensorArg("x", FLOAT_DTYPES, (3,), "rows per expert bin, (experts, bin_size, hidden)")
+TOKEN_GRAD = TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of the scatter output, (tokens, hidden)")
+
+# Rules shared by the permutation ops.
+SAME_LENGTH = Rule("indices.shape[0] == bin_ids.shape[0]", "one expert id per sorted row")
+WHOLE_TOKENS = Rule("indices.shape[0] % top_k == 0", "every token has exactly top_k rows")
+WEIGHTS_LENGTH = Rule(
+    "weights is None or weights.shape[0] == indices.shape[0]", "one weight per (token, k) pair"
+)
+INDICES_FIT = Rule(
+    "indices.dtype != torch.int16 or indices.shape[0] <= 32768",
+    "int16 indices cannot address more than 32768 rows (MegaBlocks would wrap silently)",
+)
+PADDED_LENGTH = Rule("padded_bins.shape[0] == bins.shape[0]", "one padded bin per expert")
+GATHER_ROWS = Rule("x.shape[0] * top_k == indices.shape[0]", "indices has top_k entries per row of x")
+SORTED_ROWS_MATCH = Rule("x.shape[0] == indices.shape[0]", "one row of x per sorted (token, k) pair")
+GRAD_TOKENS = Rule("grad.shape[0] * top_k == indices.shape[0]", "grad has one row per token")
+GRAD_HIDDEN = Rule("grad.shape[1] == x.shape[-1]", "grad and x have the same hidden size")
+GRAD_DTYPE = Rule("grad.dtype == x.dtype", "grad and x have the same dtype", error=TypeError)
+
+IS_PERMUTATION = Rule("is_permutation(indices)", "indices is a permutation of range(tokens * top_k)", checked=True)
+BINS_SORTED = Rule("nondecreasing(bins)", "bins is a cumulative sum", checked=True)
+BINS_TOTAL = Rule("last(bins) == indices.shape[0]", "bins ends at the number of rows", checked=True)
+BIN_IDS_MATCH = Rule("bins_match(bin_ids, bins)", "bin_ids agrees with bins", checked=True)
+PADDED_SORTED = Rule("nondecreasing(padded_bins)", "padded_bins is a cumulative sum", checked=True)
+PADDED_FITS = Rule("fits(padded_bins, bins)", "each padded bin holds its expert's rows", checked=True)
+
+PERMUTATION_RULES = (SAME_LENGTH, WHOLE_TOKENS, WEIGHTS_LENGTH, INDICES_FIT,
+                     IS_PERMUTATION, BINS_SORTED, BINS_TOTAL, BIN_IDS_MATCH)
+PADDED_RULES = (PADDED_LENGTH, PADDED_SORTED, PADDED_FITS)
+BINNED_RULES = (WHOLE_TOKENS, WEIGHTS_LENGTH, INDICES_FIT, IS_PERMUTATION, BINS_SORTED, BINS_TOTAL)
+
+TOKENS_OUT = Output("out", "x.dtype", ("indices.shape[0] // top_k", "x.shape[-1]"), "one row per token")
+WGRAD_OUT = Output("weights_grad", "x.dtype", ("indices.shape[0]",), "indexed by flat id")
+
+EMPTY_AND_ZERO = (
+    "zero tokens: empty outputs, no kernel needs to run",
+    "empty experts: contribute no rows",
+)
+FP32_ACCUMULATION = "Weighting and summation accumulate in float32 (float64 for float64 data)."
+
+# ---------------------------------------------------------------------------
+# Routing
+
+SORT = OpContract(
+    name="sort", family="routing",
+    summary="Stable ascending sort of integer keys, returning the values and their source positions.",
+    args=(
+        TensorArg("x", INT_DTYPES, (1,), "keys, e.g. the flattened top-k expert ids"),
+        IntArg("end_bit", "keys lie in [0, 2**end_bit); None means the dtype's full width",
+               min=0, max=64, optional=True),
+    ),
+    rules=(
+        Rule("end_bit is None or end_bit <= torch.iinfo(x.dtype).bits", "end_bit fits the key dtype"),
+        Rule("x.dtype != torch.int16 or x.shape[0] <= 32768",
+             "int16 indices cannot address more than 32768 keys"),
+        Rule("end_bit is None or in_range(x, 0, 1 << end_bit)", "keys lie in [0, 2**end_bit)",
+             checked=True),
+    ),
+    outputs=(
+        Output("values", "x.dtype", ("x.shape[0]",), "keys in ascending order"),
+        Output("indices", "x.dtype", ("x.shape[0]",), "position in x of each sorted key"),
+    ),
+    semantics="Equal keys keep their input order (stable), so the result is deterministic.",
+    edge_cases=("empty input: empty outputs",),
+    deviations=(
+        "int16 keys longer than 32768 are rejected; MegaBlocks returns wrapped int16 indices.",
+    ),
+)
+
+HISTOGRAM = OpContract(
+    name="histogram", family="routing",
+    summary="Count how many keys fall in each bin [i, i + 1).",
+    args=(
+        TensorArg("x", INT_DTYPES, (1, 2), "keys, (n,) or a batch of rows (batch, n)"),
+        IntArg("num_bins", "number of bins (experts)", min=0),
+    ),
+    rules=(Rule("x.numel() < 2**31", "counts are int32"),),
+    outputs=(Output("counts", "torch.int32", "(*x.shape[:-1], num_bins)", "per row for 2-D input"),),
+    semantics="Keys outside [0, num_bins) are not counted.",
+    edge_cases=("empty input: all-zero counts", "num_bins = 0: empty counts"),
+    deviations=("The bin count is an int named num_bins (MegaBlocks types it as a float max_val).",),
+)
+
+_CUMSUM_ARGS = (
+    TensorArg("x", INT_DTYPES, (1, 2), "integer counts, (n,) or (batch, n)"),
+    IntArg("dim", "dimension to sum along"),
+)
+_CUMSUM_RULES = (
+    Rule("-x.dim() <= dim < x.dim()", "dim is a dimension of x"),
+    Rule("cumsum_fits(x, dim)", "the running sums fit x's dtype", checked=True),
+)
+_CUMSUM_DEVIATIONS = (
+    "A one-element input keeps shape (1,); MegaBlocks squeezes it to a 0-d tensor.",
+    "Overflowing x's dtype is an error in checked mode; MegaBlocks wraps.",
+)
+
+INCLUSIVE_CUMSUM = OpContract(
+    name="inclusive_cumsum", family="routing",
+    summary="Running sum including the current element, in x's dtype.",
+    args=_CUMSUM_ARGS, rules=_CUMSUM_RULES,
+    outputs=(Output("out", "x.dtype", "tuple(x.shape)"),),
+    semantics="out[i] = x[0] + … + x[i]. No promotion to int64 (unlike torch.cumsum).",
+    edge_cases=("empty input: empty output",),
+    deviations=_CUMSUM_DEVIATIONS,
+)
+
+EXCLUSIVE_CUMSUM = OpContract(
+    name="exclusive_cumsum", family="routing",
+    summary="Running sum excluding the current element, in x's dtype.",
+    args=_CUMSUM_ARGS, rules=_CUMSUM_RULES,
+    outputs=(Output("out", "x.dtype", "tuple(x.shape)"),),
+    semantics="out[0] = 0, out[i] = x[0] + … + x[i - 1].",
+    edge_cases=("empty input: empty output",),
+    deviations=_CUMSUM_DEVIATIONS,
+)
+
+TOPOLOGY = OpContract(
+    name="topology", family="routing",
+    summary="Column indices of the block-sparse expert weight matrix, one row of blocks per padded row block.",
+    args=(
+        PADDED_BINS,
+        IntArg("block_size", "rows (and columns) per block", min=1),
+        IntArg("output_block_rows", "padded_bins[-1] // block_size", min=0),
+        IntArg("output_block_columns", "blocks per expert along the ffn dimension", min=1),
+    ),
+    rules=(
+        Rule("padded_bins.shape[0] * output_block_columns <= 32768", "column indices are int16"),
+        Rule("nondecreasing(padded_bins)", "padded_bins is a cumulative sum", checked=True),
+        Rule("bool((padded_bins % block_size == 0).all())", "padded bins are whole blocks", checked=True),
+        Rule("last(padded_bins) == output_block_rows * block_size",
+             "output_block_rows covers padded_bins", checked=True),
+    ),
+    outputs=(Output("column_indices", "torch.int16", ("output_block_rows * output_block_columns",)),),
+    semantics=(
+        "Block-row r of expert e (padded_bins[e-1] <= r * block_size < padded_bins[e]) gets "
+        "columns e * output_block_columns + [0, output_block_columns)."
+    ),
+    edge_cases=("experts with no rows own no block-rows", "output_block_rows = 0: empty output"),
+)
+
+REPLICATE = OpContract(
+    name="replicate", family="routing",
+    summary="Expand one value per bin into one value per row of that bin.",
+    args=(
+        TensorArg("x", FLOAT_DTYPES | INT_DTYPES, (2,), "per-bin values, (batch, bins)"),
+        BINS,
+        IntArg("num_outputs", "total rows, bins[-1]", min=0),
+    ),
+    rules=(
+        Rule("bins.shape[0] == x.shape[1]", "one bin per column of x"),
+        Rule("nondecreasing(bins)", "bins is a cumulative sum", checked=True),
+        Rule("last(bins) <= num_outputs", "bins fit in num_outputs", checked=True),
+    ),
+    outputs=(Output("out", "x.dtype", ("x.shape[0]", "num_outputs")),),
+    differentiable=("x",),
+    semantics=(
+        "out[b, j] = x[b, e] for bins[e-1] <= j < bins[e]; columns past bins[-1] are 0. "
+        "The gradient is a per-bin sum."
+    ),
+    edge_cases=("empty bins: no output columns", "num_outputs = 0: empty output"),
+    deviations=("Any float or int dtype, forward and backward (MegaBlocks: fp16/int16/int32, fp16 backward).",),
+)
+
+REPLICATE_BACKWARD = OpContract(
+    name="replicate_backward", family="routing", public=False,
+    summary="Sum the rows of each bin (replicate's gradient).",
+    args=(TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of replicate's output, (batch, rows)"), BINS),
+    rules=(
+        Rule("nondecreasing(bins)", "bins is a cumulative sum", checked=True),
+        Rule("last(bins) <= grad.shape[1]", "bins fit in grad's rows", checked=True),
+    ),
+    outputs=(Output("out", "grad.dtype", ("grad.shape[0]", "bins.shape[0]")),),
+    semantics="out[b, e] = sum(grad[b, bins[e-1]:bins[e]]), accumulated in float32 (float64 for float64).",
+    edge_cases=("an empty bin sums to exactly 0",),
+)
+
+# ---------------------------------------------------------------------------
+# Permutation
+
+GATHER = OpContract(
+    name="gather", family="permutation",
+    summary="Copy each token's row to its top_k rows in expert-sorted order.",
+    args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, TOP_K),
+    rules=(GATHER_ROWS, *PERMUTATION_RULES),
+    outputs=(Output("out", "x.dtype", ("indices.shape[0]", "x.shape[1]"), "expert-sorted rows"),),
+    differentiable=("x",),
+    semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level). " + FP32_ACCUMULATION,
+    edge_cases=EMPTY_AND_ZERO,
+)
+
+SCATTER = OpContract(
+    name="scatter", family="permutation",
+    summary="Sum each token's top_k expert rows back into one row, optionally weighted.",
+    args=(SORTED_ROWS, INDICES, BIN_IDS, WEIGHTS, BINS, TOP_K),
+    rules=(SORTED_ROWS_MATCH, *PERMUTATION_RULES),
+    outputs=(TOKENS_OUT,),
+    differentiable=("x", "weights"),
+    semantics=(
+        "out[t] = sum over k of weights[t*top_k + k] * x[i], where indices[i] = t*top_k + k. "
+        + FP32_ACCUMULATION
+    ),
+    edge_cases=EMPTY_AND_ZERO,
+)
+
+SCATTER_WGRAD = OpContract(
+    name="scatter_wgrad", family="permutation", public=False,
+    summary="Gradient of scatter with respect to its weights.",
+    args=(SORTED_ROWS, TOKEN_GRAD, INDICES, BIN_IDS, BINS, TOP_K),
+    rules=(SORTED_ROWS_MATCH, GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, SAME_LENGTH, WHOLE_TOKENS, INDICES_FIT),
+    outputs=(WGRAD_OUT,),
+    semantics="out[indices[i]] = dot(x[i], grad[indices[i] // top_k]), accumulated in float32.",
+    edge_cases=EMPTY_AND_ZERO,
+)
+
+PADDED_GATHER = OpContract(
+    name="padded_gather", family="permutation",
+    summary="Gather into expert segments padded to padded_bins, with zero padding rows.",
+    args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, PADDED_BINS, TOP_K),
+    rules=(GATHER_ROWS, *PERMUTATION_RULES, *PADDED_RULES),
+    outputs=(Output("out", "x.dtype", (DataDim("last(padded_bins)"), "x.shape[1]"),
+                    "rows = padded_bins[-1], read on the host"),),
+    differentiable=("x",),
+    semantics=(
+        "Sorted row i of expert e = bin_ids[i] lands at padded_bins[e-1] + (i - bins[e-1]); "
+        "rows no token lands on are 0. " + FP32_ACCUMULATION
+    ),
+    edge_cases=(*EMPTY_AND_ZERO, "no experts: empty output"),
+    deviations=("The output row count is read from padded_bins on the host (a sync), as in MegaBlocks.",),
+)
+
+PADDED_SCATTER = OpContract(
+    name="padded_scatter", family="permutation",
+    summary="Scatter from padded expert segments back to tokens, optionally weighted.",
+    args=(PADDED_ROWS, INDICES, BIN_IDS, WEIGHTS, BINS, PADDED_BINS, TOP_K),
+    rules=(*PERMUTATION_RULES, *PADDED_RULES,
+           Rule("x.shape[0] == last(padded_bins)", "x has padded_bins[-1] rows", checked=True)),
+    outputs=(TOKENS_OUT,),
+    differentiable=("x", "weights"),
+    semantics="As scatter, reading the row each (token, k) was padded_gather'ed to. " + FP32_ACCUMULATION,
+    edge_cases=(*EMPTY_AND_ZERO, "padding rows are never read"),
+)
+
+PADDED_SCATTER_WGRAD = OpContract(
+    name="padded_scatter_wgrad", family="permutation", public=False,
+    summary="Gradient of padded_scatter with respect to its weights.",
+    args=(PADDED_ROWS, TOKEN_GRAD, INDICES, BIN_IDS, BINS, PADDED_BINS, TOP_K),
+    rules=(GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, SAME_LENGTH, WHOLE_TOKENS, INDICES_FIT, PADDED_LENGTH),
+    outputs=(WGRAD_OUT,),
+    semantics="As scatter_wgrad, reading padded rows. Accumulated in float32.",
+    edge_cases=EMPTY_AND_ZERO,
+)
+
+BINNED_GATHER = OpContract(
+    name="binned_gather", family="permutation",
+    summary="Gather into fixed-capacity expert bins, dropping rows beyond capacity.",
+    args=(TOKENS, INDICES, GATHER_WEIGHTS, BINS, IntArg("bin_size", "capacity per expert", min=0), TOP_K),
+    rules=(GATHER_ROWS, *BINNED_RULES),
+    outputs=(Output("out", "x.dtype", ("bins.shape[0]", "bin_size", "x.shape[1]"), "zero-filled"),),
+    differentiable=("x",),
+    semantics=(
+        "out[e, j] = x[indices[bins[e-1] + j] // top_k] for j < min(bin_size, rows of e); "
+        "other rows are 0. " + FP32_ACCUMULATION
+    ),
+    edge_cases=(*EMPTY_AND_ZERO, "rows beyond bin_size are dropped", "bin_size = 0: empty bins"),
+)
+
+BINNED_SCATTER = OpContract(
+    name="binned_scatter", family="permutation",
+    summary="Scatter from expert bins back to tokens, optionally weighted; dropped rows contribute 0.",
+    args=(BINNED_ROWS, INDICES, WEIGHTS, BINS, TOP_K),
+    rules=(Rule("x.shape[0] == bins.shape[0]", "one bin of x per expert"), *BINNED_RULES),
+    outputs=(TOKENS_OUT,),
+    differentiable=("x", "weights"),
+    semantics="out[t] = sum over kept k of weights[t*top_k + k] * x[e, j]. " + FP32_ACCUMULATION,
+    edge_cases=(*EMPTY_AND_ZERO, "a token whose rows were all dropped gets 0"),
+)
+
+BINNED_SCATTER_WGRAD = OpContract(
+    name="binned_scatter_wgrad", family="permutation", public=False,
+    summary="Gradient of binned_scatter with respect to its weights.",
+    args=(BINNED_ROWS, TOKEN_GRAD, INDICES, BINS, TOP_K),
+    rules=(Rule("x.shape[0] == bins.shape[0]", "one bin of x per expert"),
+           GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, WHOLE_TOKENS, INDICES_FIT),
+    outputs=(WGRAD_OUT,),
+    semantics="As scatter_wgrad for kept rows; dropped rows get 0. Accumulated in float32.",
+    edge_cases=(*EMPTY_AND_ZERO, "dropped rows get exactly 0"),
+)
+
+# ---------------------------------------------------------------------------
+# Grouped GEMM
+
+BATCH_SIZES = TensorArg(
+    "batch_sizes", COUNT_DTYPES, (1,),
+    "rows of a per expert; on the CPU (MegaBlocks' convention) or on a's device",
+    any_device=True,
+)
+# Checked always when batch_sizes is on the CPU (no device sync), otherwise only in checked mode.
+GROUPS_COVER_A = Rule("int(batch_sizes.sum()) == a.shape[0]", "the groups cover every row of a",
+                      checked="batch_sizes")
+GROUPS_NONNEGATIVE = Rule("batch_sizes.numel() == 0 or int(batch_sizes.min()) >= 0",
+                          "group sizes are not negative", checked="batch_sizes")
+
+GMM = OpContract(
+    name="gmm", family="grouped_gemm",
+    summary="Grouped matrix multiply: each expert's rows of a times that expert's matrix.",
+    args=(
+        TensorArg("a", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, k)"),
+        TensorArg("b", FLOAT_DTYPES, (3,), "expert matrices, (experts, k, n) or (experts, n, k) with trans_b"),
+        BATCH_SIZES,
+        BoolArg("trans_b", "b holds (n, k) matrices", default=False),
+    ),
+    rules=(
+        Rule("b.dtype == a.dtype", "a and b have the same dtype", error=TypeError),
+        Rule("batch_sizes.shape[0] == b.shape[0]", "one group size per expert"),
+        Rule("a.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
+        GROUPS_NONNEGATIVE, GROUPS_COVER_A,
+    ),
+    outputs=(Output("out", "a.dtype", ("a.shape[0]", "b.shape[1] if trans_b else b.shape[2]")),),
+    differentiable=("a", "b"),
+    semantics=(
+        "Rows bins[e-1]:bins[e] of the output are a[those rows] @ b[e] (or b[e].T). "
+        "Accumulates in float32. The gradient of b is a variable-K grouped GEMM (gmm_weight_grad)."
+    ),
+    edge_cases=("rows = 0: empty output", "empty experts: no rows, exactly-zero weight gradient"),
+)
+
+GMM_WEIGHT_GRAD = OpContract(
+    name="gmm_weight_grad", family="grouped_gemm", public=False,
+    summary="Per-expert a^T @ grad (the weight gradient of gmm, variable K).",
+    args=(
+        TensorArg("a", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, k)"),
+        TensorArg("grad", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, n)"),
+        BATCH_SIZES,
+    ),
+    rules=(
+        Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
+        Rule("grad.shape[0] == a.shape[0]", "a and grad have the same rows"),
+        GROUPS_NONNEGATIVE, GROUPS_COVER_A,
+    ),
+    outputs=(Output("out", "a.dtype", ("batch_sizes.shape[0]", "a.shape[1]", "grad.shape[1]")),),
+    semantics="out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32.",
+    edge_cases=("an empty expert gets exactly 0",),
+)
+
+# ---------------------------------------------------------------------------
+# Composite ops: plain torch, run by the core itself on every device.
+
+ROUND_UP = OpContract(
+    name="round_up", family="composite",
+    summary="Round each count up to a multiple of value.",
+    args=(TensorArg("x", INT_DTYPES, (), "counts"), IntArg("value", "the multiple", min=1)),
+    outputs=(Output("out", "x.dtype", "tuple(x.shape)"),),
+    deviations=("Any integer dtype (MegaBlocks asserts int32).",),
+)
+
+REPEAT = OpContract(
+    name="repeat", family="composite",
+    summary="x.repeat(*tiling), returning x itself when every factor is 1.",
+    args=(TensorArg("x", ANY_DTYPE, (), "any tensor"), SequenceArg("tiling", "repeat factors")),
+    rules=(Rule("len(tiling) >= x.dim()", "one factor per dimension of x"),),
+    outputs=(Output("out", "x.dtype", "repeated_shape(x, tiling)"),),
+)
+
+SUM = OpContract(
+    name="sum", family="composite",
+    summary="Sum over dim; a dim of size 1 is squeezed instead (no copy).",
+    args=(TensorArg("x", ANY_DTYPE, (), "any tensor"), IntArg("dim", "dimension", optional=True, default=0)),
+    rules=(Rule("x.dim() > 0", "x has a dimension to sum"),
+           Rule("-x.dim() <= dim < x.dim()", "dim is a dimension of x")),
+    outputs=(Output("out", "x.dtype if x.is_floating_point() or x.shape[dim] == 1 else torch.int64",
+                    "tuple(s for i, s in enumerate(x.shape) if i != dim % x.dim())",
+                    "integer and bool sums promote to int64, as torch.sum does"),),
+)
+
+ALL: tuple[OpContract, ...] = (
+    SORT, HISTOGRAM, INCLUSIVE_CUMSUM, EXCLUSIVE_CUMSUM, TOPOLOGY, REPLICATE, REPLICATE_BACKWARD,
+    GATHER, SCATTER, SCATTER_WGRAD, PADDED_GATHER, PADDED_SCATTER, PADDED_SCATTER_WGRAD,
+    BINNED_GATHER, BINNED_SCATTER, BINNED_SCATTER_WGRAD,
+    GMM, GMM_WEIGHT_GRAD,
+    ROUND_UP, REPEAT, SUM,
+)
+BY_NAME: dict[str, OpContract] = {c.name: c for c in ALL}
+
+
+def family_ops(family: str) -> tuple[str, ...]:
+    """Names of the dispatched ops of one family (what a backend's hook for it may return)."""
+    return tuple(c.name for c in ALL if c.family == family and c.dispatched)

@@ -1,0 +1,114 @@
+"""The small typed records that plugins hand to the core.
+
+A backend never registers functions one by one with the core: its hooks return
+:class:`Kernel` descriptors, and the core validates them once, ranks them per
+call signature and caches the choice. :class:`DeviceInfo` is what capability
+predicates look at; the core computes it once per device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: Device kinds the core knows by name. ROCm tensors report ``device.type ==
+#: "cuda"``; the core tells them apart and calls their kind ``"rocm"``.
+DEVICE_KINDS = ("cpu", "cuda", "rocm", "xpu", "npu", "mps", "hpu", "meta")
+
+#: A kernel that lists this kind serves every device; it ranks below any kernel
+#: that names the device kind explicitly (the portable fallback).
+ANY_DEVICE = "any"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a capability predicate may know about a device.
+
+    Example for an H200: ``DeviceInfo(kind="cuda", type="cuda", index=0,
+    name="NVIDIA H200", arch="sm_90", capability=(9, 0), runtime="13.0",
+    warp_size=32, multiprocessors=132)``.
+    """
+
+    kind: str
+    """``"cpu"``, ``"cuda"``, ``"rocm"``, ``"xpu"``, … (see :data:`DEVICE_KINDS`)."""
+    type: str = "cpu"
+    """The torch device type (``"cuda"`` for ROCm devices too)."""
+    index: int | None = None
+    name: str = ""
+    """Marketing name, e.g. ``"NVIDIA H200"`` or ``"AMD Instinct MI300X"``."""
+    arch: str | None = None
+    """``"sm_90"`` on NVIDIA, the gfx name (``"gfx942"``) on AMD."""
+    capability: tuple[int, int] | None = None
+    """NVIDIA compute capability, e.g. ``(9, 0)``; None elsewhere."""
+    runtime: str | None = None
+    """CUDA or HIP runtime version torch was built with, e.g. ``"13.0"``."""
+    warp_size: int | None = None
+    """32 on NVIDIA, 64 on most AMD GPUs (the wavefront)."""
+    multiprocessors: int | None = None
+    """SM count on NVIDIA, CU count on AMD."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Anything else a plugin's detection wants to carry (vendor specific)."""
+
+    def __hash__(self) -> int:  # ``extra`` is a dict: leave it out (equal infos still hash equal)
+        return hash((self.kind, self.type, self.index, self.name, self.arch, self.capability))
+
+    def __str__(self) -> str:
+        where = self.kind if self.index is None else f"{self.kind}:{self.index}"
+        details = ", ".join(x for x in (self.name, self.arch) if x)
+        return f"{where} ({details})" if details else where
+
+
+#: A capability predicate: returns None when the kernel can run on the device,
+#: otherwise a short reason ("needs compute capability >= 9.0, device has 8.0").
+CapabilityCheck = Callable[[DeviceInfo], "str | None"]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One implementation of one op, as a backend declares it.
+
+    ``fn`` takes the op's arguments positionally, in the order of the op's
+    contract (``megablocks backends contracts`` or docs/contracts.md), and
+    returns what the contract says. It never needs to validate its inputs or
+    handle autograd: the core has done both before calling it.
+
+    Example::
+
+        Kernel(op="gather", fn=my_gather, devices=("cuda",), priority=100,
+               dtypes={"x": {torch.bfloat16, torch.float16, torch.float32}},
+               capability=lambda dev: None if dev.capability >= (8, 0) else "needs sm_80+")
+    """
+
+    op: str
+    """Contract name, e.g. ``"gather"``."""
+    fn: Callable[..., Any]
+    devices: tuple[str, ...]
+    """Device kinds served, e.g. ``("cuda", "rocm")``, or ``("any",)``."""
+    priority: int = 0
+    """Higher wins among kernels that can serve a call. The reference backend uses 0."""
+    capability: CapabilityCheck | None = None
+    """Device-level predicate (arch range, library present); None means always."""
+    dtypes: Mapping[str, frozenset[torch.dtype] | set[torch.dtype]] = field(default_factory=dict)
+    """Per-argument dtype restriction, narrower than the contract's; absent means any allowed."""
+    contiguous: bool = False
+    """True if ``fn`` needs contiguous tensors: the core copies strided inputs first."""
+    variant: str = ""
+    """Optional label when a backend offers several kernels for one op (e.g. ``"cublas-loop"``)."""
+    backend: str = ""
+    """Filled in by the core with the plugin's name; plugins leave it empty."""
+
+    @property
+    def label(self) -> str:
+        """``backend`` or ``backend/variant``, as shown by the CLI."""
+        return f"{self.backend}/{self.variant}" if self.variant else self.backend
+
+    @property
+    def portable(self) -> bool:
+        """True for kernels that serve any device (the fallback rank)."""
+        return ANY_DEVICE in self.devices
+
+    def serves_kind(self, kind: str) -> bool:
+        return kind in self.devices or ANY_DEVICE in self.devices

@@ -1,0 +1,335 @@
+"""The call path of every dispatched op.
+
+For each contract the core builds one entry function with the op's kernel-order
+signature (its source is kept in ``ENTRIES[name].__source__``). On every eager
+call it:
+
+1. builds a key of every tensor's (dtype, shape, device), the int/bool
+   arguments and the active policy;
+2. on a cache miss, validates the call fully against the contract
+   (:func:`megablocks_core.validation.validate` raises precise errors) and
+   looks up the kernel, ranked once per (device, dtypes, policy) by
+   :mod:`megablocks_core.ranking`; a hit means the call was already validated;
+3. checks what a key cannot vouch for (exact int types, host-side data such as
+   CPU ``batch_sizes``);
+4. runs the data rules only in checked mode (``MEGABLOCKS_CHECK=1``);
+5. goes through autograd only if a differentiable input needs a gradient;
+6. calls the kernel.
+
+Under ``torch.compile`` the entry calls the op's ``torch.library`` custom op
+instead, so tracing sees one node with a fake implementation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import autograd, validation
+from .contract import OpContract
+from .contracts import ALL, BY_NAME
+from .descriptors import DeviceInfo, Kernel
+from .devices import describe
+from .ranking import DEFAULT_POLICY, Policy, Trace, choose, rank
+from .registry import Registry, load
+
+log = logging.getLogger("megablocks_core")
+
+
+class _State:
+    """Process-wide settings, read from the environment by :func:`reload`."""
+
+    registry: Registry | None = None
+    env_policy: Policy = DEFAULT_POLICY
+    set_policy: Policy | None = None
+    policy: Policy = DEFAULT_POLICY
+    """The policy outside any :func:`use_backend` block: set_policy, else env_policy."""
+    checked: bool = False
+    warned: set[tuple[str, str]]
+
+    def __init__(self) -> None:
+        self.warned = set()
+
+
+_state = _State()
+_context_policy: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(
+    "megablocks_backend", default=None)
+_caches: dict[str, dict[Any, Selected]] = {}  # op → validated call key → choice
+_ranked: dict[str, dict[Any, Selected]] = {}  # op → (device, dtypes, policy) → choice
+
+
+def current_policy() -> Policy:
+    """The ranking overrides in force here: context > :func:`set_backend` > environment."""
+    return _context_policy.get() or _state.policy
+
+
+def _update_default_policy() -> None:
+    _state.policy = _state.set_policy if _state.set_policy is not None else _state.env_policy
+
+
+def reload(env: Mapping[str, str] | None = None) -> Registry:
+    """Re-read the environment, rediscover plugins and forget every cached choice."""
+    env = os.environ if env is None else env
+    loaded = load(env)  # may raise (strict mode): then nothing below changes
+    spec = env.get("MEGABLOCKS_BACKEND", "").strip()
+    _state.env_policy = Policy.parse(spec) if spec else DEFAULT_POLICY
+    _state.checked = env.get("MEGABLOCKS_CHECK", "") not in ("", "0")
+    _state.registry = loaded
+    _update_default_policy()
+    _state.warned.clear()
+    for cache in (*_caches.values(), *_ranked.values()):
+        cache.clear()
+    return _state.registry
+
+
+def registry() -> Registry:
+    """The loaded plugins (discovered on first use)."""
+    return _state.registry if _state.registry is not None else reload()
+
+
+def _policy_from(names: tuple[str, ...], per_op: Mapping[str, str], source: str) -> Policy | None:
+    unknown = set(per_op) - set(BY_NAME)
+    if unknown:
+        raise ValueError(f"use_backend: unknown op(s) {sorted(unknown)}; ops are {sorted(BY_NAME)}")
+    if not names and not per_op:
+        return None
+    spec = ",".join([*names, *(f"{op}={b}" for op, b in per_op.items())])
+    return Policy.parse(spec, source=source)
+
+
+@contextlib.contextmanager
+def use_backend(*names: str, **per_op: str) -> Iterator[Policy | None]:
+    """Override the ranking inside a ``with`` block (context-local: threads and tasks are isolated).
+
+    ``use_backend("triton")`` forces one backend for every op;
+    ``use_backend("triton", "reference")`` prefers them in order, then ranks as usual;
+    ``use_backend(gather="triton")`` forces a backend for one op.
+    """
+    token = _context_policy.set(_policy_from(names, per_op, "use_backend()") or DEFAULT_POLICY)
+    try:
+        yield _context_policy.get()
+    finally:
+        _context_policy.reset(token)
+
+
+def set_backend(*names: str, **per_op: str) -> None:
+    """Process-wide form of :func:`use_backend`; ``set_backend()`` with no argument clears it."""
+    _state.set_policy = _policy_from(names, per_op, "set_backend()")
+    _update_default_policy()
+
+
+@contextlib.contextmanager
+def _policy_scope(policy: Policy) -> Iterator[None]:
+    token = _context_policy.set(policy)
+    try:
+        yield
+    finally:
+        _context_policy.reset(token)
+
+
+# ---------------------------------------------------------------------------
+# Selection
+
+
+@dataclass(frozen=True, eq=False)
+class Selected:
+    """A cached choice: the kernel and how to call it."""
+
+    kernel: Kernel
+    run: Callable[..., Any]
+    trace: Trace
+
+
+def _runner(kernel: Kernel) -> Callable[..., Any]:
+    if not kernel.contiguous:
+        return kernel.fn
+    fn = kernel.fn
+
+    def run_contiguous(*args: Any) -> Any:
+        return fn(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+
+    return run_contiguous
+
+
+def _call_dtypes(contract: OpContract, args: tuple[Any, ...]) -> dict[str, torch.dtype]:
+    bound = contract.bind(args)
+    return {a.name: bound[a.name].dtype for a in contract.tensor_args if bound[a.name] is not None}
+
+
+#: Distinct call shapes remembered per op; past this the cache starts over (bounded memory
+#: for workloads whose shapes never repeat).
+SHAPE_CACHE_LIMIT = 1024
+
+
+def _resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
+    """Validate a call seen for the first time and find its kernel (ranked once per signature)."""
+    validation.validate(contract, args, _state.checked)
+    policy = key[-1] if key is not None else current_policy()
+    device = describe(contract.bind(args)[contract.primary.name].device)
+    dtypes = _call_dtypes(contract, args)
+    ranked = _ranked[contract.name]
+    signature = (device, tuple(dtypes.items()), policy)
+    selected = ranked.get(signature)
+    if selected is None:
+        trace = choose(registry(), contract.name, device, dtypes, policy)
+        assert trace.winner is not None
+        if trace.fallback and (contract.name, device.kind) not in _state.warned:
+            _state.warned.add((contract.name, device.kind))
+            log.warning("megablocks: no %s implementation of %r can serve this call; using the "
+                        "portable %r kernel (see `megablocks backends explain %s`)", device.kind,
+                        contract.name, trace.winner.label, contract.name)
+        selected = ranked[signature] = Selected(trace.winner, _runner(trace.winner), trace)
+    if key is not None:
+        cache = _caches[contract.name]
+        if len(cache) >= SHAPE_CACHE_LIMIT:
+            cache.clear()
+        cache[key] = selected
+    return selected
+
+
+def explain(op: str, device: DeviceInfo | torch.device | str = "cpu",
+            dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy | None = None) -> Trace:
+    """Every candidate for ``op`` on ``device``, accepted or rejected with the reason, and the winner."""
+    if op not in BY_NAME or not BY_NAME[op].dispatched:
+        raise ValueError(f"unknown op {op!r}; dispatched ops are "
+                         f"{sorted(c.name for c in ALL if c.dispatched)}")
+    info = device if isinstance(device, DeviceInfo) else describe(device)
+    return rank(registry(), op, info, dtypes, policy or current_policy())
+
+
+# ---------------------------------------------------------------------------
+# Autograd
+
+
+def pack_for_backward(contract: OpContract, args: tuple[Any, ...],
+                      needs: Mapping[str, bool]) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
+    """Split the forward's arguments into tensors to save and constants to keep."""
+    rule = autograd.RULES[contract.name]
+    tensors: list[torch.Tensor | None] = []
+    consts: dict[str, Any] = {}
+    for spec, value in zip(contract.args, args, strict=True):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value if autograd.kept(rule, spec.name, needs) else None)
+            consts[f"{spec.name}.shape"] = tuple(value.shape)
+        elif spec in contract.tensor_args:
+            tensors.append(None)
+        else:
+            consts[spec.name] = value
+    return tensors, consts
+
+
+def unpack_for_backward(contract: OpContract, saved: tuple[torch.Tensor | None, ...],
+                        consts: Mapping[str, Any]) -> dict[str, Any]:
+    bound = dict(consts)
+    bound.update(zip((a.name for a in contract.tensor_args), saved, strict=True))
+    return bound
+
+
+def _eager_call(op: str, *args: Any) -> Any:
+    return ENTRIES[op](*args)
+
+
+class _OpFunction(torch.autograd.Function):
+    """One autograd node for any differentiable op; the backward comes from :mod:`autograd`."""
+
+    @staticmethod
+    def forward(ctx: Any, contract: OpContract, selected: Selected, policy: Policy, *args: Any) -> Any:
+        needs = {a.name: bool(n) for a, n in zip(contract.args, ctx.needs_input_grad[3:], strict=True)}
+        tensors, consts = pack_for_backward(contract, args, needs)
+        ctx.save_for_backward(*tensors)
+        ctx.meta = (contract, policy, consts, needs)
+        return selected.run(*args)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        contract, policy, consts, needs = ctx.meta
+        bound = unpack_for_backward(contract, ctx.saved_tensors, consts)
+        with _policy_scope(policy):  # backward runs on the backends the forward was ranked with
+            grads = autograd.RULES[contract.name].fn(_eager_call, bound, grad, needs)
+        return (None, None, None, *(grads.get(a.name) if needs[a.name] else None for a in contract.args))
+
+
+def _apply_autograd(contract: OpContract, selected: Selected, policy: Policy, args: tuple[Any, ...]) -> Any:
+    return _OpFunction.apply(contract, selected, policy, *args)
+
+
+# ---------------------------------------------------------------------------
+# Entry functions, generated from the contracts
+
+
+def _entry_source(contract: OpContract) -> str:
+    params = ", ".join(contract.arg_names)
+    grad_test = " or ".join(
+        f"({n} is not None and {n}.requires_grad)" if contract.arg(n).optional else f"{n}.requires_grad"
+        for n in contract.differentiable)
+    autograd_branch = (
+        f"    if ({grad_test}) and _grad_enabled():\n"
+        f"        return _apply_autograd(_contract, chosen, key[-1], ({params},))\n"
+        if contract.differentiable else "")
+    return (
+        f"def {contract.name}({params}):\n"
+        f"    if _is_compiling():\n"
+        f"        return _compiled({params})\n"
+        f"    try:\n"
+        f"        key = ({validation.call_key_source(contract)}, _context_policy() or _state.policy)\n"
+        f"        chosen = _cache.get(key)\n"
+        f"    except (AttributeError, TypeError):  # not a tensor, or unhashable: validation says which\n"
+        f"        key = chosen = None\n"
+        f"    if chosen is None:\n"
+        f"        chosen = _resolve(_contract, key, ({params},))\n"
+        f"    if not ({validation.fast_check_source(contract)}):\n"
+        f"        {params}, = _validate(_contract, ({params},))\n"
+        f"    if _state.checked:\n"
+        f"        _check_data(_contract, ({params},))\n"
+        f"{autograd_branch}"
+        f"    return chosen.run({params})\n"
+    )
+
+
+def _compiled_op(name: str) -> Callable[..., Any]:
+    def call_custom_op(*args: Any) -> Any:
+        return getattr(torch.ops.megablocks, name)(*args)
+    return call_custom_op
+
+
+def _build_entry(contract: OpContract) -> Callable[..., Any]:
+    from .contract import RULE_HELPERS
+
+    cache: dict[Any, Selected] = {}
+    _caches[contract.name] = cache
+    _ranked[contract.name] = {}
+    scope: dict[str, Any] = {
+        **RULE_HELPERS,
+        "_contract": contract, "_cache": cache, "_state": _state, "_context_policy": _context_policy.get,
+        "_resolve": _resolve, "_validate": validation.validate, "_check_data": validation.check_data,
+        "_is_compiling": torch.compiler.is_compiling, "_grad_enabled": torch.is_grad_enabled,
+        "_apply_autograd": _apply_autograd, "_compiled": _compiled_op(contract.name),
+    }
+    source = _entry_source(contract)
+    exec(compile(source, f"<megablocks_core.dispatch {contract.name}>", "exec"), scope)
+    entry = scope[contract.name]
+    entry.__source__ = source
+    entry.__qualname__ = entry.__name__ = contract.name
+    entry.__doc__ = contract.summary
+    return entry
+
+
+#: Op name → entry function taking the kernel-order arguments.
+ENTRIES: dict[str, Callable[..., Any]] = {c.name: _build_entry(c) for c in ALL if c.dispatched}
+
+
+def call(op: str, *args: Any) -> Any:
+    """Run a dispatched op (including kernel-only ops such as ``scatter_wgrad``) by name."""
+    return ENTRIES[op](*args)
+
+
+def served() -> dict[str, list[str]]:
+    """Op → labels of the kernels chosen so far in this process (from the selection cache)."""
+    return {op: sorted({s.kernel.label for s in ranked.values()}) for op, ranked in _ranked.items() if ranked}

@@ -1,0 +1,99 @@
+"""The plugin interface: every hook a backend may implement, in one place.
+
+A backend is a module (or object) registered under the entry-point group
+``megablocks.backends``. It implements any subset of these hooks with
+``@hookimpl``. The core calls each hook **once per plugin**, when it loads the
+registry (first op call, ``megablocks backends …``, or
+:func:`megablocks_core.reload`), never per op call.
+
+Each ``*_kernels`` hook returns :class:`~megablocks_core.descriptors.Kernel`
+descriptors for ops of its family; the op names and argument orders are the
+contracts in :mod:`megablocks_core.contracts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pluggy
+
+from .descriptors import Kernel
+
+PROJECT_NAME = "megablocks"
+ENTRY_POINT_GROUP = "megablocks.backends"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+class BackendHooks:
+    """Hook specifications (pluggy project ``"megablocks"``)."""
+
+    @hookspec
+    def megablocks_unavailable_reason(self) -> str | None:  # type: ignore[empty-body]
+        """Say why this backend cannot work on this host at all, or return None.
+
+        Use it for host-wide facts (no GPU, toolkit missing, torch built without
+        CUDA). The backend is then listed as "unavailable here" with that reason,
+        and its kernels take no part in ranking. Per-device facts belong in a
+        kernel's ``capability`` predicate instead.
+
+        Example::
+
+            @hookimpl
+            def megablocks_unavailable_reason():
+                import torch
+                return None if torch.cuda.is_available() else "no CUDA device visible"
+        """
+
+    @hookspec
+    def megablocks_routing_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+        """Return kernels for the routing ops.
+
+        Routing ops: sort, histogram, inclusive_cumsum, exclusive_cumsum,
+        topology, replicate, replicate_backward.
+
+        Example::
+
+            @hookimpl
+            def megablocks_routing_kernels():
+                return [Kernel(op="histogram", fn=my_histogram, devices=("cuda",), priority=100)]
+        """
+
+    @hookspec
+    def megablocks_permutation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+        """Return kernels for the permutation ops.
+
+        Permutation ops: gather, scatter, scatter_wgrad, padded_gather,
+        padded_scatter, padded_scatter_wgrad, binned_gather, binned_scatter,
+        binned_scatter_wgrad.
+
+        Example::
+
+            @hookimpl
+            def megablocks_permutation_kernels():
+                return [Kernel(op="gather", fn=my_gather, devices=("npu",), priority=100)]
+        """
+
+    @hookspec
+    def megablocks_grouped_gemm_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+        """Return kernels for the grouped GEMM ops.
+
+        Grouped GEMM ops: gmm (forward and data gradient) and gmm_weight_grad
+        (the variable-K weight gradient).
+
+        Example::
+
+            @hookimpl
+            def megablocks_grouped_gemm_kernels():
+                return [Kernel(op="gmm", fn=my_gmm, devices=("cuda",), priority=100,
+                               dtypes={"a": {torch.bfloat16}, "b": {torch.bfloat16}})]
+        """
+
+
+#: Hook name → the op family its kernels must belong to.
+KERNEL_HOOKS = {
+    "megablocks_routing_kernels": "routing",
+    "megablocks_permutation_kernels": "permutation",
+    "megablocks_grouped_gemm_kernels": "grouped_gemm",
+}

@@ -1,0 +1,110 @@
+"""``torch.library`` custom ops for ``torch.compile``, derived from the contracts.
+
+Each dispatched op becomes ``torch.ops.megablocks.<name>`` with a schema, a fake
+implementation (output shapes and dtypes from the contract; data-dependent
+sizes become unbacked symbols) and the core's backward rule. Eager calls never
+go through these wrappers (they cost several µs per call); the entry functions
+in :mod:`megablocks_core.dispatch` switch to them only while compiling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import autograd, dispatch, validation
+from .contract import RULE_HELPERS, BoolArg, DataDim, IntArg, OpContract, TensorArg
+from .contracts import ALL
+
+NAMESPACE = "megablocks"
+_library = torch.library.Library(NAMESPACE, "DEF")
+
+
+def schema(contract: OpContract) -> str:
+    """The op's torch schema, e.g. ``gather(Tensor x, Tensor indices, …, SymInt top_k) -> Tensor``."""
+    parts = []
+    for a in contract.args:
+        if isinstance(a, TensorArg):
+            parts.append(f"Tensor{'?' if a.optional else ''} {a.name}")
+        elif isinstance(a, IntArg):
+            parts.append(f"SymInt{'?' if a.optional else ''} {a.name}")
+        elif isinstance(a, BoolArg):
+            parts.append(f"bool {a.name}")
+        else:  # pragma: no cover - composite-only argument kinds
+            raise TypeError(f"{contract.name}: no schema for {a!r}")
+    outs = "Tensor" if len(contract.outputs) == 1 else f"({', '.join('Tensor' for _ in contract.outputs)})"
+    return f"{contract.name}({', '.join(parts)}) -> {outs}"
+
+
+def output_meta(contract: OpContract, bound: dict[str, Any],
+                data_dim: Callable[[DataDim], Any]) -> list[tuple[tuple[Any, ...], torch.dtype]]:
+    """Each output's (shape, dtype) from the contract; ``data_dim`` sizes data-dependent dims."""
+    scope = {**RULE_HELPERS, **bound}
+    result = []
+    for out in contract.outputs:
+        if isinstance(out.shape, str):
+            shape = tuple(eval(out.shape, scope))
+        else:
+            shape = tuple(data_dim(d) if isinstance(d, DataDim) else eval(d, scope) for d in out.shape)
+        result.append((shape, eval(out.dtype, scope)))
+    return result
+
+
+def _fake(contract: OpContract) -> Callable[..., Any]:
+    def fake(*args: Any) -> Any:
+        validation.validate(contract, args, checked_mode=False, data_rules=False)
+        bound = contract.bind(args)
+        device = bound[contract.primary.name].device
+        ctx = torch.library.get_ctx()
+        metas = output_meta(contract, bound, lambda _: ctx.new_dynamic_size())
+        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+    return fake
+
+
+def _real(contract: OpContract) -> Callable[..., Any]:
+    entry = dispatch.ENTRIES[contract.name]
+
+    def real(*args: Any) -> Any:
+        with torch.no_grad():  # the custom op's own autograd formula records the graph
+            return entry(*args)
+    return real
+
+
+def _custom_call(op: str, *args: Any) -> Any:
+    return getattr(torch.ops.megablocks, op)(*args)
+
+
+def _register_autograd(contract: OpContract) -> None:
+    rule = autograd.RULES[contract.name]
+    diff_positions = [i for i, a in enumerate(contract.args) if a.name in contract.differentiable]
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        needs = {a.name: bool(i in diff_positions and isinstance(v, torch.Tensor) and v.requires_grad)
+                 for i, (a, v) in enumerate(zip(contract.args, inputs, strict=True))}
+        tensors, consts = dispatch.pack_for_backward(contract, inputs, needs)
+        ctx.save_for_backward(*tensors)
+        ctx.meta = (consts, needs)
+
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        consts, needs = ctx.meta
+        bound = dispatch.unpack_for_backward(contract, ctx.saved_tensors, consts)
+        grads = rule.fn(_custom_call, bound, grad, needs)
+        return tuple(grads.get(a.name) if needs[a.name] else None for a in contract.args)
+
+    torch.library.register_autograd(f"{NAMESPACE}::{contract.name}", backward, setup_context=setup_context)
+
+
+def _register(contract: OpContract) -> None:
+    _library.define(schema(contract))
+    _library.impl(contract.name, _real(contract), "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{contract.name}", _fake(contract), lib=_library)
+    if contract.differentiable:
+        _register_autograd(contract)
+
+
+for _contract in ALL:
+    if _contract.dispatched:
+        _register(_contract)

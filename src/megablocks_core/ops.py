@@ -1,0 +1,146 @@
+"""The op surface, signature-compatible with ``megablocks.ops``.
+
+``import megablocks_core.ops as ops`` can replace ``import megablocks.ops as ops``.
+Each function's contract (dtypes, shapes, rules, gradients, edge cases) is in
+:mod:`megablocks_core.contracts` and docs/contracts.md; the implementation is
+chosen per call from the installed backends (see :mod:`megablocks_core.ranking`).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import contracts, validation
+from .dispatch import ENTRIES
+
+_sort = ENTRIES["sort"]
+_histogram = ENTRIES["histogram"]
+_inclusive_cumsum = ENTRIES["inclusive_cumsum"]
+_exclusive_cumsum = ENTRIES["exclusive_cumsum"]
+_topology = ENTRIES["topology"]
+_replicate = ENTRIES["replicate"]
+_gather = ENTRIES["gather"]
+_scatter = ENTRIES["scatter"]
+_padded_gather = ENTRIES["padded_gather"]
+_padded_scatter = ENTRIES["padded_scatter"]
+_binned_gather = ENTRIES["binned_gather"]
+_binned_scatter = ENTRIES["binned_scatter"]
+_gmm = ENTRIES["gmm"]
+
+# --- routing ---------------------------------------------------------------
+
+
+def sort(x: Tensor, end_bit: int | None = None) -> tuple[Tensor, Tensor]:
+    """Stable sort of integer keys; returns (values, indices), both in x's dtype."""
+    return _sort(x, end_bit)
+
+
+def histogram(x: Tensor, num_bins: int) -> Tensor:
+    """int32 counts of keys per bin; keys outside [0, num_bins) are not counted."""
+    return _histogram(x, num_bins)
+
+
+def inclusive_cumsum(x: Tensor, dim: int) -> Tensor:
+    """Running sum including each element, in x's dtype and shape."""
+    return _inclusive_cumsum(x, dim)
+
+
+def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
+    """Running sum excluding each element, in x's dtype and shape."""
+    return _exclusive_cumsum(x, dim)
+
+
+def topology(padded_bins: Tensor, block_size: int, output_block_rows: int,
+             output_block_columns: int) -> Tensor:
+    """int16 column indices of the block-sparse expert matrix."""
+    return _topology(padded_bins, block_size, output_block_rows, output_block_columns)
+
+
+def replicate(x: Tensor, bins: Tensor, num_outputs: int) -> Tensor:
+    """Repeat each bin's value over that bin's rows: (batch, bins) → (batch, num_outputs)."""
+    return _replicate(x, bins, num_outputs)
+
+
+# --- permutation -------------------------------------------------------------
+
+
+def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, top_k: int) -> Tensor:
+    """(tokens, hidden) → (tokens * top_k, hidden) in expert-sorted order."""
+    return _gather(x, indices, bin_ids, None, bins, top_k)
+
+
+def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
+            top_k: int) -> Tensor:
+    """(tokens * top_k, hidden) sorted rows → (tokens, hidden), summing each token's (weighted) rows."""
+    return _scatter(x, indices, bin_ids, weights, bins, top_k)
+
+
+def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, padded_bins: Tensor,
+                  top_k: int) -> Tensor:
+    """Gather into per-expert segments padded to padded_bins (padding rows are zero)."""
+    return _padded_gather(x, indices, bin_ids, None, bins, padded_bins, top_k)
+
+
+def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
+                   padded_bins: Tensor, top_k: int) -> Tensor:
+    """Scatter from padded expert segments back to (tokens, hidden)."""
+    return _padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k)
+
+
+def binned_gather(x: Tensor, indices: Tensor, bins: Tensor, bin_size: int, top_k: int) -> Tensor:
+    """Gather into (experts, bin_size, hidden) bins, dropping rows beyond bin_size."""
+    return _binned_gather(x, indices, None, bins, bin_size, top_k)
+
+
+def binned_scatter(x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, top_k: int) -> Tensor:
+    """Scatter (experts, bin_size, hidden) bins back to (tokens, hidden); dropped rows add 0."""
+    return _binned_scatter(x, indices, weights, bins, top_k)
+
+
+# --- grouped GEMM --------------------------------------------------------------
+
+
+def gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool = False) -> Tensor:
+    """Grouped GEMM: rows of each expert's group of a times that expert's matrix of b."""
+    return _gmm(a, b, batch_sizes, trans_b)
+
+
+# --- composite ops: plain torch on every device ------------------------------------
+
+
+def _check(contract: contracts.OpContract, *args: object) -> None:
+    if not torch.compiler.is_compiling():  # dynamo traces the torch calls, not the checks
+        validation.validate(contract, args)
+
+
+def round_up(x: Tensor, value: int) -> Tensor:
+    """Round each count up to a multiple of ``value``."""
+    _check(contracts.ROUND_UP, x, value)
+    return torch.div(x + (value - 1), value, rounding_mode="floor") * value
+
+
+def repeat(x: Tensor, tiling: Sequence[int]) -> Tensor:
+    """``x.repeat(*tiling)``, or x itself when every factor is 1."""
+    _check(contracts.REPEAT, x, tiling)
+    if builtins.all(t == 1 for t in tiling):
+        return x
+    return x.repeat(*tiling)
+
+
+def sum(x: Tensor, dim: int = 0) -> Tensor:
+    """Sum over ``dim``; a dimension of size 1 is squeezed instead."""
+    _check(contracts.SUM, x, dim)
+    if x.shape[dim] == 1:
+        return x.squeeze(dim=dim)
+    return x.sum(dim=dim)
+
+
+__all__ = [
+    "binned_gather", "binned_scatter", "exclusive_cumsum", "gather", "gmm", "histogram",
+    "inclusive_cumsum", "padded_gather", "padded_scatter", "repeat", "replicate", "round_up",
+    "scatter", "sort", "sum", "topology",
+]

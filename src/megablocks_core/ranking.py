@@ -1,0 +1,187 @@
+"""How the core chooses one kernel for a call: the whole rule lives here.
+
+1. Candidates are the kernels for the op from loaded plugins.
+2. A candidate is rejected when its plugin is unavailable here, it does not
+   serve the device kind, its capability predicate objects, or it restricts
+   the dtype of an argument the call uses.
+3. Among the rest: a backend forced for this op (``gather=triton``) or for all
+   ops (``MEGABLOCKS_BACKEND=triton``) must win or the call fails; otherwise the
+   first backend of a preference list that can serve wins; otherwise the
+   highest priority, then kernels naming the device kind before portable ones,
+   then backend name (so the choice is deterministic).
+
+The dispatcher caches the result per (op, device, dtype signature, policy), so
+this module runs once per new signature, not per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .descriptors import DeviceInfo, Kernel
+from .registry import PluginRecord, Registry
+
+
+class NoKernelError(RuntimeError):
+    """No kernel can serve a call (or the forced backend cannot)."""
+
+
+@dataclass(frozen=True, eq=False)  # identity hash: it is part of every dispatch cache key
+class Policy:
+    """User overrides of the ranking (from ``MEGABLOCKS_BACKEND`` or :func:`use_backend`).
+
+    ``force``: one backend for every op. ``prefer``: tried in order, then normal
+    ranking. ``per_op``: op name → forced backend.
+    """
+
+    force: str | None = None
+    prefer: tuple[str, ...] = ()
+    per_op: tuple[tuple[str, str], ...] = ()
+    source: str = "default"
+
+    @classmethod
+    def parse(cls, spec: str, source: str = "MEGABLOCKS_BACKEND") -> Policy:
+        """``"triton"`` forces; ``"triton,reference"`` prefers; ``"gather=triton,gmm=cuda"`` forces per op."""
+        names: list[str] = []
+        per_op: list[tuple[str, str]] = []
+        for item in (s.strip() for s in spec.split(",")):
+            if not item:
+                continue
+            if "=" in item:
+                op, _, backend = item.partition("=")
+                per_op.append((op.strip(), backend.strip()))
+            else:
+                names.append(item)
+        if len(names) == 1:
+            return cls(force=names[0], per_op=tuple(per_op), source=source)
+        return cls(prefer=tuple(names), per_op=tuple(per_op), source=source)
+
+    @property
+    def is_default(self) -> bool:
+        return not (self.force or self.prefer or self.per_op)
+
+    def forced_for(self, op: str) -> str | None:
+        return dict(self.per_op).get(op, self.force)
+
+    def describe(self) -> str:
+        parts = [f"force {self.force}"] if self.force else []
+        parts += [f"prefer {', '.join(self.prefer)}"] if self.prefer else []
+        parts += [f"{op}={b}" for op, b in self.per_op]
+        return f"{'; '.join(parts)} ({self.source})" if parts else "default ranking"
+
+
+DEFAULT_POLICY = Policy()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kernel: Kernel
+    accepted: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Every candidate for one op on one device, why it was accepted or rejected, and the winner."""
+
+    op: str
+    device: DeviceInfo
+    dtypes: Mapping[str, torch.dtype]
+    policy: Policy
+    candidates: tuple[Candidate, ...]
+    winner: Kernel | None
+    why: str
+    error: str | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def fallback(self) -> bool:
+        """True when a portable kernel serves an accelerator because nothing specific can."""
+        return self.winner is not None and _is_fallback(self.winner, self.device)
+
+
+def _is_fallback(kernel: Kernel, device: DeviceInfo) -> bool:
+    # On the CPU (and for shape-only meta tensors) the portable kernels are the native ones.
+    return kernel.portable and device.kind not in ("cpu", "meta")
+
+
+def _rejection(record: PluginRecord, k: Kernel, device: DeviceInfo,
+               dtypes: Mapping[str, torch.dtype]) -> str | None:
+    if record.status != "ok":
+        return f"backend {record.status}: {record.reason}"
+    if not k.serves_kind(device.kind):
+        return f"serves {', '.join(k.devices)}, not {device.kind}"
+    for arg, allowed in k.dtypes.items():
+        got = dtypes.get(arg)
+        if got is not None and got not in allowed:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in allowed))
+            return f"{arg} must be {names}, got {str(got).removeprefix('torch.')}"
+    if k.capability is not None:
+        try:
+            reason = k.capability(device)
+        except Exception as exc:  # a buggy predicate rejects its kernel, nothing more
+            return f"capability check raised {type(exc).__name__}: {exc}"
+        if reason:
+            return str(reason)
+    return None
+
+
+def _order(k: Kernel) -> tuple[int, int, str, str]:
+    return (-k.priority, int(k.portable), k.backend, k.variant)
+
+
+def rank(registry: Registry, op: str, device: DeviceInfo,
+         dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy = DEFAULT_POLICY) -> Trace:
+    """Rank every candidate for ``op`` on ``device``; never raises (see :func:`choose`)."""
+    dtypes = dtypes or {}
+    judged = []
+    for record, k in registry.kernels_for(op):
+        reason = _rejection(record, k, device, dtypes)
+        judged.append(Candidate(k, reason is None, reason or "can serve"))
+    judged.sort(key=lambda c: _order(c.kernel))
+    eligible = [c.kernel for c in judged if c.accepted]
+
+    def result(winner: Kernel | None, why: str, error: str | None = None) -> Trace:
+        marked = tuple(Candidate(c.kernel, c.accepted, "chosen: " + why if c.kernel is winner else c.reason)
+                       for c in judged)
+        return Trace(op, device, dtypes, policy, marked, winner, why, error)
+
+    known = set(registry.plugins)
+    forced = policy.forced_for(op)
+    if forced is not None:
+        if forced not in known:
+            return result(None, "", f"backend {forced!r} was forced for {op!r} on {device} by {policy.source} "
+                                    f"but is not installed (installed: {', '.join(sorted(known)) or 'none'})")
+        for k in eligible:
+            if k.backend == forced:
+                return result(k, f"forced by {policy.source}")
+        reasons = "; ".join(c.reason for c in judged if c.kernel.backend == forced) or "provides no such op"
+        return result(None, "", f"backend {forced!r} was forced for {op!r} by {policy.source} "
+                                f"but cannot serve {device} with {_dtype_text(dtypes)}: {reasons}")
+    for name in policy.prefer:
+        for k in eligible:
+            if k.backend == name:
+                return result(k, f"preferred by {policy.source}")
+    if eligible:
+        k = eligible[0]
+        how = "highest priority" + (" (portable fallback)" if _is_fallback(k, device) else "")
+        return result(k, how)
+    reasons = "; ".join(f"{c.kernel.label}: {c.reason}" for c in judged) or "no backend provides it"
+    return result(None, "", f"no implementation of {op!r} can serve {device} with "
+                            f"{_dtype_text(dtypes)}: {reasons}")
+
+
+def _dtype_text(dtypes: Mapping[str, torch.dtype]) -> str:
+    return ", ".join(f"{a}={str(d).removeprefix('torch.')}" for a, d in dtypes.items()) or "any dtypes"
+
+
+def choose(registry: Registry, op: str, device: DeviceInfo,
+           dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy = DEFAULT_POLICY) -> Trace:
+    """Like :func:`rank`, but raise :class:`NoKernelError` when nothing can serve."""
+    trace = rank(registry, op, device, dtypes, policy)
+    if trace.winner is None:
+        raise NoKernelError(f"megablocks_core: {trace.error}")
+    return trace

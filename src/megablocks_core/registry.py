@@ -1,0 +1,200 @@
+"""Plugin discovery: entry points in ``megablocks.backends``, each loaded in isolation.
+
+A plugin that fails to import, has invalid hooks, returns bad descriptors or
+declares an incompatible ``megablocks-core`` requirement is recorded (name,
+distribution, version, error) and skipped; the others keep working.
+``MEGABLOCKS_STRICT_PLUGINS=1`` turns such failures into :class:`PluginLoadError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any, Literal
+
+import pluggy
+import torch
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+
+from . import __version__
+from .contracts import BY_NAME
+from .descriptors import Kernel
+from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
+
+log = logging.getLogger("megablocks_core")
+
+Status = Literal["ok", "broken", "incompatible", "unavailable", "disabled"]
+CORE_DISTRIBUTION = "megablocks-core"
+
+
+class PluginLoadError(RuntimeError):
+    """A plugin failed to load while ``MEGABLOCKS_STRICT_PLUGINS=1``."""
+
+
+@dataclass(frozen=True)
+class PluginRecord:
+    """What the core knows about one installed plugin."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    status: Status
+    reason: str | None = None
+    kernels: tuple[Kernel, ...] = ()
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(sorted({k.op for k in self.kernels}))
+
+    @property
+    def device_kinds(self) -> tuple[str, ...]:
+        return tuple(sorted({d for k in self.kernels for d in k.devices}))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "distribution": self.distribution, "version": self.version,
+            "status": self.status, "reason": self.reason, "device_kinds": list(self.device_kinds),
+            "ops": list(self.ops),
+            "kernels": [{"op": k.op, "variant": k.variant, "devices": list(k.devices),
+                         "priority": k.priority} for k in self.kernels],
+        }
+
+
+@dataclass
+class Registry:
+    """The loaded plugins and, per op, the kernels that may take part in ranking."""
+
+    plugins: dict[str, PluginRecord] = field(default_factory=dict)
+
+    def kernels_for(self, op: str) -> list[tuple[PluginRecord, Kernel]]:
+        return [(p, k) for p in self.plugins.values() for k in p.kernels if k.op == op]
+
+    @property
+    def backend_names(self) -> list[str]:
+        return sorted(self.plugins)
+
+
+def _env_list(name: str, env: Mapping[str, str]) -> set[str] | None:
+    value = env.get(name, "").strip()
+    return {v.strip() for v in value.split(",") if v.strip()} if value else None
+
+
+def _incompatibility(dist: metadata.Distribution | None) -> str | None:
+    """Check the plugin's declared megablocks-core requirement before importing it."""
+    if dist is None:
+        return None
+    for line in dist.requires or ():
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(req.name) != CORE_DISTRIBUTION:
+            continue
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if not req.specifier.contains(__version__, prereleases=True):
+            return f"requires {CORE_DISTRIBUTION}{req.specifier}, but {__version__} is installed"
+    return None
+
+
+def _check_kernel(item: Any, hook: str) -> Kernel:
+    family = KERNEL_HOOKS[hook]
+    if not isinstance(item, Kernel):
+        raise TypeError(f"{hook} returned {type(item).__name__}, expected megablocks_core.Kernel")
+    contract = BY_NAME.get(item.op)
+    if contract is None or not contract.dispatched:
+        raise ValueError(f"{hook} returned a kernel for unknown op {item.op!r}")
+    if contract.family != family:
+        raise ValueError(f"{hook} returned a kernel for {item.op!r}, a {contract.family} op")
+    if not callable(item.fn):
+        raise TypeError(f"kernel for {item.op!r}: fn is not callable")
+    if not item.devices or not all(isinstance(d, str) and d == d.lower() for d in item.devices):
+        raise ValueError(f"kernel for {item.op!r}: devices must be lowercase kinds, got {item.devices!r}")
+    unknown = set(item.dtypes) - set(contract.arg_names)
+    if unknown:
+        raise ValueError(f"kernel for {item.op!r}: dtypes names unknown arguments {sorted(unknown)}")
+    if not all(isinstance(d, torch.dtype) for ds in item.dtypes.values() for d in ds):
+        raise TypeError(f"kernel for {item.op!r}: dtypes must map argument names to torch dtypes")
+    return item
+
+
+def _collect(pm: pluggy.PluginManager, plugin: object, name: str) -> tuple[str | None, tuple[Kernel, ...]]:
+    """Call this plugin's hooks (once) and validate what they return."""
+    for caller in pm.get_hookcallers(plugin) or ():
+        if caller.spec is None:
+            raise ValueError(f"implements unknown hook {caller.name!r}")
+
+    def results(hook: str) -> Iterable[Any]:
+        for impl in getattr(pm.hook, hook).get_hookimpls():
+            if impl.plugin is plugin:
+                yield impl.function()
+
+    unavailable = next((r for r in results("megablocks_unavailable_reason") if r), None)
+    kernels: list[Kernel] = []
+    for hook in KERNEL_HOOKS:
+        for returned in results(hook):
+            for item in returned or ():
+                kernels.append(dataclasses.replace(_check_kernel(item, hook), backend=name))
+    seen: set[tuple[str, str]] = set()
+    for k in kernels:
+        if (k.op, k.variant) in seen:
+            raise ValueError(f"two kernels for {k.op!r} with the same variant {k.variant!r}")
+        seen.add((k.op, k.variant))
+    return (str(unavailable) if unavailable else None), tuple(kernels)
+
+
+def load(env: Mapping[str, str] | None = None) -> Registry:
+    """Discover and load every plugin in the ``megablocks.backends`` entry-point group."""
+    env = os.environ if env is None else env
+    strict = env.get("MEGABLOCKS_STRICT_PLUGINS", "") not in ("", "0")
+    allow = _env_list("MEGABLOCKS_PLUGINS", env)
+    deny = _env_list("MEGABLOCKS_DISABLE_PLUGINS", env) or set()
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(BackendHooks)
+    registry = Registry()
+
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = ep.dist
+        record = dict(name=ep.name, distribution=dist.metadata["Name"] if dist else None,
+                      version=dist.version if dist else None)
+        if ep.name in registry.plugins:
+            other = registry.plugins[ep.name].distribution
+            problem = f"the name {ep.name!r} is already taken by distribution {other}"
+            log.warning("megablocks plugin from %s skipped: %s", record["distribution"], problem)
+            if strict:
+                raise PluginLoadError(problem)
+            continue
+        if (allow is not None and ep.name not in allow) or ep.name in deny:
+            registry.plugins[ep.name] = PluginRecord(**record, status="disabled",
+                                                     reason="excluded by MEGABLOCKS_PLUGINS / MEGABLOCKS_DISABLE_PLUGINS")
+            continue
+        problem = _incompatibility(dist)
+        if problem:
+            registry.plugins[ep.name] = PluginRecord(**record, status="incompatible", reason=problem)
+            log.warning("megablocks plugin %r not loaded: %s", ep.name, problem)
+            if strict:
+                raise PluginLoadError(f"plugin {ep.name!r}: {problem}")
+            continue
+        plugin = None
+        try:
+            plugin = ep.load()
+            pm.register(plugin, name=ep.name)
+            unavailable, kernels = _collect(pm, plugin, ep.name)
+        except Exception as exc:  # isolation: one bad plugin must not take the others down
+            if plugin is not None and pm.is_registered(plugin):
+                pm.unregister(plugin)
+            reason = f"{type(exc).__name__}: {exc}"
+            registry.plugins[ep.name] = PluginRecord(**record, status="broken", reason=reason)
+            log.warning("megablocks plugin %r is broken and was skipped: %s", ep.name, reason)
+            if strict:
+                raise PluginLoadError(f"plugin {ep.name!r} failed to load: {reason}") from exc
+            continue
+        status: Status = "unavailable" if unavailable else "ok"
+        registry.plugins[ep.name] = PluginRecord(**record, status=status, reason=unavailable,
+                                                 kernels=kernels)
+    return registry

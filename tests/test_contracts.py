@@ -1,0 +1,65 @@
+"""The contracts drive docs, the public signatures and the custom-op schemas; check they agree."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from megablocks_core import contracts, docgen, library, ops
+from megablocks_core.contract import BoolArg, IntArg
+from megablocks_core.dispatch import ENTRIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_docs_contracts_md_is_generated_from_the_contracts():
+    path = ROOT / "docs" / "contracts.md"
+    assert path.read_text() == docgen.render_markdown(), (
+        "docs/contracts.md is stale: regenerate it with `megablocks contracts > docs/contracts.md`")
+
+
+def test_public_signatures_match_the_contracts():
+    for contract in contracts.ALL:
+        fn = getattr(ops, contract.name, None)
+        if not contract.public:
+            assert fn is None, f"{contract.name} is kernel-only but exported from ops"
+            continue
+        assert fn is not None and contract.name in ops.__all__, contract.name
+        params = inspect.signature(fn).parameters
+        assert list(params) == [a.name for a in contract.public_args], contract.name
+        for a in contract.public_args:
+            default = params[a.name].default
+            if isinstance(a, BoolArg) or (isinstance(a, IntArg) and (a.optional or a.default is not None)):
+                assert default == a.default, (contract.name, a.name)
+            else:
+                assert default is inspect.Parameter.empty, (contract.name, a.name)
+
+
+def test_every_dispatched_op_has_an_entry_and_a_custom_op():
+    dispatched = {c.name for c in contracts.ALL if c.dispatched}
+    assert set(ENTRIES) == dispatched
+    for name in dispatched:
+        schema = str(getattr(torch.ops.megablocks, name).default._schema)
+        assert schema.startswith(f"megablocks::{library.schema(contracts.BY_NAME[name])}".split("->")[0].strip()[:-1])
+
+
+def test_rule_expressions_only_name_arguments_and_helpers():
+    import ast
+
+    from megablocks_core.contract import HELPER_NAMES
+
+    for contract in contracts.ALL:
+        allowed = set(contract.arg_names) | HELPER_NAMES
+        for rule in contract.rules:
+            names = {n.id for n in ast.walk(ast.parse(rule.expr, mode="eval")) if isinstance(n, ast.Name)}
+            assert names <= allowed, (contract.name, rule.expr, names - allowed)
+
+
+def test_version_is_single_sourced():
+    import importlib.metadata
+
+    import megablocks_core
+
+    assert importlib.metadata.version("megablocks-core") == megablocks_core.__version__

@@ -1,0 +1,181 @@
+"""Bad input raises TypeError/ValueError naming the op, the argument, what was expected and what came."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import megablocks_core
+from megablocks_core import ops
+
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
+
+def routing(tokens: int = 6, top_k: int = 2, experts: int = 4, hidden: int = 3):
+    torch.manual_seed(0)
+    top = torch.randint(0, experts, (tokens * top_k,), dtype=torch.int32)
+    bin_ids, indices = ops.sort(top, 2)
+    counts = ops.histogram(top, experts)
+    bins = ops.inclusive_cumsum(counts, 0)
+    padded_bins = ops.inclusive_cumsum(ops.round_up(counts, 4), 0)
+    x = torch.randn(tokens, hidden)
+    return x, indices, bin_ids, bins, padded_bins, counts
+
+
+def raises(error: type[Exception], *fragments: str):
+    """pytest.raises that also requires every fragment in the message."""
+    pattern = "".join(f"(?=.*{re.escape(f)})" for f in fragments)
+    return pytest.raises(error, match=re.compile(pattern, re.S))
+
+
+def test_float_keys_are_a_type_error():
+    with raises(TypeError, "ops.sort", "'x'", "int16/int32/int64", "float32"):
+        ops.sort(torch.rand(5), 3)
+    with raises(TypeError, "ops.histogram", "'x'", "float32"):
+        ops.histogram(torch.rand(5), 3)
+
+
+def test_wrong_rank():
+    with raises(ValueError, "ops.sort", "'x'", "1-D", "got a 2-D tensor"):
+        ops.sort(torch.zeros(2, 2, dtype=torch.int32))
+    x, indices, bin_ids, bins, _, _ = routing()
+    with raises(ValueError, "ops.gather", "'x'", "2-D", "got a 1-D tensor"):
+        ops.gather(x[:, 0], indices, bin_ids, bins, 2)
+
+
+def test_top_k_inconsistent_with_indices():
+    x, indices, bin_ids, bins, _, _ = routing(tokens=6, top_k=2)
+    with raises(ValueError, "ops.gather", "x.shape[0] * top_k == indices.shape[0]", "top_k=3"):
+        ops.gather(x, indices, bin_ids, bins, 3)
+    rows = torch.randn(indices.shape[0], x.shape[1])
+    with raises(ValueError, "ops.scatter", "indices.shape[0] % top_k == 0", "top_k=5"):
+        ops.scatter(rows, indices, bin_ids, None, bins, 5)
+
+
+def test_wrong_lengths():
+    x, indices, bin_ids, bins, padded_bins, _ = routing()
+    with raises(ValueError, "ops.gather", "indices.shape[0] == bin_ids.shape[0]", "bin_ids.shape[0]=11"):
+        ops.gather(x, indices, bin_ids[:-1], bins, 2)
+    rows = torch.randn(indices.shape[0], x.shape[1])
+    with raises(ValueError, "ops.scatter", "weights.shape[0] == indices.shape[0]"):
+        ops.scatter(rows, indices, bin_ids, torch.rand(3), bins, 2)
+    with raises(ValueError, "ops.padded_gather", "padded_bins.shape[0] == bins.shape[0]"):
+        ops.padded_gather(x, indices, bin_ids, bins, padded_bins[:-1], 2)
+
+
+def test_bad_ints():
+    x, indices, bin_ids, bins, _, _ = routing()
+    with raises(ValueError, "ops.gather", "'top_k'", "int >= 1", "got 0"):
+        ops.gather(x, indices, bin_ids, bins, 0)
+    with raises(TypeError, "ops.gather", "'top_k'", "float"):
+        ops.gather(x, indices, bin_ids, bins, 2.0)
+    with raises(TypeError, "ops.histogram", "'num_bins'", "bool"):
+        ops.histogram(indices, True)
+    with raises(ValueError, "ops.histogram", "'num_bins'", "got -1"):
+        ops.histogram(indices, -1)
+    with raises(ValueError, "ops.sort", "end_bit", "torch.iinfo(x.dtype).bits"):
+        ops.sort(torch.zeros(3, dtype=torch.int16), 20)
+    with raises(ValueError, "ops.inclusive_cumsum", "-x.dim() <= dim < x.dim()", "dim=1"):
+        ops.inclusive_cumsum(torch.zeros(3, dtype=torch.int32), 1)
+
+
+def test_numpy_integers_are_accepted():
+    np = pytest.importorskip("numpy")
+    counts = ops.histogram(torch.tensor([0, 1, 1], dtype=torch.int32), np.int64(3))
+    assert counts.tolist() == [1, 2, 0]
+
+
+def test_not_a_tensor():
+    with raises(TypeError, "ops.sort", "'x'", "list"):
+        ops.sort([1, 2, 3])
+    x, indices, bin_ids, bins, _, _ = routing()
+    with raises(TypeError, "ops.gather", "'bins'", "NoneType"):
+        ops.gather(x, indices, bin_ids, None, 2)
+
+
+def test_tensors_on_different_devices():
+    x, indices, bin_ids, bins, _, _ = routing()
+    with raises(ValueError, "ops.gather", "'indices'", "must be on cpu", "meta"):
+        ops.gather(x, indices.to("meta"), bin_ids, bins, 2)
+
+
+def test_int16_indices_that_would_overflow_are_rejected():
+    with raises(ValueError, "ops.sort", "int16", "32768", "x.shape[0]=40000"):
+        ops.sort(torch.zeros(40000, dtype=torch.int16))
+    x = torch.randn(20000, 2)
+    indices = torch.zeros(40000, dtype=torch.int16)
+    with raises(ValueError, "ops.gather", "int16 indices"):
+        ops.gather(x, indices, indices, torch.tensor([40000], dtype=torch.int32), 2)
+
+
+def test_dtype_mismatch_in_gmm():
+    a, b = torch.randn(4, 3), torch.randn(2, 3, 5, dtype=torch.float64)
+    with raises(TypeError, "ops.gmm", "b.dtype == a.dtype"):
+        ops.gmm(a, b, torch.tensor([2, 2]))
+
+
+def test_gmm_shape_errors():
+    a, b = torch.randn(5, 3), torch.randn(2, 3, 4)
+    with raises(ValueError, "ops.gmm", "one group size per expert", "batch_sizes.shape[0]=3", "b.shape[0]=2"):
+        ops.gmm(a, b, torch.tensor([2, 2, 1]))
+    with raises(ValueError, "ops.gmm", "inner dimensions agree", "a.shape[1]=3"):
+        ops.gmm(a, b, torch.tensor([2, 3]), trans_b=True)
+    with raises(ValueError, "ops.gmm", "cover every row", "a.shape[0]=5"):
+        ops.gmm(a, b, torch.tensor([2, 2]))
+    with raises(ValueError, "ops.gmm", "not negative"):
+        ops.gmm(a, b, torch.tensor([7, -2]))
+    with raises(TypeError, "ops.gmm", "'batch_sizes'", "int32/int64", "float32"):
+        ops.gmm(a, b, torch.tensor([2.0, 3.0]))
+    with raises(TypeError, "ops.gmm", "'trans_b'", "bool"):
+        ops.gmm(a, b, torch.tensor([2, 3]), 1)
+
+
+def test_composite_op_errors():
+    with raises(TypeError, "ops.round_up", "'x'", "float32"):
+        ops.round_up(torch.rand(3), 4)
+    with raises(ValueError, "ops.round_up", "'value'", "got 0"):
+        ops.round_up(torch.ones(3, dtype=torch.int32), 0)
+    with raises(ValueError, "ops.repeat", "len(tiling) >= x.dim()"):
+        ops.repeat(torch.ones(2, 2), (2,))
+    with raises(ValueError, "ops.sum", "x.dim() > 0"):
+        ops.sum(torch.tensor(3.0))
+
+
+def test_errors_are_contract_error_subclasses():
+    with pytest.raises(megablocks_core.ContractError) as info:
+        ops.histogram(torch.zeros(2, 2, 2, dtype=torch.int32), 3)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(megablocks_core.ContractTypeError) as info:
+        ops.histogram(torch.zeros(2), 3)
+    assert isinstance(info.value, TypeError)
+
+
+@pytest.fixture
+def checked_mode():
+    megablocks_core.reload({"MEGABLOCKS_CHECK": "1"})
+    yield
+    megablocks_core.reload({})
+
+
+def test_data_rules_run_only_in_checked_mode(checked_mode):
+    x, indices, bin_ids, bins, padded_bins, counts = routing()
+    bad = indices.clone()
+    bad[0] = bad[1]  # no longer a permutation
+    with raises(ValueError, "ops.gather", "is_permutation(indices)"):
+        ops.gather(x, bad, bin_ids, bins, 2)
+    with raises(ValueError, "ops.sort", "keys lie in [0, 2**end_bit)"):
+        ops.sort(torch.tensor([0, 9], dtype=torch.int32), 2)
+    with raises(ValueError, "ops.gather", "bins ends at the number of rows"):
+        ops.gather(x, indices, bin_ids, bins - 1, 2)
+    with raises(ValueError, "ops.padded_gather", "each padded bin holds"):
+        ops.padded_gather(x, indices, bin_ids, bins, bins // 2, 2)
+    with raises(ValueError, "ops.inclusive_cumsum", "running sums fit"):
+        ops.inclusive_cumsum(torch.full((3,), 30000, dtype=torch.int16), 0)
+
+
+def test_data_rules_are_skipped_by_default():
+    # Out-of-range keys with end_bit are the caller's promise; without checked mode nobody reads them.
+    values, _ = ops.sort(torch.tensor([5, 1], dtype=torch.int32), 1)
+    assert values.tolist() == [1, 5]
