@@ -122,6 +122,12 @@ def cmd_example(args: argparse.Namespace) -> int:
                        experts=args.experts, top_k=args.top_k, dtype=args.dtype)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    return bench.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megablocks",
@@ -159,6 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     example.add_argument("--experts", type=int, default=8)
     example.add_argument("--top-k", type=int, default=2)
     example.set_defaults(func=cmd_example)
+
+    bench = commands.add_parser(
+        "bench", help="time every installed provider of each op against peers and the hardware limit")
+    bench.add_argument("--shapes", default="", help="comma list of named shapes: mixtral, qwen3, dsv3, tiny "
+                       "(default: mixtral,qwen3,dsv3 unless --shape is given)")
+    bench.add_argument("--shape", action="append", default=[], metavar="T,H,F,E,K",
+                       help="a custom shape (repeatable)")
+    bench.add_argument("--ops", default="", help="comma list of ops (default: all): routing, gather, "
+                       "scatter, padded_gather, padded_scatter, scatter_wgrad, gmm")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions")
+    bench.add_argument("--no-peers", action="store_true", help="skip torch / MegaBlocks / grouped_gemm peers")
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

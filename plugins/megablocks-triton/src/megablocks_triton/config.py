@@ -1,0 +1,103 @@
+"""Launch parameters, chosen in one place so another vendor can override them.
+
+Every kernel launch in this package asks :func:`launch_configs` for its block
+sizes and warp counts. The defaults are tuned by reasoning for an NVIDIA H200
+(132 SMs, 32-wide warps); a ROCm plugin (64-wide wavefronts, different register
+file) can subclass :class:`LaunchConfigs` and install it with
+:func:`set_launch_configs` without touching the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Counting-sort / route launch shape."""
+
+    tile: int
+    """Keys per program; tiles are the unit of the per-tile histograms."""
+    chunk: int
+    """Keys ranked together with one (chunk x chunk) compare inside a tile."""
+    tile_rows: int
+    """Rows of the (tiles x bins) count table read per step by the scan."""
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class PermutationConfig:
+    """Token-major gather/scatter launch shape."""
+
+    block_h: int
+    """Hidden elements per inner-loop step (power of two)."""
+    split_h: int
+    """Programs sharing one token's hidden dim (more parallelism for few tokens)."""
+    zero_rows: int
+    """Programs per expert that zero-fill padding rows (padded/binned gather)."""
+    num_warps: int
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(max(int(x), 1))
+
+
+class LaunchConfigs:
+    """Default launch parameters; subclass and override per vendor."""
+
+    def routing(self, n: int, num_bins_pow2: int) -> RoutingConfig:
+        # Aim for ~128 tiles (16384*8 keys -> 1024-key tiles): enough programs
+        # for the H200's 132 SMs and a short serial in-tile rank chain, few
+        # enough that every program can re-read the whole (tiles x bins) count
+        # table from L2 (128 KB at E=256) instead of a third launch/host sync.
+        tile = min(max(_pow2(n // 128), 256), 8192)
+        # The in-tile rank is an O(chunk) compare per key; 64 keeps the
+        # (chunk x chunk) mask at 4K elements (registers, no spills).
+        chunk = 64
+        tile_rows = max(1, min(32, 8192 // num_bins_pow2))
+        return RoutingConfig(tile=tile, chunk=chunk, tile_rows=tile_rows, num_warps=4)
+
+    def histogram_block(self, n: int) -> int:
+        return min(max(_pow2(n // 128), 256), 4096)
+
+    def scan_block(self, length: int) -> int:
+        return min(_pow2(length), 2048)
+
+    def elementwise_block(self, n: int) -> int:
+        return min(_pow2(n), 1024)
+
+    def permutation(
+        self, num_tokens: int, hidden: int, top_k: int, element_size: int
+    ) -> PermutationConfig:
+        k_pad = _pow2(top_k)
+        # Each step holds k_pad rows x block_h elements in registers: keep that
+        # near 8K elements, but each row slice >= 512 elements for wide loads.
+        block_h = min(_pow2(hidden), max(8192 // k_pad, 512), 4096)
+        h_blocks = triton.cdiv(hidden, block_h)
+        # Few tokens (decode): split the hidden dim so >= ~4 programs per SM exist.
+        split_h = 1
+        while num_tokens * split_h < 512 and split_h * 2 <= h_blocks:
+            split_h *= 2
+        num_warps = 8 if k_pad * block_h >= 8192 else 4
+        return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps)
+
+
+_CONFIGS: LaunchConfigs = LaunchConfigs()
+
+
+def launch_configs() -> LaunchConfigs:
+    """The launch-parameter policy in use."""
+    return _CONFIGS
+
+
+def set_launch_configs(configs: LaunchConfigs) -> None:
+    """Install another policy (e.g. a ROCm plugin's wavefront-64 tuning)."""
+    global _CONFIGS
+    _CONFIGS = configs
+
+
+def is_rocm() -> bool:
+    return torch.version.hip is not None

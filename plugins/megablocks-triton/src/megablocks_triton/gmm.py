@@ -1,0 +1,537 @@
+"""Grouped GEMM (MegaBlocks ``gmm`` semantics) as persistent Triton kernels.
+
+Two entry points, called by the core with already-validated inputs:
+
+* :func:`gmm` — ``out[rows of e] = a_e @ b[e]`` (or ``@ b[e].T`` with ``trans_b``).
+* :func:`gmm_weight_grad` — ``out[e] = a_e.T @ grad_e`` (variable-K grouped GEMM).
+
+Design
+------
+Both kernels are *persistent*: the grid is (about) one program per SM/CU and each program walks
+the flat list of output tiles of all experts with a stride of the grid size. The group offsets are
+never copied to the host: every program loads ``batch_sizes`` (E values, a few hundred bytes, L2
+resident) once, builds the per-expert tile-count prefix in registers with ``tl.cumsum`` and maps
+each tile id to ``(expert, m-tile, n-tile)`` with a vector compare + reduction. That keeps the
+whole op at a single kernel launch with no host sync (CUDA-graph friendly) and lets many small
+experts (E=128..256, a few hundred rows each) share all SMs instead of one launch/loop per expert.
+
+``gmm``: the tile space of expert e is ``cdiv(size_e, BLOCK_M) x cdiv(N, BLOCK_N)``; the last
+M-tile of a group straddles the group end. Rows past the group end are *clamped* to the group's
+last row for loading (so no row mask on the loads and no read outside the group) and masked on the
+store; the contiguous dims (K, N) are masked, which keeps 16-byte vector/cp.async loads. ``gmm_weight_grad``: every expert owns the same ``cdiv(K, BLOCK_M) x cdiv(N, BLOCK_N)``
+tiles; the reduction runs over the expert's rows, masked (``other=0``) on both operands so rows
+beyond the group end are neither read nor accumulated, and an empty group stores exact zeros.
+
+The default path uses only plain ``tl.load``/``tl.dot`` with masks (portable: NVIDIA, AMD, the
+interpreter). An optional forward path (``GmmConfig.use_tma``) loads tiles through TMA tensor
+descriptors on Hopper/Blackwell; it is off by default until measured on the H200. fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
+
+Tile configs live in :data:`CONFIGS` and are picked by :func:`choose_config`; they can be
+overridden per call (``config=``) or by environment variable for tuning, see :func:`choose_config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from megablocks_core.devices import describe
+
+__all__ = [
+    "CONFIGS",
+    "MAX_EXPERTS",
+    "DeviceInfo",
+    "GmmConfig",
+    "choose_config",
+    "device_info",
+    "gmm",
+    "gmm_weight_grad",
+]
+
+#: The in-register expert prefix holds next_pow2(E) values per program; beyond this the register
+#: cost gets silly (and no real MoE has that many experts per rank).
+MAX_EXPERTS = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GmmConfig:
+    """Tile shape and launch parameters.
+
+    For ``gmm``: BLOCK_M tiles the rows of ``a``/output, BLOCK_N the output columns and BLOCK_K the
+    reduction (``a``'s columns). For ``gmm_weight_grad``: BLOCK_M tiles ``a``'s columns (output
+    rows), BLOCK_N ``grad``'s columns and BLOCK_K the tokens of the group (the reduction).
+    GROUP_M: M-tiles swizzled together inside one expert so neighbouring programs share B tiles.
+    programs_per_sm: persistent grid = programs_per_sm * num_sms (2 can hide the per-tile
+    prologue/epilogue when occupancy allows).
+    use_tma: forward only; load A/B tiles through TMA tensor descriptors (NVIDIA sm90+, or the
+    interpreter). Silently falls back to the portable path when the device or the operands'
+    alignment (16-byte base/strides, unit inner stride) do not allow it.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 1
+    use_tma: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the config choice needs to know about the device.
+
+    family: "sm90" (Hopper), "sm100" (Blackwell), "sm80" (Ampere/Ada), "cuda" (other NVIDIA),
+    "cdna3" (MI300/MI325/MI350-class AMD), "amd" (other ROCm), "cpu" (TRITON_INTERPRET runs).
+    """
+
+    family: str
+    arch: str
+    num_sms: int
+
+
+def _is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _device_info_cached(device_type: str, index: int | None) -> DeviceInfo:
+    if device_type != "cuda":  # interpreter / CPU: a few "SMs" so the persistent loop is exercised
+        return DeviceInfo(family="cpu", arch="cpu", num_sms=4)
+    info = describe(torch.device(device_type, index))  # the core's detection (ROCm vs CUDA, arch)
+    if info.kind == "rocm":
+        family = "cdna3" if (info.arch or "").startswith(("gfx942", "gfx950")) else "amd"
+    else:
+        family = {9: "sm90", 10: "sm100", 8: "sm80"}.get((info.capability or (0, 0))[0], "cuda")
+    return DeviceInfo(family=family, arch=(info.arch or "").replace("_", ""),
+                      num_sms=info.multiprocessors or 1)
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    """Cached device description (property queries cost µs; this is on every call)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_info_cached(device.type, device.index)
+
+
+def _dtype_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+#: (op, device family, dtype class) -> base config. op is "gmm" or "wgrad".
+#: Starting points only (Triton persistent-matmul defaults per arch); the H200 numbers are
+#: expected to be tuned. Families missing here fall back to "cuda"/"amd" entries.
+CONFIGS: dict[tuple[str, str, str], GmmConfig] = {
+    # Hopper: wgmma likes 128xN with 8 warps (2 warpgroups); 128x256x64 bf16 x 3 stages = 144 KiB smem.
+    ("gmm", "sm90", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
+    ("gmm", "sm90", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    ("wgrad", "sm90", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
+    ("wgrad", "sm90", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    ("gmm", "sm100", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
+    ("gmm", "sm100", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    ("wgrad", "sm100", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
+    ("wgrad", "sm100", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    # Ampere/Ada and unknown NVIDIA: mma.sync, ~100-160 KiB smem.
+    ("gmm", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
+    ("gmm", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
+    ("wgrad", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
+    ("wgrad", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
+    # CDNA3: 64 KiB LDS, the stream-pipeliner wants num_stages=2; 256x256 tiles are the usual pick.
+    ("gmm", "cdna3", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
+    ("gmm", "cdna3", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
+    ("wgrad", "cdna3", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
+    ("wgrad", "cdna3", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
+    ("gmm", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
+    ("gmm", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+    ("wgrad", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
+    ("wgrad", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+    # Interpreter: numpy-backed, small tiles keep the tiny test shapes multi-tile.
+    ("gmm", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+    ("gmm", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+    ("wgrad", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+    ("wgrad", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+}
+
+_FALLBACK_FAMILY = {"sm80": "cuda", "cdna3": "amd"}
+_ENV_VAR = {"gmm": "MEGABLOCKS_TRITON_GMM_CONFIG", "wgrad": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG"}
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, triton.next_power_of_2(max(x, 1)))
+
+
+def _parse_env_config(text: str) -> GmmConfig:
+    """Parse "BM,BN,BK[,GROUP_M[,WARPS[,STAGES[,PROGRAMS_PER_SM]]]]" into a GmmConfig."""
+    fields = [int(v) for v in text.replace(" ", "").split(",") if v]
+    if not 3 <= len(fields) <= 7:
+        raise ValueError(f"bad grouped-GEMM config override {text!r}")
+    return GmmConfig(*fields)
+
+
+def _tma_override(cfg: GmmConfig) -> GmmConfig:
+    # MEGABLOCKS_TRITON_GMM_TMA=0/1 flips the TMA path independently of the tile shape (tuning).
+    env = os.environ.get("MEGABLOCKS_TRITON_GMM_TMA")
+    return cfg if env is None or env == "" else replace(cfg, use_tma=env not in ("0", "false"))
+
+
+def choose_config(
+    op: str, m: int, n: int, k: int, num_experts: int, dtype: torch.dtype, info: DeviceInfo
+) -> GmmConfig:
+    """Pick tile sizes for one call. Pure function of the shapes, dtype and device description.
+
+    op: "gmm" (m = rows of a, n = output columns, k = reduction) or "wgrad" (m = a.shape[1],
+    n = grad.shape[1], k = total tokens). Steps:
+
+    1. Env override ``MEGABLOCKS_TRITON_GMM_CONFIG`` / ``MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG``
+       ("BM,BN,BK[,GROUP_M[,WARPS[,STAGES[,PROGRAMS_PER_SM]]]]") wins, for tuning sweeps.
+    2. Else the :data:`CONFIGS` entry for (op, family, dtype class).
+    3. For gmm, experts averaging fewer rows than half a BLOCK_M tile waste most of their last
+       M-tile: shrink BLOCK_M (not below 64 on GPUs, where MMA atoms are 64 rows on Hopper).
+    4. Blocks never exceed the problem (rounded up to a power of two, >= 16 for tl.dot).
+    5. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (off in the table until measured).
+    """
+    env = os.environ.get(_ENV_VAR[op])
+    if env:
+        return _tma_override(_parse_env_config(env))
+    dclass = _dtype_class(dtype)
+    family = info.family
+    cfg = CONFIGS.get((op, family, dclass))
+    if cfg is None:
+        family = _FALLBACK_FAMILY.get(family, "amd" if family.startswith("gfx") else "cuda")
+        cfg = CONFIGS[(op, family, dclass)]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if op == "gmm" and num_experts > 0 and info.family != "cpu":
+        avg_rows = m / num_experts
+        while bm > 64 and avg_rows < bm / 2:
+            bm //= 2
+    bm = min(bm, _pow2_at_least(m if op == "wgrad" else max(m // max(num_experts, 1), 1), 16))
+    bn = min(bn, _pow2_at_least(n, 16))
+    bk = min(bk, _pow2_at_least(k if op == "gmm" else max(k // max(num_experts, 1), 1), 16))
+    return _tma_override(replace(cfg, block_m=bm, block_n=bn, block_k=bk))
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swizzle(local, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    """Tile index inside one expert -> (m-tile, n-tile), GROUP_M m-tiles at a time so programs
+    running together reuse the same B columns from L2."""
+    width = GROUP_M * n_tiles
+    first_m = (local // width) * GROUP_M
+    group_size = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (local % width) % group_size
+    pid_n = (local % width) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE_FP32: tl.constexpr):
+    """acc += a @ b. fp32 inputs use full-precision ieee (no TF32) to track a float64 reference;
+    16-bit inputs take the default tensor-core path with fp32 accumulation."""
+    if IEEE_FP32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _gmm_tile_ptr(
+    a_ptr, b_ptr, acc, e, row_start, size_e, rows, cols, N, K,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr,
+):  # fmt: skip
+    """Portable K loop of one gmm tile (plain masked loads; NVIDIA, AMD, interpreter)."""
+    offs_k0 = tl.arange(0, BLOCK_K)
+    # Rows (a's strided dim) are clamped to the group's last row instead of masked: loads never
+    # leave the group and need no row mask; the duplicated rows are dropped by the store mask.
+    # The contiguous dims are masked, never clamped: a clamp (min) hides contiguity from the
+    # compiler and turns the vectorised cp.async/global loads into scalar ones.
+    rows_ld = (row_start + tl.minimum(rows, size_e - 1)).to(tl.int64)
+    a_ptrs = a_ptr + rows_ld[:, None] * stride_am + offs_k0[None, :] * stride_ak
+    b_ptrs = (b_ptr + e.to(tl.int64) * stride_be
+              + offs_k0[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn)  # fmt: skip
+    n_ok = (cols < N)[None, :]
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=n_ok, other=0.0)
+        else:  # K masked on both: a's K tail would read the next row (or past the last one)
+            k_ok = offs_k0 < K - k
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc = _mma(a, b, acc, IEEE_FP32)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _gmm_tile_tma(
+    a_desc, b_desc, acc, e, row0, col0, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE_FP32: tl.constexpr, TRANS_B: tl.constexpr,
+):  # fmt: skip
+    """TMA K loop of one gmm tile (Hopper+). The descriptors' bounds zero-fill the K tail and rows
+    past M; rows past the group end (inside M, i.e. the next group's) only reach rows the store
+    drops. b's descriptor is 3-D so b[e]'s K tail is zero-filled, not read from b[e + 1]."""
+    for k in range(0, K, BLOCK_K):
+        a = a_desc.load([row0, k])
+        if TRANS_B:
+            b = tl.trans(b_desc.load([e, col0, k]).reshape(BLOCK_N, BLOCK_K))
+        else:
+            b = b_desc.load([e, k, col0]).reshape(BLOCK_K, BLOCK_N)
+        acc = _mma(a, b, acc, IEEE_FP32)
+    return acc
+
+
+@triton.jit
+def _gmm_kernel(
+    a_ptr, b_ptr, c_ptr, sizes_ptr,
+    N, K, E,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr, USE_TMA: tl.constexpr, TRANS_B: tl.constexpr,
+):  # fmt: skip
+    # USE_TMA: a_ptr is a (M, K) TensorDescriptor and b_ptr a 3-D one over b's storage
+    # ((E, K, N), or (E, N, K) when TRANS_B); the strides are then unused.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
+    # Per-expert sizes and tile-count prefix, built once per program (device side: no host sync).
+    e_idx = tl.arange(0, BLOCK_E)
+    sizes = tl.load(sizes_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(sizes, BLOCK_M) * n_tiles
+    tile_end = tl.cumsum(tiles, 0)  # inclusive prefix: tiles of experts 0..e
+    total_tiles = tl.sum(tiles, 0)
+
+    for tile in range(pid, total_tiles, num_programs):
+        # Experts wholly before this tile (empty experts included) give the expert id and bases.
+        before = tile_end <= tile
+        e = tl.sum(before.to(tl.int32), 0)
+        row_start = tl.sum(tl.where(before, sizes, 0), 0)
+        tile_base = tl.sum(tl.where(before, tiles, 0), 0)
+        size_e = tl.sum(tl.where(e_idx == e, sizes, 0), 0)
+        pid_m, pid_n = _swizzle(tile - tile_base, tl.cdiv(size_e, BLOCK_M), n_tiles, GROUP_M)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_TMA:
+            acc = _gmm_tile_tma(
+                a_ptr, b_ptr, acc, e, row_start + pid_m * BLOCK_M, pid_n * BLOCK_N, K,
+                BLOCK_M, BLOCK_N, BLOCK_K, IEEE_FP32, TRANS_B,
+            )  # fmt: skip
+        else:
+            acc = _gmm_tile_ptr(
+                a_ptr, b_ptr, acc, e, row_start, size_e, rows, cols, N, K,
+                stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                BLOCK_K, EVEN_K, IEEE_FP32,
+            )  # fmt: skip
+
+        out_rows = (row_start + rows).to(tl.int64)
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        c_mask = (rows < size_e)[:, None] & (cols < N)[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _gmm_wgrad_kernel(
+    a_ptr, g_ptr, c_ptr, sizes_ptr,
+    KA, N, E,
+    stride_am, stride_ak,
+    stride_gm, stride_gn,
+    stride_ce, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
+    e_idx = tl.arange(0, BLOCK_E)
+    sizes = tl.load(sizes_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
+    m_tiles = tl.cdiv(KA, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles_per_e = m_tiles * n_tiles
+    offs_t0 = tl.arange(0, BLOCK_K)
+
+    # Expert-major tile order: programs running together work on the same expert's rows (L2).
+    for tile in range(pid, E * tiles_per_e, num_programs):
+        e = tile // tiles_per_e
+        row_start = tl.sum(tl.where(e_idx < e, sizes, 0), 0)
+        size_e = tl.sum(tl.where(e_idx == e, sizes, 0), 0)
+        pid_m, pid_n = _swizzle(tile - e * tiles_per_e, m_tiles, n_tiles, GROUP_M)
+
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # columns of a = output rows
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of grad
+        toks0 = row_start.to(tl.int64) + offs_t0
+        # a^T tile loaded as (BLOCK_K tokens, BLOCK_M) — contiguous along a's rows — then transposed.
+        a_ptrs = a_ptr + toks0[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
+        g_ptrs = g_ptr + toks0[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
+        m_ok = (rows < KA)[None, :]
+        n_ok = (cols < N)[None, :]
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # An empty group runs zero iterations and stores exact zeros.
+        for t in range(0, size_e, BLOCK_K):
+            # Tokens masked on both operands: rows past the group end are never read (they may be
+            # another group's rows, or uninitialised memory of a worst-case buffer, NaN included).
+            t_ok = (offs_t0 < size_e - t)[:, None]
+            a = tl.load(a_ptrs, mask=t_ok & m_ok, other=0.0)
+            g = tl.load(g_ptrs, mask=t_ok & n_ok, other=0.0)
+            acc = _mma(tl.trans(a), g, acc, IEEE_FP32)
+            a_ptrs += BLOCK_K * stride_am
+            g_ptrs += BLOCK_K * stride_gm
+
+        c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
+                  + cols[None, :].to(tl.int64) * stride_cn)  # fmt: skip
+        c_mask = (rows < KA)[:, None] & (cols < N)[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host wrappers
+# --------------------------------------------------------------------------------------------
+
+
+def _device_sizes(batch_sizes: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """batch_sizes on the kernel's device, any int dtype (the kernel casts to int32 in registers,
+    so a device int64 tensor costs no conversion kernel). A CPU tensor is copied H2D — the caller
+    already has the counts on the host, so that is not a new sync."""
+    if batch_sizes.device != device:
+        batch_sizes = batch_sizes.to(device, non_blocking=True)
+    return batch_sizes if batch_sizes.is_contiguous() else batch_sizes.contiguous()
+
+
+def _check_experts(num_experts: int) -> int:
+    if num_experts > MAX_EXPERTS:
+        raise ValueError(f"triton gmm supports at most {MAX_EXPERTS} experts, got {num_experts}")
+    return _pow2_at_least(num_experts, 16)
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    # Vectorised loads want a unit stride in the innermost dim; other strides are passed through.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _tma_ok(info: DeviceInfo, *tensors: torch.Tensor) -> bool:
+    """TMA needs sm90+ (or the interpreter, which emulates descriptors) and 16-byte aligned bases
+    and non-inner strides with a unit inner stride."""
+    if info.family not in ("sm90", "sm100", "cpu"):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((st * size) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+def gmm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    batch_sizes: torch.Tensor,
+    trans_b: bool = False,
+    *,
+    config: GmmConfig | None = None,
+) -> torch.Tensor:
+    """Grouped GEMM: rows ``[off_e, off_e + batch_sizes[e])`` of the result are ``a_e @ b[e]``
+    (``a_e @ b[e].T`` when ``trans_b``). a (M, K); b (E, K, N), or (E, N, K) with trans_b;
+    sum(batch_sizes) == M. Returns (M, N) in a's dtype, fp32 accumulation. No host sync."""
+    a = _unit_last_stride(a)
+    b = _unit_last_stride(b)
+    m, k = a.shape
+    num_experts = b.shape[0]
+    n = b.shape[1] if trans_b else b.shape[2]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_e = _check_experts(num_experts)
+    sizes = _device_sizes(batch_sizes, a.device)
+    info = device_info(a.device)
+    cfg = config or choose_config("gmm", m, n, k, num_experts, a.dtype, info)
+    # b[e] viewed as (K, N): for trans_b the (N, K) storage is read with swapped strides.
+    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
+    a_arg: object = a
+    b_arg: object = b
+    use_tma = cfg.use_tma and _tma_ok(info, a, b)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]
+        b_arg = TensorDescriptor.from_tensor(b, b_block)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    # Host-side upper bound on the tile count (no sync): each non-empty group adds <= 1 partial tile.
+    max_tiles = (m // cfg.block_m + min(num_experts, m)) * n_tiles
+    grid = max(1, min(info.num_sms * cfg.programs_per_sm, max_tiles))
+    _gmm_kernel[(grid,)](
+        a_arg, b_arg, out, sizes,
+        n, k, num_experts,
+        a.stride(0), a.stride(1),
+        b.stride(0), stride_bk, stride_bn,
+        out.stride(0), out.stride(1),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_E=block_e, GROUP_M=cfg.group_m,
+        EVEN_K=k % cfg.block_k == 0, IEEE_FP32=a.dtype == torch.float32,
+        USE_TMA=use_tma, TRANS_B=trans_b,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def gmm_weight_grad(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    batch_sizes: torch.Tensor,
+    *,
+    config: GmmConfig | None = None,
+) -> torch.Tensor:
+    """Variable-K grouped GEMM: ``out[e] = a_e.T @ grad_e`` with a (M, K), grad (M, N), giving
+    (E, K, N) in a's dtype. Empty groups give exact zeros; rows of a/grad beyond
+    sum(batch_sizes) are never read (a worst-case-allocated buffer may be passed whole)."""
+    a = _unit_last_stride(a)
+    grad = _unit_last_stride(grad)
+    num_experts = batch_sizes.shape[0]
+    ka, n = a.shape[1], grad.shape[1]
+    out = torch.empty((num_experts, ka, n), dtype=a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out
+    if a.shape[0] == 0:
+        return out.zero_()
+    block_e = _check_experts(num_experts)
+    sizes = _device_sizes(batch_sizes, a.device)
+    info = device_info(a.device)
+    cfg = config or choose_config("wgrad", ka, n, a.shape[0], num_experts, a.dtype, info)
+    total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    grid = max(1, min(info.num_sms * cfg.programs_per_sm, total_tiles))
+    _gmm_wgrad_kernel[(grid,)](
+        a, grad, out, sizes,
+        ka, n, num_experts,
+        a.stride(0), a.stride(1),
+        grad.stride(0), grad.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_E=block_e, GROUP_M=cfg.group_m,
+        IEEE_FP32=a.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,370 @@
+"""Token-major Triton permutation kernels (gather/scatter and their padded/binned forms).
+
+Every data kernel runs one program per token (optionally a few per token when
+there are few tokens, splitting the hidden dim) and handles all of that
+token's top_k copies at once as a (k, BLOCK_H) tile:
+
+* gather reads the token's row once and writes its top_k destinations;
+* scatter reads the top_k rows, weights them, sums in fp32 and writes once;
+* *_wgrad reads the token's grad row once and dots it with its top_k rows.
+
+So each moves only the ideal bytes (T*H + T*K*H elements), with no (T, K, H)
+intermediate. The token-major order needs, for each flat id f = t*K + k, its
+row in sorted order: the inverse permutation of ``indices``, built by one tiny
+scatter launch (``_inverse_kernel``), never a host sync. Only padded_gather
+reads one value on the host (``padded_bins[-1]``, the output size).
+
+Destinations by layout (``MODE``):
+  0 plain:  row p = inv[f]
+  1 padded: row p - bins_start(e) + padded_start(e), e = bin_ids[p]
+  2 binned: row e * bin_size + (p - bins_start(e)), e found by binary search in
+            bins; dropped when p - bins_start(e) >= bin_size.
+The padded/binned gathers also zero their padding rows in the same launch
+(extra programs after the token programs), so the output is never memset.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import launch_configs
+
+__all__ = [
+    "binned_gather",
+    "binned_scatter",
+    "binned_scatter_wgrad",
+    "gather",
+    "padded_gather",
+    "padded_scatter",
+    "padded_scatter_wgrad",
+    "scatter",
+    "scatter_wgrad",
+]
+
+PLAIN, PADDED, BINNED = 0, 1, 2
+
+
+@triton.jit
+def _inverse_kernel(indices_ptr, inv_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    f = tl.load(indices_ptr + i, mask=m, other=0).to(tl.int32)
+    tl.store(inv_ptr + f, i, mask=m & (f >= 0) & (f < n))
+
+
+def _inverse(indices: torch.Tensor) -> torch.Tensor:
+    """inv[indices[i]] = i (int32): the sorted row of each flat id."""
+    n = indices.numel()
+    inv = torch.empty(n, dtype=torch.int32, device=indices.device)
+    block = launch_configs().elementwise_block(n)
+    _inverse_kernel[(triton.cdiv(n, block),)](indices, inv, n, BLOCK=block)
+    return inv
+
+
+@triton.jit
+def _bin_of(bins_ptr, num_bins, p, mask, LOG: tl.constexpr):
+    """#{e : bins[e] <= p}: the expert whose [bins[e-1], bins[e]) holds sorted row p."""
+    pos = tl.zeros_like(p)
+    for s in tl.static_range(LOG):
+        cand = pos + (1 << (LOG - 1 - s))
+        ok = mask & (cand <= num_bins)
+        v = tl.load(bins_ptr + (cand - 1), mask=ok, other=0).to(tl.int32)
+        pos = tl.where(ok & (v <= p), cand, pos)
+    return pos
+
+
+@triton.jit
+def _destinations(
+    t, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins, bin_size,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr,
+):
+    """Flat ids, destination rows (int64) and keep-mask of token t's top_k copies."""
+    k = tl.arange(0, K_PAD)
+    f = t * TOP_K + k
+    km = k < TOP_K
+    p = tl.load(inv_ptr + f, mask=km, other=0)
+    if MODE == 0:
+        dest = p
+        keep = km
+    elif MODE == 1:
+        e = tl.load(bin_ids_ptr + p, mask=km, other=0).to(tl.int32)
+        has_prev = km & (e > 0)
+        start = tl.load(bins_ptr + e - 1, mask=has_prev, other=0).to(tl.int32)
+        pstart = tl.load(padded_ptr + e - 1, mask=has_prev, other=0).to(tl.int32)
+        dest = p - start + pstart
+        keep = km
+    else:
+        e = _bin_of(bins_ptr, num_bins, p, km, LOG)
+        start = tl.load(bins_ptr + e - 1, mask=km & (e > 0), other=0).to(tl.int32)
+        j = p - start
+        keep = km & (j < bin_size) & (e < num_bins)
+        dest = e * bin_size + j
+    return f, dest.to(tl.int64), keep
+
+
+@triton.jit
+def _zero_padding(
+    pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens,
+    BLOCK_H: tl.constexpr, ZERO_ROWS: tl.constexpr, MODE: tl.constexpr,
+):
+    """Programs past the tokens: zero expert e's padding rows (ZERO_ROWS programs per expert)."""
+    q = pid - num_tokens
+    e = q // ZERO_ROWS
+    lane = q % ZERO_ROWS
+    end = tl.load(bins_ptr + e).to(tl.int32)
+    start = tl.load(bins_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+    count = end - start
+    if MODE == 1:
+        row_lo = tl.load(padded_ptr + e - 1, mask=e > 0, other=0).to(tl.int32) + count
+        row_hi = tl.load(padded_ptr + e).to(tl.int32)
+    else:
+        row_lo = e * bin_size + tl.minimum(count, bin_size)
+        row_hi = (e + 1) * bin_size
+    zeros = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
+    # int64 loop bounds: row * hidden may pass 2**31 on large padded outputs.
+    for r in range((row_lo + lane).to(tl.int64), row_hi.to(tl.int64), ZERO_ROWS):
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            tl.store(out_ptr + r * hidden + h, zeros, mask=h < hidden)
+
+
+@triton.jit
+def _gather_kernel(
+    x_ptr, inv_ptr, bin_ids_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    num_tokens, hidden, num_bins, bin_size,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
+    ZERO_ROWS: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid >= num_tokens:
+        if tl.program_id(1) == 0:
+            _zero_padding(pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens,
+                          BLOCK_H, ZERO_ROWS, MODE)
+    else:
+        f, dest, keep = _destinations(pid, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins,
+                                      bin_size, TOP_K, K_PAD, MODE, LOG)
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + f, mask=keep, other=0).to(tl.float32)
+        x_row = x_ptr + pid.to(tl.int64) * hidden
+        for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            hm = h < hidden
+            v = tl.load(x_row + h, mask=hm, other=0)  # read once, written top_k times
+            if HAS_WEIGHTS:
+                tile = (v.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
+            else:
+                tile = tl.broadcast_to(v[None, :], (K_PAD, BLOCK_H))
+            tl.store(out_ptr + dest[:, None] * hidden + h[None, :], tile,
+                     mask=keep[:, None] & hm[None, :])
+
+
+@triton.jit
+def _scatter_kernel(
+    x_ptr, inv_ptr, bin_ids_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    hidden, num_bins, bin_size,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
+    MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    f, src, keep = _destinations(pid, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins,
+                                 bin_size, TOP_K, K_PAD, MODE, LOG)
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + f, mask=keep, other=0).to(tl.float32)
+    else:
+        w = keep.to(tl.float32)
+    out_row = out_ptr + pid.to(tl.int64) * hidden
+    for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < hidden
+        rows = tl.load(x_ptr + src[:, None] * hidden + h[None, :],
+                       mask=keep[:, None] & hm[None, :], other=0)
+        acc = tl.sum(rows.to(tl.float32) * w[:, None], axis=0)  # fp32 top-k sum
+        tl.store(out_row + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def _wgrad_kernel(
+    x_ptr, grad_ptr, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, out_ptr,
+    hidden, num_bins, bin_size,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    MODE: tl.constexpr, LOG: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    f, src, keep = _destinations(pid, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins,
+                                 bin_size, TOP_K, K_PAD, MODE, LOG)
+    g_row = grad_ptr + pid.to(tl.int64) * hidden
+    acc = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < hidden
+        g = tl.load(g_row + h, mask=hm, other=0).to(tl.float32)  # read once for all k
+        rows = tl.load(x_ptr + src[:, None] * hidden + h[None, :],
+                       mask=keep[:, None] & hm[None, :], other=0)
+        acc += rows.to(tl.float32) * g[None, :]
+    dot = tl.sum(acc, axis=1)  # dropped copies stay exactly 0
+    tl.store(out_ptr + f, dot.to(out_ptr.dtype.element_ty), mask=f < (pid + 1) * TOP_K)
+
+
+# --------------------------------------------------------------------------- launchers
+
+
+def _meta(top_k: int, num_bins: int) -> dict[str, int]:
+    return {"TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
+            "LOG": max(num_bins.bit_length(), 1)}
+
+
+def _launch_gather(
+    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor | None,
+    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor | None,
+    top_k: int, out: torch.Tensor, mode: int, bin_size: int,
+) -> torch.Tensor:
+    top_k, bin_size = int(top_k), int(bin_size)  # numpy ints are not kernel scalars
+    num_tokens, hidden = x.shape
+    num_bins = bins.numel()
+    pad_programs = 0 if mode == PLAIN else num_bins
+    if out.numel() == 0 or (num_tokens == 0 and pad_programs == 0):
+        return out
+    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
+    inv = _inverse(indices) if num_tokens else indices
+    grid = (num_tokens + pad_programs * cfg.zero_rows, cfg.split_h)
+    _gather_kernel[grid](
+        x, inv, bin_ids if bin_ids is not None else indices, weights if weights is not None else x,
+        bins, padded_bins if padded_bins is not None else bins, out,
+        num_tokens, hidden, num_bins, bin_size,
+        BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=cfg.zero_rows, MODE=mode,
+        HAS_WEIGHTS=weights is not None, num_warps=cfg.num_warps, **_meta(top_k, num_bins),
+    )
+    return out
+
+
+def _launch_scatter(
+    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor | None,
+    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor | None,
+    top_k: int, mode: int, bin_size: int,
+) -> torch.Tensor:
+    top_k, bin_size = int(top_k), int(bin_size)
+    num_tokens = indices.numel() // top_k
+    hidden = x.shape[-1]
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
+    num_bins = bins.numel()
+    _scatter_kernel[(num_tokens, cfg.split_h)](
+        x, _inverse(indices), bin_ids if bin_ids is not None else indices,
+        weights if weights is not None else x, bins,
+        padded_bins if padded_bins is not None else bins, out,
+        hidden, num_bins, bin_size,
+        BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, MODE=mode, HAS_WEIGHTS=weights is not None,
+        num_warps=cfg.num_warps, **_meta(top_k, num_bins),
+    )
+    return out
+
+
+def _launch_wgrad(
+    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor | None,
+    bins: torch.Tensor, padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
+) -> torch.Tensor:
+    top_k, bin_size = int(top_k), int(bin_size)
+    n = indices.numel()
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    hidden = x.shape[-1]
+    if n == 0:
+        return out
+    if hidden == 0:
+        return out.zero_()
+    num_tokens = n // top_k
+    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
+    num_bins = bins.numel()
+    _wgrad_kernel[(num_tokens,)](
+        x, grad, _inverse(indices), bin_ids if bin_ids is not None else indices, bins,
+        padded_bins if padded_bins is not None else bins, out,
+        hidden, num_bins, bin_size,
+        BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, **_meta(top_k, num_bins),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- contract functions
+
+
+def gather(
+    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
+    weights: torch.Tensor | None, bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(T, H) -> (T*K, H): out[i] = x[indices[i] // K] * weights[indices[i]] (if weights)."""
+    out = torch.empty((indices.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
+    return _launch_gather(x, indices, None, weights, bins, None, top_k, out, PLAIN, 0)
+
+
+def scatter(
+    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
+    weights: torch.Tensor | None, bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(T*K, H) sorted rows -> (T, H): weighted top-k sum per token (fp32 accumulation)."""
+    return _launch_scatter(x, indices, None, weights, bins, None, top_k, PLAIN, 0)
+
+
+def scatter_wgrad(
+    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
+    bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(n,) in x.dtype: out[indices[i]] = dot(x[i], grad[indices[i] // K])."""
+    return _launch_wgrad(x, grad, indices, None, bins, None, top_k, PLAIN, 0)
+
+
+def padded_gather(
+    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
+    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(T, H) -> (padded_bins[-1], H), each expert's rows starting at padded_bins[e-1]; padding rows 0.
+
+    Reads padded_bins[-1] on the host (the output size), as MegaBlocks does.
+    """
+    rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
+    out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
+    return _launch_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, out, PADDED, 0)
+
+
+def padded_scatter(
+    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
+    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(padded rows, H) -> (T, H): inverse of padded_gather, weighted top-k sum in fp32."""
+    return _launch_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, PADDED, 0)
+
+
+def padded_scatter_wgrad(
+    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
+    bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(n,): dot of each flat id's padded row with its token's grad row."""
+    return _launch_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k, PADDED, 0)
+
+
+def binned_gather(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None,
+    bins: torch.Tensor, bin_size: int, top_k: int,
+) -> torch.Tensor:
+    """(T, H) -> (E, bin_size, H) zero-filled; copies beyond an expert's capacity are dropped."""
+    num_bins, bin_size = bins.numel(), int(bin_size)
+    out = torch.empty((num_bins, bin_size, x.shape[1]), dtype=x.dtype, device=x.device)
+    _launch_gather(x, indices, None, weights, bins, None, top_k, out, BINNED, bin_size)
+    return out
+
+
+def binned_scatter(
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None,
+    bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(E, bin_size, H) -> (T, H): weighted top-k sum; dropped copies contribute 0."""
+    return _launch_scatter(x, indices, None, weights, bins, None, top_k, BINNED, x.shape[1])
+
+
+def binned_scatter_wgrad(
+    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor, top_k: int,
+) -> torch.Tensor:
+    """(n,): dot of each kept binned row with its token's grad row; 0 for dropped copies."""
+    return _launch_wgrad(x, grad, indices, None, bins, None, top_k, BINNED, x.shape[1])

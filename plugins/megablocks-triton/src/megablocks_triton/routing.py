@@ -1,0 +1,444 @@
+"""Triton routing kernels: histogram, cumsum, sort, topology, replicate, and a fused route.
+
+None of these functions syncs the host: every size they allocate is known from
+input shapes. The central piece is a two-launch stable counting sort:
+
+1. ``_tile_histogram_kernel``: one program per tile of keys writes that tile's
+   bin counts to a small ``(tiles, bins)`` table (no memset needed: every entry
+   is written).
+2. ``_counting_scatter_kernel``: each program re-reads the whole table from L2
+   (tens of KB), derives the global start of every bin plus the keys of the same
+   bin in earlier tiles, then ranks its own keys stably (chunk-wise compare
+   matrix + running per-bin counts) and scatters them. Program 0 also writes the
+   routing metadata (counts, bins, padded bins).
+
+Used with 2**end_bit bins it is ``sort``; with ``num_experts`` bins it is
+``route``, which returns the whole routing metadata in those two launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .config import launch_configs
+
+__all__ = [
+    "exclusive_cumsum",
+    "histogram",
+    "inclusive_cumsum",
+    "replicate",
+    "replicate_backward",
+    "route",
+    "sort",
+    "topology",
+]
+
+#: Bins up to this many use the fused counting sort; beyond it the per-program
+#: (tiles x bins) scan and the in-register bin vector get too large.
+MAX_COUNTING_BINS = 1024
+#: Bins up to this many are counted with an in-register per-tile histogram and
+#: one atomic per bin; more bins use one atomic per key.
+MAX_TILE_HISTOGRAM_BINS = 4096
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _count_le(ptr, n, target, mask, LOG: tl.constexpr):
+    """For each lane: #{i < n : ptr[i] <= target}, for ptr sorted ascending.
+
+    A branchless binary search of LOG = bit_length(n) steps; the loads hit L1,
+    so it costs a few cycles per step instead of an O(n) compare.
+    """
+    pos = tl.zeros_like(target)
+    for s in tl.static_range(LOG):
+        cand = pos + (1 << (LOG - 1 - s))
+        ok = mask & (cand <= n)
+        v = tl.load(ptr + (cand - 1), mask=ok, other=0)
+        pos = tl.where(ok & (v <= target), cand, pos)
+    return pos
+
+
+@triton.jit
+def _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK: tl.constexpr):
+    """Bin of each key and whether it takes part.
+
+    USE_MASK (radix pass): the bin is ``(key >> shift) & digit_mask``, like a
+    radix sort over bits [shift, shift + bits). Otherwise (route/histogram) the
+    key itself is the bin and keys outside [0, num_bins) are dropped; that test
+    happens before any narrowing cast so a huge int64 cannot wrap into range.
+    """
+    if USE_MASK:
+        digit = (raw.to(tl.int64) >> shift).to(tl.int32) & digit_mask
+        valid = inb
+    else:
+        valid = inb & (raw >= 0) & (raw < num_bins)
+        digit = tl.where(valid, raw, 0).to(tl.int32)
+    return digit, valid
+
+
+# --------------------------------------------------------------------------- counting sort
+
+
+@triton.jit
+def _tile_histogram_kernel(
+    keys_ptr, counts_ptr, n, num_bins, shift, digit_mask,
+    NB: tl.constexpr, TILE: tl.constexpr, USE_MASK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid * TILE + tl.arange(0, TILE)
+    inb = offs < n
+    raw = tl.load(keys_ptr + offs, mask=inb, other=0)
+    digit, valid = _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK)
+    hist = tl.histogram(digit, NB, mask=valid)
+    tl.store(counts_ptr + pid * NB + tl.arange(0, NB), hist)
+
+
+@triton.jit
+def _counting_scatter_kernel(
+    keys_ptr, payload_ptr, counts_ptr, values_ptr, index_ptr,
+    tpe_ptr, bins_ptr, padded_ptr,
+    n, num_tiles, num_bins, shift, digit_mask, block_size,
+    NB: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr, TILE_ROWS: tl.constexpr,
+    USE_MASK: tl.constexpr, HAS_PAYLOAD: tl.constexpr, WRITE_META: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, NB)
+
+    # Global count of each bin, and of each bin in tiles before this one.
+    total = tl.zeros([NB], dtype=tl.int32)
+    before = tl.zeros([NB], dtype=tl.int32)
+    for r0 in range(0, num_tiles, TILE_ROWS):
+        rows = r0 + tl.arange(0, TILE_ROWS)
+        blk = tl.load(counts_ptr + rows[:, None] * NB + cols[None, :],
+                      mask=(rows < num_tiles)[:, None], other=0)
+        total += tl.sum(blk, axis=0)
+        before += tl.sum(tl.where((rows < pid)[:, None], blk, 0), axis=0)
+    ends = tl.cumsum(total, axis=0)
+    base = ends - total + before  # where this tile's first key of each bin goes
+
+    if WRITE_META and pid == 0:
+        real = cols < num_bins
+        padded = (total + block_size - 1) // block_size * block_size
+        tl.store(tpe_ptr + cols, total, mask=real)
+        tl.store(bins_ptr + cols, ends, mask=real)
+        tl.store(padded_ptr + cols, tl.cumsum(padded, axis=0), mask=real)
+
+    # Stable rank inside the tile, CHUNK keys at a time: rank among equal keys
+    # of the chunk (compare matrix) + running per-bin count (base).
+    lane = tl.arange(0, CHUNK)
+    for c in range(0, TILE, CHUNK):
+        offs = pid * TILE + c + lane
+        inb = offs < n
+        raw = tl.load(keys_ptr + offs, mask=inb, other=0)
+        digit, valid = _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK)
+        same = (digit[:, None] == digit[None, :]) & (lane[None, :] < lane[:, None]) & valid[None, :]
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        pos = tl.gather(base, digit, 0) + rank
+        tl.store(values_ptr + pos, raw, mask=valid)
+        payload = tl.load(payload_ptr + offs, mask=inb, other=0) if HAS_PAYLOAD else offs
+        tl.store(index_ptr + pos, payload.to(index_ptr.dtype.element_ty), mask=valid)
+        base += tl.histogram(digit, NB, mask=valid)
+
+
+def _counting_pass(
+    keys: torch.Tensor,
+    payload: torch.Tensor | None,
+    num_bins: int,
+    shift: int,
+    digit_mask: int | None,
+    meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One stable counting-sort pass (two launches). Returns (values, index)."""
+    n = keys.numel()
+    nb = triton.next_power_of_2(num_bins)
+    cfg = launch_configs().routing(n, nb)
+    num_tiles = triton.cdiv(n, cfg.tile)
+    counts = torch.empty((num_tiles, nb), dtype=torch.int32, device=keys.device)
+    values = torch.empty_like(keys)
+    index = torch.empty_like(keys)
+    use_mask = digit_mask is not None
+    dmask = digit_mask if digit_mask is not None else 0
+    _tile_histogram_kernel[(num_tiles,)](
+        keys, counts, n, num_bins, shift, dmask,
+        NB=nb, TILE=cfg.tile, USE_MASK=use_mask, num_warps=cfg.num_warps,
+    )
+    if meta is None:
+        tpe = bins = padded = counts  # unused when WRITE_META is False
+        block_size = 1
+    else:
+        tpe, bins, padded, block_size = meta
+    _counting_scatter_kernel[(num_tiles,)](
+        keys, payload if payload is not None else keys, counts, values, index,
+        tpe, bins, padded,
+        n, num_tiles, num_bins, shift, dmask, block_size,
+        NB=nb, TILE=cfg.tile, CHUNK=cfg.chunk, TILE_ROWS=cfg.tile_rows,
+        USE_MASK=use_mask, HAS_PAYLOAD=payload is not None, WRITE_META=meta is not None,
+        num_warps=cfg.num_warps,
+    )
+    return values, index
+
+
+def route(
+    top_experts: torch.Tensor, num_experts: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All routing metadata of a dropless MoE layer in two launches, no host sync.
+
+    Returns ``(indices, bin_ids, tokens_per_expert, bins, padded_bins)``:
+    the same order as ``torch.sort(top_experts, stable=True)`` (indices and
+    bin_ids in top_experts' dtype), the per-expert counts, their inclusive
+    cumsum, and the inclusive cumsum of the counts rounded up to block_size
+    (the three int32, shape (num_experts,)). Expert ids outside
+    [0, num_experts) are left out of everything (their slots stay unwritten).
+    """
+    num_experts, block_size = int(num_experts), int(block_size)
+    keys = top_experts.reshape(-1)
+    dev = keys.device
+    tpe = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    bins = torch.empty_like(tpe)
+    padded = torch.empty_like(tpe)
+    n = keys.numel()
+    if n == 0 or num_experts == 0:
+        tpe.zero_(), bins.zero_(), padded.zero_()
+        return keys.clone(), keys.clone(), tpe, bins, padded
+    if num_experts > MAX_COUNTING_BINS:
+        # Too many bins for the in-register scan: documented torch fallback
+        # (stable radix sort by torch + our sync-free histogram and cumsum).
+        bin_ids, order = torch.sort(keys, stable=True)
+        tpe = histogram(keys, num_experts)
+        rounded = (tpe + block_size - 1) // block_size * block_size
+        return (order.to(keys.dtype), bin_ids, tpe, inclusive_cumsum(tpe, 0),
+                inclusive_cumsum(rounded, 0))
+    bin_ids, indices = _counting_pass(
+        keys, None, num_experts, 0, None, meta=(tpe, bins, padded, block_size)
+    )
+    return indices, bin_ids, tpe, bins, padded
+
+
+def sort(x: torch.Tensor, end_bit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stable ascending sort of a 1-D int tensor over bits [0, end_bit).
+
+    end_bit <= 10: one counting-sort pass (two launches). 10 < end_bit <= 16:
+    two stable LSD radix passes (four launches). end_bit None or > 16: falls
+    back to ``torch.sort(stable=True)`` (a full-width sort; equal to the
+    end_bit sort because the contract keeps keys inside [0, 2**end_bit)).
+    Both outputs have x's dtype.
+    """
+    n = x.numel()
+    end_bit = None if end_bit is None else int(end_bit)
+    if n == 0:
+        return x.clone(), x.clone()
+    if end_bit is None or end_bit > 16:
+        values, order = torch.sort(x, stable=True)
+        return values, order.to(x.dtype)
+    if end_bit == 0:  # every key compares equal: identity permutation
+        return x.clone(), torch.arange(n, dtype=x.dtype, device=x.device)
+    if end_bit <= 10:
+        return _counting_pass(x, None, 1 << end_bit, 0, (1 << end_bit) - 1)
+    lo = end_bit // 2
+    hi = end_bit - lo
+    keys, index = _counting_pass(x, None, 1 << lo, 0, (1 << lo) - 1)
+    return _counting_pass(keys, index, 1 << hi, lo, (1 << hi) - 1)
+
+
+# --------------------------------------------------------------------------- histogram
+
+
+@triton.jit
+def _histogram_kernel(
+    x_ptr, out_ptr, n, num_bins,
+    NB: tl.constexpr, BLOCK: tl.constexpr, PER_KEY: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    raw = tl.load(x_ptr + row.to(tl.int64) * n + offs, mask=inb, other=0)
+    digit, valid = _digits(raw, inb, num_bins, 0, 0, False)
+    out_row = out_ptr + row.to(tl.int64) * num_bins
+    if PER_KEY:
+        tl.atomic_add(out_row + digit, tl.full([BLOCK], 1, tl.int32), mask=valid)
+    else:
+        # One in-register histogram per block, then one atomic per bin.
+        hist = tl.histogram(digit, NB, mask=valid)
+        cols = tl.arange(0, NB)
+        tl.atomic_add(out_row + cols, hist, mask=(cols < num_bins) & (hist != 0))
+
+
+def histogram(x: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """int32 counts of values in [0, num_bins); 1-D -> (num_bins,), 2-D -> (B, num_bins) per row.
+
+    Out-of-range values are dropped. Two launches (a memset and the count).
+    """
+    num_bins = int(num_bins)
+    rows = 1 if x.dim() == 1 else x.shape[0]
+    n = x.shape[-1]
+    out = torch.zeros((*x.shape[:-1], num_bins), dtype=torch.int32, device=x.device)
+    if n == 0 or rows == 0 or num_bins == 0:
+        return out
+    block = launch_configs().histogram_block(n)
+    per_key = num_bins > MAX_TILE_HISTOGRAM_BINS
+    nb = 1 if per_key else triton.next_power_of_2(num_bins)
+    _histogram_kernel[(triton.cdiv(n, block), rows)](
+        x, out, n, num_bins, NB=nb, BLOCK=block, PER_KEY=per_key
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- cumsum
+
+
+@triton.jit
+def _cumsum_kernel(
+    x_ptr, out_ptr, length, line_stride, elem_stride,
+    BLOCK: tl.constexpr, EXCLUSIVE: tl.constexpr, WIDE: tl.constexpr,
+):
+    line = tl.program_id(0)
+    acc_ty = tl.int64 if WIDE else tl.int32
+    carry = tl.zeros([1], dtype=acc_ty)
+    for start in range(0, length, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < length
+        ptr_off = line.to(tl.int64) * line_stride + offs.to(tl.int64) * elem_stride
+        v = tl.load(x_ptr + ptr_off, mask=m, other=0).to(acc_ty)
+        inc = tl.cumsum(v, axis=0) + carry
+        res = inc - v if EXCLUSIVE else inc
+        # Narrow dtypes wrap like the same-dtype sum would (two's complement).
+        tl.store(out_ptr + ptr_off, res.to(out_ptr.dtype.element_ty), mask=m)
+        carry += tl.sum(v, axis=0)
+
+
+def _cumsum(x: torch.Tensor, dim: int, exclusive: bool) -> torch.Tensor:
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    dim = int(dim)
+    if x.dim() == 1:
+        lines, length, line_stride, elem_stride = 1, x.shape[0], 0, 1
+    else:
+        d = dim % 2
+        rows, cols = x.shape
+        if d == 1:
+            lines, length, line_stride, elem_stride = rows, cols, cols, 1
+        else:
+            lines, length, line_stride, elem_stride = cols, rows, 1, cols
+    _cumsum_kernel[(lines,)](
+        x, out, length, line_stride, elem_stride,
+        BLOCK=launch_configs().scan_block(length), EXCLUSIVE=exclusive,
+        WIDE=x.dtype == torch.int64,
+    )
+    return out
+
+
+def inclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inclusive prefix sum along dim; same dtype and shape as x."""
+    return _cumsum(x, dim, exclusive=False)
+
+
+def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Exclusive prefix sum along dim (out[i] = sum(x[:i])); same dtype and shape."""
+    return _cumsum(x, dim, exclusive=True)
+
+
+# --------------------------------------------------------------------------- topology
+
+
+@triton.jit
+def _topology_kernel(
+    padded_ptr, out_ptr, num_bins, block_size, rows, cols,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LOG: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    # Expert of block-row r = #{e : padded_bins[e] // bs <= r}; for the
+    # non-negative padded_bins that is padded_bins[e] <= (r + 1) * bs - 1.
+    e = _count_le(padded_ptr, num_bins, (r + 1) * block_size - 1, rmask, LOG)
+    for c0 in range(0, cols, BLOCK_C):
+        j = c0 + tl.arange(0, BLOCK_C)
+        val = e[:, None] * cols + j[None, :]
+        tl.store(out_ptr + r[:, None].to(tl.int64) * cols + j[None, :], val.to(tl.int16),
+                 mask=rmask[:, None] & (j < cols)[None, :])
+
+
+def topology(
+    padded_bins: torch.Tensor, block_size: int, output_block_rows: int, output_block_columns: int
+) -> torch.Tensor:
+    """int16 (rows*cols,) block-sparse column indices: out[r*cols+j] = e(r)*cols + j."""
+    block_size, rows, cols = int(block_size), int(output_block_rows), int(output_block_columns)
+    out = torch.empty(rows * cols, dtype=torch.int16,
+                      device=padded_bins.device)
+    if out.numel() == 0:
+        return out
+    num_bins = padded_bins.numel()
+    block_r = 32
+    block_c = min(triton.next_power_of_2(cols), 128)
+    _topology_kernel[(triton.cdiv(rows, block_r),)](
+        padded_bins, out, num_bins, block_size, rows, cols,
+        BLOCK_R=block_r, BLOCK_C=block_c, LOG=max(num_bins.bit_length(), 1),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- replicate
+
+
+@triton.jit
+def _replicate_kernel(
+    x_ptr, bins_ptr, out_ptr, num_bins, num_outputs,
+    BLOCK: tl.constexpr, LOG: tl.constexpr,
+):
+    b = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = j < num_outputs
+    e = _count_le(bins_ptr, num_bins, j, m, LOG)  # bins[e-1] <= j < bins[e]
+    keep = m & (e < num_bins)
+    v = tl.load(x_ptr + b * num_bins + e, mask=keep, other=0)
+    tl.store(out_ptr + b * num_outputs + j, v, mask=m)
+
+
+def replicate(x: torch.Tensor, bins: torch.Tensor, num_outputs: int) -> torch.Tensor:
+    """(B, E) -> (B, num_outputs): out[b, j] = x[b, e] for bins[e-1] <= j < bins[e]; 0 past bins[-1]."""
+    batch, num_bins = x.shape
+    num_outputs = int(num_outputs)
+    out = torch.empty((batch, num_outputs), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if num_bins == 0:
+        return out.zero_()
+    block = launch_configs().elementwise_block(num_outputs)
+    _replicate_kernel[(triton.cdiv(num_outputs, block), batch)](
+        x, bins, out, num_bins, num_outputs, BLOCK=block, LOG=num_bins.bit_length(),
+    )
+    return out
+
+
+@triton.jit
+def _replicate_backward_kernel(
+    grad_ptr, bins_ptr, out_ptr, num_bins, num_cols, BLOCK: tl.constexpr,
+):
+    e = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    end = tl.minimum(tl.load(bins_ptr + e).to(tl.int32), num_cols)
+    start = tl.load(bins_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+    start = tl.minimum(tl.maximum(start, 0), end)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j0 in range(start, end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        acc += tl.load(grad_ptr + b * num_cols + j, mask=j < end, other=0).to(tl.float32)
+    tl.store(out_ptr + b * num_bins + e, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty))
+
+
+def replicate_backward(grad: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
+    """(B, N) -> (B, E): segment sums out[b, e] = sum(grad[b, bins[e-1]:bins[e]]), fp32 accumulation."""
+    batch, num_cols = grad.shape
+    num_bins = bins.numel()
+    out = torch.empty((batch, num_bins), dtype=grad.dtype, device=grad.device)
+    if out.numel() == 0:
+        return out
+    _replicate_backward_kernel[(num_bins, batch)](
+        grad, bins, out, num_bins, num_cols, BLOCK=256,
+    )
+    return out

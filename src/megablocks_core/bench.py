@@ -1,0 +1,321 @@
+"""``megablocks bench``: every installed provider of each op, side by side with peers and the limit.
+
+For each shape it builds realistic routing (softmax top-k of random logits), then for each op:
+
+- times every backend that can serve the op on the device, through ``megablocks_core.ops`` with that
+  backend forced (so the figure includes what a caller pays, dispatch included);
+- times the peers that are importable: plain torch, MegaBlocks' ops, grouped_gemm;
+- checks each result against the reference backend's before timing it;
+- reports µs, GB/s (or TFLOP/s for gmm) and the ratio to a limit measured in the same run: a device
+  copy of the op's ideal bytes for memory-bound ops, a dense matmul of the same FLOPs for gmm.
+
+On the CPU it times with ``time.perf_counter`` (for smoke tests); on GPUs with
+``triton.testing.do_bench`` (median) when Triton is installed, else CUDA events.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from . import dispatch, ops
+from .devices import describe
+
+#: name → (tokens, hidden, ffn, experts, top_k)
+SHAPES: dict[str, tuple[int, int, int, int, int]] = {
+    "mixtral": (16384, 4096, 14336, 8, 2),
+    "qwen3": (16384, 2048, 768, 128, 8),
+    "dsv3": (16384, 7168, 2048, 256, 8),
+    "tiny": (64, 32, 48, 8, 2),
+}
+OPS = ("routing", "gather", "scatter", "padded_gather", "padded_scatter", "scatter_wgrad", "gmm")
+BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
+
+
+@dataclass
+class Result:
+    shape: str
+    op: str
+    provider: str
+    kind: str  # "ours" (a backend through the ops API), "peer", or "limit"
+    us: float
+    rate: float | None  # GB/s for memory-bound ops, TFLOP/s for gmm
+    unit: str
+    vs_limit: float | None  # time / limit time (memory ops) or limit rate / rate (gmm): lower is better
+    check: str  # "ok", "n/a" or what failed
+
+
+def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], float]:
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+
+            return lambda fn: float(do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 200,
+                                             return_mode="median")) * 1e3
+        except ImportError:
+            return lambda fn: _event_time(fn, 5 if quick else 50)
+
+    def cpu_time(fn: Callable[[], Any]) -> float:
+        fn()
+        samples = []
+        for _ in range(3 if quick else 15):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples) * 1e6
+    return cpu_time
+
+
+def _event_time(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _close(got: Any, want: Any, tol: float) -> str:
+    pairs = zip(got, want, strict=True) if isinstance(want, tuple) else [(got, want)]
+    for g, w in pairs:
+        if g.shape != w.shape:
+            return f"shape {tuple(g.shape)} != {tuple(w.shape)}"
+        g64, w64 = g.double(), w.double()
+        if not torch.isfinite(g64).all():
+            return "non-finite values"
+        err = float((g64 - w64).norm() / w64.norm().clamp_min(1e-30)) if w64.numel() else 0.0
+        if err > tol:
+            return f"relative error {err:.1e} > {tol:.0e}"
+    return "ok"
+
+
+def _optional(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except Exception:  # a peer that is missing or fails to import is simply not compared
+        return None
+
+
+class Case:
+    """Inputs for one shape, built once."""
+
+    def __init__(self, name: str, shape: tuple[int, int, int, int, int], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        tokens, hidden, ffn, experts, top_k = shape
+        self.name, self.tokens, self.hidden, self.ffn, self.experts, self.top_k = name, *shape
+        gen = torch.Generator(device=device).manual_seed(0)
+        logits = torch.randn(tokens, experts, device=device, generator=gen)
+        weights, top = torch.topk(logits.softmax(-1), top_k)
+        self.top_experts = top.flatten().int()
+        self.weights = weights.flatten().to(dtype)
+        self.end_bit = max((experts - 1).bit_length(), 1)
+        self.x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+        with dispatch.use_backend("reference"):
+            self.bin_ids, self.indices = ops.sort(self.top_experts, self.end_bit)
+            self.counts = ops.histogram(self.top_experts, experts)
+            self.bins = ops.inclusive_cumsum(self.counts, 0)
+            self.padded_bins = ops.inclusive_cumsum(ops.round_up(self.counts, BLOCK), 0)
+            self.rows = ops.gather(self.x, self.indices, self.bin_ids, self.bins, top_k)
+            self.padded_rows = ops.padded_gather(self.x, self.indices, self.bin_ids, self.bins,
+                                                 self.padded_bins, top_k)
+        self.w1 = (torch.randn(experts, hidden, ffn, device=device, generator=gen) / hidden**0.5).to(dtype)
+        self.counts_cpu = self.counts.long().cpu()
+
+    @property
+    def permutation_bytes(self) -> int:
+        """The ideal bytes of gather/scatter: every token row read once, every routed row written once."""
+        return (self.tokens * self.hidden + self.tokens * self.top_k * self.hidden) * self.x.element_size()
+
+    @property
+    def gmm_flops(self) -> float:
+        return 2.0 * self.tokens * self.top_k * self.hidden * self.ffn
+
+
+def _routing(case: Case) -> tuple[torch.Tensor, ...]:
+    bin_ids, indices = ops.sort(case.top_experts, case.end_bit)
+    counts = ops.histogram(case.top_experts, case.experts)
+    bins = ops.inclusive_cumsum(counts, 0)
+    padded = ops.inclusive_cumsum(ops.round_up(counts, BLOCK), 0)
+    return indices, bin_ids, counts, bins, padded
+
+
+def _ours(case: Case) -> dict[str, Callable[[], Any]]:
+    c = case
+    return {
+        "routing": lambda: _routing(c),
+        "gather": lambda: ops.gather(c.x, c.indices, c.bin_ids, c.bins, c.top_k),
+        "scatter": lambda: ops.scatter(c.rows, c.indices, c.bin_ids, c.weights, c.bins, c.top_k),
+        "padded_gather": lambda: ops.padded_gather(c.x, c.indices, c.bin_ids, c.bins, c.padded_bins, c.top_k),
+        "padded_scatter": lambda: ops.padded_scatter(c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins,
+                                                     c.padded_bins, c.top_k),
+        "scatter_wgrad": lambda: dispatch.call("scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins,
+                                               c.top_k),
+        "gmm": lambda: ops.gmm(c.rows, c.w1, c.counts_cpu),
+    }
+
+
+#: The op each benchmark item dispatches (the routing item dispatches several; sort stands for them).
+DISPATCHED = {"routing": "sort", "gather": "gather", "scatter": "scatter", "padded_gather": "padded_gather",
+              "padded_scatter": "padded_scatter", "scatter_wgrad": "scatter_wgrad", "gmm": "gmm"}
+
+
+def _peers(case: Case) -> dict[str, dict[str, Callable[[], Any]]]:
+    """op → peer name → callable returning the same thing as ours (for the check)."""
+    c = case
+    peers: dict[str, dict[str, Callable[[], Any]]] = {op: {} for op in OPS}
+
+    def torch_routing() -> tuple[torch.Tensor, ...]:
+        bin_ids, indices = torch.sort(c.top_experts, stable=True)
+        counts = torch.bincount(c.top_experts, minlength=c.experts).int()  # syncs on CUDA
+        padded = ((counts + BLOCK - 1) // BLOCK * BLOCK).cumsum(0).int()
+        return indices.int(), bin_ids, counts, counts.cumsum(0).int(), padded
+
+    def torch_scatter() -> torch.Tensor:
+        out = torch.zeros(c.tokens, c.hidden, device=c.x.device, dtype=torch.float32)
+        scaled = c.rows.float() * c.weights.float()[c.indices.long()].unsqueeze(1)
+        return out.index_add_(0, c.indices.long() // c.top_k, scaled).to(c.x.dtype)
+
+    peers["routing"]["torch"] = torch_routing
+    peers["gather"]["torch"] = lambda: c.x.index_select(0, c.indices.long() // c.top_k)
+    peers["scatter"]["torch"] = torch_scatter
+    if hasattr(torch, "_grouped_mm") and c.x.is_cuda:
+        offsets = c.counts.cumsum(0).int()
+        peers["gmm"]["torch._grouped_mm"] = lambda: torch._grouped_mm(c.rows, c.w1, offs=offsets)
+
+    def loop_gmm() -> torch.Tensor:
+        return torch.cat([a @ w for a, w in zip(c.rows.split(c.counts_cpu.tolist()), c.w1, strict=True)])
+
+    peers["gmm"]["torch loop"] = loop_gmm
+    mb = _optional("megablocks.ops")
+    if mb is not None and c.x.is_cuda:
+        def mb_routing() -> tuple[torch.Tensor, ...]:
+            bin_ids, indices = mb.sort(c.top_experts, c.end_bit)
+            counts = mb.histogram(c.top_experts, c.experts)
+            bins = mb.inclusive_cumsum(counts, 0)
+            padded = mb.inclusive_cumsum(mb.round_up(counts, BLOCK), 0)
+            return indices, bin_ids, counts, bins, padded
+
+        peers["routing"]["megablocks"] = mb_routing
+        peers["gather"]["megablocks"] = lambda: mb.gather(c.x, c.indices, c.bin_ids, c.bins, c.top_k)
+        peers["scatter"]["megablocks"] = lambda: mb.scatter(c.rows, c.indices, c.bin_ids, c.weights, c.bins,
+                                                            c.top_k)
+        peers["padded_gather"]["megablocks"] = lambda: mb.padded_gather(c.x, c.indices, c.bin_ids, c.bins,
+                                                                        c.padded_bins, c.top_k)
+        peers["padded_scatter"]["megablocks"] = lambda: mb.padded_scatter(
+            c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins, c.padded_bins, c.top_k)
+    gg = _optional("grouped_gemm.ops")
+    if gg is not None and c.x.is_cuda and c.x.dtype == torch.bfloat16:
+        peers["gmm"]["grouped_gemm"] = lambda: gg.gmm(c.rows, c.w1, c.counts_cpu)
+    return peers
+
+
+def _providers(op: str, case: Case) -> list[str]:
+    """Backends that can serve this op's call on this device (ranked, best first)."""
+    name = DISPATCHED[op]
+    contract_dtypes = {"gmm": {"a": case.x.dtype, "b": case.x.dtype}}.get(name, {"x": case.x.dtype})
+    if op == "routing":
+        contract_dtypes = {"x": case.top_experts.dtype}
+    trace = dispatch.explain(name, describe(case.x.device), contract_dtypes)
+    seen: list[str] = []
+    for candidate in trace.candidates:
+        if candidate.accepted and candidate.kernel.backend not in seen:
+            seen.append(candidate.kernel.backend)
+    return seen
+
+
+def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wanted: list[str],
+        device: torch.device, dtype: torch.dtype, quick: bool = False, peers: bool = True,
+        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> Iterator[Result]:
+    timer = _timer(device, quick)
+    named = [(s, SHAPES[s]) for s in shapes] + [(",".join(map(str, c)), c) for c in custom]
+    for label, shape in named:
+        log(f"[{label}] building inputs T={shape[0]} H={shape[1]} F={shape[2]} E={shape[3]} K={shape[4]}")
+        case = Case(label, shape, device, dtype)
+        copy_src = case.rows
+        copy_dst = torch.empty_like(copy_src)
+        copy_us = timer(lambda src=copy_src, dst=copy_dst: dst.copy_(src))
+        bandwidth = 2 * copy_src.numel() * copy_src.element_size() / (copy_us * 1e-6)  # bytes/s
+        limit_us = case.permutation_bytes / bandwidth * 1e6
+        yield Result(label, "copy", "device copy (T*K, H)", "limit", copy_us, bandwidth / 1e9, "GB/s", None, "n/a")
+        dense_a = torch.randn(case.tokens * case.top_k, case.hidden, device=device, dtype=dtype)
+        dense_us = timer(lambda a=dense_a, w=case.w1[0]: a @ w) if "gmm" in ops_wanted else math.nan
+        dense_rate = case.gmm_flops / (dense_us * 1e-6) / 1e12
+        if "gmm" in ops_wanted:
+            yield Result(label, "gmm", "dense mm, same FLOPs", "limit", dense_us, dense_rate, "TFLOP/s", None, "n/a")
+        ours, peer_fns = _ours(case), (_peers(case) if peers else {op: {} for op in OPS})
+        for op in ops_wanted:
+            with dispatch.use_backend("reference"):
+                want = ours[op]()
+            tol = 0.0 if op in ("gather", "padded_gather", "routing") else 2e-2
+            entries = [(b, "ours", ours[op], b) for b in _providers(op, case)]
+            entries += [(p, "peer", fn, None) for p, fn in peer_fns[op].items()]
+            for provider, kind, fn, backend in entries:
+                if backend == "reference" and device.type != "cpu" and not quick and op == "gmm":
+                    continue  # the per-expert loop is a correctness oracle, not a contender
+                log(f"[{label}] {op}: {provider}")
+                forced = dispatch.use_backend(backend) if backend else contextlib.nullcontext()
+                with forced:
+                    try:
+                        check = _close(fn(), want, tol)
+                        us = timer(fn)
+                    except Exception as exc:  # a peer that rejects the shape is reported, not fatal
+                        yield Result(label, op, provider, kind, math.nan, None, "", None,
+                                     f"error: {type(exc).__name__}: {exc}"[:200])
+                        continue
+                if op == "gmm":
+                    rate = case.gmm_flops / (us * 1e-6) / 1e12
+                    yield Result(label, op, provider, kind, us, rate, "TFLOP/s", dense_rate / rate, check)
+                elif op == "routing":
+                    yield Result(label, op, provider, kind, us, None, "", None, check)
+                else:
+                    rate = case.permutation_bytes / (us * 1e-6) / 1e9
+                    yield Result(label, op, provider, kind, us, rate, "GB/s", us / limit_us, check)
+
+
+def format_table(results: list[Result]) -> str:
+    lines = [f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"]
+    for r in results:
+        rate = f"{r.rate:.1f} {r.unit}" if r.rate is not None else ""
+        vs = f"{r.vs_limit:.2f}x" if r.vs_limit is not None else ""
+        lines.append(f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}  {r.check}")
+    return "\n".join(lines)
+
+
+def main(args: Any) -> int:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    custom = [tuple(int(v) for v in s.split(",")) for s in args.shape]
+    if any(len(c) != 5 for c in custom):
+        raise ValueError("--shape takes T,H,F,E,K (five integers)")
+    shapes = [s for s in args.shapes.split(",") if s] if args.shapes else ([] if custom else ["mixtral", "qwen3", "dsv3"])
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise ValueError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    wanted = [o for o in args.ops.split(",") if o] if args.ops else list(OPS)
+    bad = [o for o in wanted if o not in OPS]
+    if bad:
+        raise ValueError(f"unknown op(s) {bad}; known: {', '.join(OPS)}")
+    results = list(run(shapes, custom, wanted, device, dtype, quick=args.quick, peers=not args.no_peers))
+    print(format_table(results))
+    if args.json:
+        meta = {"device": str(describe(device)), "dtype": args.dtype, "torch": torch.__version__,
+                "quick": args.quick, "shapes": {s: SHAPES[s] for s in shapes}}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+    failed = [r for r in results if r.kind == "ours" and r.check != "ok"]
+    return 1 if failed else 0

@@ -1,0 +1,252 @@
+"""Triton grouped GEMM (megablocks_triton.gmm) against a float64 loop reference.
+
+Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1), so shapes are tiny and tile
+configs small enough that every expert spans several tiles and M-tiles straddle group ends.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton_interpreter import apply_shims  # noqa: E402
+
+try:
+    from megablocks_triton import gmm as G
+except ImportError:  # plugin not installed: import it from the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/megablocks-triton/src"))
+    from megablocks_triton import gmm as G
+
+
+apply_shims()
+
+SMALL = G.GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
+# fp32 must track float64 closely (ieee dot, no tf32); 16-bit outputs are rounded once.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return [int(v) for v in np.concatenate([[0], np.cumsum(sizes)])]
+
+
+def _ref_gmm(a: torch.Tensor, b: torch.Tensor, sizes: list[int], trans_b: bool) -> torch.Tensor:
+    off = _offsets(sizes)
+    n = b.shape[1] if trans_b else b.shape[2]
+    out = torch.zeros(off[-1], n, dtype=torch.float64)
+    for e in range(len(sizes)):
+        be = b[e].double()
+        out[off[e] : off[e + 1]] = a[off[e] : off[e + 1]].double() @ (be.T if trans_b else be)
+    return out
+
+
+def _ref_wgrad(a: torch.Tensor, g: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    off = _offsets(sizes)
+    return torch.stack(
+        [
+            a[off[e] : off[e + 1]].double().T @ g[off[e] : off[e + 1]].double()
+            for e in range(len(sizes))
+        ]
+    )
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    rtol, atol = TOL[dtype]
+    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol * scale)
+
+
+def _rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_gmm_odd_shapes(dtype: torch.dtype, trans_b: bool) -> None:
+    sizes, k, n = [1, 7, 0, 33], 24, 40  # K, N not multiples of 16; an empty group
+    a = _rand(sum(sizes), k, dtype=dtype, seed=0)
+    b = _rand(len(sizes), *((n, k) if trans_b else (k, n)), dtype=dtype, seed=1)
+    out = G.gmm(a, b, torch.tensor(sizes), trans_b, config=SMALL)
+    assert out.shape == (sum(sizes), n) and out.dtype == dtype
+    _close(out, _ref_gmm(a, b, sizes, trans_b), dtype)
+
+
+@pytest.mark.parametrize("sizes_dtype", [torch.int64, torch.int32])
+def test_gmm_multi_tile_many_experts(sizes_dtype: torch.dtype) -> None:
+    # 20 experts (BLOCK_E=32), several M- and N-tiles per expert, K % BLOCK_K == 0 (EVEN_K path),
+    # and the default (interpreter) config with 4 persistent programs looping over ~90 tiles.
+    sizes = [0, 37, 5, 0, 0, 16, 50, 1, 3, 17, 0, 32, 8, 2, 0, 19, 4, 0, 6, 33]
+    k, n = 32, 48
+    a = _rand(sum(sizes), k, dtype=torch.float32, seed=2)
+    b = _rand(len(sizes), k, n, dtype=torch.float32, seed=3)
+    bs = torch.tensor(sizes, dtype=sizes_dtype)
+    _close(G.gmm(a, b, bs, False), _ref_gmm(a, b, sizes, False), torch.float32)
+
+
+def test_gmm_one_expert_and_empty() -> None:
+    a = _rand(45, 24, dtype=torch.float32, seed=4)
+    b = _rand(1, 24, 20, dtype=torch.float32, seed=5)
+    _close(
+        G.gmm(a, b, torch.tensor([45]), False, config=SMALL),
+        _ref_gmm(a, b, [45], False),
+        torch.float32,
+    )
+    # M = 0: nothing to compute, no launch.
+    out = G.gmm(
+        a[:0],
+        _rand(3, 24, 20, dtype=torch.float32, seed=6),
+        torch.zeros(3, dtype=torch.int64),
+        False,
+    )
+    assert out.shape == (0, 20)
+
+
+def test_gmm_reads_nothing_outside_groups() -> None:
+    # a: a narrowed view of a larger NaN-filled buffer (the tail is past the last group end);
+    # b: a column slice of a NaN-padded buffer (non-unit row stride; clamped columns must stay < N).
+    sizes, k, n = [9, 0, 14, 1], 24, 40
+    m = sum(sizes)
+    a_buf = torch.full((m + 23, k), float("nan"))
+    a_buf[:m] = _rand(m, k, dtype=torch.float32, seed=7)
+    b_buf = torch.full((len(sizes), k, n + 8), float("nan"))
+    b_buf[:, :, :n] = _rand(len(sizes), k, n, dtype=torch.float32, seed=8)
+    a, b = a_buf[:m], b_buf[:, :, :n]
+    out = G.gmm(a, b, torch.tensor(sizes, dtype=torch.int32), False, config=SMALL)
+    assert torch.isfinite(out).all()
+    _close(out, _ref_gmm(a, b, sizes, False), torch.float32)
+    # trans_b: b (E, N, K) sliced on N, so rows of b[e] beyond N are NaN.
+    bt_buf = torch.full((len(sizes), n + 8, k), float("nan"))
+    bt_buf[:, :n] = b.transpose(1, 2)
+    out = G.gmm(a, bt_buf[:, :n], torch.tensor(sizes), True, config=SMALL)
+    assert torch.isfinite(out).all()
+    _close(out, _ref_gmm(a, b, sizes, False), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weight_grad_odd_shapes_empty_experts(dtype: torch.dtype) -> None:
+    sizes, k, n = [1, 7, 0, 33, 0], 24, 40
+    m = sum(sizes)
+    a = _rand(m, k, dtype=dtype, seed=9)
+    g = _rand(m, n, dtype=dtype, seed=10)
+    out = G.gmm_weight_grad(a, g, torch.tensor(sizes), config=SMALL)
+    assert out.shape == (len(sizes), k, n) and out.dtype == dtype
+    assert (out[2] == 0).all() and (out[4] == 0).all()  # exact zeros, not just small
+    assert not torch.signbit(out[2]).any()  # +0.0, as a zero-initialised accumulator gives
+    _close(out, _ref_wgrad(a, g, sizes), dtype)
+
+
+@pytest.mark.parametrize("sizes_dtype", [torch.int64, torch.int32])
+def test_weight_grad_worst_case_buffer(sizes_dtype: torch.dtype) -> None:
+    # The whole worst-case-allocated buffers are passed; rows beyond sum(batch_sizes) are NaN and
+    # must not be read (the single-group backward bug seen in other grouped-GEMM ports).
+    sizes, k, n = [0, 20, 3, 0, 18], 40, 24
+    m = sum(sizes)
+    a = torch.full((m + 19, k), float("nan"))
+    g = torch.full((m + 19, n), float("nan"))
+    a[:m] = _rand(m, k, dtype=torch.float32, seed=11)
+    g[:m] = _rand(m, n, dtype=torch.float32, seed=12)
+    out = G.gmm_weight_grad(a, g, torch.tensor(sizes, dtype=sizes_dtype))
+    assert torch.isfinite(out).all()
+    assert (out[0] == 0).all() and (out[3] == 0).all()
+    _close(out, _ref_wgrad(a[:m], g[:m], sizes), torch.float32)
+    # A single group covering only part of the buffer.
+    out1 = G.gmm_weight_grad(a, g, torch.tensor([m], dtype=sizes_dtype), config=SMALL)
+    assert torch.isfinite(out1).all()
+    _close(out1, _ref_wgrad(a[:m], g[:m], [m]), torch.float32)
+
+
+def test_weight_grad_no_tokens() -> None:
+    a, g = torch.empty(0, 24), torch.empty(0, 40)
+    out = G.gmm_weight_grad(a, g, torch.zeros(3, dtype=torch.int64))
+    assert out.shape == (3, 24, 40) and (out == 0).all()
+    # Tokens present in the buffer but every group empty: the kernel itself stores zeros.
+    a = torch.full((5, 24), float("nan"))
+    g = torch.full((5, 40), float("nan"))
+    out = G.gmm_weight_grad(a, g, torch.zeros(3, dtype=torch.int32), config=SMALL)
+    assert (out == 0).all()
+
+
+def test_non_unit_inner_stride() -> None:
+    # A transposed view of a is made contiguous by the wrapper; results unchanged.
+    sizes, k, n = [5, 12], 24, 16
+    a = _rand(k, sum(sizes), dtype=torch.float32, seed=13).T
+    b = _rand(2, k, n, dtype=torch.float32, seed=14)
+    _close(
+        G.gmm(a, b, torch.tensor(sizes), False, config=SMALL),
+        _ref_gmm(a, b, sizes, False),
+        torch.float32,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# choose_config: pure function of the shapes / dtype / device description.
+# ---------------------------------------------------------------------------------------------
+
+H200 = G.DeviceInfo(family="sm90", arch="sm90", num_sms=132)
+MI300 = G.DeviceInfo(family="cdna3", arch="gfx942", num_sms=304)
+
+
+def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_CONFIG", raising=False)
+    monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG", raising=False)
+    big = G.choose_config("gmm", 32768, 14336, 4096, 8, torch.bfloat16, H200)
+    assert (big.block_m, big.block_n, big.block_k) == (128, 256, 64)
+    # Many small experts (~64 rows each): BLOCK_M shrinks, not below 64.
+    small = G.choose_config("gmm", 128 * 64, 768, 2048, 128, torch.bfloat16, H200)
+    assert small.block_m == 64
+    tiny = G.choose_config("gmm", 128 * 8, 768, 2048, 128, torch.bfloat16, H200)
+    assert tiny.block_m == 16  # capped by the rows per expert
+    # Blocks never exceed the (power-of-two rounded) problem.
+    c = G.choose_config("gmm", 4096, 40, 24, 4, torch.float32, H200)
+    assert c.block_n == 64 and c.block_k == 32
+    assert G.choose_config("wgrad", 2048, 768, 131072, 128, torch.bfloat16, MI300).num_stages == 2
+    # Unknown families fall back to a generic entry.
+    other = G.DeviceInfo(family="gfx1100", arch="gfx1100", num_sms=48)
+    assert (
+        G.choose_config("gmm", 4096, 4096, 4096, 8, torch.float16, other)
+        == G.CONFIGS[("gmm", "amd", "16bit")]
+    )
+    assert G.device_info(torch.device("cpu")).family == "cpu"
+
+
+def test_choose_config_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGABLOCKS_TRITON_GMM_CONFIG", "64,128,32,4,4,5")
+    cfg = G.choose_config("gmm", 4096, 4096, 4096, 8, torch.bfloat16, H200)
+    assert cfg == G.GmmConfig(64, 128, 32, group_m=4, num_warps=4, num_stages=5)
+    monkeypatch.setenv("MEGABLOCKS_TRITON_GMM_CONFIG", "64,128")
+    with pytest.raises(ValueError):
+        G.choose_config("gmm", 4096, 4096, 4096, 8, torch.bfloat16, H200)
+    # The override drives the kernel too (here: 32x16x16 tiles on the interpreter).
+    monkeypatch.setenv("MEGABLOCKS_TRITON_GMM_CONFIG", "32,16,16,1,1,1")
+    sizes = [3, 0, 40]
+    a = _rand(43, 24, dtype=torch.float32, seed=15)
+    b = _rand(3, 24, 20, dtype=torch.float32, seed=16)
+    _close(G.gmm(a, b, torch.tensor(sizes), False), _ref_gmm(a, b, sizes, False), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_gmm_tma_path(dtype: torch.dtype, trans_b: bool) -> None:
+    # The Hopper TMA variant (interpreter-emulated descriptors): K tail and rows past M come back
+    # zero-filled from the descriptor bounds; a 3-D b descriptor keeps b[e]'s K tail off b[e + 1].
+    sizes, k, n = [1, 7, 0, 33, 5], 40, 24
+    a = _rand(sum(sizes), k, dtype=dtype, seed=17)
+    b_buf = torch.full(
+        (len(sizes) + 1, *((n, k) if trans_b else (k, n))), float("nan"), dtype=dtype
+    )
+    b = b_buf[: len(sizes)]  # NaN past the last expert: a K tail read from there would show up
+    b.copy_(_rand(*b.shape, dtype=dtype, seed=18))
+    cfg = G.GmmConfig(16, 16, 32, group_m=2, num_warps=1, num_stages=1, use_tma=True)
+    out = G.gmm(a, b, torch.tensor(sizes), trans_b, config=cfg)
+    assert torch.isfinite(out).all()
+    _close(out, _ref_gmm(a, b, sizes, trans_b), dtype)

@@ -1,0 +1,459 @@
+"""Triton routing and permutation kernels (megablocks_triton) against numpy loop references.
+
+Runs the kernels under the Triton interpreter on the CPU (TRITON_INTERPRET=1), so every shape is
+tiny; the cases aim at the edges instead: zero tokens, empty experts, one expert, E=256, top_k 1..8,
+hidden 1 and hidden spanning several blocks, int16/32/64 indices, bf16/fp16/fp32 data.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from triton_interpreter import apply_shims  # noqa: E402
+
+try:
+    import megablocks_triton
+except ImportError:  # plugin not installed: import it from the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/megablocks-triton/src"))
+    import megablocks_triton
+
+from megablocks_triton import permutation as P  # noqa: E402
+from megablocks_triton import routing as R  # noqa: E402
+
+#: Where the kernels run. CPU (the interpreter) by default; on a GPU machine run
+#: ``MEGABLOCKS_TRITON_TEST_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_triton_kernels.py``
+#: to check the compiled kernels with the same cases.
+DEVICE = torch.device(os.environ.get("MEGABLOCKS_TRITON_TEST_DEVICE", "cpu"))
+
+
+class _OnDevice:
+    """megablocks_triton with tensor arguments moved to DEVICE and results back to the CPU."""
+
+    def __init__(self, module: object) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self._module, name)
+        if not inspect.isfunction(fn) or name in ("launch_configs", "set_launch_configs"):
+            return fn
+
+        def call(*args: object) -> object:
+            moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+            out = fn(*moved)
+            if isinstance(out, tuple):
+                return tuple(o.cpu() for o in out)
+            return out.cpu()
+
+        return call
+
+
+mt = _OnDevice(megablocks_triton)
+
+
+apply_shims()
+
+INTS = (torch.int16, torch.int32, torch.int64)
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _close(got: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype
+    atol, rtol = TOL[dtype]
+    np.testing.assert_allclose(got.float().numpy(), ref, atol=atol, rtol=rtol)
+
+
+# =========================================================================== routing
+
+
+def _np_route(keys: np.ndarray, num_experts: int, block_size: int):
+    order = np.argsort(keys, kind="stable")
+    counts = np.zeros(num_experts, dtype=np.int64)
+    for k in keys:
+        counts[k] += 1
+    padded = -(-counts // block_size) * block_size
+    return order, keys[order], counts, np.cumsum(counts), np.cumsum(padded)
+
+
+@pytest.mark.parametrize(
+    ("n", "num_experts", "block_size", "dtype", "used"),
+    [
+        (0, 8, 4, torch.int32, 8),
+        (1, 1, 1, torch.int32, 1),
+        (300, 1, 8, torch.int64, 1),  # one expert
+        (500, 7, 4, torch.int16, 3),  # most experts empty
+        (3000, 256, 128, torch.int32, 256),  # E=256, several tiles
+        (2000, 64, 16, torch.int64, 20),
+    ],
+)
+def test_route(n: int, num_experts: int, block_size: int, dtype: torch.dtype, used: int) -> None:
+    g = _gen(n + num_experts)
+    pool = torch.randperm(num_experts, generator=g)[:used]
+    keys = pool[torch.randint(0, used, (n,), generator=g)].to(dtype)
+    indices, bin_ids, tpe, bins, padded = mt.route(keys, num_experts, block_size)
+    order, sorted_keys, counts, ends, padded_ends = _np_route(keys.numpy().astype(np.int64),
+                                                              num_experts, block_size)
+    assert indices.dtype == dtype and bin_ids.dtype == dtype
+    assert tpe.dtype == bins.dtype == padded.dtype == torch.int32
+    np.testing.assert_array_equal(indices.numpy(), order)
+    np.testing.assert_array_equal(bin_ids.numpy(), sorted_keys)
+    np.testing.assert_array_equal(tpe.numpy(), counts)
+    np.testing.assert_array_equal(bins.numpy(), ends)
+    np.testing.assert_array_equal(padded.numpy(), padded_ends)
+
+
+def test_route_matches_separate_ops() -> None:
+    keys = torch.randint(0, 12, (700,), generator=_gen(3), dtype=torch.int32)
+    indices, bin_ids, tpe, bins, _ = mt.route(keys, 12, 8)
+    sorted_keys, order = mt.sort(keys, 4)
+    assert torch.equal(indices, order) and torch.equal(bin_ids, sorted_keys)
+    assert torch.equal(tpe, mt.histogram(keys, 12))
+    assert torch.equal(bins, mt.inclusive_cumsum(tpe, 0))
+
+
+@pytest.mark.parametrize("dtype", INTS)
+@pytest.mark.parametrize("end_bit", [0, 1, 4, 8, 10, 13, 16, None])
+def test_sort(end_bit: int | None, dtype: torch.dtype) -> None:
+    n = 600
+    g = _gen(end_bit or 0)
+    if end_bit is None:  # full width: negative keys too
+        info = torch.iinfo(dtype)
+        x = torch.randint(max(info.min, -(2**20)), min(info.max, 2**20), (n,), generator=g, dtype=dtype)
+    else:
+        x = torch.randint(0, min(2**end_bit, torch.iinfo(dtype).max), (n,), generator=g, dtype=dtype)
+    values, indices = mt.sort(x, end_bit)
+    ref = np.argsort(x.numpy(), kind="stable")
+    assert values.dtype == indices.dtype == dtype
+    np.testing.assert_array_equal(indices.numpy(), ref)
+    np.testing.assert_array_equal(values.numpy(), x.numpy()[ref])
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_sort_tiny(n: int) -> None:
+    x = torch.zeros(n, dtype=torch.int32)
+    values, indices = mt.sort(x, 3)
+    assert values.shape == indices.shape == (n,)
+    np.testing.assert_array_equal(indices.numpy(), np.arange(n))
+
+
+def _np_histogram(rows: np.ndarray, num_bins: int) -> np.ndarray:
+    out = np.zeros((rows.shape[0], num_bins), dtype=np.int64)
+    for b, row in enumerate(rows):
+        for v in row:
+            if 0 <= v < num_bins:
+                out[b, v] += 1
+    return out
+
+
+@pytest.mark.parametrize("dtype", INTS)
+@pytest.mark.parametrize(("shape", "num_bins"), [((0,), 5), ((1,), 1), ((777,), 9), ((3, 400), 256),
+                                                  ((2, 300), 5000), ((4,), 0)])
+def test_histogram(shape: tuple[int, ...], num_bins: int, dtype: torch.dtype) -> None:
+    hi = max(num_bins, 1) + 3
+    x = torch.randint(-3, hi, shape, generator=_gen(num_bins), dtype=torch.int64)
+    if dtype == torch.int64 and x.numel():
+        x.view(-1)[0] = 2**40 + 1  # would wrap into range if narrowed before the range test
+    x = x.to(dtype) if dtype != torch.int64 else x
+    out = mt.histogram(x, num_bins)
+    assert out.dtype == torch.int32 and out.shape == (*shape[:-1], num_bins)
+    ref = _np_histogram(x.numpy().reshape(-1 if len(shape) == 2 else 1, shape[-1]).astype(np.int64),
+                        num_bins)
+    np.testing.assert_array_equal(out.numpy().reshape(ref.shape), ref)
+
+
+@pytest.mark.parametrize("dtype", INTS)
+@pytest.mark.parametrize(("shape", "dim"), [((1,), 0), ((9,), 0), ((3000,), -1), ((4, 7), 0),
+                                            ((4, 7), 1), ((5, 3), -1), ((0,), 0)])
+def test_cumsum(shape: tuple[int, ...], dim: int, dtype: torch.dtype) -> None:
+    x = torch.randint(0, 20, shape, generator=_gen(len(shape)), dtype=dtype)
+    inc = mt.inclusive_cumsum(x, dim)
+    exc = mt.exclusive_cumsum(x, dim)
+    ref = np.cumsum(x.numpy().astype(np.int64), axis=dim)
+    for got, want in ((inc, ref), (exc, ref - x.numpy())):
+        assert got.dtype == dtype and got.shape == x.shape
+        np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 5, 1], [0, 0, 4], [7], [1] * 40])
+def test_topology(counts: list[int]) -> None:
+    bs, cols = 2, 3
+    padded = np.cumsum([-(-c // bs) * bs for c in counts])
+    rows = int(padded[-1]) // bs
+    out = mt.topology(torch.tensor(padded, dtype=torch.int32), bs, rows, cols)
+    ref = []
+    for r in range(rows):
+        e = next(e for e in range(len(counts)) if (padded[e - 1] if e else 0) <= r * bs < padded[e])
+        ref += [e * cols + j for j in range(cols)]
+    assert out.dtype == torch.int16
+    np.testing.assert_array_equal(out.numpy(), np.array(ref, dtype=np.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.int16])
+def test_replicate(dtype: torch.dtype) -> None:
+    counts = [2, 0, 3, 1, 0]
+    bins = np.cumsum(counts)
+    x = (torch.randn(3, len(counts), generator=_gen(0)) * 10).to(dtype)
+    out = mt.replicate(x, torch.tensor(bins, dtype=torch.int64), int(bins[-1]))
+    ref = np.zeros((3, int(bins[-1])))
+    for e, end in enumerate(bins):
+        ref[:, (bins[e - 1] if e else 0):end] = x[:, e].double().numpy()[:, None]
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out.double().numpy(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_replicate_backward(dtype: torch.dtype) -> None:
+    counts = [300, 0, 5, 1]  # one bin longer than the kernel's block
+    bins = np.cumsum(counts)
+    grad = torch.randn(2, int(bins[-1]), generator=_gen(1)).to(dtype)
+    out = mt.replicate_backward(grad, torch.tensor(bins, dtype=torch.int32))
+    gd = grad.double().numpy()
+    ref = np.stack([[gd[b, (bins[e - 1] if e else 0):bins[e]].sum() for e in range(len(counts))]
+                    for b in range(2)])
+    _close(out, ref, dtype)
+    assert out[:, 1].eq(0).all()  # an empty bin is exactly 0
+
+
+# =========================================================================== permutation
+
+
+class Routed:
+    """One routing of T tokens (top_k each) over E experts, with numpy-side helpers."""
+
+    def __init__(self, T: int, K: int, E: int, H: int, dtype: torch.dtype, idx_dtype: torch.dtype,
+                 w_dtype: torch.dtype | None, seed: int, block: int = 4) -> None:
+        g = _gen(seed)
+        self.T, self.K, self.E, self.H, self.dtype = T, K, E, H, dtype
+        used = torch.randperm(E, generator=g)[: max(1, (E + 1) // 2)]  # leave experts empty
+        top = used[torch.randint(0, used.numel(), (T * K,), generator=g)]
+        order = np.argsort(top.numpy(), kind="stable")
+        self.flat = order  # flat id of sorted row i
+        self.expert = top.numpy()[order]
+        counts = np.bincount(top.numpy(), minlength=E)
+        self.counts = counts
+        self.starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        pcounts = -(-counts // block) * block
+        self.pstarts = np.concatenate([[0], np.cumsum(pcounts)[:-1]])
+        self.x = torch.randn(T, H, generator=g).to(dtype)
+        self.grad = torch.randn(T, H, generator=g).to(dtype)
+        self.w = None if w_dtype is None else torch.rand(T * K, generator=g).to(w_dtype)
+        self.indices = torch.tensor(order).to(idx_dtype)
+        self.bin_ids = torch.tensor(self.expert).to(idx_dtype)
+        self.bins = torch.tensor(np.cumsum(counts)).to(idx_dtype)
+        self.padded_bins = torch.tensor(np.cumsum(pcounts)).to(idx_dtype)
+
+    def wv(self, f: int) -> float:
+        return 1.0 if self.w is None else float(self.w[f].float())
+
+    def padded_row(self, i: int) -> int:
+        e = self.expert[i]
+        return int(self.pstarts[e] + i - self.starts[e])
+
+    def binned_slot(self, i: int, cap: int) -> tuple[int, int] | None:
+        e = self.expert[i]
+        j = i - self.starts[e]
+        return (int(e), int(j)) if j < cap else None
+
+
+CASES = [
+    # T, K, E, H, dtype, idx dtype, weights dtype
+    (6, 1, 4, 8, torch.float32, torch.int32, None),
+    (5, 2, 3, 33, torch.bfloat16, torch.int16, torch.float32),
+    (4, 8, 5, 1, torch.float16, torch.int64, torch.bfloat16),  # hidden 1, top_k 8
+    (7, 3, 1, 70, torch.float32, torch.int32, torch.float32),  # one expert
+    (3, 8, 4, 1100, torch.bfloat16, torch.int32, torch.float16),  # several H blocks, split H
+    (9, 5, 6, 17, torch.float16, torch.int16, None),
+    (0, 2, 4, 16, torch.bfloat16, torch.int32, torch.float32),  # zero tokens
+]
+
+
+def _ids(case: tuple) -> str:
+    T, K, E, H, dt, it, wt = case
+    w = "none" if wt is None else str(wt).split(".")[1]
+    return f"T{T}-K{K}-E{E}-H{H}-{str(dt).split('.')[1]}-{str(it).split('.')[1]}-w{w}"
+
+
+@pytest.fixture(params=CASES, ids=_ids)
+def routed(request: pytest.FixtureRequest) -> Routed:
+    return Routed(*request.param, seed=request.param_index)
+
+
+def _gather_rows(r: Routed) -> np.ndarray:
+    """Sorted rows (fp64) of the weighted gather."""
+    xd = r.x.double().numpy()
+    out = np.zeros((r.T * r.K, r.H))
+    for i, f in enumerate(r.flat):
+        out[i] = xd[f // r.K] * r.wv(f)
+    return out
+
+
+def test_gather(routed: Routed) -> None:
+    r = routed
+    out = mt.gather(r.x, r.indices, r.bin_ids, r.w, r.bins, r.K)
+    assert out.shape == (r.T * r.K, r.H)
+    _close(out, _gather_rows(r), r.dtype)
+    unweighted = mt.gather(r.x, r.indices, r.bin_ids, None, r.bins, r.K)
+    for i, f in enumerate(r.flat):  # a plain copy is exact
+        assert torch.equal(unweighted[i], r.x[f // r.K])
+
+
+def _scatter_ref(r: Routed, row_of: dict[int, np.ndarray]) -> np.ndarray:
+    out = np.zeros((r.T, r.H))
+    for f, row in row_of.items():
+        out[f // r.K] += r.wv(f) * row
+    return out
+
+
+def test_scatter(routed: Routed) -> None:
+    r = routed
+    rows = torch.randn(r.T * r.K, r.H, generator=_gen(5)).to(r.dtype)
+    out = mt.scatter(rows, r.indices, r.bin_ids, r.w, r.bins, r.K)
+    rd = rows.double().numpy()
+    _close(out, _scatter_ref(r, {int(f): rd[i] for i, f in enumerate(r.flat)}), r.dtype)
+
+
+def test_scatter_wgrad(routed: Routed) -> None:
+    r = routed
+    rows = torch.randn(r.T * r.K, r.H, generator=_gen(6)).to(r.dtype)
+    out = mt.scatter_wgrad(rows, r.grad, r.indices, r.bin_ids, r.bins, r.K)
+    ref = np.zeros(r.T * r.K)
+    for i, f in enumerate(r.flat):
+        ref[f] = rows[i].double().numpy() @ r.grad[f // r.K].double().numpy()
+    assert out.shape == (r.T * r.K,)
+    atol, rtol = TOL[r.dtype]
+    np.testing.assert_allclose(out.float().numpy(), ref, atol=atol * max(r.H, 1) ** 0.5 * 4, rtol=rtol)
+
+
+def test_padded(routed: Routed) -> None:
+    r = routed
+    out = mt.padded_gather(r.x, r.indices, r.bin_ids, r.w, r.bins, r.padded_bins, r.K)
+    rows = int(r.padded_bins[-1])
+    assert out.shape == (rows, r.H)
+    ref = np.zeros((rows, r.H))  # padding rows stay exactly zero
+    sorted_rows = _gather_rows(r)
+    for i in range(r.T * r.K):
+        ref[r.padded_row(i)] = sorted_rows[i]
+    _close(out, ref, r.dtype)
+
+    prow = torch.randn(rows, r.H, generator=_gen(7)).to(r.dtype)
+    pd = prow.double().numpy()
+    back = mt.padded_scatter(prow, r.indices, r.bin_ids, r.w, r.bins, r.padded_bins, r.K)
+    _close(back, _scatter_ref(r, {int(f): pd[r.padded_row(i)] for i, f in enumerate(r.flat)}), r.dtype)
+
+    wg = mt.padded_scatter_wgrad(prow, r.grad, r.indices, r.bin_ids, r.bins, r.padded_bins, r.K)
+    ref_w = np.zeros(r.T * r.K)
+    for i, f in enumerate(r.flat):
+        ref_w[f] = pd[r.padded_row(i)] @ r.grad[f // r.K].double().numpy()
+    atol, rtol = TOL[r.dtype]
+    np.testing.assert_allclose(wg.float().numpy(), ref_w, atol=atol * max(r.H, 1) ** 0.5 * 4, rtol=rtol)
+
+
+@pytest.mark.parametrize("cap", [0, 2, 64])  # no room, dropping most, room for all
+def test_binned(routed: Routed, cap: int) -> None:
+    r = routed
+    out = mt.binned_gather(r.x, r.indices, r.w, r.bins, cap, r.K)
+    assert out.shape == (r.E, cap, r.H)
+    ref = np.zeros((r.E, cap, r.H))
+    sorted_rows = _gather_rows(r)
+    kept: dict[int, tuple[int, int]] = {}
+    for i, f in enumerate(r.flat):
+        slot = r.binned_slot(i, cap)
+        if slot is not None:
+            ref[slot] = sorted_rows[i]
+            kept[int(f)] = slot
+    _close(out, ref, r.dtype)
+
+    binned = torch.randn(r.E, cap, r.H, generator=_gen(8)).to(r.dtype)
+    bd = binned.double().numpy()
+    back = mt.binned_scatter(binned, r.indices, r.w, r.bins, r.K)
+    _close(back, _scatter_ref(r, {f: bd[s] for f, s in kept.items()}), r.dtype)
+
+    wg = mt.binned_scatter_wgrad(binned, r.grad, r.indices, r.bins, r.K)
+    ref_w = np.zeros(r.T * r.K)  # dropped copies: exactly 0
+    for f, s in kept.items():
+        ref_w[f] = bd[s] @ r.grad[f // r.K].double().numpy()
+    atol, rtol = TOL[r.dtype]
+    np.testing.assert_allclose(wg.float().numpy(), ref_w, atol=atol * max(r.H, 1) ** 0.5 * 4, rtol=rtol)
+    dropped = [f for f in range(r.T * r.K) if f not in kept]
+    assert wg[dropped].eq(0).all()
+
+
+def test_weights_any_float_dtype() -> None:
+    r = Routed(4, 2, 3, 5, torch.float32, torch.int32, torch.float64, seed=11)
+    out = mt.scatter(mt.gather(r.x, r.indices, r.bin_ids, None, r.bins, r.K),
+                     r.indices, r.bin_ids, r.w, r.bins, r.K)
+    ref = np.stack([sum(r.wv(t * r.K + k) for k in range(r.K)) * r.x[t].double().numpy()
+                    for t in range(r.T)])
+    _close(out, ref, torch.float32)
+
+
+# =========================================================================== plugin
+
+
+def test_plugin_descriptors() -> None:
+    pytest.importorskip("megablocks_core")
+    from megablocks_triton import plugin
+
+    from megablocks_core import contracts
+    from megablocks_core.descriptors import Kernel
+
+    assert plugin.megablocks_unavailable_reason() is None  # interpreter or GPU here
+    by_name = {c.name: c for c in contracts.ALL}
+    kernels = [*plugin.megablocks_routing_kernels(), *plugin.megablocks_permutation_kernels()]
+    assert {k.op for k in kernels} == set(plugin.ROUTING) | set(plugin.PERMUTATION)
+    for k in kernels:
+        assert isinstance(k, Kernel)
+        assert k.priority == 100 and k.contiguous
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        assert k.devices == (("cuda", "rocm", "cpu") if interpret else ("cuda", "rocm"))
+        # Positional arguments in the contract's order, and dtype keys naming real arguments.
+        names = tuple(inspect.signature(k.fn).parameters)
+        assert names == by_name[k.op].arg_names, k.op
+        assert set(k.dtypes) <= set(names), k.op
+
+
+def test_launch_config_is_overridable() -> None:
+    base = mt.launch_configs()
+
+    class Small(type(base)):  # type: ignore[misc]
+        def permutation(self, num_tokens: int, hidden: int, top_k: int, element_size: int):
+            cfg = super().permutation(num_tokens, hidden, top_k, element_size)
+            return type(cfg)(block_h=2, split_h=3, zero_rows=2, num_warps=cfg.num_warps)
+
+    r = Routed(3, 2, 3, 7, torch.float32, torch.int32, torch.float32, seed=12)
+    mt.set_launch_configs(Small())
+    try:
+        out = mt.padded_gather(r.x, r.indices, r.bin_ids, r.w, r.bins, r.padded_bins, r.K)
+    finally:
+        mt.set_launch_configs(base)
+    ref = _OnDevice(P).padded_gather(r.x, r.indices, r.bin_ids, r.w, r.bins, r.padded_bins, r.K)
+    assert torch.equal(out, ref)
+    assert R.MAX_COUNTING_BINS >= 256
+
+
+def test_numpy_integer_arguments() -> None:
+    """The core passes int-like arguments through unchanged; numpy ints must work as Python ints."""
+    keys = torch.tensor([2, 0, 2, 1], dtype=torch.int32)
+    assert mt.histogram(keys, np.int64(3)).tolist() == [1, 1, 2]
+    assert mt.sort(keys, np.int64(2))[1].tolist() == [1, 3, 0, 2]
+    assert mt.route(keys, np.int32(3), np.int64(2))[4].tolist() == [2, 4, 6]
+    r = Routed(3, 2, 3, 4, torch.float32, torch.int32, None, seed=13)
+    out = mt.binned_gather(r.x, r.indices, None, r.bins, np.int64(2), np.int64(r.K))
+    assert out.shape == (3, 2, 4)
+    assert mt.topology(torch.tensor([2, 4], dtype=torch.int32), np.int64(2), np.int64(2),
+                       np.int64(1)).tolist() == [0, 1]
