@@ -80,6 +80,7 @@ def _opcheck_samples():
         "exclusive_cumsum": (counts, 0), "topology": (padded, 4, int(padded[-1]) // 4, 2),
         "replicate": (torch.randn(2, 4, requires_grad=True), bins, 8),
         "replicate_backward": (torch.randn(2, 8), bins),
+        "route": (top, 4, 4),
         "gather": (x, indices, bin_ids, None, bins, 2), "scatter": (rows, indices, bin_ids, w, bins, 2),
         "scatter_wgrad": (rows.detach(), grad, indices, bin_ids, bins, 2),
         "padded_gather": (x, indices, bin_ids, None, bins, padded, 2),

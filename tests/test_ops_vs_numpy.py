@@ -942,3 +942,16 @@ def test_gmm_default_trans_b_and_same_device_sizes():
     bs = it(sizes, torch.int64).to(a.device)
     out = ops.gmm(a, ft(bv, torch.float32), bs)
     check(out, ref_gmm(av, bv, sizes, False), torch.float32)
+
+
+@pytest.mark.parametrize("T,K,E,block,empty,dtype", [
+    (0, 2, 8, 4, False, torch.int32), (5, 1, 1, 4, False, torch.int64), (33, 8, 256, 128, False, torch.int32),
+    (17, 3, 9, 4, True, torch.int16), (64, 2, 8, 128, False, torch.int64),
+])
+def test_route(T, K, E, block, empty, dtype):
+    r = make_routing(np.random.default_rng(T + E), T, K, E, block=block, empty=empty)
+    indices, bin_ids, counts, bins, padded_bins = ops.route(it(r["top"], dtype), E, block)
+    check_int(indices, r["indices"], dtype)
+    check_int(bin_ids, r["bin_ids"], dtype)
+    for got, want in ((counts, r["tpe"]), (bins, r["bins"]), (padded_bins, r["padded_bins"])):
+        check_int(got, want, torch.int32)

@@ -90,6 +90,23 @@ def _event_time(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+def _graph_time(fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], float]) -> float:
+    """Time ``fn`` replayed from a CUDA graph (NaN when it cannot be captured, e.g. it syncs)."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up outside the capture (allocator, autotuning, compilation)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:
+        torch.cuda.synchronize()
+        return math.nan
+    return timer(graph.replay)
+
+
 def _close(got: Any, want: Any, tol: float) -> str:
     pairs = zip(got, want, strict=True) if isinstance(want, tuple) else [(got, want)]
     for g, w in pairs:
@@ -146,18 +163,10 @@ class Case:
         return 2.0 * self.tokens * self.top_k * self.hidden * self.ffn
 
 
-def _routing(case: Case) -> tuple[torch.Tensor, ...]:
-    bin_ids, indices = ops.sort(case.top_experts, case.end_bit)
-    counts = ops.histogram(case.top_experts, case.experts)
-    bins = ops.inclusive_cumsum(counts, 0)
-    padded = ops.inclusive_cumsum(ops.round_up(counts, BLOCK), 0)
-    return indices, bin_ids, counts, bins, padded
-
-
 def _ours(case: Case) -> dict[str, Callable[[], Any]]:
     c = case
     return {
-        "routing": lambda: _routing(c),
+        "routing": lambda: ops.route(c.top_experts, c.experts, BLOCK),
         "gather": lambda: ops.gather(c.x, c.indices, c.bin_ids, c.bins, c.top_k),
         "scatter": lambda: ops.scatter(c.rows, c.indices, c.bin_ids, c.weights, c.bins, c.top_k),
         "padded_gather": lambda: ops.padded_gather(c.x, c.indices, c.bin_ids, c.bins, c.padded_bins, c.top_k),
@@ -169,8 +178,8 @@ def _ours(case: Case) -> dict[str, Callable[[], Any]]:
     }
 
 
-#: The op each benchmark item dispatches (the routing item dispatches several; sort stands for them).
-DISPATCHED = {"routing": "sort", "gather": "gather", "scatter": "scatter", "padded_gather": "padded_gather",
+#: The op each benchmark item dispatches.
+DISPATCHED = {"routing": "route", "gather": "gather", "scatter": "scatter", "padded_gather": "padded_gather",
               "padded_scatter": "padded_scatter", "scatter_wgrad": "scatter_wgrad", "gmm": "gmm"}
 
 
@@ -229,7 +238,7 @@ def _providers(op: str, case: Case) -> list[str]:
     name = DISPATCHED[op]
     contract_dtypes = {"gmm": {"a": case.x.dtype, "b": case.x.dtype}}.get(name, {"x": case.x.dtype})
     if op == "routing":
-        contract_dtypes = {"x": case.top_experts.dtype}
+        contract_dtypes = {"top_experts": case.top_experts.dtype}
     trace = dispatch.explain(name, describe(case.x.device), contract_dtypes)
     seen: list[str] = []
     for candidate in trace.candidates:
@@ -282,6 +291,11 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
                     yield Result(label, op, provider, kind, us, rate, "TFLOP/s", dense_rate / rate, check)
                 elif op == "routing":
                     yield Result(label, op, provider, kind, us, None, "", None, check)
+                    if device.type == "cuda":  # GPU time alone, without Python launch costs
+                        with forced:
+                            graph_us = _graph_time(fn, timer)
+                        yield Result(label, op, f"{provider} (CUDA graph)", kind, graph_us, None, "", None,
+                                     check if not math.isnan(graph_us) else "not capturable (host sync)")
                 else:
                     rate = case.permutation_bytes / (us * 1e-6) / 1e9
                     yield Result(label, op, provider, kind, us, rate, "GB/s", us / limit_us, check)

@@ -238,6 +238,38 @@ REPLICATE_BACKWARD = OpContract(
     edge_cases=("an empty bin sums to exactly 0",),
 )
 
+ROUTE = OpContract(
+    name="route", family="routing",
+    summary="All routing metadata of a dropless MoE layer from the flat top-k expert ids, in one op.",
+    args=(
+        TensorArg("top_experts", INT_DTYPES, (1,), "expert id of each (token, k) pair, flattened"),
+        IntArg("num_experts", "number of experts", min=1),
+        IntArg("block_size", "padding granularity of padded_bins", min=1),
+    ),
+    rules=(
+        Rule("top_experts.dtype != torch.int16 or top_experts.shape[0] <= 32768",
+             "int16 indices cannot address more than 32768 rows"),
+        Rule("in_range(top_experts, 0, num_experts)", "expert ids lie in [0, num_experts)",
+             checked=True),
+    ),
+    outputs=(
+        Output("indices", "top_experts.dtype", ("top_experts.shape[0]",), "as sort's indices"),
+        Output("bin_ids", "top_experts.dtype", ("top_experts.shape[0]",), "as sort's values"),
+        Output("tokens_per_expert", "torch.int32", ("num_experts",), "as histogram"),
+        Output("bins", "torch.int32", ("num_experts",), "inclusive cumsum of tokens_per_expert"),
+        Output("padded_bins", "torch.int32", ("num_experts",),
+               "inclusive cumsum of tokens_per_expert rounded up to block_size"),
+    ),
+    semantics=(
+        "Exactly sort(top_experts) (stable), histogram, inclusive_cumsum, and inclusive_cumsum of "
+        "round_up(counts, block_size); no device→host sync. The reference backend composes it from "
+        "those dispatched ops, so every backend that provides them gets route for free; a backend "
+        "may provide a fused kernel instead."
+    ),
+    edge_cases=("zero tokens: empty indices, all-zero counts",),
+    deviations=("Not in MegaBlocks, which makes the caller issue the five ops (and a sync in places).",),
+)
+
 # ---------------------------------------------------------------------------
 # Permutation
 
@@ -437,7 +469,7 @@ SUM = OpContract(
 )
 
 ALL: tuple[OpContract, ...] = (
-    SORT, HISTOGRAM, INCLUSIVE_CUMSUM, EXCLUSIVE_CUMSUM, TOPOLOGY, REPLICATE, REPLICATE_BACKWARD,
+    SORT, HISTOGRAM, INCLUSIVE_CUMSUM, EXCLUSIVE_CUMSUM, TOPOLOGY, REPLICATE, REPLICATE_BACKWARD, ROUTE,
     GATHER, SCATTER, SCATTER_WGRAD, PADDED_GATHER, PADDED_SCATTER, PADDED_SCATTER_WGRAD,
     BINNED_GATHER, BINNED_SCATTER, BINNED_SCATTER_WGRAD,
     GMM, GMM_WEIGHT_GRAD,

@@ -23,6 +23,7 @@ _inclusive_cumsum = ENTRIES["inclusive_cumsum"]
 _exclusive_cumsum = ENTRIES["exclusive_cumsum"]
 _topology = ENTRIES["topology"]
 _replicate = ENTRIES["replicate"]
+_route = ENTRIES["route"]
 _gather = ENTRIES["gather"]
 _scatter = ENTRIES["scatter"]
 _padded_gather = ENTRIES["padded_gather"]
@@ -63,6 +64,12 @@ def topology(padded_bins: Tensor, block_size: int, output_block_rows: int,
 def replicate(x: Tensor, bins: Tensor, num_outputs: int) -> Tensor:
     """Repeat each bin's value over that bin's rows: (batch, bins) → (batch, num_outputs)."""
     return _replicate(x, bins, num_outputs)
+
+
+def route(top_experts: Tensor, num_experts: int,
+          block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(indices, bin_ids, tokens_per_expert, bins, padded_bins) from the flat top-k expert ids."""
+    return _route(top_experts, num_experts, block_size)
 
 
 # --- permutation -------------------------------------------------------------
@@ -142,5 +149,5 @@ def sum(x: Tensor, dim: int = 0) -> Tensor:
 __all__ = [
     "binned_gather", "binned_scatter", "exclusive_cumsum", "gather", "gmm", "histogram",
     "inclusive_cumsum", "padded_gather", "padded_scatter", "repeat", "replicate", "round_up",
-    "scatter", "sort", "sum", "topology",
+    "route", "scatter", "sort", "sum", "topology",
 ]

@@ -80,6 +80,19 @@ def replicate_backward(grad: Tensor, bins: Tensor) -> Tensor:
     return sums[:, :num_bins].to(grad.dtype).contiguous()
 
 
+def route(top_experts: Tensor, num_experts: int,
+          block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # Composed from the *dispatched* primitives, so on a device whose backend provides sort,
+    # histogram and cumsum (but no fused route) those kernels do the work.
+    from megablocks_core import ops
+
+    end_bit = max((num_experts - 1).bit_length(), 1)
+    bin_ids, indices = ops.sort(top_experts, end_bit)
+    counts = ops.histogram(top_experts, num_experts)
+    padded = ops.inclusive_cumsum(ops.round_up(counts, block_size), 0)
+    return indices, bin_ids, counts, ops.inclusive_cumsum(counts, 0), padded
+
+
 # --- permutation -------------------------------------------------------------------
 
 

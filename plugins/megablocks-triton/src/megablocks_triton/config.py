@@ -72,6 +72,25 @@ class LaunchConfigs:
     def permutation(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int
     ) -> PermutationConfig:
+        """gather / scatter: one program per token, one copy at a time over a row block.
+
+        A block covers the whole row when it fits (up to 16K elements: the fp32 top-k
+        accumulator then needs 32-64 registers per thread), so every copy's destination is
+        looked up once. With few tokens, rows are split so that >= ~1024 programs exist.
+        """
+        block_h = min(_pow2(hidden), 16384)
+        split_h = triton.cdiv(hidden, block_h)
+        while num_tokens * split_h < 1024 and block_h > 512:
+            block_h //= 2
+            split_h = triton.cdiv(hidden, block_h)
+        # ~16 bytes per thread per load: 8 warps for an 8K-element bf16 row.
+        num_warps = max(4, min(16, block_h * element_size // 2048))
+        return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps)
+
+    def wgrad(
+        self, num_tokens: int, hidden: int, top_k: int, element_size: int
+    ) -> PermutationConfig:
+        """scatter_wgrad: each program keeps a (top_k, block_h) fp32 tile of partial dots."""
         k_pad = _pow2(top_k)
         # Each step holds k_pad rows x block_h elements in registers: keep that
         # near 8K elements, but each row slice >= 512 elements for wide loads.

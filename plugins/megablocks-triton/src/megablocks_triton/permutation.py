@@ -77,11 +77,11 @@ def _bin_of(bins_ptr, num_bins, p, mask, LOG: tl.constexpr):
 
 @triton.jit
 def _destinations(
-    t, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins, bin_size,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr,
+    t, k, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins, bin_size,
+    TOP_K: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr,
 ):
-    """Flat ids, destination rows (int64) and keep-mask of token t's top_k copies."""
-    k = tl.arange(0, K_PAD)
+    """Flat ids, destination rows (int64) and keep-mask of token t's copies k (a vector of
+    copies, or one copy when k is a scalar)."""
     f = t * TOP_K + k
     km = k < TOP_K
     p = tl.load(inv_ptr + f, mask=km, other=0)
@@ -134,7 +134,7 @@ def _zero_padding(
 def _gather_kernel(
     x_ptr, inv_ptr, bin_ids_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
     num_tokens, hidden, num_bins, bin_size,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -143,44 +143,45 @@ def _gather_kernel(
             _zero_padding(pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens,
                           BLOCK_H, ZERO_ROWS, MODE)
     else:
-        f, dest, keep = _destinations(pid, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins,
-                                      bin_size, TOP_K, K_PAD, MODE, LOG)
-        if HAS_WEIGHTS:
-            w = tl.load(weights_ptr + f, mask=keep, other=0).to(tl.float32)
         x_row = x_ptr + pid.to(tl.int64) * hidden
+        # BLOCK_H usually covers the whole row, so each copy's destination is computed once.
         for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
             h = h0 + tl.arange(0, BLOCK_H)
             hm = h < hidden
             v = tl.load(x_row + h, mask=hm, other=0)  # read once, written top_k times
-            if HAS_WEIGHTS:
-                tile = (v.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
-            else:
-                tile = tl.broadcast_to(v[None, :], (K_PAD, BLOCK_H))
-            tl.store(out_ptr + dest[:, None] * hidden + h[None, :], tile,
-                     mask=keep[:, None] & hm[None, :])
+            for k in tl.static_range(TOP_K):
+                f, dest, keep = _destinations(pid, tl.full([], k, tl.int32), inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr,
+                                              num_bins, bin_size, TOP_K, MODE, LOG)
+                if HAS_WEIGHTS:
+                    w = tl.load(weights_ptr + f).to(tl.float32)
+                    row = (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+                else:
+                    row = v
+                tl.store(out_ptr + dest * hidden + h, row, mask=keep & hm)
 
 
 @triton.jit
 def _scatter_kernel(
     x_ptr, inv_ptr, bin_ids_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
     hidden, num_bins, bin_size,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
     MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    f, src, keep = _destinations(pid, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins,
-                                 bin_size, TOP_K, K_PAD, MODE, LOG)
-    if HAS_WEIGHTS:
-        w = tl.load(weights_ptr + f, mask=keep, other=0).to(tl.float32)
-    else:
-        w = keep.to(tl.float32)
     out_row = out_ptr + pid.to(tl.int64) * hidden
     for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < hidden
-        rows = tl.load(x_ptr + src[:, None] * hidden + h[None, :],
-                       mask=keep[:, None] & hm[None, :], other=0)
-        acc = tl.sum(rows.to(tl.float32) * w[:, None], axis=0)  # fp32 top-k sum
+        # The top-k sum is elementwise in registers (one copy at a time), never a
+        # cross-thread reduction over a (k, H) tile.
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            f, src, keep = _destinations(pid, tl.full([], k, tl.int32), inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr,
+                                         num_bins, bin_size, TOP_K, MODE, LOG)
+            row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
+            if HAS_WEIGHTS:
+                row = row * tl.load(weights_ptr + f).to(tl.float32)
+            acc += row
         tl.store(out_row + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
 
 
@@ -192,8 +193,8 @@ def _wgrad_kernel(
     MODE: tl.constexpr, LOG: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    f, src, keep = _destinations(pid, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins,
-                                 bin_size, TOP_K, K_PAD, MODE, LOG)
+    f, src, keep = _destinations(pid, tl.arange(0, K_PAD), inv_ptr, bin_ids_ptr, bins_ptr,
+                                 padded_ptr, num_bins, bin_size, TOP_K, MODE, LOG)
     g_row = grad_ptr + pid.to(tl.int64) * hidden
     acc = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
@@ -211,8 +212,7 @@ def _wgrad_kernel(
 
 
 def _meta(top_k: int, num_bins: int) -> dict[str, int]:
-    return {"TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
-            "LOG": max(num_bins.bit_length(), 1)}
+    return {"TOP_K": top_k, "LOG": max(num_bins.bit_length(), 1)}
 
 
 def _launch_gather(
@@ -276,13 +276,14 @@ def _launch_wgrad(
     if hidden == 0:
         return out.zero_()
     num_tokens = n // top_k
-    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
+    cfg = launch_configs().wgrad(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
     _wgrad_kernel[(num_tokens,)](
         x, grad, _inverse(indices), bin_ids if bin_ids is not None else indices, bins,
         padded_bins if padded_bins is not None else bins, out,
         hidden, num_bins, bin_size,
-        BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, **_meta(top_k, num_bins),
+        BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, K_PAD=triton.next_power_of_2(top_k),
+        **_meta(top_k, num_bins),
     )
     return out
 

@@ -36,6 +36,7 @@ _ROUTING_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
     "topology": {"padded_bins": _INTS},
     "replicate": {"x": _FLOATS | _INTS, "bins": _INTS},
     "replicate_backward": {"grad": _FLOATS, "bins": _INTS},
+    "route": {"top_experts": _INTS},
 }
 
 # Weights keep the contract's full float set: the kernels load any float and scale in fp32.
