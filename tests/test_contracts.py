@@ -63,3 +63,14 @@ def test_version_is_single_sourced():
     import megablocks_core
 
     assert importlib.metadata.version("megablocks-core") == megablocks_core.__version__
+
+
+def test_this_repositorys_backends_cover_every_dispatched_op():
+    """The reference is the oracle for every op; the triton backend also implements them all."""
+    import megablocks_core
+
+    dispatched = {c.name for c in contracts.ALL if c.dispatched}
+    plugins = megablocks_core.registry().plugins
+    assert set(plugins["reference"].ops) == dispatched
+    if "triton" in plugins and plugins["triton"].status != "broken":
+        assert set(plugins["triton"].ops) == dispatched, plugins["triton"].reason

@@ -277,8 +277,10 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
                 if backend == "reference" and device.type != "cpu" and not quick and op == "gmm":
                     continue  # the per-expert loop is a correctness oracle, not a contender
                 log(f"[{label}] {op}: {provider}")
-                forced = dispatch.use_backend(backend) if backend else contextlib.nullcontext()
-                with forced:
+                def forced(backend: str | None = backend) -> Any:
+                    return dispatch.use_backend(backend) if backend else contextlib.nullcontext()
+
+                with forced():
                     try:
                         check = _close(fn(), want, tol)
                         us = timer(fn)
@@ -292,7 +294,7 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
                 elif op == "routing":
                     yield Result(label, op, provider, kind, us, None, "", None, check)
                     if device.type == "cuda":  # GPU time alone, without Python launch costs
-                        with forced:
+                        with forced():
                             graph_us = _graph_time(fn, timer)
                         yield Result(label, op, f"{provider} (CUDA graph)", kind, graph_us, None, "", None,
                                      check if not math.isnan(graph_us) else "not capturable (host sync)")

@@ -180,7 +180,8 @@ def _resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
     if selected is None:
         trace = choose(registry(), contract.name, device, dtypes, policy)
         assert trace.winner is not None
-        if trace.fallback and (contract.name, device.kind) not in _state.warned:
+        # A fallback the user asked for (a forced or preferred backend) is no news.
+        if trace.fallback and policy.is_default and (contract.name, device.kind) not in _state.warned:
             _state.warned.add((contract.name, device.kind))
             log.warning("megablocks: no %s implementation of %r can serve this call; using the "
                         "portable %r kernel (see `megablocks backends explain %s`)", device.kind,

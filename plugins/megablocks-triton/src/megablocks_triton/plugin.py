@@ -8,21 +8,21 @@ triton is imported only inside the hooks.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import torch
 
+from megablocks_core.contracts import family_ops
 from megablocks_core.descriptors import Kernel
 from megablocks_core.hookspecs import hookimpl
 
 PRIORITY = 100
 
-ROUTING = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology", "replicate",
-           "replicate_backward")
-PERMUTATION = ("gather", "scatter", "scatter_wgrad", "padded_gather", "padded_scatter",
-               "padded_scatter_wgrad", "binned_gather", "binned_scatter", "binned_scatter_wgrad")
+ROUTING = family_ops("routing")
+PERMUTATION = family_ops("permutation")
 
-GROUPED_GEMM = ("gmm", "gmm_weight_grad")
+GROUPED_GEMM = family_ops("grouped_gemm")
 
 _INTS = frozenset({torch.int16, torch.int32, torch.int64})
 #: fp64 data is left to the reference backend (it accumulates in fp64; we use fp32).
@@ -65,10 +65,9 @@ def _devices() -> tuple[str, ...]:
 
 def _kernels(module_name: str, ops: tuple[str, ...],
              dtypes: dict[str, dict[str, frozenset[torch.dtype]]]) -> list[Kernel]:
-    try:
-        module = importlib.import_module(f"megablocks_triton.{module_name}")
-    except ImportError:  # no triton: megablocks_unavailable_reason says so
+    if importlib.util.find_spec("triton") is None:  # megablocks_unavailable_reason says so
         return []
+    module = importlib.import_module(f"megablocks_triton.{module_name}")
     return [
         Kernel(op=op, fn=getattr(module, op), devices=_devices(), priority=PRIORITY,
                dtypes=dtypes[op], contiguous=True)
