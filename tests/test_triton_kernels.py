@@ -99,6 +99,8 @@ def _np_route(keys: np.ndarray, num_experts: int, block_size: int):
         (500, 7, 4, torch.int16, 3),  # most experts empty
         (3000, 256, 128, torch.int32, 256),  # E=256, several tiles
         (2000, 64, 16, torch.int64, 20),
+        (9000, 64, 128, torch.int32, 64),  # > 4096 keys, >= 64 experts: the prescanned 3-launch path
+        (20000, 256, 128, torch.int64, 200),
     ],
 )
 def test_route(n: int, num_experts: int, block_size: int, dtype: torch.dtype, used: int) -> None:

@@ -159,6 +159,12 @@ class Case:
         return (self.tokens * self.hidden + self.tokens * self.top_k * self.hidden) * self.x.element_size()
 
     @property
+    def padded_permutation_bytes(self) -> int:
+        """As permutation_bytes, with the padded layout's rows (padding rows are written too)."""
+        rows = int(self.padded_bins[-1]) if self.padded_bins.numel() else 0
+        return (self.tokens * self.hidden + rows * self.hidden) * self.x.element_size()
+
+    @property
     def gmm_flops(self) -> float:
         return 2.0 * self.tokens * self.top_k * self.hidden * self.ffn
 
@@ -259,7 +265,6 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
         copy_dst = torch.empty_like(copy_src)
         copy_us = timer(lambda src=copy_src, dst=copy_dst: dst.copy_(src))
         bandwidth = 2 * copy_src.numel() * copy_src.element_size() / (copy_us * 1e-6)  # bytes/s
-        limit_us = case.permutation_bytes / bandwidth * 1e6
         yield Result(label, "copy", "device copy (T*K, H)", "limit", copy_us, bandwidth / 1e9, "GB/s", None, "n/a")
         dense_a = torch.randn(case.tokens * case.top_k, case.hidden, device=device, dtype=dtype)
         dense_us = timer(lambda a=dense_a, w=case.w1[0]: a @ w) if "gmm" in ops_wanted else math.nan
@@ -299,8 +304,9 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
                         yield Result(label, op, f"{provider} (CUDA graph)", kind, graph_us, None, "", None,
                                      check if not math.isnan(graph_us) else "not capturable (host sync)")
                 else:
-                    rate = case.permutation_bytes / (us * 1e-6) / 1e9
-                    yield Result(label, op, provider, kind, us, rate, "GB/s", us / limit_us, check)
+                    nbytes = case.padded_permutation_bytes if op.startswith("padded") else case.permutation_bytes
+                    rate = nbytes / (us * 1e-6) / 1e9
+                    yield Result(label, op, provider, kind, us, rate, "GB/s", us / (nbytes / bandwidth * 1e6), check)
 
 
 def format_table(results: list[Result]) -> str:

@@ -26,6 +26,8 @@ class RoutingConfig:
     tile_rows: int
     """Rows of the (tiles x bins) count table read per step by the scan."""
     num_warps: int
+    prescan: bool = False
+    """Scan the count table in a launch of its own (many bins) instead of in every program."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,12 @@ class LaunchConfigs:
         # (chunk x chunk) mask at 4K elements (registers, no spills).
         chunk = 64
         tile_rows = max(1, min(32, 8192 // num_bins_pow2))
-        return RoutingConfig(tile=tile, chunk=chunk, tile_rows=tile_rows, num_warps=4)
+        # Many bins: a (tiles x bins) table re-read by every program would be MBs of L2
+        # traffic, so scan it once in its own launch and use short 256-key tiles.
+        prescan = num_bins_pow2 >= 64 and n > 4096
+        if prescan:
+            tile = 256
+        return RoutingConfig(tile=tile, chunk=chunk, tile_rows=tile_rows, num_warps=4, prescan=prescan)
 
     def histogram_block(self, n: int) -> int:
         return min(max(_pow2(n // 128), 256), 4096)

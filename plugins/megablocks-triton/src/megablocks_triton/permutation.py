@@ -218,7 +218,7 @@ def _meta(top_k: int, num_bins: int) -> dict[str, int]:
 def _launch_gather(
     x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor | None,
     weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor | None,
-    top_k: int, out: torch.Tensor, mode: int, bin_size: int,
+    top_k: int, out: torch.Tensor, mode: int, bin_size: int, inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)  # numpy ints are not kernel scalars
     num_tokens, hidden = x.shape
@@ -227,7 +227,8 @@ def _launch_gather(
     if out.numel() == 0 or (num_tokens == 0 and pad_programs == 0):
         return out
     cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
-    inv = _inverse(indices) if num_tokens else indices
+    if inv is None:
+        inv = _inverse(indices) if num_tokens else indices
     grid = (num_tokens + pad_programs * cfg.zero_rows, cfg.split_h)
     _gather_kernel[grid](
         x, inv, bin_ids if bin_ids is not None else indices, weights if weights is not None else x,
@@ -324,9 +325,11 @@ def padded_gather(
 
     Reads padded_bins[-1] on the host (the output size), as MegaBlocks does.
     """
+    # Queue the inverse permutation first: the GPU computes it while the host waits on the read.
+    inv = _inverse(indices) if indices.numel() else indices
     rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
     out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    return _launch_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, out, PADDED, 0)
+    return _launch_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, out, PADDED, 0, inv)
 
 
 def padded_scatter(

@@ -12,6 +12,11 @@ input shapes. The central piece is a two-launch stable counting sort:
    matrix + running per-bin counts) and scatters them. Program 0 also writes the
    routing metadata (counts, bins, padded bins).
 
+With many bins (E >= 64) re-reading the whole table in every program costs more
+than a third launch: ``_tile_scan_kernel`` then scans the table once (per bin,
+down the tiles) and each scatter program reads only its own row, which also
+allows smaller tiles (a shorter serial in-tile rank chain).
+
 Used with 2**end_bit bins it is ``sort``; with ``num_experts`` bins it is
 ``route``, which returns the whole routing metadata in those two launches.
 """
@@ -98,25 +103,46 @@ def _tile_histogram_kernel(
 
 
 @triton.jit
+def _tile_scan_kernel(counts_ptr, before_ptr, total_ptr, num_tiles,
+                      NB: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr):
+    """Per bin: keys of that bin in all earlier tiles (exclusive scan down the tiles) and in all."""
+    cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    running = tl.zeros([COLS], dtype=tl.int32)
+    for r0 in range(0, num_tiles, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        at = rows[:, None] * NB + cols[None, :]
+        live = (rows < num_tiles)[:, None]
+        blk = tl.load(counts_ptr + at, mask=live, other=0)
+        tl.store(before_ptr + at, tl.cumsum(blk, axis=0) - blk + running[None, :], mask=live)
+        running += tl.sum(blk, axis=0)
+    tl.store(total_ptr + cols, running)
+
+
+@triton.jit
 def _counting_scatter_kernel(
-    keys_ptr, payload_ptr, counts_ptr, values_ptr, index_ptr,
+    keys_ptr, payload_ptr, counts_ptr, before_ptr, total_ptr, values_ptr, index_ptr,
     tpe_ptr, bins_ptr, padded_ptr,
     n, num_tiles, num_bins, shift, digit_mask, block_size,
     NB: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr, TILE_ROWS: tl.constexpr,
     USE_MASK: tl.constexpr, HAS_PAYLOAD: tl.constexpr, WRITE_META: tl.constexpr,
+    PRESCANNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, NB)
 
     # Global count of each bin, and of each bin in tiles before this one.
-    total = tl.zeros([NB], dtype=tl.int32)
-    before = tl.zeros([NB], dtype=tl.int32)
-    for r0 in range(0, num_tiles, TILE_ROWS):
-        rows = r0 + tl.arange(0, TILE_ROWS)
-        blk = tl.load(counts_ptr + rows[:, None] * NB + cols[None, :],
-                      mask=(rows < num_tiles)[:, None], other=0)
-        total += tl.sum(blk, axis=0)
-        before += tl.sum(tl.where((rows < pid)[:, None], blk, 0), axis=0)
+    if PRESCANNED:  # many bins/tiles: _tile_scan_kernel did the column scans once for all
+        total = tl.load(total_ptr + cols)
+        before = tl.load(before_ptr + pid * NB + cols)
+    else:  # few: every program scans the small (tiles x bins) table itself
+        total = tl.zeros([NB], dtype=tl.int32)
+        before = tl.zeros([NB], dtype=tl.int32)
+        for r0 in range(0, num_tiles, TILE_ROWS):
+            rows = r0 + tl.arange(0, TILE_ROWS)
+            blk = tl.load(counts_ptr + rows[:, None] * NB + cols[None, :],
+                          mask=(rows < num_tiles)[:, None], other=0)
+            total += tl.sum(blk, axis=0)
+            before += tl.sum(tl.where((rows < pid)[:, None], blk, 0), axis=0)
     ends = tl.cumsum(total, axis=0)
     base = ends - total + before  # where this tile's first key of each bin goes
 
@@ -171,13 +197,20 @@ def _counting_pass(
         block_size = 1
     else:
         tpe, bins, padded, block_size = meta
+    before = total = counts  # unused unless prescanned
+    if cfg.prescan:
+        before = torch.empty_like(counts)
+        total = torch.empty(nb, dtype=torch.int32, device=keys.device)
+        cols = min(nb, 32)
+        _tile_scan_kernel[(nb // cols,)](counts, before, total, num_tiles, NB=nb, COLS=cols, ROWS=64,
+                                         num_warps=4)
     _counting_scatter_kernel[(num_tiles,)](
-        keys, payload if payload is not None else keys, counts, values, index,
+        keys, payload if payload is not None else keys, counts, before, total, values, index,
         tpe, bins, padded,
         n, num_tiles, num_bins, shift, dmask, block_size,
         NB=nb, TILE=cfg.tile, CHUNK=cfg.chunk, TILE_ROWS=cfg.tile_rows,
         USE_MASK=use_mask, HAS_PAYLOAD=payload is not None, WRITE_META=meta is not None,
-        num_warps=cfg.num_warps,
+        PRESCANNED=cfg.prescan, num_warps=cfg.num_warps,
     )
     return values, index
 
