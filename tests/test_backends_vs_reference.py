@@ -1,10 +1,14 @@
-"""On a CUDA/ROCm GPU: every GPU backend's ops against the reference backend at realistic shapes.
+"""Every device-specific backend's ops against the reference backend, through the core.
 
-Skipped on machines without a GPU. Each op runs through ``megablocks_core.ops`` with the backend
-forced, forward and backward, and is compared with the reference backend on the same inputs.
+On a CUDA/ROCm GPU at realistic shapes; on the CPU, with ``TRITON_INTERPRET=1``, the Triton
+backend at tiny shapes (the interpreter is slow). Each op runs through ``megablocks_core.ops``
+with the backend forced, forward and backward (so the core's autograd drives the backend's
+kernels), and is compared with the reference backend on the same inputs.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -12,14 +16,17 @@ import torch
 import megablocks_core as mb
 from megablocks_core import ops
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+ON_GPU = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (ON_GPU or INTERPRETED),
+                                reason="needs a GPU, or TRITON_INTERPRET=1 for the CPU interpreter")
 
-DEV = "cuda"
+DEV = "cuda" if ON_GPU else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def gpu_backends(op: str, dtype: torch.dtype) -> list[str]:
-    """Installed backends that serve ``op`` on this GPU, apart from the portable reference."""
+    """Installed backends that serve ``op`` on DEV, apart from the portable reference."""
     trace = mb.explain(op, torch.device(DEV), {"x": dtype, "a": dtype, "b": dtype, "top_experts": dtype})
     return sorted({c.kernel.backend for c in trace.candidates if c.accepted and not c.kernel.portable})
 
@@ -42,7 +49,16 @@ SHAPES = [  # tokens, hidden, experts, top_k
     (1024, 2048, 256, 8),
     (777, 129, 16, 1),  # odd sizes: masks and tails
     (0, 256, 8, 2),  # zero tokens
+] if ON_GPU else [
+    (24, 40, 4, 2),
+    (9, 33, 32, 8),  # mostly empty experts, odd hidden size (padding: 32 x 128 rows)
+    (7, 1, 3, 1),  # hidden 1
+    (0, 8, 4, 2),  # zero tokens
 ]
+GMM_SHAPES = [(8, 512, 1024, 768), (128, 64, 256, 384), (16, 37, 72, 136)] if ON_GPU else [
+    (4, 9, 24, 40), (1, 5, 16, 8)]
+# Triton's CPU interpreter cannot multiply bf16 (the backend leaves bf16 gmm to the reference there).
+GMM_DTYPES = [torch.bfloat16, torch.float16, torch.float32] if ON_GPU else [torch.float16, torch.float32]
 
 
 @pytest.mark.parametrize("tokens,hidden,experts,top_k", SHAPES)
@@ -102,10 +118,9 @@ def test_permutation_forward_and_backward(tokens, hidden, experts, top_k, dtype)
             assert rel_err(g, w) <= TOL[dtype], (backend, i, rel_err(g, w))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("experts,rows_per_expert,k,n", [(8, 512, 1024, 768), (128, 64, 256, 384),
-                                                         (16, 37, 72, 136)])
-@pytest.mark.parametrize("sizes_on", ["cpu", DEV])
+@pytest.mark.parametrize("dtype", GMM_DTYPES)
+@pytest.mark.parametrize("experts,rows_per_expert,k,n", GMM_SHAPES)
+@pytest.mark.parametrize("sizes_on", sorted({"cpu", DEV}))
 def test_gmm_forward_and_backward(dtype, experts, rows_per_expert, k, n, sizes_on):
     gen = torch.Generator().manual_seed(3)
     sizes = torch.randint(0, 2 * rows_per_expert, (experts,), generator=gen)
@@ -132,6 +147,7 @@ def test_gmm_forward_and_backward(dtype, experts, rows_per_expert, k, n, sizes_o
             assert torch.equal(got[2][empty], torch.zeros_like(got[2][empty])), backend
 
 
+@pytest.mark.skipif(not ON_GPU, reason="host syncs exist only with a GPU")
 def test_routing_and_permutation_do_not_sync_the_host():
     top, weights = routing(4096, 64, 8)
     x = torch.randn(4096, 512, device=DEV, dtype=torch.bfloat16)
