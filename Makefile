@@ -25,7 +25,7 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src plugins tests benchmarks
+	$(BIN)/ruff check src plugins tests benchmarks examples
 
 bench-dispatch: $(STAMP)
 	$(BIN)/python benchmarks/dispatch_overhead.py

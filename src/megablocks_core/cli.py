@@ -110,6 +110,37 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from . import testing
+
+    _device(args.device)  # a clear error for a device this host cannot use
+    results = testing.check(args.names or None, device=args.device, quick=args.quick)
+    ok = testing.passed(results, required=args.names)
+    for name in args.names:
+        if not any(r.backend == name and r.status == "pass" for r in results):
+            print(f"megablocks: nothing of {name} could be checked on {args.device}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"device": args.device, "quick": args.quick, "passed": ok,
+                          "results": [r.as_dict() for r in results]}, indent=2))
+        return 0 if ok else 1
+    labels = {"pass": "pass", "fail": "FAIL", "not provided": "not provided",
+              "unavailable": "unavailable here"}
+    backends = list(dict.fromkeys(r.backend for r in results))
+    cells = {(r.op, r.backend): labels[r.status] for r in results}
+    ops = list(dict.fromkeys(r.op for r in results))
+    print(_table([[op, *(cells.get((op, b), "-") for b in backends)] for op in ops], ["op", *backends]))
+    for r in results:
+        if r.status == "fail":
+            print(f"\nFAIL {r.backend}: {r.message}")
+    for backend, reason in dict.fromkeys((r.backend, r.message) for r in results if r.status == "unavailable"):
+        print(f"\n{backend}: unavailable here: {reason}")
+    counts = {s: sum(r.status == s for r in results) for s in labels}
+    print(f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['not provided']} not provided, "
+          f"{counts['unavailable']} unavailable here; on {args.device}"
+          f"{' (--quick)' if args.quick else ''} in {sum(r.seconds for r in results):.1f} s")
+    return 0 if ok else 1
+
+
 def cmd_contracts(args: argparse.Namespace) -> int:
     print(docgen.render_markdown(), end="")
     return 0
@@ -151,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=cmd_explain)
+    check = backend_commands.add_parser(
+        "check", help="run the conformance kit: each op a backend provides, against the reference")
+    check.add_argument("names", nargs="*", metavar="NAME", help="backends to check (default: all installed)")
+    check.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    check.add_argument("--quick", action="store_true", help="a few scenarios instead of the full set")
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.set_defaults(func=cmd_check)
 
     contracts_cmd = commands.add_parser("contracts", help="print every op's contract as Markdown")
     contracts_cmd.set_defaults(func=cmd_contracts)

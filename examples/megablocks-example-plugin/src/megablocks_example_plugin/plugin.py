@@ -1,0 +1,40 @@
+"""The hooks the core calls once, when it loads its registry (never per op call)."""
+
+from __future__ import annotations
+
+import torch
+
+from megablocks_core import DeviceInfo, Kernel, hookimpl
+
+from . import kernels
+
+#: Above the reference backend (0): on the CPU these kernels win where their dtypes allow.
+PRIORITY = 10
+
+#: Narrower than the contract (which also allows int16): int16 calls go to another backend.
+KEYS = frozenset({torch.int32, torch.int64})
+
+
+def cpu_only(device: DeviceInfo) -> str | None:
+    """Capability predicate: None if the kernel can run on ``device``, else the reason it cannot.
+
+    ``devices=("cpu",)`` already limits these kernels to CPUs; an accelerator backend would look at
+    ``device.capability`` (e.g. ``>= (9, 0)``), ``device.arch`` or ``device.warp_size`` here.
+    """
+    return None if device.kind == "cpu" else f"runs on CPUs only, not {device.kind}"
+
+
+@hookimpl
+def megablocks_routing_kernels() -> list[Kernel]:
+    return [
+        Kernel(op="histogram", fn=kernels.histogram, devices=("cpu",), priority=PRIORITY,
+               capability=cpu_only, dtypes={"x": KEYS}),
+        Kernel(op="inclusive_cumsum", fn=kernels.inclusive_cumsum, devices=("cpu",), priority=PRIORITY,
+               capability=cpu_only, dtypes={"x": KEYS}),
+    ]
+
+
+@hookimpl
+def megablocks_unavailable_reason() -> str | None:
+    # Host-wide facts only (a missing library or driver); this example needs nothing beyond torch.
+    return None

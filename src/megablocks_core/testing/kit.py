@@ -1,0 +1,373 @@
+"""The conformance checks: one backend's kernels, op by op, against the contracts and the reference.
+
+For every op a backend claims, each scenario's sample (see :mod:`.scenarios`)
+is run with that backend forced for the op and compared with the reference
+backend: output shapes and dtypes against the contract, values against the
+reference (tolerances in :data:`TOLERANCES`), inputs unmodified, a repeated
+call equal, gradients of every differentiable input equal. Then, on the first
+sample the backend serves: bad inputs raise the contract's error types,
+``torch.library.opcheck`` passes, and a ``torch.compile(fullgraph=True)`` call
+matches eager. The first mismatch fails the op and is reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..contract import RULE_HELPERS, BoolArg, IntArg, OpContract, TensorArg
+from ..contracts import ALL, BY_NAME
+from ..devices import describe
+from ..dispatch import ENTRIES, explain, registry, use_backend
+from ..library import output_meta
+from ..ranking import Policy
+from .scenarios import Routing, Scenario, routing, sample, scenarios
+
+REFERENCE = "reference"
+Status = Literal["pass", "fail", "not provided", "unavailable"]
+
+#: Relative tolerance per floating-point dtype. An element passes when
+#: ``|got - want| <= tol * (|want| + max(1, max|want|))``: relative to the element and to the
+#: output's scale, so values near zero are not held to an impossible standard.
+#: Integer and bool outputs must match exactly.
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1e-2,
+}
+
+#: The opcheck tests run: the ones that exercise a backend's kernel (aliasing, mutation, fake vs
+#: real output metadata, autograd registration). The aot_dispatch tests check the core's own
+#: registration and are part of the core's test suite.
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+DISPATCHED: tuple[str, ...] = tuple(c.name for c in ALL if c.dispatched)
+
+
+@dataclass(frozen=True)
+class Result:
+    """The verdict for one op on one backend."""
+
+    op: str
+    """Op name, or ``"*"`` for a backend that could not be loaded at all."""
+    backend: str
+    status: Status
+    message: str = ""
+    """The first mismatch (fail), or why nothing could run here (unavailable)."""
+    scenarios: int = 0
+    """Scenarios checked."""
+    declined: int = 0
+    """Scenarios the backend does not serve (dtype restriction, capability): not failures."""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Mismatch(AssertionError):
+    """A check failed; the message says where and how."""
+
+
+def passed(results: Sequence[Result], required: Sequence[str] = ()) -> bool:
+    """True if nothing failed and each backend in ``required`` passed at least one op
+    (a backend that could check nothing on this device has not proven anything)."""
+    if any(r.status == "fail" for r in results):
+        return False
+    return all(any(r.backend == b and r.status == "pass" for r in results) for b in required)
+
+
+# ---------------------------------------------------------------------------
+# Comparison
+
+
+def _describe_index(index: tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(i) for i in index) + "]"
+
+
+def compare(got: Any, want: torch.Tensor, what: str, source: str = "the reference") -> None:
+    """Raise :class:`Mismatch` unless ``got`` matches ``want`` (from ``source``) in shape, dtype,
+    device and values."""
+    if not isinstance(got, torch.Tensor):
+        raise Mismatch(f"{what} is a {type(got).__name__}, expected a tensor")
+    if got.shape != want.shape:
+        raise Mismatch(f"{what} has shape {tuple(got.shape)}, {source} {tuple(want.shape)}")
+    if got.dtype != want.dtype:
+        raise Mismatch(f"{what} has dtype {got.dtype}, {source} {want.dtype}")
+    if got.device != want.device:
+        raise Mismatch(f"{what} is on {got.device}, {source} on {want.device}")
+    g, w = got.detach().cpu(), want.detach().cpu()
+    tol = TOLERANCES.get(want.dtype)
+    if tol is None:  # integers, bool: exact
+        bad = g != w
+        rule = "exactly"
+    else:
+        g64, w64 = g.double(), w.double()
+        scale = max(1.0, float(w64.abs().max())) if w64.numel() else 1.0
+        bad = ~torch.isclose(g64, w64, rtol=tol, atol=tol * scale, equal_nan=True)
+        rule = f"within {tol:g} relative ({want.dtype})"
+    if bool(bad.any()):
+        index = tuple(int(i) for i in bad.nonzero()[0])
+        raise Mismatch(f"{what}{_describe_index(index)} = {g[index].item()!r}, {source} gives "
+                       f"{w[index].item()!r} ({int(bad.sum())} of {bad.numel()} elements differ; "
+                       f"must match {rule})")
+
+
+def _outputs(value: Any) -> tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _compare_all(contract: OpContract, got: Any, want: Any, what: str, source: str = "the reference") -> None:
+    got_t, want_t = _outputs(got), _outputs(want)
+    if len(got_t) != len(want_t):
+        raise Mismatch(f"{what} returned {len(got_t)} outputs, the contract says {len(want_t)}")
+    for out, g, w in zip(contract.outputs, got_t, want_t, strict=True):
+        compare(g, w, f"{what} output '{out.name}'", source)
+
+
+def _check_meta(contract: OpContract, args: tuple[Any, ...], got: Any) -> None:
+    """Output shapes and dtypes as the contract computes them, on the primary tensor's device."""
+    bound = contract.bind(args)
+    scope = {**RULE_HELPERS, **bound}
+    metas = output_meta(contract, bound, lambda dim: eval(dim.expr, scope))
+    device = bound[contract.primary.name].device
+    outs = _outputs(got)
+    if len(outs) != len(metas):
+        raise Mismatch(f"returned {len(outs)} outputs, the contract says {len(metas)}")
+    for out, value, (shape, dtype) in zip(contract.outputs, outs, metas, strict=True):
+        if not isinstance(value, torch.Tensor):
+            raise Mismatch(f"output '{out.name}' is a {type(value).__name__}, expected a tensor")
+        if tuple(value.shape) != tuple(shape) or value.dtype != dtype or value.device != device:
+            raise Mismatch(f"output '{out.name}' is {tuple(value.shape)} {value.dtype} on {value.device}; "
+                           f"the contract says {tuple(shape)} {dtype} on {device}")
+
+
+# ---------------------------------------------------------------------------
+# Running an op on a backend
+
+
+@contextlib.contextmanager
+def _on(backend: str, op: str) -> Iterator[None]:
+    """``op`` forced onto ``backend``; the ops it calls (backward, composites) preferably too,
+    else the reference."""
+    if backend == REFERENCE:
+        with use_backend(REFERENCE):
+            yield
+    else:
+        with use_backend(backend, REFERENCE, **{op: backend}):
+            yield
+
+
+def _cannot_serve(backend: str, contract: OpContract, device: torch.device, args: tuple[Any, ...]) -> str | None:
+    dtypes = {a.name: v.dtype for a, v in zip(contract.args, args, strict=True) if isinstance(v, torch.Tensor)}
+    trace = explain(contract.name, describe(device), dtypes, Policy(force=backend, source="the kit"))
+    return None if trace.winner is not None else trace.error
+
+
+def _with_grad_leaves(contract: OpContract, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[str]]:
+    """``args`` with fresh leaves requiring grad for every floating-point differentiable input."""
+    names = [a.name for a, v in zip(contract.args, args, strict=True) if a.name in contract.differentiable
+             and isinstance(v, torch.Tensor) and v.is_floating_point()]
+    new = tuple(v.detach().requires_grad_() if a.name in names else v
+                for a, v in zip(contract.args, args, strict=True))
+    return new, names
+
+
+def _grads(fn: Callable[..., Any], contract: OpContract, args: tuple[Any, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Run ``fn`` and return (output, gradient of each differentiable input) for a fixed cotangent."""
+    leaves, names = _with_grad_leaves(contract, args)
+    with torch.enable_grad():
+        out = fn(*leaves)
+        gen = torch.Generator().manual_seed(7)
+        cotangent = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+        inputs = [leaves[contract.arg_names.index(n)] for n in names]
+        grads = torch.autograd.grad(out, inputs, cotangent, allow_unused=True, materialize_grads=True)
+    return out.detach(), dict(zip(names, grads, strict=True))
+
+
+def _caller(op: str) -> Callable[..., Any]:
+    entry = ENTRIES[op]
+
+    def run(*args: Any) -> Any:
+        return entry(*args)
+
+    return run
+
+
+def _check_sample(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:
+    op = contract.name
+    run = _caller(op)
+    before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    with _on(backend, op):
+        got = run(*args)
+    for spec, old, new in zip(contract.args, before, args, strict=True):
+        if isinstance(old, torch.Tensor) and not torch.equal(old, new):
+            raise Mismatch(f"modified its input '{spec.name}'")
+    _check_meta(contract, args, got)
+    with use_backend(REFERENCE):
+        want = run(*args)
+    _compare_all(contract, got, want, "forward")
+    with _on(backend, op):
+        again = run(*args)
+    _compare_all(contract, again, got, "repeated call", "the first call")
+    if not _with_grad_leaves(contract, args)[1]:
+        return
+    with _on(backend, op):
+        _, got_grads = _grads(run, contract, args)
+    with use_backend(REFERENCE):
+        _, want_grads = _grads(run, contract, args)
+    for name, g in got_grads.items():
+        compare(g, want_grads[name], f"gradient of '{name}'")
+
+
+def bad_inputs(contract: OpContract, args: tuple[Any, ...]) -> Iterator[tuple[str, str, tuple[Any, ...], type[Exception]]]:
+    """Mutations of a valid sample that break one argument's spec in the contract:
+    (argument, what was done, the mutated arguments, the error type the contract promises)."""
+    primary = contract.primary.name
+    for i, (spec, value) in enumerate(zip(contract.args, args, strict=True)):
+        def swap(new: Any, i: int = i) -> tuple[Any, ...]:
+            return (*args[:i], new, *args[i + 1:])
+
+        if isinstance(spec, TensorArg) and isinstance(value, torch.Tensor):
+            wrong = next((d for d in (torch.float32, torch.int32, torch.bool) if d not in spec.dtypes), None)
+            if spec.dtypes and wrong is not None:
+                yield spec.name, f"dtype {wrong}", swap(value.to(wrong)), TypeError
+            if spec.ndim:
+                extra = max(spec.ndim) + 1 - value.dim()
+                yield spec.name, f"{value.dim() + extra}-D", swap(value[(None,) * extra]), ValueError
+            if spec.name != primary and not spec.any_device and value.device.type != "cpu":
+                yield spec.name, "on the CPU", swap(value.cpu()), ValueError
+        elif isinstance(spec, IntArg) and value is not None:
+            yield spec.name, "a float", swap(value + 0.5), TypeError
+            if spec.min is not None:
+                yield spec.name, f"{spec.min - 1}", swap(spec.min - 1), ValueError
+        elif isinstance(spec, BoolArg):
+            yield spec.name, "an int", swap(int(value)), TypeError
+
+
+def _check_bad_inputs(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:
+    run = _caller(contract.name)
+    for name, what, bad, error in bad_inputs(contract, args):
+        try:
+            with _on(backend, contract.name):
+                run(*bad)
+        except error as exc:
+            if f"ops.{contract.name}" not in str(exc) or f"'{name}'" not in str(exc):
+                raise Mismatch(f"'{name}' as {what} raised {type(exc).__name__} without naming the op "
+                               f"and the argument: {exc}") from None
+            continue
+        except Exception as exc:
+            raise Mismatch(f"'{name}' as {what} raised {type(exc).__name__}, the contract says "
+                           f"{error.__name__}: {exc}") from None
+        raise Mismatch(f"'{name}' as {what} was accepted; the contract says {error.__name__}")
+
+
+def _check_opcheck(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:
+    leaves, _ = _with_grad_leaves(contract, args)
+    with _on(backend, contract.name):
+        try:
+            torch.library.opcheck(getattr(torch.ops.megablocks, contract.name), leaves,
+                                  test_utils=OPCHECK_TESTS)
+        except Exception as exc:
+            raise Mismatch(f"torch.library.opcheck: {str(exc).splitlines()[0]}") from None
+
+
+def _check_compile(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:
+    torch._dynamo.reset()  # one fresh graph per op: no recompile limits, no stale guards
+    run = _caller(contract.name)
+    compiled = torch.compile(_caller(contract.name), fullgraph=True, backend="aot_eager")
+    differentiable = bool(_with_grad_leaves(contract, args)[1])
+    with _on(backend, contract.name):
+        if not differentiable:
+            _compare_all(contract, compiled(*args), run(*args), "torch.compile", "eager")
+            return
+        got, got_grads = _grads(compiled, contract, args)
+        want, want_grads = _grads(run, contract, args)
+    compare(got, want, "torch.compile output", "eager")
+    for name, g in got_grads.items():
+        compare(g, want_grads[name], f"torch.compile gradient of '{name}'", "eager")
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+
+
+def check_op(backend: str, op: str, device: torch.device | str = "cpu", quick: bool = False,
+             cases: Sequence[Scenario] | None = None) -> Result:
+    """Check one op of one installed backend on ``device`` (see the module docstring)."""
+    contract = BY_NAME[op]
+    if not contract.dispatched:
+        raise ValueError(f"{op!r} is not a dispatched op; dispatched ops: {', '.join(DISPATCHED)}")
+    record = registry().plugins.get(backend)
+    if record is None:
+        raise ValueError(f"backend {backend!r} is not installed "
+                         f"(installed: {', '.join(registry().backend_names) or 'none'})")
+    if op not in record.ops:
+        return Result(op, backend, "not provided")
+    if record.status != "ok":
+        return Result(op, backend, "unavailable", record.reason or record.status)
+    device = torch.device(device)
+    start = time.perf_counter()
+    ran, declined, reason = 0, 0, ""
+    first: tuple[Any, ...] | None = None
+    stage, case = "", ""
+    try:
+        for scenario in cases if cases is not None else scenarios(quick):
+            r: Routing = routing(scenario, device)
+            args = sample(op, r)
+            why_not = _cannot_serve(backend, contract, device, args)
+            if why_not:
+                declined += 1
+                reason = reason or why_not
+                continue
+            stage, case = "", f" ({scenario.name})"
+            _check_sample(backend, contract, args)
+            ran += 1
+            first = first or args
+        if first is not None:
+            case = ""
+            for name, step in (("bad inputs", _check_bad_inputs), ("opcheck", _check_opcheck),
+                               ("torch.compile", _check_compile)):
+                stage = name
+                step(backend, contract, first)
+    except Mismatch as exc:
+        where = f" [{stage}]" if stage else ""
+        return Result(op, backend, "fail", f"{op}{where}{case}: {exc}", ran, declined,
+                      time.perf_counter() - start)
+    except Exception as exc:  # a kernel that raises fails its op, nothing more
+        where = f" [{stage}]" if stage else ""
+        return Result(op, backend, "fail", f"{op}{where}{case}: raised {type(exc).__name__}: {exc}",
+                      ran, declined, time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    if not ran:
+        return Result(op, backend, "unavailable", reason, 0, declined, elapsed)
+    return Result(op, backend, "pass", "", ran, declined, elapsed)
+
+
+def check(backends: Sequence[str] | None = None, device: torch.device | str = "cpu", quick: bool = False,
+          ops: Sequence[str] | None = None) -> list[Result]:
+    """Check every op of each backend (default: every installed backend) against the reference."""
+    reg = registry()
+    oracle = reg.plugins.get(REFERENCE)
+    if oracle is None or oracle.status != "ok":
+        raise RuntimeError("the reference backend is the oracle of the conformance kit: install "
+                           "megablocks-reference (and do not disable it)")
+    unknown = [b for b in backends or () if b not in reg.plugins]
+    if unknown:
+        raise ValueError(f"backend(s) {', '.join(unknown)} not installed "
+                         f"(installed: {', '.join(reg.backend_names)})")
+    results = []
+    for name in backends or reg.backend_names:
+        record = reg.plugins[name]
+        if record.status in ("broken", "incompatible"):
+            results.append(Result("*", name, "fail", f"{name} is {record.status}: {record.reason}"))
+        elif record.status == "disabled":
+            results.append(Result("*", name, "unavailable", record.reason or "disabled"))
+        else:
+            results += [check_op(name, op, device, quick) for op in (DISPATCHED if ops is None else ops)]
+    return results

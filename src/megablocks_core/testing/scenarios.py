@@ -1,0 +1,213 @@
+"""Sample inputs for every dispatched op, from one routing-scenario generator.
+
+A :class:`Scenario` names a routing situation (tokens, experts, top_k, hidden
+size, dtypes, layout); :func:`routing` turns it into the tensors a dropless MoE
+layer would hold at that point, built with plain torch so that no backend under
+test takes part. :data:`SAMPLES` is the only per-op knowledge of the kit: how
+to pick an op's kernel-order arguments out of those tensors. Everything else
+(what to check, which errors to expect, output shapes) comes from the contracts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Padding granularity of padded_bins (small, so that padding rows really occur).
+BLOCK_SIZE = 4
+#: Column blocks per expert in topology samples.
+BLOCK_COLUMNS = 2
+#: Rows of the per-bin tables that replicate expands.
+REPLICATE_BATCH = 2
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One routing situation; every op's sample is derived from it."""
+
+    tokens: int
+    experts: int
+    top_k: int
+    hidden: int
+    dtype: torch.dtype = torch.float32
+    """Dtype of every floating-point tensor (activations, weights, gradients)."""
+    index_dtype: torch.dtype = torch.int32
+    """Dtype of the keys, indices, bin_ids, bins and padded_bins."""
+    empty_experts: bool = False
+    """Route tokens to even-numbered experts only, so the odd ones get no rows."""
+    non_contiguous: bool = False
+    """Pass every tensor as a strided (non-contiguous) view."""
+    weighted: bool = True
+    """Pass weights where an op accepts them (None otherwise)."""
+    trans_b: bool = False
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        flags = [f for f, on in (("empty experts", self.empty_experts),
+                                 ("non-contiguous", self.non_contiguous),
+                                 ("unweighted", not self.weighted), ("trans_b", self.trans_b)) if on]
+        dtypes = f"{_short(self.dtype)}/{_short(self.index_dtype)}"
+        return (f"tokens={self.tokens} experts={self.experts} top_k={self.top_k} hidden={self.hidden} "
+                + " ".join([dtypes, *flags]))
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The tensors of one scenario on one device (see :func:`routing`)."""
+
+    scenario: Scenario
+    top_experts: torch.Tensor
+    end_bit: int
+    indices: torch.Tensor
+    bin_ids: torch.Tensor
+    counts: torch.Tensor
+    """Tokens per expert in the index dtype (cumsum input)."""
+    bins: torch.Tensor
+    padded_bins: torch.Tensor
+    padded_rows_total: int
+    bin_size: int
+    x: torch.Tensor
+    """Token rows, (tokens, hidden)."""
+    rows: torch.Tensor
+    """Expert-sorted rows, (tokens * top_k, hidden)."""
+    weights: torch.Tensor | None
+    grad: torch.Tensor
+    """A gradient with respect to token rows, (tokens, hidden)."""
+    padded_x: torch.Tensor
+    binned_x: torch.Tensor
+    per_bin: torch.Tensor
+    per_row: torch.Tensor
+    expert_weights: torch.Tensor
+    """gmm's b: (experts, hidden, ffn), or (experts, ffn, hidden) with trans_b."""
+    gmm_grad: torch.Tensor
+    batch_sizes: torch.Tensor
+    """Tokens per expert as int64 on the CPU (MegaBlocks' convention for gmm)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.indices.shape[0]
+
+
+def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
+    """Build a scenario's tensors with plain torch (deterministic for a given seed)."""
+    gen = torch.Generator().manual_seed(s.seed)
+    rows = s.tokens * s.top_k
+    used = (s.experts + 1) // 2 if s.empty_experts else s.experts
+    keys = torch.randint(0, used, (rows,), generator=gen) * (2 if s.empty_experts else 1)
+    bin_ids, indices = torch.sort(keys, stable=True)
+    counts = torch.bincount(keys, minlength=s.experts)
+    padded_counts = (counts + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    padded_total = int(padded_counts.sum())
+    bin_size = math.ceil(rows / s.experts)  # rows past an expert's fair share are dropped
+    ffn = s.hidden + 2
+
+    def floats(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=s.dtype)
+
+    def index(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=s.index_dtype)
+
+    b_shape = (s.experts, ffn, s.hidden) if s.trans_b else (s.experts, s.hidden, ffn)
+    weights = torch.rand(rows, generator=gen).to(device=device, dtype=s.dtype)
+    return Routing(
+        scenario=s, top_experts=index(keys), end_bit=max((s.experts - 1).bit_length(), 1),
+        indices=index(indices), bin_ids=index(bin_ids), counts=index(counts),
+        bins=index(counts.cumsum(0)), padded_bins=index(padded_counts.cumsum(0)),
+        padded_rows_total=padded_total, bin_size=bin_size,
+        x=floats(s.tokens, s.hidden), rows=floats(rows, s.hidden),
+        weights=weights if s.weighted else None, grad=floats(s.tokens, s.hidden),
+        padded_x=floats(padded_total, s.hidden), binned_x=floats(s.experts, bin_size, s.hidden),
+        per_bin=floats(REPLICATE_BATCH, s.experts), per_row=floats(REPLICATE_BATCH, rows),
+        expert_weights=floats(*b_shape), gmm_grad=floats(rows, ffn), batch_sizes=counts.to(torch.int64),
+    )
+
+
+#: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;
+#: a test checks that it covers every dispatched contract.
+SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
+    "sort": lambda r: (r.top_experts, r.end_bit),
+    "histogram": lambda r: (r.top_experts, r.scenario.experts),
+    "inclusive_cumsum": lambda r: (r.counts, 0),
+    "exclusive_cumsum": lambda r: (r.counts, 0),
+    "topology": lambda r: (r.padded_bins, BLOCK_SIZE, r.padded_rows_total // BLOCK_SIZE, BLOCK_COLUMNS),
+    "replicate": lambda r: (r.per_bin, r.bins, r.num_rows),
+    "replicate_backward": lambda r: (r.per_row, r.bins),
+    "route": lambda r: (r.top_experts, r.scenario.experts, BLOCK_SIZE),
+    "gather": lambda r: (r.x, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
+    "scatter": lambda r: (r.rows, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
+    "scatter_wgrad": lambda r: (r.rows, r.grad, r.indices, r.bin_ids, r.bins, r.scenario.top_k),
+    "padded_gather": lambda r: (r.x, r.indices, r.bin_ids, r.weights, r.bins, r.padded_bins,
+                                r.scenario.top_k),
+    "padded_scatter": lambda r: (r.padded_x, r.indices, r.bin_ids, r.weights, r.bins, r.padded_bins,
+                                 r.scenario.top_k),
+    "padded_scatter_wgrad": lambda r: (r.padded_x, r.grad, r.indices, r.bin_ids, r.bins, r.padded_bins,
+                                       r.scenario.top_k),
+    "binned_gather": lambda r: (r.x, r.indices, r.weights, r.bins, r.bin_size, r.scenario.top_k),
+    "binned_scatter": lambda r: (r.binned_x, r.indices, r.weights, r.bins, r.scenario.top_k),
+    "binned_scatter_wgrad": lambda r: (r.binned_x, r.grad, r.indices, r.bins, r.scenario.top_k),
+    "gmm": lambda r: (r.rows, r.expert_weights, r.batch_sizes, r.scenario.trans_b),
+    "gmm_weight_grad": lambda r: (r.rows, r.gmm_grad, r.batch_sizes),
+}
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view (every other element of a wider tensor)."""
+    if t.dim() == 0:
+        return t
+    wide = t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def sample(op: str, r: Routing) -> tuple[Any, ...]:
+    """``op``'s kernel-order arguments in routing ``r`` (strided views if the scenario says so)."""
+    args = SAMPLES[op](r)
+    if not r.scenario.non_contiguous:
+        return args
+    return tuple(strided(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+_I16, _I32, _I64 = torch.int16, torch.int32, torch.int64
+_F32, _F16, _BF16, _F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+
+#: ``--quick``: one representative of each edge case (the first one also feeds opcheck and compile).
+QUICK: tuple[Scenario, ...] = (
+    Scenario(tokens=16, experts=4, top_k=2, hidden=8),
+    Scenario(tokens=0, experts=4, top_k=2, hidden=8),
+    Scenario(tokens=12, experts=8, top_k=2, hidden=5, dtype=_BF16, index_dtype=_I64,
+             empty_experts=True, non_contiguous=True, trans_b=True, seed=1),
+    Scenario(tokens=9, experts=1, top_k=1, hidden=1, dtype=_F16, index_dtype=_I16, weighted=False,
+             seed=2),
+    Scenario(tokens=40, experts=256, top_k=8, hidden=3, seed=3),
+)
+
+#: The full suite: the quick set, every float × index dtype pair, top_k 1…8, larger shapes.
+FULL: tuple[Scenario, ...] = (
+    *QUICK,
+    *(Scenario(tokens=24, experts=6, top_k=2, hidden=16, dtype=f, index_dtype=i, seed=10 + n)
+      for n, (f, i) in enumerate((f, i) for f in (_F32, _F16, _BF16, _F64) for i in (_I16, _I32, _I64))),
+    *(Scenario(tokens=13, experts=8, top_k=k, hidden=7, seed=30 + k, trans_b=k % 2 == 0,
+               weighted=k != 3) for k in range(1, 9)),
+    Scenario(tokens=0, experts=1, top_k=1, hidden=1, dtype=_BF16, index_dtype=_I64),
+    Scenario(tokens=1, experts=16, top_k=4, hidden=1, dtype=_F16, empty_experts=True, seed=40),
+    Scenario(tokens=64, experts=256, top_k=8, hidden=32, dtype=_BF16, empty_experts=True, seed=41),
+    Scenario(tokens=300, experts=8, top_k=2, hidden=128, dtype=_BF16, non_contiguous=True, seed=42),
+    Scenario(tokens=257, experts=32, top_k=4, hidden=96, dtype=_F16, index_dtype=_I64, trans_b=True,
+             seed=43),
+    Scenario(tokens=512, experts=64, top_k=2, hidden=64, seed=44),
+    Scenario(tokens=100, experts=8, top_k=2, hidden=33, dtype=_F32, index_dtype=_I16,
+             non_contiguous=True, empty_experts=True, seed=45),
+)
+
+
+def scenarios(quick: bool = False) -> tuple[Scenario, ...]:
+    return QUICK if quick else FULL
