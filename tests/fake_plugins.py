@@ -57,6 +57,12 @@ def counting(check):
 
 '''
 
+#: The environment variables the core reads; tests that build their own registry clear them.
+ENV_VARS = ("MEGABLOCKS_BACKEND", "MEGABLOCKS_PLUGINS", "MEGABLOCKS_DISABLE_PLUGINS",
+            "MEGABLOCKS_STRICT_PLUGINS", "MEGABLOCKS_CHECK")
+#: Other installed backends (triton under TRITON_INTERPRET=1) would change what these tests expect.
+ONLY_REFERENCE = {"MEGABLOCKS_PLUGINS": "reference"}
+
 MODULE_PREFIX = "mbfake_"
 
 

@@ -11,35 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_plugins import FakePlugins, permutation
+from fake_plugins import ENV_VARS, ONLY_REFERENCE, permutation
 
 import megablocks_core as mb
 from megablocks_core import contracts
 from megablocks_core.cli import main
 
+pytestmark = pytest.mark.usefixtures("only_reference")
+
 ROOT = Path(__file__).resolve().parents[1]
-# Other installed backends (triton under TRITON_INTERPRET=1) would change the expected tables.
-ONLY_REFERENCE = {"MEGABLOCKS_PLUGINS": "reference"}
-ENV_VARS = ("MEGABLOCKS_BACKEND", "MEGABLOCKS_PLUGINS", "MEGABLOCKS_DISABLE_PLUGINS",
-            "MEGABLOCKS_STRICT_PLUGINS", "MEGABLOCKS_CHECK")
 
 
-@pytest.fixture(autouse=True)
-def normal_registry(monkeypatch):
-    for var in ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    mb.set_backend()
-    mb.reload(ONLY_REFERENCE)
-    yield
-    mb.set_backend()
-    mb.reload({})
-
-
-@pytest.fixture
-def plugins(tmp_path, monkeypatch):
-    fake = FakePlugins(tmp_path, monkeypatch)
-    yield fake
-    fake.cleanup()
 
 
 def run(capsys, *argv):

@@ -16,36 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_plugins import FakePlugins, permutation
+from fake_plugins import ENV_VARS, permutation
 
-import megablocks_core as mb
 from megablocks_core import contracts, testing, validation
 from megablocks_core.cli import main
 
+pytestmark = pytest.mark.usefixtures("only_reference")
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "megablocks-example-plugin"
-ENV_VARS = ("MEGABLOCKS_BACKEND", "MEGABLOCKS_PLUGINS", "MEGABLOCKS_DISABLE_PLUGINS",
-            "MEGABLOCKS_STRICT_PLUGINS", "MEGABLOCKS_CHECK")
 DISPATCHED = {c.name for c in contracts.ALL if c.dispatched}
 
 
-@pytest.fixture(autouse=True)
-def only_reference(monkeypatch):
-    # Other installed backends (triton under TRITON_INTERPRET=1) are not what these tests check.
-    for var in ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    mb.set_backend()
-    mb.reload({"MEGABLOCKS_PLUGINS": "reference"})
-    yield
-    mb.set_backend()
-    mb.reload({})
-
-
-@pytest.fixture
-def plugins(tmp_path, monkeypatch):
-    fake = FakePlugins(tmp_path, monkeypatch)
-    yield fake
-    fake.cleanup()
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:

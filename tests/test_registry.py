@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from fake_plugins import FakePlugins, permutation, routing_inputs
+from fake_plugins import permutation, routing_inputs
 from megablocks_reference import kernels as reference
 
 import megablocks_core as mb
@@ -23,15 +23,6 @@ CPU = DeviceInfo(kind="cpu", type="cpu", name="CPU")
 F32 = {"x": torch.float32}
 BF16 = {"x": torch.bfloat16}
 
-
-@pytest.fixture
-def plugins(tmp_path, monkeypatch):
-    for var in ("MEGABLOCKS_BACKEND", "MEGABLOCKS_PLUGINS", "MEGABLOCKS_DISABLE_PLUGINS",
-                "MEGABLOCKS_STRICT_PLUGINS", "MEGABLOCKS_CHECK"):
-        monkeypatch.delenv(var, raising=False)
-    fake = FakePlugins(tmp_path, monkeypatch)
-    yield fake
-    fake.cleanup()
 
 
 def fast_plugin(plugins, name="fast", ops_=("gather",), devices=("cpu",), priority=50, extra="",
@@ -680,3 +671,10 @@ def test_meta_device_fallback_flag_and_why_agree(plugins):
     plugins.reload()
     trace = mb.explain("gather", DeviceInfo(kind="meta", type="meta"))
     assert trace.fallback == ("portable fallback" in trace.why)
+
+
+def test_backend_env_with_an_unknown_op_is_an_error():
+    with pytest.raises(ValueError, match=r"unknown op\(s\) \['gathr'\]"):
+        mb.reload({"MEGABLOCKS_BACKEND": "gathr=reference"})
+    mb.reload({})
+    assert mb.current_policy().is_default

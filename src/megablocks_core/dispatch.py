@@ -79,7 +79,15 @@ def reload(env: Mapping[str, str] | None = None) -> Registry:
     env = os.environ if env is None else env
     loaded = load(env)  # may raise (strict mode): then nothing below changes
     spec = env.get("MEGABLOCKS_BACKEND", "").strip()
-    _state.env_policy = Policy.parse(spec) if spec else DEFAULT_POLICY
+    policy = Policy.parse(spec) if spec else DEFAULT_POLICY
+    unknown_ops = sorted({op for op, _ in policy.per_op} - set(BY_NAME))
+    if unknown_ops:  # a typo must not silently leave an op on the default ranking
+        raise ValueError(f"MEGABLOCKS_BACKEND={spec!r} names unknown op(s) {unknown_ops}; "
+                         f"ops are {sorted(BY_NAME)}")
+    missing = [name for name in policy.prefer if name not in loaded.plugins]
+    if missing:
+        log.warning("megablocks: MEGABLOCKS_BACKEND prefers %s, which is not installed", missing)
+    _state.env_policy = policy
     _state.checked = env.get("MEGABLOCKS_CHECK", "") not in ("", "0")
     _state.registry = loaded
     _update_default_policy()
