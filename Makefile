@@ -22,6 +22,8 @@ example: $(STAMP)
 	$(BIN)/megablocks example
 
 test: $(STAMP)
+	# The conformance kit's full set on the reference backend, then the test suite.
+	$(BIN)/megablocks backends check reference --device cpu
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
 lint: $(STAMP)
