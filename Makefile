@@ -1,11 +1,11 @@
-# Development tasks. `make example` and `make test` create .venv on first use.
+# Development tasks. `make demo`, `make example` and `make test` create .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
 
-.PHONY: install example test lint bench-dispatch
+.PHONY: install demo example test lint bench-dispatch
 
 $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	touch $@
 
 install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/megablocks backends list
+	$(BIN)/megablocks demo
 
 example: $(STAMP)
 	$(BIN)/megablocks backends list

@@ -153,6 +153,13 @@ def cmd_example(args: argparse.Namespace) -> int:
                        experts=args.experts, top_k=args.top_k, dtype=args.dtype)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.run(steps=args.steps, device=args.device, dtype=args.dtype, backend=args.backend,
+                    tokens=args.tokens, experts=args.experts, top_k=args.top_k, seed=args.seed)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -203,6 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
     example.add_argument("--experts", type=int, default=8)
     example.add_argument("--top-k", type=int, default=2)
     example.set_defaults(func=cmd_example)
+
+    demo = commands.add_parser(
+        "demo", help="train a tiny MoE model on synthetic data; show the loss falling and which backend ran each op")
+    demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    demo.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    demo.add_argument("--backend", default=None, metavar="NAME[,NAME]",
+                      help="backend preference as in use_backend() (default: the normal ranking)")
+    demo.add_argument("--tokens", type=int, default=256, help="tokens per step (default 256)")
+    demo.add_argument("--experts", type=int, default=8)
+    demo.add_argument("--top-k", type=int, default=2)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_demo)
 
     bench = commands.add_parser(
         "bench", help="time every installed provider of each op against peers and the hardware limit")

@@ -1,0 +1,166 @@
+"""A dropless MoE layer (MegaBlocks' dMoE, grouped path) written only against :mod:`megablocks_core.ops`.
+
+It is small on purpose: besides being a usable layer it is the reference for how the ops fit
+together::
+
+    probs = softmax(x @ router)                      # (tokens, experts), float32 or wider
+    weights, top_experts = topk(probs, top_k)        # (tokens, top_k)
+    indices, bin_ids, tokens_per_expert, bins, _ = ops.route(top_experts.flatten(), E, block)
+    rows = ops.gather(x, indices, bin_ids, bins, top_k)           # (tokens * top_k, hidden), by expert
+    h = act(ops.gmm(rows, w1, tokens_per_expert))                 # [* ops.gmm(rows, v1, ...) for GLU]
+    rows = ops.gmm(h, w2, tokens_per_expert)
+    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, top_k)   # (tokens, hidden)
+
+Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all deliberate:
+
+* ``forward`` returns ``(out, aux_loss)``; MegaBlocks returns ``(out, bias)`` and stashes the
+  load-balancing inputs in a module-global list for ``batched_load_balancing_loss``. The loss here
+  is the same formula for one layer (see :func:`load_balancing_loss`).
+* The router's logits and softmax run in float32 (float64 for float64 inputs), as with
+  MegaBlocks' ``moe_lbl_in_fp32``; MegaBlocks computes them in the input dtype.
+* Expert weights are stored ``w1, v1: (E, hidden, ffn)`` and ``w2: (E, ffn, hidden)`` so no
+  ``trans_b`` is needed; MegaBlocks stores ``(E * ffn, hidden)`` and uses ``trans_b=True`` for w1.
+* No router jitter, uniform assignment, expert/sequence parallelism, or shared expert.
+
+Sync-free: the layer itself never reads device data on the host (no ``.item()``, ``.tolist()``,
+no data-dependent Python branches), and the token counts given to ``ops.gmm`` stay on the device.
+On CUDA a step is therefore free of device→host syncs, and can be captured in a CUDA graph,
+whenever the backends serving ``route``/``gather``/``gmm``/``scatter`` do not read data on the
+host themselves. The Triton backend's do not; the reference ``gmm`` copies the counts to the host
+(it loops over experts), so on the reference backend the layer syncs once per ``gmm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import ops
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU with the tanh approximation: MegaBlocks' default ``activation_fn`` (layers/arguments.py)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def load_balancing_loss(tokens_per_expert: Tensor, probs: Tensor, top_k: int, coefficient: float) -> Tensor:
+    """MegaBlocks' ``batched_load_balancing_loss`` for one layer (Switch Transformer's aux loss).
+
+    ``loss = coefficient * E / (T * top_k) * sum_e tokens_per_expert[e] * mean_t probs[t, e]``
+    where ``probs`` are the router's softmax probabilities (T tokens, E experts) and
+    ``tokens_per_expert`` the routed counts (no gradient flows through them). A perfectly balanced
+    router with uniform probabilities gives ``coefficient``. Zero tokens give 0.
+    """
+    tokens, experts = probs.shape
+    if tokens == 0:  # a static shape, not data: no sync and no graph break
+        return probs.new_zeros(())
+    scale = coefficient * experts / (tokens * top_k)
+    return scale * torch.dot(tokens_per_expert.to(probs.dtype), probs.mean(dim=0))
+
+
+class DroplessMoE(torch.nn.Module):
+    """Dropless mixture of experts: top-k softmax router, expert MLPs via ``ops.gmm``, no token dropped.
+
+    Args:
+        hidden_size: model width (last dimension of the input).
+        ffn_hidden_size: width of each expert's MLP.
+        num_experts: number of experts E.
+        top_k: experts per token (1 ≤ top_k ≤ E).
+        glu: gated experts, ``act(x @ w1) * (x @ v1) @ w2`` (MegaBlocks' ``mlp_type="glu"``).
+        activation: expert activation; default GELU (tanh approximation), as MegaBlocks.
+        normalize_expert_weights: if set, divide each token's top-k weights by their p-norm with
+            this p (MegaBlocks' ``moe_normalize_expert_weights``; 1 makes them sum to 1).
+        load_balancing_loss_coefficient: MegaBlocks' ``moe_loss_weight``; 0 disables the loss.
+        block_size: padding granularity passed to ``ops.route`` (only its ``padded_bins`` use it,
+            which this grouped layer ignores).
+        init_std: parameters are drawn from N(0, init_std²), MegaBlocks' default ``init_method``
+            (std 0.02) for the router and both expert matrices.
+        seed: seed of the ``torch.Generator`` used for initialisation (deterministic across runs).
+        dtype, device: of the parameters.
+
+    ``forward(x)`` takes ``(..., hidden_size)`` and returns ``(out, aux_loss)``: ``out`` has x's
+    shape and dtype; ``aux_loss`` is the 0-d load-balancing loss in float32 (float64 for float64
+    input) in training mode, and 0 in eval mode or when the coefficient is 0 (as MegaBlocks saves
+    it only while training). Add it to the task loss.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 1, *,
+                 glu: bool = False, activation: Callable[[Tensor], Tensor] = gelu_tanh,
+                 normalize_expert_weights: float | None = None,
+                 load_balancing_loss_coefficient: float = 0.01, block_size: int = 128,
+                 init_std: float = 0.02, seed: int = 0, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"DroplessMoE: top_k must lie in [1, num_experts={num_experts}], got {top_k}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k, self.glu = num_experts, top_k, glu
+        self.activation = activation
+        self.normalize_expert_weights = normalize_expert_weights
+        self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
+        self.block_size = block_size
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+
+        self.router = param(num_experts, hidden_size)  # torch.nn.Linear's layout, no bias
+        self.w1 = param(num_experts, hidden_size, ffn_hidden_size)
+        self.v1 = param(num_experts, hidden_size, ffn_hidden_size) if glu else None
+        self.w2 = param(num_experts, ffn_hidden_size, hidden_size)
+        self.reset_parameters(init_std, seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, seed: int = 0) -> None:
+        """Draw every parameter from N(0, std²) with a CPU generator seeded with ``seed``.
+
+        Drawing on the CPU and copying makes the values identical on every device.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        for p in self.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Router: (probs (T, E), top-k weights (T, K) in x's dtype, top-k expert ids (T, K) int32)."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        probs = F.linear(x.to(acc), self.router.to(acc)).softmax(dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_expert_weights is not None:
+            weights = weights / weights.norm(p=self.normalize_expert_weights, dim=-1, keepdim=True)
+        return probs, weights.to(x.dtype), experts.int()
+
+    def experts(self, rows: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """Each expert's MLP over its contiguous group of rows (groups sized by tokens_per_expert)."""
+        h = self.activation(ops.gmm(rows, self.w1, tokens_per_expert))
+        if self.v1 is not None:
+            h = h * ops.gmm(rows, self.v1, tokens_per_expert)
+        return ops.gmm(h, self.w2, tokens_per_expert)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)
+        probs, weights, top_experts = self.route(x)
+        # Routing metadata carries no gradient; counts stay on the device (sync-free gmm).
+        with torch.no_grad():
+            indices, bin_ids, tokens_per_expert, bins, _ = ops.route(
+                top_experts.flatten(), self.num_experts, self.block_size)
+        rows = ops.gather(x, indices, bin_ids, bins, self.top_k)
+        rows = self.experts(rows, tokens_per_expert)
+        out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
+        if self.training and self.load_balancing_loss_coefficient > 0:
+            aux = load_balancing_loss(tokens_per_expert, probs, self.top_k,
+                                      self.load_balancing_loss_coefficient)
+        else:
+            aux = probs.new_zeros(())
+        return out.reshape(shape), aux
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"num_experts={self.num_experts}, top_k={self.top_k}, glu={self.glu}")
+
+
+dMoE = DroplessMoE  # MegaBlocks' name
+
+__all__ = ["DroplessMoE", "dMoE", "gelu_tanh", "load_balancing_loss"]

@@ -1,0 +1,274 @@
+"""The dropless MoE layer (megablocks_core.moe) against a per-token loop, under compile, and the demo."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import megablocks_core
+from megablocks_core import cli
+from megablocks_core.moe import DroplessMoE, dMoE, load_balancing_loss
+
+pytestmark = pytest.mark.usefixtures("reference_backend")
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make(hidden=8, ffn=12, experts=8, top_k=2, glu=False, dtype=torch.float64, device="cpu", **kw):
+    model = DroplessMoE(hidden, ffn, experts, top_k, glu=glu, dtype=dtype, device=device, **kw)
+    # Larger router weights than the 0.02 default: clear top-k choices, no near-ties between experts.
+    with torch.no_grad():
+        model.router.copy_(torch.randn(model.router.shape, generator=torch.Generator().manual_seed(7)))
+    return model
+
+
+def loop_reference(model: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer token by token in float64 with plain matrix products, and its aux loss, no MoE op."""
+    router, w1, w2 = (p.double() for p in (model.router, model.w1, model.w2))
+    v1 = model.v1.double() if model.v1 is not None else None
+    x = x.double().reshape(-1, model.hidden_size)
+    probs = torch.softmax(x @ router.T, dim=-1)
+    weights, top = torch.topk(probs, model.top_k, dim=-1)
+    if model.normalize_expert_weights is not None:
+        weights = weights / weights.norm(p=model.normalize_expert_weights, dim=-1, keepdim=True)
+    rows = []
+    for t in range(x.shape[0]):
+        row = torch.zeros(model.hidden_size, dtype=torch.float64)
+        for k in range(model.top_k):
+            e = int(top[t, k])
+            h = model.activation(x[t] @ w1[e])
+            if v1 is not None:
+                h = h * (x[t] @ v1[e])
+            row = row + weights[t, k] * (h @ w2[e])
+        rows.append(row)
+    out = torch.stack(rows) if rows else x.new_zeros(0, model.hidden_size)
+    # MegaBlocks' batched_load_balancing_loss for one layer, written out with a count loop.
+    tokens, experts = probs.shape
+    counts = torch.zeros(experts, dtype=torch.float64)
+    for e in top.flatten().tolist():
+        counts[e] += 1
+    if tokens == 0:
+        aux = torch.zeros((), dtype=torch.float64)
+    else:
+        scale = experts * model.load_balancing_loss_coefficient / (1 * tokens * model.top_k)
+        aux = scale * (counts * probs.mean(dim=0)).sum()
+    return out, aux
+
+
+def params(model: DroplessMoE) -> list[torch.Tensor]:
+    return [p for p in (model.router, model.w1, model.v1, model.w2) if p is not None]
+
+
+CASES = [(1, 1), (8, 1), (8, 2), (8, 4)]  # (experts, top_k)
+
+
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+@pytest.mark.parametrize(("experts", "top_k"), CASES, ids=[f"E{e}-k{k}" for e, k in CASES])
+def test_forward_and_gradients_match_loop(experts, top_k, glu):
+    model = make(experts=experts, top_k=top_k, glu=glu, load_balancing_loss_coefficient=0.1)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x.requires_grad_()
+    out, aux = model(x)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad((out * grad).sum() + aux, [x, *params(model)])
+
+    want_out, want_aux = loop_reference(model, x)
+    want = torch.autograd.grad((want_out.reshape(x.shape) * grad).sum() + want_aux, [x, *params(model)])
+    torch.testing.assert_close(out, want_out.reshape(x.shape))
+    torch.testing.assert_close(aux, want_aux)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_empty_experts_and_normalized_weights():
+    model = make(experts=16, top_k=2, glu=True, normalize_expert_weights=1.0)
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)  # 6 rows: at least 10 experts empty
+    out, aux = model(x)
+    want_out, want_aux = loop_reference(model, x)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(aux, want_aux)
+    out.sum().backward()
+    used = set(torch.topk(x.detach() @ model.router.detach().T, 2).indices.flatten().tolist())
+    for e in set(range(16)) - used:  # an expert with no tokens gets exactly zero gradient
+        assert not model.w1.grad[e].any() and not model.w2.grad[e].any() and not model.v1.grad[e].any()
+
+
+def test_zero_tokens():
+    model = make(glu=True)
+    x = torch.zeros(0, 8, dtype=torch.float64, requires_grad=True)
+    out, aux = model(x)
+    assert out.shape == (0, 8) and float(aux) == 0.0
+    (out.sum() + aux).backward()
+    assert x.grad.shape == (0, 8) and not model.w1.grad.any()
+
+
+def test_bf16_close_to_fp32():
+    bf16 = make(hidden=16, ffn=32, glu=True, dtype=torch.bfloat16)
+    fp32 = make(hidden=16, ffn=32, glu=True, dtype=torch.float32)
+    fp32.load_state_dict(bf16.state_dict())  # the same (bf16-representable) values: same routing
+    x = torch.randn(32, 16).bfloat16()
+    got, got_aux = bf16(x)
+    want, want_aux = fp32(x.float())
+    assert got.dtype == torch.bfloat16 and got_aux.dtype == torch.float32
+    assert float((got.detach().float() - want).norm() / want.norm()) < 2e-2, "bf16 output far from fp32"
+    torch.testing.assert_close(got_aux, want_aux)
+
+
+def test_load_balancing_loss_formula():
+    # Perfect balance with uniform probabilities gives exactly the coefficient (Switch Transformer).
+    probs = torch.full((8, 4), 0.25)
+    assert float(load_balancing_loss(torch.tensor([4, 4, 4, 4], dtype=torch.int32), probs, 2, 0.1)) == \
+        pytest.approx(0.1)
+    # MegaBlocks: scale = E * w / (layers * tokens * top_k); loss = scale * dot(counts, mean(scores)).
+    probs = torch.softmax(torch.randn(6, 3), dim=-1)
+    counts = torch.tensor([5, 0, 7], dtype=torch.int32)
+    want = 3 * 0.01 / (1 * 6 * 2) * torch.dot(counts.float(), probs.mean(dim=0))
+    torch.testing.assert_close(load_balancing_loss(counts, probs, 2, 0.01), want)
+
+
+def test_train_and_eval_modes():
+    model = make(glu=True, load_balancing_loss_coefficient=0.1)
+    x = torch.randn(10, 8, dtype=torch.float64)
+    train_out, train_aux = model(x)
+    assert float(train_aux) > 0 and train_aux.requires_grad
+    model.eval()
+    eval_out, eval_aux = model(x)
+    torch.testing.assert_close(eval_out, train_out)
+    assert float(eval_aux) == 0.0
+    model.train()
+    model.load_balancing_loss_coefficient = 0.0
+    assert float(model(x)[1]) == 0.0
+
+
+def test_initialisation_is_seeded_and_scaled():
+    a, b, c = (DroplessMoE(64, 128, 8, 2, glu=True, seed=s) for s in (3, 3, 4))
+    for pa, pb, pc in zip(a.parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb) and not torch.equal(pa, pc)
+    assert float(a.w1.std()) == pytest.approx(0.02, rel=0.05)
+    assert dMoE is DroplessMoE
+    with pytest.raises(ValueError, match="top_k"):
+        DroplessMoE(8, 8, 4, 5)
+
+
+def _compile_inputs(device="cpu", dtype=torch.float32):
+    model = make(hidden=16, ffn=24, experts=4, top_k=2, glu=True, dtype=dtype, device=device,
+                 load_balancing_loss_coefficient=0.1)
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(2)).to(device, dtype)
+    return model, x
+
+
+def _step(fn, model, x):
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_()
+    out, aux = fn(x)
+    (out.float().square().sum() + aux).backward()
+    return [out.detach(), aux.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_matches_eager(backend):
+    torch._dynamo.reset()
+    model, x = _compile_inputs()
+    want = _step(model, model, x)
+    got = _step(torch.compile(model, fullgraph=True, backend=backend), model, x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_demo_trains(capsys):
+    assert cli.main(["demo", "--steps", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "step   20/20" in text and "ok, the loss fell" in text
+    served = text.split("backends that served each op:")[1]
+    assert any(line.split()[:1] == ["gmm"] and "reference" in line for line in served.splitlines())
+
+
+# --- GPU: sync-free and CUDA graphs (run on the H200; skipped without CUDA) ---------------------
+
+
+def _gpu_model(dtype=torch.bfloat16):
+    model = DroplessMoE(256, 512, 8, 2, glu=True, dtype=dtype, device="cuda", load_balancing_loss_coefficient=0.01)
+    x = torch.randn(1024, 256, device="cuda", dtype=dtype)
+    return model, x
+
+
+def _loss(model, x):
+    out, aux = model(x)
+    return out.float().square().mean() + aux
+
+
+@cuda
+def test_cuda_forward_backward_is_sync_free():
+    with megablocks_core.use_backend():  # the normal ranking (the reference gmm reads counts on the host)
+        model, x = _gpu_model()
+        x.requires_grad_()
+        _loss(model, x).backward()  # first calls rank and cache the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _loss(model, x).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+@cuda
+def test_cuda_graph_replays_a_training_step():
+    lr = 0.1
+    with megablocks_core.use_backend():
+        model, x = _gpu_model()
+        reference = copy.deepcopy(model)
+        static_x = x.clone()
+
+        def step(m, inputs):
+            loss = _loss(m, inputs)
+            loss.backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.sub_(lr * p.grad)
+            return loss
+
+        side = torch.cuda.Stream()  # warm up (rank kernels, allocate) off the capture stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                _loss(model, static_x).backward()
+        torch.cuda.current_stream().wait_stream(side)
+        model.zero_grad(set_to_none=True)
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_loss = step(model, static_x)
+
+        for i in range(2):
+            data = torch.randn(static_x.shape, device="cuda", dtype=static_x.dtype,
+                               generator=torch.Generator("cuda").manual_seed(i))
+            static_x.copy_(data)
+            graph.replay()
+            reference.zero_grad(set_to_none=True)
+            want_loss = step(reference, data)
+            torch.testing.assert_close(static_loss, want_loss)
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad)
+                torch.testing.assert_close(p, q)
+
+
+@cuda
+def test_cuda_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    with megablocks_core.use_backend():
+        model, x = _compile_inputs("cuda", torch.bfloat16)
+        want = _step(model, model, x)
+        got = _step(torch.compile(model, fullgraph=True), model, x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def test_gelu_default_is_tanh_approximation():
+    x = torch.linspace(-3, 3, 7)
+    torch.testing.assert_close(DroplessMoE(4, 4, 2).activation(x), F.gelu(x, approximate="tanh"))
