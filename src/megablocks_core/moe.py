@@ -20,25 +20,33 @@ Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all delib
   MegaBlocks' ``moe_lbl_in_fp32``; MegaBlocks computes them in the input dtype.
 * Expert weights are stored ``w1, v1: (E, hidden, ffn)`` and ``w2: (E, ffn, hidden)`` so no
   ``trans_b`` is needed; MegaBlocks stores ``(E * ffn, hidden)`` and uses ``trans_b=True`` for w1.
-* No router jitter, uniform assignment, expert/sequence parallelism, or shared expert.
+* No router jitter, uniform assignment, sequence parallelism, or shared expert. Expert
+  parallelism is optional (``expert_parallel_group``, see :mod:`megablocks_core.parallel` and
+  docs/expert-parallelism.md).
 
 Sync-free: the layer itself never reads device data on the host (no ``.item()``, ``.tolist()``,
 no data-dependent Python branches), and the token counts given to ``ops.gmm`` stay on the device.
 On CUDA a step is therefore free of device→host syncs, and can be captured in a CUDA graph,
 whenever the backends serving ``route``/``gather``/``gmm``/``scatter`` do not read data on the
 host themselves. The Triton backend's do not; the reference ``gmm`` copies the counts to the host
-(it loops over experts), so on the reference backend the layer syncs once per ``gmm``.
+(it loops over experts), so on the reference backend the layer syncs once per ``gmm``. With an
+``expert_parallel_group`` the layer makes exactly one more sync per call: the host read of the
+all-to-all split sizes (:func:`megablocks_core.parallel.expert_parallel_apply`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
@@ -80,11 +88,22 @@ class DroplessMoE(torch.nn.Module):
             (std 0.02) for the router and both expert matrices.
         seed: seed of the ``torch.Generator`` used for initialisation (deterministic across runs).
         dtype, device: of the parameters.
+        expert_parallel_group: a ``torch.distributed`` process group of W ranks over which the
+            experts are sharded (``num_experts % W == 0``); rank r of the group holds experts
+            ``[r * E/W, (r + 1) * E/W)`` only (``w1``, ``v1``, ``w2`` have E/W rows), the router is
+            replicated. None (default): one process holds every expert. With the same seed, every
+            rank's parameters are the matching slices of the single-process layer's.
 
     ``forward(x)`` takes ``(..., hidden_size)`` and returns ``(out, aux_loss)``: ``out`` has x's
     shape and dtype; ``aux_loss`` is the 0-d load-balancing loss in float32 (float64 for float64
     input) in training mode, and 0 in eval mode or when the coefficient is 0 (as MegaBlocks saves
     it only while training). Add it to the task loss.
+
+    With an expert-parallel group, ``forward`` is a collective: every rank of the group calls it
+    (with its own tokens, possibly none) the same number of times in the same order. ``out`` and
+    ``aux_loss`` are those of this rank's tokens, exactly as the single-process layer gives them
+    for those tokens; the gradients of the local experts accumulate over every rank's tokens,
+    while the router's gradient covers this rank's tokens only (all-reduce it with the data).
     """
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 1, *,
@@ -92,10 +111,23 @@ class DroplessMoE(torch.nn.Module):
                  normalize_expert_weights: float | None = None,
                  load_balancing_loss_coefficient: float = 0.01, block_size: int = 128,
                  init_std: float = 0.02, seed: int = 0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 expert_parallel_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"DroplessMoE: top_k must lie in [1, num_experts={num_experts}], got {top_k}")
+        # This rank's experts: [expert_offset, expert_offset + num_local_experts).
+        self.expert_parallel_group = expert_parallel_group
+        self.num_local_experts, self.expert_offset = num_experts, 0
+        if expert_parallel_group is not None:
+            import torch.distributed as dist  # only expert parallelism needs it
+
+            world = dist.get_world_size(expert_parallel_group)
+            if num_experts % world:
+                raise ValueError(f"DroplessMoE: num_experts={num_experts} is not divisible by the "
+                                 f"expert-parallel world size {world}")
+            self.num_local_experts = num_experts // world
+            self.expert_offset = dist.get_rank(expert_parallel_group) * self.num_local_experts
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k, self.glu = num_experts, top_k, glu
         self.activation = activation
@@ -107,20 +139,28 @@ class DroplessMoE(torch.nn.Module):
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
 
         self.router = param(num_experts, hidden_size)  # torch.nn.Linear's layout, no bias
-        self.w1 = param(num_experts, hidden_size, ffn_hidden_size)
-        self.v1 = param(num_experts, hidden_size, ffn_hidden_size) if glu else None
-        self.w2 = param(num_experts, ffn_hidden_size, hidden_size)
+        local = self.num_local_experts
+        self.w1 = param(local, hidden_size, ffn_hidden_size)
+        self.v1 = param(local, hidden_size, ffn_hidden_size) if glu else None
+        self.w2 = param(local, ffn_hidden_size, hidden_size)
         self.reset_parameters(init_std, seed)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, seed: int = 0) -> None:
         """Draw every parameter from N(0, std²) with a CPU generator seeded with ``seed``.
 
-        Drawing on the CPU and copying makes the values identical on every device.
+        Drawing on the CPU and copying makes the values identical on every device. With expert
+        parallelism the full (E, ...) expert tensors are drawn and this rank's slice kept, so the
+        values match the single-process layer's with the same seed.
         """
         generator = torch.Generator().manual_seed(seed)
+        start, stop = self.expert_offset, self.expert_offset + self.num_local_experts
         for p in self.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
+            if p is self.router:
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
+            else:  # every expert's values are drawn, in order; keep this rank's
+                full = (self.num_experts, *p.shape[1:])
+                p.copy_((torch.randn(full, generator=generator, dtype=torch.float32) * std)[start:stop])
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: (probs (T, E), top-k weights (T, K) in x's dtype, top-k expert ids (T, K) int32)."""
@@ -147,7 +187,13 @@ class DroplessMoE(torch.nn.Module):
             indices, bin_ids, tokens_per_expert, bins, _ = ops.route(
                 top_experts.flatten(), self.num_experts, self.block_size)
         rows = ops.gather(x, indices, bin_ids, bins, self.top_k)
-        rows = self.experts(rows, tokens_per_expert)
+        if self.expert_parallel_group is None:
+            rows = self.experts(rows, tokens_per_expert)
+        else:
+            from .parallel import expert_parallel_apply
+
+            rows = expert_parallel_apply(rows, tokens_per_expert, self.experts,
+                                         self.expert_parallel_group)
         out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
         if self.training and self.load_balancing_loss_coefficient > 0:
             aux = load_balancing_loss(tokens_per_expert, probs, self.top_k,
@@ -158,7 +204,10 @@ class DroplessMoE(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-                f"num_experts={self.num_experts}, top_k={self.top_k}, glu={self.glu}")
+                f"num_experts={self.num_experts}, top_k={self.top_k}, glu={self.glu}"
+                + (f", local_experts=[{self.expert_offset}, "
+                   f"{self.expert_offset + self.num_local_experts})"
+                   if self.expert_parallel_group is not None else ""))
 
 
 dMoE = DroplessMoE  # MegaBlocks' name
