@@ -5,6 +5,8 @@ For each shape it builds realistic routing (softmax top-k of random logits), the
 - times every backend that can serve the op on the device, through ``megablocks_core.ops`` with that
   backend forced (so the figure includes what a caller pays, dispatch included);
 - times the peers that are importable: plain torch, MegaBlocks' ops, grouped_gemm;
+- ``layer``: forward+backward of :class:`megablocks_core.moe.DroplessMoE` with the default ranking,
+  beside MegaBlocks' own ``dMoE`` (grouped MLP) when importable, with peak device memory;
 - checks each result against the reference backend's before timing it;
 - reports µs, GB/s (or TFLOP/s for gmm) and the ratio to a limit measured in the same run: a device
   copy of the op's ideal bytes for memory-bound ops, a dense matmul of the same FLOPs for gmm.
@@ -38,7 +40,7 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "dsv3": (16384, 7168, 2048, 256, 8),
     "tiny": (64, 32, 48, 8, 2),
 }
-OPS = ("routing", "gather", "scatter", "padded_gather", "padded_scatter", "scatter_wgrad", "gmm")
+OPS = ("routing", "gather", "scatter", "padded_gather", "padded_scatter", "scatter_wgrad", "gmm", "layer")
 BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
 
 
@@ -53,6 +55,7 @@ class Result:
     unit: str
     vs_limit: float | None  # time / limit time (memory ops) or limit rate / rate (gmm): lower is better
     check: str  # "ok", "n/a" or what failed
+    peak_mb: float | None = None  # the layer item: peak device memory of one step above its inputs
 
 
 def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], float]:
@@ -90,6 +93,18 @@ def _event_time(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
+def _peak_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Peak device memory of one call above what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def _graph_time(fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], float]) -> float:
     """Time ``fn`` replayed from a CUDA graph (NaN when it cannot be captured, e.g. it syncs)."""
     try:
@@ -108,6 +123,8 @@ def _graph_time(fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], floa
 
 
 def _close(got: Any, want: Any, tol: float) -> str:
+    if got is None:  # a peer with its own weights: nothing to compare
+        return "n/a"
     pairs = zip(got, want, strict=True) if isinstance(want, tuple) else [(got, want)]
     for g, w in pairs:
         if g.shape != w.shape:
@@ -152,6 +169,8 @@ class Case:
                                                  self.padded_bins, top_k)
         self.w1 = (torch.randn(experts, hidden, ffn, device=device, generator=gen) / hidden**0.5).to(dtype)
         self.counts_cpu = self.counts.long().cpu()
+        self.layer: torch.nn.Module | None = None  # the "layer" item's dMoE, built on first use
+        self.layer_x: torch.Tensor | None = None
 
     @property
     def permutation_bytes(self) -> int:
@@ -181,7 +200,37 @@ def _ours(case: Case) -> dict[str, Callable[[], Any]]:
         "scatter_wgrad": lambda: dispatch.call("scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins,
                                                c.top_k),
         "gmm": lambda: ops.gmm(c.rows, c.w1, c.counts_cpu),
+        "layer": lambda: _layer_step(c),
     }
+
+
+def _layer_step(case: Case) -> torch.Tensor:
+    """Forward and backward of the dMoE layer on the case's tokens (built on first use)."""
+    from .moe import DroplessMoE
+
+    if case.layer is None or case.layer_x is None:
+        case.layer = DroplessMoE(case.hidden, case.ffn, case.experts, case.top_k, dtype=case.x.dtype,
+                                 device=case.x.device, load_balancing_loss_coefficient=0.0)
+        case.layer_x = case.x.detach().clone().requires_grad_()
+    out, _ = case.layer(case.layer_x)
+    out.float().sum().backward()
+    return out.detach()
+
+
+def _megablocks_layer(case: Case, mb_dmoe: Any, mb_arguments: Any) -> Callable[[], None]:
+    """MegaBlocks' dMoE (grouped MLP, same shape, no bias or aux loss), forward and backward."""
+    dtype = case.x.dtype
+    args = mb_arguments.Arguments(
+        hidden_size=case.hidden, ffn_hidden_size=case.ffn, moe_num_experts=case.experts,
+        moe_top_k=case.top_k, mlp_impl="grouped", mlp_type="mlp", bias=False, return_bias=False,
+        moe_loss_weight=0.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        device=case.x.device)
+    layer = mb_dmoe.dMoE(args)
+    x = case.x.detach().view(case.tokens, 1, case.hidden).clone().requires_grad_()
+
+    def step() -> None:
+        layer(x).float().sum().backward()
+    return step
 
 
 #: The op each benchmark item dispatches.
@@ -233,6 +282,16 @@ def _peers(case: Case) -> dict[str, dict[str, Callable[[], Any]]]:
                                                                         c.padded_bins, c.top_k)
         peers["padded_scatter"]["megablocks"] = lambda: mb.padded_scatter(
             c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins, c.padded_bins, c.top_k)
+    mb_dmoe, mb_arguments = _optional("megablocks.layers.dmoe"), _optional("megablocks.layers.arguments")
+    if mb_dmoe is not None and mb_arguments is not None and c.x.is_cuda:
+        state: dict[str, Callable[[], None]] = {}
+
+        def mb_layer() -> None:
+            if "step" not in state:  # built on first use: its weights take device memory
+                state["step"] = _megablocks_layer(c, mb_dmoe, mb_arguments)
+            state["step"]()
+
+        peers["layer"]["megablocks dMoE (grouped)"] = mb_layer
     gg = _optional("grouped_gemm.ops")
     if gg is not None and c.x.is_cuda and c.x.dtype == torch.bfloat16:
         peers["gmm"]["grouped_gemm"] = lambda: gg.gmm(c.rows, c.w1, c.counts_cpu)
@@ -276,7 +335,10 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
             with dispatch.use_backend("reference"):
                 want = ours[op]()
             tol = 0.0 if op in ("gather", "padded_gather", "routing") else 2e-2
-            entries = [(b, "ours", ours[op], b) for b in _providers(op, case)]
+            if op == "layer":  # what a user gets: the default ranking for every op
+                entries = [("megablocks-core dMoE", "ours", ours[op], None)]
+            else:
+                entries = [(b, "ours", ours[op], b) for b in _providers(op, case)]
             entries += [(p, "peer", fn, None) for p, fn in peer_fns[op].items()]
             for provider, kind, fn, backend in entries:
                 if backend == "reference" and device.type != "cpu" and not quick and op == "gmm":
@@ -293,7 +355,11 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
                         yield Result(label, op, provider, kind, math.nan, None, "", None,
                                      f"error: {type(exc).__name__}: {exc}"[:200])
                         continue
-                if op == "gmm":
+                if op == "layer":
+                    rate = 6 * case.gmm_flops / (us * 1e-6) / 1e12  # two GEMMs, forward and backward
+                    yield Result(label, op, provider, kind, us, rate, "TFLOP/s", None, check,
+                                 _peak_mb(fn, device))
+                elif op == "gmm":
                     rate = case.gmm_flops / (us * 1e-6) / 1e12
                     yield Result(label, op, provider, kind, us, rate, "TFLOP/s", dense_rate / rate, check)
                 elif op == "routing":
@@ -314,7 +380,8 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         rate = f"{r.rate:.1f} {r.unit}" if r.rate is not None else ""
         vs = f"{r.vs_limit:.2f}x" if r.vs_limit is not None else ""
-        lines.append(f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}  {r.check}")
+        peak = f"  peak {r.peak_mb:.0f} MiB" if r.peak_mb is not None else ""
+        lines.append(f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}  {r.check}{peak}")
     return "\n".join(lines)
 
 
