@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device-machine session: install, build the peers (if their sources are in .peers/),
+# One device-machine session: install, build the peers (if their sources are in .peers/:
+# benchmarks/fetch_peers.sh puts them there),
 # run the GPU tests, then the benchmark. Logs and JSON go to $OUT (or ./gpu-out).
 # Usage: bash benchmarks/gpu_session.sh [bench args...]
 set -uo pipefail
