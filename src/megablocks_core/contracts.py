@@ -70,10 +70,15 @@ WHOLE_TOKENS = Rule("indices.shape[0] % top_k == 0", "every token has exactly to
 WEIGHTS_LENGTH = Rule(
     "weights is None or weights.shape[0] == indices.shape[0]", "one weight per (token, k) pair"
 )
-INDICES_FIT = Rule(
-    "indices.dtype != torch.int16 or indices.shape[0] <= 32768",
-    "int16 indices cannot address more than 32768 rows (MegaBlocks would wrap silently)",
-)
+
+
+def int16_fits(arg: str, why: str) -> Rule:
+    """int16 positions cannot address more than 32768 rows: reject rather than wrap."""
+    return Rule(f"{arg}.dtype != torch.int16 or {arg}.shape[0] <= 32768", why)
+
+
+INDICES_FIT = int16_fits(
+    "indices", "int16 indices cannot address more than 32768 rows (MegaBlocks would wrap silently)")
 PADDED_LENGTH = Rule("padded_bins.shape[0] == bins.shape[0]", "one padded bin per expert")
 GATHER_ROWS = Rule("x.shape[0] * top_k == indices.shape[0]", "indices has top_k entries per row of x")
 SORTED_ROWS_MATCH = Rule("x.shape[0] == indices.shape[0]", "one row of x per sorted (token, k) pair")
@@ -115,8 +120,7 @@ SORT = OpContract(
     ),
     rules=(
         Rule("end_bit is None or end_bit <= torch.iinfo(x.dtype).bits", "end_bit fits the key dtype"),
-        Rule("x.dtype != torch.int16 or x.shape[0] <= 32768",
-             "int16 indices cannot address more than 32768 keys"),
+        int16_fits("x", "int16 indices cannot address more than 32768 keys"),
         Rule("end_bit is None or in_range(x, 0, 1 << end_bit)", "keys lie in [0, 2**end_bit)",
              checked=True),
     ),
@@ -247,8 +251,7 @@ ROUTE = OpContract(
         IntArg("block_size", "padding granularity of padded_bins", min=1),
     ),
     rules=(
-        Rule("top_experts.dtype != torch.int16 or top_experts.shape[0] <= 32768",
-             "int16 indices cannot address more than 32768 rows"),
+        int16_fits("top_experts", "int16 indices cannot address more than 32768 rows"),
         Rule("in_range(top_experts, 0, num_experts)", "expert ids lie in [0, num_experts)",
              checked=True),
     ),
