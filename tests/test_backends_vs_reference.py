@@ -26,9 +26,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def gpu_backends(op: str, dtype: torch.dtype) -> list[str]:
-    """Installed backends that serve ``op`` on DEV, apart from the portable reference."""
+    """Installed kernels (``backend`` or ``backend/variant``) that serve ``op`` on DEV, apart from
+    the portable reference; each is then forced in turn with ``use_backend(label)``."""
     trace = mb.explain(op, torch.device(DEV), {"x": dtype, "a": dtype, "b": dtype, "top_experts": dtype})
-    return sorted({c.kernel.backend for c in trace.candidates if c.accepted and not c.kernel.portable})
+    return sorted({c.kernel.label for c in trace.candidates if c.accepted and not c.kernel.portable})
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

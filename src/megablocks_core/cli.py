@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from . import __version__, contracts, dispatch, docgen
-from .descriptors import DeviceInfo
+from . import __version__, contracts, dispatch, docgen, ranking
+from .descriptors import DeviceInfo, TensorMeta
 from .devices import describe
 from .ranking import Trace
 
@@ -59,6 +59,7 @@ def _trace_dict(trace: Trace) -> dict[str, Any]:
         "policy": trace.policy.describe(),
         "winner": trace.winner.label if trace.winner else None, "why": trace.why,
         "fallback": trace.fallback, "error": trace.error,
+        "cost_tier": [k.label for k in trace.cost_tier],
         "candidates": [{"backend": c.kernel.backend, "variant": c.kernel.variant,
                         "priority": c.kernel.priority, "devices": list(c.kernel.devices),
                         "accepted": c.accepted, "reason": c.reason} for c in trace.candidates],
@@ -103,11 +104,58 @@ def cmd_explain(args: argparse.Namespace) -> int:
     print(_table(rows, ["candidate", "priority", "devices", "eligible", "reason"]) if rows else "no candidates")
     if trace.winner:
         print(f"\nwinner: {trace.winner.label} ({trace.why})")
+        if trace.cost_tier:
+            _print_cost_choices(trace, _explain_calls(args.op, trace, args.shape))
         if trace.fallback:
             print("note: this is the portable fallback; no kernel specific to this device can serve it")
         return 0
     print(f"\nno winner: {trace.error}", file=sys.stderr)
     return 1
+
+
+def _explain_calls(op: str, trace: Trace, shapes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Calls to show per-shape choices for: ``--shape ARG=AxB`` items, else the benchmark shapes."""
+    from .bench import SHAPES
+
+    def meta(name: str, shape: tuple[int, ...]) -> TensorMeta:
+        allowed = contracts.BY_NAME[op].arg(name).dtypes
+        fallback = torch.bfloat16 if not allowed or torch.bfloat16 in allowed else min(allowed, key=str)
+        return TensorMeta(shape, trace.dtypes.get(name) or fallback, trace.device.type)
+
+    if shapes:
+        call: dict[str, Any] = {"trans_b": False}
+        for item in shapes:
+            name, _, dims = item.partition("=")
+            try:
+                call[name] = meta(name, tuple(int(d) for d in dims.lower().split("x")))
+            except (ValueError, KeyError) as exc:
+                raise CLIError(f"--shape {item!r}: expected ARG=DIMxDIM… for an argument of {op}") from exc
+        return {" ".join(shapes): call}
+    calls = {}
+    for label, (tokens, hidden, ffn, experts, top_k) in SHAPES.items():
+        rows = tokens * top_k
+        if op == "gmm":
+            calls[label] = {"a": meta("a", (rows, hidden)), "b": meta("b", (experts, hidden, ffn)),
+                            "batch_sizes": meta("batch_sizes", (experts,)), "trans_b": False}
+        elif op == "gmm_weight_grad":
+            calls[label] = {"a": meta("a", (rows, hidden)), "grad": meta("grad", (rows, ffn)),
+                            "batch_sizes": meta("batch_sizes", (experts,))}
+    return calls
+
+
+def _print_cost_choices(trace: Trace, calls: dict[str, dict[str, Any]]) -> None:
+    print("per call shape, the lowest cost hint (estimated µs) wins among "
+          f"{', '.join(k.label for k in trace.cost_tier)}:")
+    if not calls:
+        print("  (pass --shape ARG=DIMxDIM… to see one call's choice)")
+        return
+    rows = []
+    for label, call in calls.items():
+        values = [v for _, v in ranking.estimates(trace, call)]
+        kernel, _ = dispatch.explain_call(trace, call)
+        rows.append([label, *(f"{v:.1f}" if v is not None else "no estimate" for v in values),
+                     kernel.label if kernel else "-"])
+    print(_table(rows, ["shape", *(k.label for k in trace.cost_tier), "chosen"]))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -187,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     explain.add_argument("--dtype", action="append", default=[], metavar="[ARG=]DTYPE",
                          help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16")
+    explain.add_argument("--shape", action="append", default=[], metavar="ARG=DIMS",
+                         help="an argument's shape, e.g. a=32768x4096 (repeatable): shows which kernel a "
+                              "call of that shape gets when cost hints decide (default: benchmark shapes)")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=cmd_explain)
     check = backend_commands.add_parser(

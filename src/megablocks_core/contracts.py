@@ -418,7 +418,10 @@ GMM = OpContract(
     differentiable=("a", "b"),
     semantics=(
         "Rows bins[e-1]:bins[e] of the output are a[those rows] @ b[e] (or b[e].T). "
-        "Accumulates in float32. The gradient of b is a variable-K grouped GEMM (gmm_weight_grad)."
+        "Accumulates in float32. The gradient of b is a variable-K grouped GEMM (gmm_weight_grad). "
+        "batch_sizes on the CPU is MegaBlocks' convention (sum and signs checked on the host); on "
+        "a's device it is the sync-free form: nothing reads it on the host unless MEGABLOCKS_CHECK=1, "
+        "and the default ranking never picks a provider that would copy it there."
     ),
     edge_cases=("rows = 0: empty output", "empty experts: no rows, exactly-zero weight gradient"),
 )

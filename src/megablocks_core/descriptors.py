@@ -67,6 +67,24 @@ CapabilityCheck = Callable[[DeviceInfo], "str | None"]
 
 
 @dataclass(frozen=True)
+class TensorMeta:
+    """What a cost hint may know about one tensor argument of a call (never its data)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    """The torch device type: ``"cpu"`` for host-side counts, ``"cuda"`` on GPUs."""
+
+
+#: A call as a cost hint sees it: argument name → :class:`TensorMeta` for tensors (None for an
+#: absent optional tensor), the value itself for ints and bools.
+CallInfo = Mapping[str, Any]
+
+#: A cost hint: the estimated run time of one call in microseconds, or None for "no estimate".
+CostEstimate = Callable[[DeviceInfo, CallInfo], "float | None"]
+
+
+@dataclass(frozen=True)
 class Kernel:
     """One implementation of one op, as a backend declares it.
 
@@ -93,6 +111,10 @@ class Kernel:
     """Device-level predicate (arch range, library present); None means always."""
     dtypes: Mapping[str, frozenset[torch.dtype] | set[torch.dtype]] = field(default_factory=dict)
     """Per-argument dtype restriction, narrower than the contract's; absent means any allowed."""
+    cost: CostEstimate | None = None
+    """Shape-aware speed estimate (µs) for ops whose fastest kernel depends on the shapes (gmm).
+    Among the eligible kernels of the highest priority, the lowest estimate wins per call shape;
+    see :mod:`megablocks_core.costs` for helpers. None: rank by priority alone."""
     contiguous: bool = False
     """True if ``fn`` needs contiguous tensors: the core copies strided inputs first."""
     variant: str = ""

@@ -35,9 +35,9 @@ import torch
 from . import autograd, validation
 from .contract import OpContract
 from .contracts import ALL, BY_NAME
-from .descriptors import DeviceInfo, Kernel
+from .descriptors import CallInfo, DeviceInfo, Kernel, TensorMeta
 from .devices import describe
-from .ranking import DEFAULT_POLICY, Policy, Trace, choose, rank
+from .ranking import DEFAULT_POLICY, Policy, Trace, by_cost, choose, rank
 from .registry import Registry, load
 
 log = logging.getLogger("megablocks_core")
@@ -63,6 +63,7 @@ _context_policy: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(
     "megablocks_backend", default=None)
 _caches: dict[str, dict[Any, Selected]] = {}  # op → validated call key → choice
 _ranked: dict[str, dict[Any, Selected]] = {}  # op → (device, dtypes, policy) → choice
+_served: dict[str, set[str]] = {}  # op → labels of the kernels chosen so far
 
 
 def current_policy() -> Policy:
@@ -84,7 +85,7 @@ def reload(env: Mapping[str, str] | None = None) -> Registry:
     if unknown_ops:  # a typo must not silently leave an op on the default ranking
         raise ValueError(f"MEGABLOCKS_BACKEND={spec!r} names unknown op(s) {unknown_ops}; "
                          f"ops are {sorted(BY_NAME)}")
-    missing = [name for name in policy.prefer if name not in loaded.plugins]
+    missing = [name for name in policy.prefer if name.partition("/")[0] not in loaded.plugins]
     if missing:
         log.warning("megablocks: MEGABLOCKS_BACKEND prefers %s, which is not installed", missing)
     _state.env_policy = policy
@@ -92,7 +93,7 @@ def reload(env: Mapping[str, str] | None = None) -> Registry:
     _state.registry = loaded
     _update_default_policy()
     _state.warned.clear()
-    for cache in (*_caches.values(), *_ranked.values()):
+    for cache in (*_caches.values(), *_ranked.values(), *_served.values()):
         cache.clear()
     return _state.registry
 
@@ -153,6 +154,8 @@ class Selected:
     kernel: Kernel
     run: Callable[..., Any]
     trace: Trace
+    why: str = ""
+    """Why this kernel, when a per-shape cost hint decided (else the trace's reason)."""
 
 
 def _runner(kernel: Kernel) -> Callable[..., Any]:
@@ -164,6 +167,12 @@ def _runner(kernel: Kernel) -> Callable[..., Any]:
         return fn(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
 
     return run_contiguous
+
+
+def describe_call(contract: OpContract, args: tuple[Any, ...]) -> dict[str, Any]:
+    """A call as cost hints see it: tensors as :class:`TensorMeta`, other arguments as values."""
+    return {name: TensorMeta(tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else v
+            for name, v in contract.bind(args).items()}
 
 
 def _call_dtypes(contract: OpContract, args: tuple[Any, ...]) -> dict[str, torch.dtype]:
@@ -195,6 +204,10 @@ def _resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
                         "portable %r kernel (see `megablocks backends explain %s`)", device.kind,
                         contract.name, trace.winner.label, contract.name)
         selected = ranked[signature] = Selected(trace.winner, _runner(trace.winner), trace)
+    if selected.trace.cost_tier:  # the fastest kernel depends on the shapes: ask the cost hints
+        kernel, why = by_cost(selected.trace, describe_call(contract, args))
+        selected = Selected(kernel, _runner(kernel), selected.trace, why)
+    _served.setdefault(contract.name, set()).add(selected.kernel.label)
     if key is not None:
         cache = _caches[contract.name]
         if len(cache) >= SHAPE_CACHE_LIMIT:
@@ -205,12 +218,21 @@ def _resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
 
 def explain(op: str, device: DeviceInfo | torch.device | str = "cpu",
             dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy | None = None) -> Trace:
-    """Every candidate for ``op`` on ``device``, accepted or rejected with the reason, and the winner."""
+    """Every candidate for ``op`` on ``device``, accepted or rejected with the reason, and the winner.
+
+    When the trace has a ``cost_tier``, the winner shown is the priority order's; the kernel a
+    call really gets depends on its shapes: see :func:`explain_call`.
+    """
     if op not in BY_NAME or not BY_NAME[op].dispatched:
         raise ValueError(f"unknown op {op!r}; dispatched ops are "
                          f"{sorted(c.name for c in ALL if c.dispatched)}")
     info = device if isinstance(device, DeviceInfo) else describe(device)
     return rank(registry(), op, info, dtypes, policy or current_policy())
+
+
+def explain_call(trace: Trace, call: CallInfo) -> tuple[Kernel | None, str]:
+    """The kernel a call with these arguments (see :func:`describe_call`) would get, and why."""
+    return by_cost(trace, call) if trace.winner is not None else (None, trace.error or "")
 
 
 # ---------------------------------------------------------------------------
@@ -341,4 +363,4 @@ def call(op: str, *args: Any) -> Any:
 
 def served() -> dict[str, list[str]]:
     """Op → labels of the kernels chosen so far in this process (from the selection cache)."""
-    return {op: sorted({s.kernel.label for s in ranked.values()}) for op, ranked in _ranked.items() if ranked}
+    return {op: sorted(labels) for op, labels in _served.items() if labels}

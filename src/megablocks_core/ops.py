@@ -112,7 +112,12 @@ def binned_scatter(x: Tensor, indices: Tensor, weights: Tensor | None, bins: Ten
 
 
 def gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool = False) -> Tensor:
-    """Grouped GEMM: rows of each expert's group of a times that expert's matrix of b."""
+    """Grouped GEMM: rows of each expert's group of a times that expert's matrix of b.
+
+    ``batch_sizes`` may be a CPU int64 tensor (MegaBlocks' convention) or live on a's device: the
+    sync-free form (no device→host copy; CUDA-graph capturable with the triton or
+    ``torch._grouped_mm`` providers).
+    """
     return _gmm(a, b, batch_sizes, trans_b)
 
 

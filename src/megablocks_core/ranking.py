@@ -9,19 +9,24 @@
    first backend of a preference list that can serve wins; otherwise the
    highest priority, then kernels naming the device kind before portable ones,
    then backend name (so the choice is deterministic).
+4. Per call shape: when two or more eligible kernels of that highest priority
+   declare a ``cost`` hint, the one with the lowest estimate for the call's
+   shapes wins (kernels without an estimate rank after those with one). That
+   is how ``gmm`` picks between, say, a persistent Triton kernel and
+   ``torch._grouped_mm`` per shape (:mod:`megablocks_core.costs`).
 
-The dispatcher caches the result per (op, device, dtype signature, policy), so
-this module runs once per new signature, not per call.
+The dispatcher caches steps 1-3 per (op, device, dtype signature, policy) and
+step 4 per call shape, so this module runs once per new signature, not per call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .descriptors import DeviceInfo, Kernel
+from .descriptors import CallInfo, DeviceInfo, Kernel
 from .registry import PluginRecord, Registry
 
 
@@ -44,7 +49,8 @@ class Policy:
 
     @classmethod
     def parse(cls, spec: str, source: str = "MEGABLOCKS_BACKEND") -> Policy:
-        """``"triton"`` forces; ``"triton,reference"`` prefers; ``"gather=triton,gmm=cuda"`` forces per op."""
+        """``"triton"`` forces; ``"triton,reference"`` prefers; ``"gather=triton,gmm=cuda"`` forces per op;
+        ``"gmm=cuda/grouped_mm"`` forces one variant of a backend."""
         names: list[str] = []
         per_op: list[tuple[str, str]] = []
         for item in (s.strip() for s in spec.split(",")):
@@ -96,6 +102,9 @@ class Trace:
     why: str
     error: str | None = None
     notes: tuple[str, ...] = field(default=())
+    cost_tier: tuple[Kernel, ...] = ()
+    """Eligible kernels of the winner's priority that declare cost hints, when there are two or
+    more and no forced/preferred backend decided: the choice then depends on the call's shapes."""
 
     @property
     def fallback(self) -> bool:
@@ -151,22 +160,27 @@ def rank(registry: Registry, op: str, device: DeviceInfo,
 
     known = set(registry.plugins)
     forced = policy.forced_for(op)
-    if forced is not None:
-        if forced not in known:
+    if forced is not None:  # a backend name, or "backend/variant" for one of its kernels
+        if forced.partition("/")[0] not in known:
             return result(None, "", f"backend {forced!r} was forced for {op!r} on {device} by {policy.source} "
                                     f"but is not installed (installed: {', '.join(sorted(known)) or 'none'})")
         for k in eligible:
-            if k.backend == forced:
+            if forced in (k.backend, k.label):
                 return result(k, f"forced by {policy.source}")
-        reasons = "; ".join(c.reason for c in judged if c.kernel.backend == forced) or "provides no such op"
+        reasons = "; ".join(c.reason for c in judged if forced in (c.kernel.backend, c.kernel.label))
         return result(None, "", f"backend {forced!r} was forced for {op!r} by {policy.source} "
-                                f"but cannot serve {device} with {_dtype_text(dtypes)}: {reasons}")
+                                f"but cannot serve {device} with {_dtype_text(dtypes)}: "
+                                f"{reasons or 'provides no such op'}")
     for name in policy.prefer:
         for k in eligible:
-            if k.backend == name:
+            if name in (k.backend, k.label):
                 return result(k, f"preferred by {policy.source}")
     if eligible:
         k = eligible[0]
+        tier = tuple(c for c in eligible if c.priority == k.priority and c.cost is not None)
+        if len(tier) >= 2:
+            how = f"highest priority; per call shape, lowest cost hint of {', '.join(c.label for c in tier)}"
+            return replace(result(k, how), cost_tier=tier)
         how = "highest priority" + (" (portable fallback)" if _is_fallback(k, device) else "")
         return result(k, how)
     reasons = "; ".join(f"{c.kernel.label}: {c.reason}" for c in judged) or "no backend provides it"
@@ -176,6 +190,31 @@ def rank(registry: Registry, op: str, device: DeviceInfo,
 
 def _dtype_text(dtypes: Mapping[str, torch.dtype]) -> str:
     return ", ".join(f"{a}={str(d).removeprefix('torch.')}" for a, d in dtypes.items()) or "any dtypes"
+
+
+def estimates(trace: Trace, call: CallInfo) -> list[tuple[Kernel, float | None]]:
+    """Each cost-tier kernel's estimate (µs) for one call; a raising hint counts as no estimate."""
+    out: list[tuple[Kernel, float | None]] = []
+    for k in trace.cost_tier:
+        try:
+            value = k.cost(trace.device, call) if k.cost is not None else None
+        except Exception:  # a buggy hint must not break the call: priority order decides
+            value = None
+        out.append((k, None if value is None or value != value else float(value)))
+    return out
+
+
+def by_cost(trace: Trace, call: CallInfo) -> tuple[Kernel, str]:
+    """The kernel of ``trace`` for one call shape, and why (step 4 of the rule above)."""
+    assert trace.winner is not None
+    if not trace.cost_tier:
+        return trace.winner, trace.why
+    scored = [(value, i, k) for i, (k, value) in enumerate(estimates(trace, call)) if value is not None]
+    if not scored:
+        return trace.winner, "highest priority (no cost hint had an estimate for this shape)"
+    value, _, best = min(scored, key=lambda t: (t[0], t[1]))
+    others = ", ".join(f"{k.label} {v:.1f}" for v, _, k in sorted(scored, key=lambda t: t[1]) if k is not best)
+    return best, f"lowest cost hint for this shape: {value:.1f} µs" + (f" (vs {others})" if others else "")
 
 
 def choose(registry: Registry, op: str, device: DeviceInfo,

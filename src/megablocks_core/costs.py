@@ -1,0 +1,82 @@
+"""Helpers for :attr:`Kernel.cost <megablocks_core.descriptors.Kernel.cost>` hints.
+
+Why cost hints: static priorities cannot know that a cuBLAS loop wins for 8 large experts while a
+persistent kernel wins for 256 small ones. A provider therefore declares how fast it measured
+itself on a device family, and the core picks, per call shape, the kernel with the lowest
+estimate among the eligible kernels of the highest priority (:mod:`megablocks_core.ranking`).
+
+For grouped GEMMs a provider describes its speed by *measured points*: ``(rows_per_expert, k, n,
+efficiency)`` where efficiency is its TFLOP/s divided by a dense matmul's with the same FLOPs,
+measured in the same run. A call is estimated from the nearest measured point (distance in
+log-space over the three features) and the family's dense rate. Estimates are deterministic and
+cheap (a few dozen float operations, once per new call shape), so they never time anything at
+call time: no warm-up, no host sync, nothing that breaks CUDA-graph capture or compilation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from .descriptors import CallInfo, DeviceInfo, TensorMeta
+
+#: A measured point: (rows per expert, reduction size k, output columns n, fraction of dense).
+GmmPoint = tuple[float, float, float, float]
+
+#: Dense bf16 matmul TFLOP/s per device arch, measured at the benchmark shapes (docs/performance.md).
+#: Only the *ratio* between providers decides a choice, so an approximate rate is enough.
+DENSE_TFLOPS: dict[str, float] = {"sm_90": 690.0}
+
+
+def gmm_problem(call: CallInfo) -> tuple[int, int, int, int]:
+    """``(tokens, k, n, experts)`` of a ``gmm`` or ``gmm_weight_grad`` call.
+
+    gmm: a (tokens, k) times b (E, k, n) (b (E, n, k) with trans_b). gmm_weight_grad: a (tokens, k),
+    grad (tokens, n), E = len(batch_sizes); the same features describe both.
+    """
+    a = _shape(call["a"])
+    tokens, k = a[0], a[1]
+    if "b" in call:
+        b = _shape(call["b"])
+        experts, n = b[0], (b[1] if call.get("trans_b") else b[2])
+    else:
+        experts, n = _shape(call["batch_sizes"])[0], _shape(call["grad"])[1]
+    return tokens, k, n, experts
+
+
+def _shape(value: TensorMeta | Sequence[int]) -> tuple[int, ...]:
+    return value.shape if isinstance(value, TensorMeta) else tuple(value)
+
+
+def nearest_efficiency(points: Sequence[GmmPoint], rows_per_expert: float, k: float,
+                       n: float) -> float | None:
+    """Efficiency of the measured point nearest to the call (log-space distance)."""
+    if not points:
+        return None
+    want = [math.log2(max(v, 1.0)) for v in (rows_per_expert, k, n)]
+
+    def distance(p: GmmPoint) -> float:
+        return sum((math.log2(max(v, 1.0)) - w) ** 2 for v, w in zip(p[:3], want, strict=True))
+
+    return min(points, key=distance)[3]
+
+
+def gmm_estimate_us(device: DeviceInfo, call: CallInfo,
+                    points_by_arch: Mapping[str, Sequence[GmmPoint]],
+                    extra_us: float = 0.0) -> float | None:
+    """Estimated µs of a grouped GEMM call: FLOPs / (efficiency x dense rate) + ``extra_us``.
+
+    ``points_by_arch`` maps a device arch (``"sm_90"``) to the provider's measured points; an arch
+    with no points, or no known dense rate, gives None (no estimate: priority decides).
+    ``extra_us`` is a fixed cost the points do not show (e.g. a host sync of device counts).
+    """
+    points = points_by_arch.get(device.arch or "")
+    dense = DENSE_TFLOPS.get(device.arch or "")
+    if not points or dense is None:
+        return None
+    tokens, k, n, experts = gmm_problem(call)
+    efficiency = nearest_efficiency(points, tokens / max(experts, 1), k, n)
+    if not efficiency:
+        return None
+    flops = 2.0 * tokens * k * n
+    return flops / (efficiency * dense * 1e6) + extra_us
