@@ -1,18 +1,32 @@
 """Launch parameters, chosen in one place so another vendor can override them.
 
 Every kernel launch in this package asks :func:`launch_configs` for its block
-sizes and warp counts. The defaults are tuned by reasoning for an NVIDIA H200
-(132 SMs, 32-wide warps); a ROCm plugin (64-wide wavefronts, different register
-file) can subclass :class:`LaunchConfigs` and install it with
-:func:`set_launch_configs` without touching the kernels.
+sizes and warp counts, and for extra backend-specific launch keywords
+(:meth:`LaunchConfigs.launch_options`, e.g. ``waves_per_eu`` on AMD). The
+defaults are tuned by reasoning for an NVIDIA H200 (132 SMs, 32-wide warps) and
+pass no extra keywords; a ROCm plugin (64-wide wavefronts, different register
+file) can subclass :class:`LaunchConfigs` and install it process-wide with
+:func:`set_launch_configs`, or for a block of code with
+:class:`use_launch_configs`, without touching the kernels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import torch
 import triton
+
+#: The kernel classes :meth:`LaunchConfigs.launch_options` is asked about: ``"routing"``
+#: (sort/route/histogram/cumsum/topology/replicate), ``"permutation"`` (gather/scatter and their
+#: wgrad), ``"gmm"`` and ``"gmm_wgrad"`` (the grouped-GEMM dot kernels).
+KERNEL_KINDS = ("routing", "permutation", "gmm", "gmm_wgrad")
+
+_NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -110,13 +124,50 @@ class LaunchConfigs:
         num_warps = 8 if k_pad * block_h >= 8192 else 4
         return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps)
 
+    def launch_options(self, kernel: str) -> Mapping[str, Any]:
+        """Extra keywords for every launch of a ``kernel`` class (see :data:`KERNEL_KINDS`).
+
+        Triton validates them against the active backend's options (an unknown keyword raises
+        at launch), so a policy must return only what its backend accepts: e.g.
+        ``waves_per_eu`` / ``matrix_instr_nonkdim`` on HIP, never on CUDA. The default is
+        portable: nothing.
+        """
+        return _NO_OPTIONS
+
 
 _CONFIGS: LaunchConfigs = LaunchConfigs()
+# A scoped policy (use_launch_configs) wins over the process-wide one; context-local so that a
+# backend wrapping these kernels for one device never changes another thread's launches.
+_SCOPED: ContextVar[LaunchConfigs | None] = ContextVar("megablocks_triton_launch_configs",
+                                                       default=None)
 
 
 def launch_configs() -> LaunchConfigs:
-    """The launch-parameter policy in use."""
-    return _CONFIGS
+    """The launch-parameter policy in use: the scoped one if any, else the process-wide one."""
+    return _SCOPED.get() or _CONFIGS
+
+
+class use_launch_configs:  # lower-case: used like a function, ``with use_launch_configs(c):``
+    """Use ``configs`` for the launches inside a ``with`` block (context-local, nestable).
+
+    A plain class rather than ``@contextmanager``: it wraps every kernel call of a plugin that
+    supplies its own policy, so it should cost no more than a ContextVar set and reset.
+    """
+
+    __slots__ = ("_configs", "_token")
+
+    def __init__(self, configs: LaunchConfigs) -> None:
+        self._configs = configs
+        self._token: Token[LaunchConfigs | None] | None = None
+
+    def __enter__(self) -> LaunchConfigs:
+        self._token = _SCOPED.set(self._configs)
+        return self._configs
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _SCOPED.reset(self._token)
+            self._token = None
 
 
 def set_launch_configs(configs: LaunchConfigs) -> None:

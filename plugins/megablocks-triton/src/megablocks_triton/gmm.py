@@ -24,7 +24,8 @@ beyond the group end are neither read nor accumulated, and an empty group stores
 
 The default path uses only plain ``tl.load``/``tl.dot`` with masks (portable: NVIDIA, AMD, the
 interpreter). An optional forward path (``GmmConfig.use_tma``) loads tiles through TMA tensor
-descriptors on Hopper/Blackwell; it is off by default until measured on the H200. fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
+descriptors on Hopper/Blackwell; it is the default there for 16-bit inputs (measured on the H200,
+docs/performance.md). fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
 
 Tile configs live in :data:`CONFIGS` and are picked by :func:`choose_config`; they can be
 overridden per call (``config=``) or by environment variable for tuning, see :func:`choose_config`.
@@ -41,6 +42,8 @@ import triton
 import triton.language as tl
 
 from megablocks_core.devices import describe
+
+from .config import launch_configs
 
 __all__ = [
     "CONFIGS",
@@ -134,11 +137,14 @@ def _dtype_class(dtype: torch.dtype) -> str:
 #: expected to be tuned. Families missing here fall back to "cuda"/"amd" entries.
 CONFIGS: dict[tuple[str, str, str], GmmConfig] = {
     # Hopper: wgmma likes 128xN with 8 warps (2 warpgroups); 128x256x64 bf16 x 3 stages = 144 KiB smem.
-    ("gmm", "sm90", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
+    # TMA loads: 0.95/0.87/0.89 of dense vs 0.81/0.80/0.76 with plain loads (docs/performance.md).
+    ("gmm", "sm90", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3,
+                                        use_tma=True),
     ("gmm", "sm90", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
     ("wgrad", "sm90", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
     ("wgrad", "sm90", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    ("gmm", "sm100", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
+    ("gmm", "sm100", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4,
+                                         use_tma=True),
     ("gmm", "sm100", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
     ("wgrad", "sm100", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
     ("wgrad", "sm100", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
@@ -199,7 +205,9 @@ def choose_config(
     3. For gmm, experts averaging fewer rows than half a BLOCK_M tile waste most of their last
        M-tile: shrink BLOCK_M (not below 64 on GPUs, where MMA atoms are 64 rows on Hopper).
     4. Blocks never exceed the problem (rounded up to a power of two, >= 16 for tl.dot).
-    5. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (off in the table until measured).
+    5. Hopper, 16-bit, few output columns (N <= 1024, e.g. many small experts): 4 stages instead
+       of 3 (one more K step in flight; 0.91 vs 0.87 of dense at the qwen3 shape on the H200).
+    6. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (tuning).
     """
     env = os.environ.get(_ENV_VAR[op])
     if env:
@@ -218,7 +226,10 @@ def choose_config(
     bm = min(bm, _pow2_at_least(m if op == "wgrad" else max(m // max(num_experts, 1), 1), 16))
     bn = min(bn, _pow2_at_least(n, 16))
     bk = min(bk, _pow2_at_least(k if op == "gmm" else max(k // max(num_experts, 1), 1), 16))
-    return _tma_override(replace(cfg, block_m=bm, block_n=bn, block_k=bk))
+    stages = cfg.num_stages
+    if op == "gmm" and family == "sm90" and dclass == "16bit" and n <= 1024:
+        stages = 4
+    return _tma_override(replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages))
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,6 +505,7 @@ def gmm(
         EVEN_K=k % cfg.block_k == 0, IEEE_FP32=a.dtype == torch.float32,
         USE_TMA=use_tma, TRANS_B=trans_b,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_configs().launch_options("gmm"),
     )  # fmt: skip
     return out
 
@@ -533,5 +545,6 @@ def gmm_weight_grad(
         BLOCK_E=block_e, GROUP_M=cfg.group_m,
         IEEE_FP32=a.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_configs().launch_options("gmm_wgrad"),
     )  # fmt: skip
     return out

@@ -25,6 +25,9 @@ The padded/binned gathers also zero their padding rows in the same launch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -59,7 +62,7 @@ def _inverse(indices: torch.Tensor) -> torch.Tensor:
     n = indices.numel()
     inv = torch.empty(n, dtype=torch.int32, device=indices.device)
     block = launch_configs().elementwise_block(n)
-    _inverse_kernel[(triton.cdiv(n, block),)](indices, inv, n, BLOCK=block)
+    _inverse_kernel[(triton.cdiv(n, block),)](indices, inv, n, BLOCK=block, **_options())
     return inv
 
 
@@ -211,6 +214,12 @@ def _wgrad_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
+def _options() -> Mapping[str, Any]:
+    """Backend-specific launch keywords (empty unless a vendor policy such as megablocks-rocm's
+    is in use; see config.LaunchConfigs.launch_options)."""
+    return launch_configs().launch_options("permutation")
+
+
 def _meta(top_k: int, num_bins: int) -> dict[str, int]:
     return {"TOP_K": top_k, "LOG": max(num_bins.bit_length(), 1)}
 
@@ -236,6 +245,7 @@ def _launch_gather(
         num_tokens, hidden, num_bins, bin_size,
         BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=cfg.zero_rows, MODE=mode,
         HAS_WEIGHTS=weights is not None, num_warps=cfg.num_warps, **_meta(top_k, num_bins),
+        **_options(),
     )
     return out
 
@@ -259,7 +269,7 @@ def _launch_scatter(
         padded_bins if padded_bins is not None else bins, out,
         hidden, num_bins, bin_size,
         BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, MODE=mode, HAS_WEIGHTS=weights is not None,
-        num_warps=cfg.num_warps, **_meta(top_k, num_bins),
+        num_warps=cfg.num_warps, **_meta(top_k, num_bins), **_options(),
     )
     return out
 
@@ -284,7 +294,7 @@ def _launch_wgrad(
         padded_bins if padded_bins is not None else bins, out,
         hidden, num_bins, bin_size,
         BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, K_PAD=triton.next_power_of_2(top_k),
-        **_meta(top_k, num_bins),
+        **_meta(top_k, num_bins), **_options(),
     )
     return out
 

@@ -68,9 +68,11 @@ def _kernels(module_name: str, ops: tuple[str, ...],
     if importlib.util.find_spec("triton") is None:  # megablocks_unavailable_reason says so
         return []
     module = importlib.import_module(f"megablocks_triton.{module_name}")
+    from . import tuning  # measured speed: lets the core pick per shape among equal priorities
+
     return [
         Kernel(op=op, fn=getattr(module, op), devices=_devices(), priority=PRIORITY,
-               dtypes=dtypes[op], contiguous=True)
+               dtypes=dtypes[op], contiguous=True, cost=getattr(tuning, f"{op}_cost", None))
         for op in ops
     ]
 

@@ -23,6 +23,9 @@ Used with 2**end_bit bins it is ``sort``; with ``num_experts`` bins it is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -170,6 +173,12 @@ def _counting_scatter_kernel(
         base += tl.histogram(digit, NB, mask=valid)
 
 
+def _options() -> Mapping[str, Any]:
+    """Backend-specific launch keywords for the routing kernels (empty unless a vendor policy
+    such as megablocks-rocm's is in use; see config.LaunchConfigs.launch_options)."""
+    return launch_configs().launch_options("routing")
+
+
 def _counting_pass(
     keys: torch.Tensor,
     payload: torch.Tensor | None,
@@ -182,6 +191,7 @@ def _counting_pass(
     n = keys.numel()
     nb = triton.next_power_of_2(num_bins)
     cfg = launch_configs().routing(n, nb)
+    opts = launch_configs().launch_options("routing")
     num_tiles = triton.cdiv(n, cfg.tile)
     counts = torch.empty((num_tiles, nb), dtype=torch.int32, device=keys.device)
     values = torch.empty_like(keys)
@@ -190,7 +200,7 @@ def _counting_pass(
     dmask = digit_mask if digit_mask is not None else 0
     _tile_histogram_kernel[(num_tiles,)](
         keys, counts, n, num_bins, shift, dmask,
-        NB=nb, TILE=cfg.tile, USE_MASK=use_mask, num_warps=cfg.num_warps,
+        NB=nb, TILE=cfg.tile, USE_MASK=use_mask, num_warps=cfg.num_warps, **opts,
     )
     if meta is None:
         tpe = bins = padded = counts  # unused when WRITE_META is False
@@ -203,14 +213,14 @@ def _counting_pass(
         total = torch.empty(nb, dtype=torch.int32, device=keys.device)
         cols = min(nb, 32)
         _tile_scan_kernel[(nb // cols,)](counts, before, total, num_tiles, NB=nb, COLS=cols, ROWS=64,
-                                         num_warps=4)
+                                         num_warps=4, **opts)
     _counting_scatter_kernel[(num_tiles,)](
         keys, payload if payload is not None else keys, counts, before, total, values, index,
         tpe, bins, padded,
         n, num_tiles, num_bins, shift, dmask, block_size,
         NB=nb, TILE=cfg.tile, CHUNK=cfg.chunk, TILE_ROWS=cfg.tile_rows,
         USE_MASK=use_mask, HAS_PAYLOAD=payload is not None, WRITE_META=meta is not None,
-        PRESCANNED=cfg.prescan, num_warps=cfg.num_warps,
+        PRESCANNED=cfg.prescan, num_warps=cfg.num_warps, **opts,
     )
     return values, index
 
@@ -316,7 +326,7 @@ def histogram(x: torch.Tensor, num_bins: int) -> torch.Tensor:
     per_key = num_bins > MAX_TILE_HISTOGRAM_BINS
     nb = 1 if per_key else triton.next_power_of_2(num_bins)
     _histogram_kernel[(triton.cdiv(n, block), rows)](
-        x, out, n, num_bins, NB=nb, BLOCK=block, PER_KEY=per_key
+        x, out, n, num_bins, NB=nb, BLOCK=block, PER_KEY=per_key, **_options(),
     )
     return out
 
@@ -361,7 +371,7 @@ def _cumsum(x: torch.Tensor, dim: int, exclusive: bool) -> torch.Tensor:
     _cumsum_kernel[(lines,)](
         x, out, length, line_stride, elem_stride,
         BLOCK=launch_configs().scan_block(length), EXCLUSIVE=exclusive,
-        WIDE=x.dtype == torch.int64,
+        WIDE=x.dtype == torch.int64, **_options(),
     )
     return out
 
@@ -410,7 +420,7 @@ def topology(
     block_c = min(triton.next_power_of_2(cols), 128)
     _topology_kernel[(triton.cdiv(rows, block_r),)](
         padded_bins, out, num_bins, block_size, rows, cols,
-        BLOCK_R=block_r, BLOCK_C=block_c, LOG=max(num_bins.bit_length(), 1),
+        BLOCK_R=block_r, BLOCK_C=block_c, LOG=max(num_bins.bit_length(), 1), **_options(),
     )
     return out
 
@@ -443,7 +453,7 @@ def replicate(x: torch.Tensor, bins: torch.Tensor, num_outputs: int) -> torch.Te
         return out.zero_()
     block = launch_configs().elementwise_block(num_outputs)
     _replicate_kernel[(triton.cdiv(num_outputs, block), batch)](
-        x, bins, out, num_bins, num_outputs, BLOCK=block, LOG=num_bins.bit_length(),
+        x, bins, out, num_bins, num_outputs, BLOCK=block, LOG=num_bins.bit_length(), **_options(),
     )
     return out
 
@@ -472,6 +482,6 @@ def replicate_backward(grad: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     _replicate_backward_kernel[(num_bins, batch)](
-        grad, bins, out, num_bins, num_cols, BLOCK=256,
+        grad, bins, out, num_bins, num_cols, BLOCK=256, **_options(),
     )
     return out
