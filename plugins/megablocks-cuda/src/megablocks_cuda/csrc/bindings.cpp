@@ -1,0 +1,18 @@
+// Python bindings of the megablocks-cuda extension (module megablocks_cuda._C, or the JIT build).
+#include <torch/extension.h>
+
+#include "routing.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megablocks-cuda routing kernels (CUB radix sort and scans, histogram, topology, replicate)";
+  m.def("sort", &megablocks_cuda::sort, "stable radix sort of keys over bits [0, end_bit)");
+  m.def("histogram", &megablocks_cuda::histogram, "int32 counts per row of (rows, n) keys");
+  m.def("cumsum", &megablocks_cuda::cumsum, "inclusive or exclusive scan of each row, in x's dtype");
+  m.def("topology", &megablocks_cuda::topology, "int16 column indices of the block-sparse weights");
+  m.def("replicate", &megablocks_cuda::replicate, "expand one value per bin to the bin's columns");
+  m.def("replicate_backward", &megablocks_cuda::replicate_backward, "per-bin sums of columns");
+  m.def("zero_empty_groups", &megablocks_cuda::zero_empty_groups,
+        "zero out[e] in place where counts[e] == 0");
+  m.def("has_kernel_image", &megablocks_cuda::has_kernel_image,
+        "whether this build has code for the device");
+}

@@ -1,0 +1,203 @@
+// Device kernels of the megablocks-cuda routing ops.
+//
+// Torch-free on purpose: this header only needs CUDA and CUB, so it can be syntax-checked with a
+// bare `nvcc -x cu -c` and reused outside the extension. routing.cu does the torch plumbing
+// (allocation, dtype dispatch, the current stream) and calls the launchers below.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cub/cub.cuh>
+#include <cuda_runtime.h>
+
+namespace megablocks_cuda {
+
+constexpr int kThreads = 256;
+// Histograms with up to this many bins count in shared memory (16 KiB), then flush with one
+// global atomic per non-empty bin; beyond it every key does a global atomic.
+constexpr int kSharedHistogramBins = 4096;
+
+inline int blocks_for(int64_t items, int64_t per_block = kThreads, int64_t cap = 65535) {
+  int64_t blocks = (items + per_block - 1) / per_block;
+  return static_cast<int>(blocks < 1 ? 1 : (blocks > cap ? cap : blocks));
+}
+
+// Number of entries e in [0, n) with ends[e] <= position (ends is nondecreasing):
+// the segment that holds `position`, as torch.searchsorted(ends, position, right=True).
+template <typename IndexT>
+__device__ __forceinline__ int64_t segment_of(const IndexT* ends, int64_t n, int64_t position) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    int64_t mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(ends[mid]) <= position) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// ------------------------------------------------------------------ sort
+
+// Stable radix sort of (key, position) pairs over bits [0, end_bit) only: keys are known to lie
+// in [0, 2**end_bit), so e.g. 8 experts need one 3-bit pass instead of a full-width sort.
+// Two-phase like every CUB device call: temp == nullptr only sizes `temp_bytes`.
+template <typename KeyT>
+cudaError_t sort_pairs(void* temp, size_t& temp_bytes, const KeyT* keys_in, KeyT* keys_out,
+                       const KeyT* values_in, KeyT* values_out, int n, int end_bit,
+                       cudaStream_t stream) {
+  return cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys_in, keys_out, values_in,
+                                         values_out, n, 0, end_bit, stream);
+}
+
+template <typename T>
+__global__ void iota_kernel(T* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = static_cast<T>(i);
+  }
+}
+
+// ------------------------------------------------------------------ histogram
+
+// grid: (blocks per row, rows; rows past 65535 loop). Keys are range-checked before any narrowing
+// cast, so a large int64 key can never wrap into [0, num_bins).
+template <typename KeyT>
+__global__ void histogram_kernel(const KeyT* keys, int64_t rows, int64_t n, int32_t* counts,
+                                 int num_bins) {
+  extern __shared__ int32_t local[];
+  const bool shared = num_bins <= kSharedHistogramBins;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const KeyT* row = keys + r * n;
+    int32_t* row_counts = counts + r * num_bins;
+    if (shared) {
+      for (int b = threadIdx.x; b < num_bins; b += blockDim.x) local[b] = 0;
+      __syncthreads();
+    }
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      const int64_t key = static_cast<int64_t>(row[i]);
+      if (key < 0 || key >= num_bins) continue;
+      if (shared) atomicAdd(&local[key], 1); else atomicAdd(&row_counts[key], 1);
+    }
+    if (shared) {
+      __syncthreads();
+      for (int b = threadIdx.x; b < num_bins; b += blockDim.x) {
+        if (local[b]) atomicAdd(&row_counts[b], local[b]);
+      }
+      __syncthreads();  // local is cleared again for the next row
+    }
+  }
+}
+
+// ------------------------------------------------------------------ cumsum
+
+// One row: CUB's single-pass decoupled look-back scan.
+template <typename T>
+cudaError_t scan_row(void* temp, size_t& temp_bytes, const T* in, T* out, int n, bool inclusive,
+                     cudaStream_t stream) {
+  return inclusive ? cub::DeviceScan::InclusiveSum(temp, temp_bytes, in, out, n, stream)
+                   : cub::DeviceScan::ExclusiveSum(temp, temp_bytes, in, out, n, stream);
+}
+
+// Carries the running total of the chunks already scanned into the next BlockScan.
+template <typename T>
+struct RunningPrefix {
+  T total;
+  __device__ T operator()(T chunk_sum) {
+    T before = total;
+    total += chunk_sum;
+    return before;
+  }
+};
+
+// Several rows (batched counts): one block per row, chunk by chunk. Rows are short in practice
+// (experts), so a block per row beats one device-wide scan launch per row.
+template <typename T>
+__global__ void scan_rows_kernel(const T* in, T* out, int64_t n, bool inclusive) {
+  using BlockScan = cub::BlockScan<T, kThreads>;
+  __shared__ typename BlockScan::TempStorage storage;
+  const T* row_in = in + int64_t(blockIdx.x) * n;
+  T* row_out = out + int64_t(blockIdx.x) * n;
+  RunningPrefix<T> prefix{T(0)};
+  for (int64_t base = 0; base < n; base += kThreads) {
+    const int64_t i = base + threadIdx.x;
+    T value = i < n ? row_in[i] : T(0);
+    T result;
+    if (inclusive) BlockScan(storage).InclusiveSum(value, result, prefix);
+    else BlockScan(storage).ExclusiveSum(value, result, prefix);
+    __syncthreads();  // storage is reused by the next chunk
+    if (i < n) row_out[i] = result;
+  }
+}
+
+// ------------------------------------------------------------------ topology
+
+// Block-row r belongs to the expert e with padded_bins[e-1] // bs <= r < padded_bins[e] // bs and
+// gets columns e * columns + [0, columns).
+template <typename IndexT>
+__global__ void topology_kernel(const IndexT* padded_bins, int64_t experts, int64_t block_size,
+                                int64_t block_rows, int64_t columns, int16_t* out) {
+  const int64_t total = block_rows * columns;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / columns;
+    // #{e : padded_bins[e] // bs <= r} == #{e : padded_bins[e] < (r + 1) * bs} (non-negative bins)
+    const int64_t expert = segment_of(padded_bins, experts, (r + 1) * block_size - 1);
+    out[i] = static_cast<int16_t>(expert * columns + i % columns);
+  }
+}
+
+// ------------------------------------------------------------------ replicate
+
+// out[b, j] = x[b, e] for the bin e holding column j; columns past bins[-1] get 0.
+template <typename T, typename IndexT>
+__global__ void replicate_kernel(const T* x, const IndexT* bins, int64_t num_bins, int64_t batch,
+                                 int64_t num_outputs, T* out) {
+  const int64_t total = batch * num_outputs;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / num_outputs;
+    const int64_t e = segment_of(bins, num_bins, i % num_outputs);
+    out[i] = e < num_bins ? x[b * num_bins + e] : T(0);
+  }
+}
+
+// One block per (row, bin): a deterministic block reduction of the bin's columns in AccT.
+template <typename T, typename AccT, typename IndexT>
+__global__ void replicate_backward_kernel(const T* grad, const IndexT* bins, int64_t num_bins,
+                                          int64_t batch, int64_t rows, T* out) {
+  using BlockReduce = cub::BlockReduce<AccT, kThreads>;
+  __shared__ typename BlockReduce::TempStorage storage;
+  for (int64_t task = blockIdx.x; task < batch * num_bins; task += gridDim.x) {
+    const int64_t b = task / num_bins, e = task % num_bins;
+    int64_t start = e == 0 ? 0 : static_cast<int64_t>(bins[e - 1]);
+    int64_t end = static_cast<int64_t>(bins[e]);
+    start = start < 0 ? 0 : start;
+    end = end > rows ? rows : end;
+    AccT sum = AccT(0);
+    for (int64_t j = start + threadIdx.x; j < end; j += blockDim.x) {
+      sum += static_cast<AccT>(grad[b * rows + j]);
+    }
+    sum = BlockReduce(storage).Sum(sum);
+    if (threadIdx.x == 0) out[task] = static_cast<T>(sum);
+    __syncthreads();  // storage is reused by the next task
+  }
+}
+
+// ------------------------------------------------------------------ grouped GEMM helper
+
+// Zero out[e] (each `slice` elements) for every group with counts[e] == 0. Blocks of non-empty
+// groups return at once, so this costs a launch, not a pass over the whole output.
+template <typename T, typename CountT>
+__global__ void zero_empty_groups_kernel(T* out, const CountT* counts, int64_t groups,
+                                         int64_t slice) {
+  for (int64_t e = blockIdx.y; e < groups; e += gridDim.y) {
+    if (counts[e] != 0) continue;
+    T* base = out + e * slice;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < slice;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      base[i] = T(0);
+    }
+  }
+}
+
+}  // namespace megablocks_cuda

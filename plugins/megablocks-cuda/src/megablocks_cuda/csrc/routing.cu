@@ -1,0 +1,212 @@
+// Torch side of the routing ops: allocation, dtype dispatch and launches on the current stream.
+//
+// Rules that keep every op CUDA-graph capturable: no host reads of device data, temporary storage
+// comes from torch's caching allocator (never cudaMalloc), nothing launches for empty inputs.
+// Inputs arrive validated and contiguous (the megablocks core checks contracts and copies).
+#include <algorithm>
+#include <type_traits>
+
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "kernels.cuh"
+#include "routing.h"
+
+namespace megablocks_cuda {
+namespace {
+
+#define MB_DISPATCH_INTS(TYPE, NAME, ...)                  \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                           \
+                     AT_DISPATCH_CASE(at::kShort, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kInt, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kLong, __VA_ARGS__))
+
+void check_cuda(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "megablocks_cuda: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.is_contiguous(), "megablocks_cuda: ", name, " must be contiguous");
+}
+
+// CUB's two-phase calls: size the scratch space, take it from torch's allocator, run.
+template <typename Call>
+void with_cub_temp(const torch::Tensor& like, Call call) {
+  size_t bytes = 0;
+  C10_CUDA_CHECK(call(nullptr, bytes));
+  auto temp = torch::empty({static_cast<int64_t>(bytes)}, like.options().dtype(torch::kUInt8));
+  C10_CUDA_CHECK(call(temp.data_ptr(), bytes));
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> sort(const torch::Tensor& x, int64_t end_bit) {
+  check_cuda(x, "x");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto values = torch::empty_like(x);
+  auto indices = torch::empty_like(x);
+  const int64_t n = x.numel();
+  if (n == 0) return {values, indices};
+  TORCH_CHECK(n <= INT32_MAX, "megablocks_cuda.sort: more than 2**31 - 1 keys");
+  auto stream = at::cuda::getCurrentCUDAStream();
+  MB_DISPATCH_INTS(x.scalar_type(), "megablocks_cuda.sort", [&] {
+    // The positions to carry along: 0..n-1 in x's dtype (int16 keys are at most 32768 long).
+    auto positions = torch::empty_like(x);
+    iota_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(positions.data_ptr<scalar_t>(), n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (end_bit == 0) {  // every key is 0: the stable order is the identity
+      values.copy_(x);
+      indices.copy_(positions);
+      return;
+    }
+    with_cub_temp(x, [&](void* temp, size_t& bytes) {
+      return sort_pairs<scalar_t>(temp, bytes, x.data_ptr<scalar_t>(), values.data_ptr<scalar_t>(),
+                                  positions.data_ptr<scalar_t>(), indices.data_ptr<scalar_t>(),
+                                  static_cast<int>(n), static_cast<int>(end_bit), stream);
+    });
+  });
+  return {values, indices};
+}
+
+torch::Tensor histogram(const torch::Tensor& x, int64_t num_bins) {
+  // x is (rows, n): the Python side views 1-D keys as one row.
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2, "megablocks_cuda.histogram: expected (rows, n) keys");
+  TORCH_CHECK(num_bins <= INT32_MAX, "megablocks_cuda.histogram: too many bins");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto counts = torch::zeros({rows, num_bins}, x.options().dtype(torch::kInt32));
+  if (rows == 0 || n == 0 || num_bins == 0) return counts;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int bins = static_cast<int>(num_bins);
+  const size_t shared = bins <= kSharedHistogramBins ? bins * sizeof(int32_t) : 0;
+  // Enough blocks to fill the GPU, but not so many that the per-block flush dominates.
+  const dim3 grid(blocks_for(n, kThreads * 8, 1024), static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+  MB_DISPATCH_INTS(x.scalar_type(), "megablocks_cuda.histogram", [&] {
+    histogram_kernel<scalar_t><<<grid, kThreads, shared, stream>>>(
+        x.data_ptr<scalar_t>(), rows, n, counts.data_ptr<int32_t>(), bins);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return counts;
+}
+
+torch::Tensor cumsum(const torch::Tensor& x, bool inclusive) {
+  // x is (rows, n), scanned along n: the Python side moves the summed dim last.
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 2, "megablocks_cuda.cumsum: expected (rows, n)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = torch::empty_like(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  if (x.numel() == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  MB_DISPATCH_INTS(x.scalar_type(), "megablocks_cuda.cumsum", [&] {
+    if (rows == 1 && n <= INT32_MAX) {
+      with_cub_temp(x, [&](void* temp, size_t& bytes) {
+        return scan_row<scalar_t>(temp, bytes, x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                                  static_cast<int>(n), inclusive, stream);
+      });
+    } else {
+      TORCH_CHECK(rows <= INT32_MAX, "megablocks_cuda.cumsum: too many rows");
+      scan_rows_kernel<scalar_t><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+          x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, inclusive);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return out;
+}
+
+torch::Tensor topology(const torch::Tensor& padded_bins, int64_t block_size, int64_t block_rows,
+                       int64_t block_columns) {
+  check_cuda(padded_bins, "padded_bins");
+  const c10::cuda::CUDAGuard guard(padded_bins.device());
+  auto out = torch::empty({block_rows * block_columns}, padded_bins.options().dtype(torch::kInt16));
+  if (out.numel() == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  MB_DISPATCH_INTS(padded_bins.scalar_type(), "megablocks_cuda.topology", [&] {
+    topology_kernel<scalar_t><<<blocks_for(out.numel()), kThreads, 0, stream>>>(
+        padded_bins.data_ptr<scalar_t>(), padded_bins.numel(), block_size, block_rows,
+        block_columns, out.data_ptr<int16_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+torch::Tensor replicate(const torch::Tensor& x, const torch::Tensor& bins, int64_t num_outputs) {
+  check_cuda(x, "x");
+  check_cuda(bins, "bins");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t batch = x.size(0), num_bins = x.size(1);
+  auto out = torch::empty({batch, num_outputs}, x.options());
+  if (out.numel() == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "megablocks_cuda.replicate", [&] {
+    using value_t = scalar_t;
+    MB_DISPATCH_INTS(bins.scalar_type(), "megablocks_cuda.replicate", [&] {
+      replicate_kernel<value_t, scalar_t><<<blocks_for(out.numel()), kThreads, 0, stream>>>(
+          x.data_ptr<value_t>(), bins.data_ptr<scalar_t>(), num_bins, batch, num_outputs,
+          out.data_ptr<value_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+torch::Tensor replicate_backward(const torch::Tensor& grad, const torch::Tensor& bins) {
+  check_cuda(grad, "grad");
+  check_cuda(bins, "bins");
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const int64_t batch = grad.size(0), rows = grad.size(1), num_bins = bins.numel();
+  if (rows == 0) return torch::zeros({batch, num_bins}, grad.options());  // every bin sums to 0
+  auto out = torch::empty({batch, num_bins}, grad.options());
+  if (out.numel() == 0) return out;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int blocks = static_cast<int>(std::min<int64_t>(batch * num_bins, 1 << 20));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(),
+                                  "megablocks_cuda.replicate_backward", [&] {
+    using value_t = scalar_t;
+    // float32 accumulation, float64 for float64 data (the contract).
+    using acc_t = std::conditional_t<std::is_same_v<value_t, double>, double, float>;
+    MB_DISPATCH_INTS(bins.scalar_type(), "megablocks_cuda.replicate_backward", [&] {
+      replicate_backward_kernel<value_t, acc_t, scalar_t><<<blocks, kThreads, 0, stream>>>(
+          grad.data_ptr<value_t>(), bins.data_ptr<scalar_t>(), num_bins, batch, rows,
+          out.data_ptr<value_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+void zero_empty_groups(torch::Tensor& out, const torch::Tensor& counts) {
+  check_cuda(out, "out");
+  check_cuda(counts, "counts");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int64_t groups = counts.numel();
+  if (out.numel() == 0 || groups == 0) return;
+  const int64_t slice = out.numel() / groups;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const dim3 grid(blocks_for(slice, kThreads * 4, 64), static_cast<unsigned>(std::min<int64_t>(groups, 65535)));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(),
+                                  "megablocks_cuda.zero_empty_groups", [&] {
+    using value_t = scalar_t;
+    MB_DISPATCH_INTS(counts.scalar_type(), "megablocks_cuda.zero_empty_groups", [&] {
+      zero_empty_groups_kernel<value_t, scalar_t><<<grid, kThreads, 0, stream>>>(
+          out.data_ptr<value_t>(), counts.data_ptr<scalar_t>(), groups, slice);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
+bool has_kernel_image(int64_t device_index) {
+  // False when this build has no code for the device's architecture (e.g. an ahead-of-time
+  // build for sm_90 on an sm_80 GPU): the capability check then rejects the routing kernels.
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  cudaFuncAttributes attributes;
+  const cudaError_t status = cudaFuncGetAttributes(&attributes, iota_kernel<int32_t>);
+  if (status != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the (non-sticky) error so later launches are unaffected
+    return false;
+  }
+  return true;
+}
+
+}  // namespace megablocks_cuda

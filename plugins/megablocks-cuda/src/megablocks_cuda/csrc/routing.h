@@ -1,0 +1,21 @@
+// Declarations shared by routing.cu and bindings.cpp (the binding unit is compiled by the host
+// compiler, so it never sees CUDA or CUB headers).
+#pragma once
+
+#include <vector>
+
+#include <torch/extension.h>
+
+namespace megablocks_cuda {
+
+std::vector<torch::Tensor> sort(const torch::Tensor& x, int64_t end_bit);
+torch::Tensor histogram(const torch::Tensor& x, int64_t num_bins);
+torch::Tensor cumsum(const torch::Tensor& x, bool inclusive);
+torch::Tensor topology(const torch::Tensor& padded_bins, int64_t block_size, int64_t block_rows,
+                       int64_t block_columns);
+torch::Tensor replicate(const torch::Tensor& x, const torch::Tensor& bins, int64_t num_outputs);
+torch::Tensor replicate_backward(const torch::Tensor& grad, const torch::Tensor& bins);
+void zero_empty_groups(torch::Tensor& out, const torch::Tensor& counts);
+bool has_kernel_image(int64_t device_index);
+
+}  // namespace megablocks_cuda

@@ -1,0 +1,159 @@
+"""Grouped-GEMM providers: ``torch._grouped_mm`` and the ``grouped_gemm`` package.
+
+Both implement the core's contracts (``docs/contracts.md``):
+
+* ``gmm(a, b, batch_sizes, trans_b)``: rows ``bins[e-1]:bins[e]`` of the output are
+  ``a[those rows] @ b[e]`` (``@ b[e].T`` with ``trans_b``), in a's dtype;
+* ``gmm_weight_grad(a, grad, batch_sizes)``: ``out[e] = a_e.T @ grad_e``, shape (E, K, N),
+  exactly 0 for an expert without rows.
+
+``grouped_mm`` never syncs the host: the group end offsets are an int32 cumsum computed on the
+device (CPU ``batch_sizes`` are copied there asynchronously). ``grouped_gemm`` takes its sizes
+on the host (a serial cuBLAS loop), so device-side ``batch_sizes`` cost a device→host sync; under
+CUDA-graph capture, where that sync is impossible, it hands the call to the ``grouped_mm`` path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import extension
+
+#: torch._grouped_mm needs 16-byte aligned base pointers and strides: 8 bf16 elements.
+ALIGN_BYTES = 16
+
+
+def grouped_mm_function() -> Callable[..., Tensor] | None:
+    """The public ``F.grouped_mm`` when this torch has it, else ``torch._grouped_mm``, else None."""
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@functools.cache
+def grouped_gemm_backend() -> Any:
+    """``grouped_gemm.backend`` or None when the package cannot be imported (checked once)."""
+    try:
+        from grouped_gemm import backend
+    except Exception:  # not installed, or its extension does not load with this torch
+        return None
+    return backend
+
+
+def _shape_of(a: Tensor, b: Tensor, trans_b: bool) -> tuple[int, int, int]:
+    return a.shape[0], a.shape[1], b.shape[1] if trans_b else b.shape[2]
+
+
+def _end_offsets(batch_sizes: Tensor, device: torch.device) -> Tensor:
+    # non_blocking: a CPU→device copy that never waits for the device (no host sync).
+    sizes = batch_sizes.to(device=device, non_blocking=True)
+    return torch.cumsum(sizes, 0, dtype=torch.int32)
+
+
+def _round_up(size: int, element_size: int) -> int:
+    multiple = max(ALIGN_BYTES // element_size, 1)
+    return -(-size // multiple) * multiple
+
+
+def _aligned(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t`` zero-padded (at the end of each dim) to ``shape``, contiguous and 16-byte aligned.
+
+    Returns ``t`` itself when it already is all of that; zero padding along the reduction dim
+    adds exact zeros, padding along N adds columns the caller slices off.
+    """
+    if tuple(t.shape) == shape and t.is_contiguous() and t.data_ptr() % ALIGN_BYTES == 0:
+        return t
+    out = t.new_zeros(shape)  # fresh storage from the caching allocator is well aligned
+    out[tuple(slice(0, s) for s in t.shape)] = t
+    return out
+
+
+def _zero_empty_experts(out: Tensor, batch_sizes: Tensor) -> Tensor:
+    """Set out[e] to exact zeros for every expert e without rows, without a host sync.
+
+    torch's grouped mm has had bugs with empty groups in the weight gradient (K = 0), so the
+    contract's exact zeros are enforced here. Host-side sizes name the empty experts for free;
+    device-side sizes use the extension's kernel (one launch, only empty slices are written) or,
+    without the extension, a masked fill (one pass over the output).
+    """
+    if out.numel() == 0:
+        return out
+    if batch_sizes.device.type == "cpu":
+        empty = (batch_sizes == 0).nonzero().flatten()
+        if empty.numel():
+            out.index_fill_(0, empty.to(out.device, non_blocking=True), 0)
+        return out
+    if out.is_cuda and out.is_contiguous() and extension.problem() is None:
+        extension.load().zero_empty_groups(out, batch_sizes.contiguous())
+        return out
+    return out.masked_fill_((batch_sizes == 0).view(-1, 1, 1), 0)
+
+
+# ---------------------------------------------------------------- torch._grouped_mm
+
+
+def grouped_mm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> Tensor:
+    m, k, n = _shape_of(a, b, trans_b)
+    experts = b.shape[0]
+    if 0 in (m, k, n, experts):
+        return a.new_zeros(m, n)
+    offs = _end_offsets(batch_sizes, a.device)
+    kp, np_ = _round_up(k, a.element_size()), _round_up(n, a.element_size())
+    a = _aligned(a, (m, kp))
+    if trans_b:  # (E, N, K) row-major is (E, K, N) column-major: only K must be aligned
+        mat_b = _aligned(b, (experts, n, kp)).transpose(1, 2)
+    else:
+        mat_b = _aligned(b, (experts, kp, np_))
+    out = grouped_mm_function()(a, mat_b, offs=offs)  # type: ignore[misc]
+    return out[:, :n].contiguous()
+
+
+def grouped_mm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
+    m, k = a.shape
+    n = grad.shape[1]
+    experts = batch_sizes.shape[0]
+    if 0 in (m, k, n, experts):
+        return a.new_zeros(experts, k, n)
+    offs = _end_offsets(batch_sizes, a.device)
+    kp, np_ = _round_up(k, a.element_size()), _round_up(n, a.element_size())
+    # Groups run along the rows of a and grad: rows past offs[-1] belong to no group.
+    out = grouped_mm_function()(_aligned(a, (m, kp)).t(), _aligned(grad, (m, np_)), offs=offs)  # type: ignore[misc]
+    out = out[:, :k, :n].contiguous()
+    return _zero_empty_experts(out, batch_sizes)
+
+
+# ---------------------------------------------------------------- grouped_gemm
+
+
+def _host_sizes(batch_sizes: Tensor) -> Tensor:
+    # grouped_gemm reads int64 sizes on the host: device-side counts cost a sync here.
+    return batch_sizes.to("cpu", torch.int64)
+
+
+def _capturing(batch_sizes: Tensor) -> bool:
+    return batch_sizes.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def grouped_gemm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> Tensor:
+    m, k, n = _shape_of(a, b, trans_b)
+    if 0 in (m, k, n, b.shape[0]):
+        return a.new_zeros(m, n)
+    if _capturing(batch_sizes):  # no host sync possible inside a CUDA graph
+        return grouped_mm_gmm(a, b, batch_sizes, trans_b)
+    return grouped_gemm_backend().gmm(a, b, _host_sizes(batch_sizes), False, trans_b)
+
+
+def grouped_gemm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
+    m, k = a.shape
+    n = grad.shape[1]
+    experts = batch_sizes.shape[0]
+    if 0 in (m, k, n, experts):
+        return a.new_zeros(experts, k, n)
+    if _capturing(batch_sizes):
+        return grouped_mm_gmm_weight_grad(a, grad, batch_sizes)
+    sizes = _host_sizes(batch_sizes)
+    out = grouped_gemm_backend().gmm(a, grad, sizes, True, False)
+    return _zero_empty_experts(out, sizes)

@@ -1,0 +1,154 @@
+"""The ``cuda`` backend's hooks: what megablocks-cuda provides, and where it can run.
+
+Provides
+
+* routing: sort (CUB radix sort over bits [0, end_bit) only), histogram, inclusive_cumsum,
+  exclusive_cumsum (CUB scans), topology, replicate, replicate_backward — from the C++ extension
+  (:mod:`megablocks_cuda.extension`), every dtype of the contract;
+* grouped GEMM: gmm and gmm_weight_grad, variant ``grouped_mm`` (``torch._grouped_mm``, bf16,
+  compute capability 9.x/10.x, no host sync) and variant ``grouped_gemm`` (the ``grouped_gemm``
+  package, bf16, when installed; syncs the host for device-side batch sizes).
+
+Importing this module is cheap on any host: the extension is loaded (or compiled) only when a
+routing kernel is first ranked or called on a CUDA device, never at registry load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from megablocks_core import costs
+from megablocks_core.descriptors import DeviceInfo, Kernel
+from megablocks_core.hookspecs import hookimpl
+
+from . import extension, gmm, routing, tuning
+
+#: Per-op priority. Routing sits below triton's 100 until GPU measurements say otherwise; the
+#: grouped GEMMs share triton's tier so that the cost estimates pick per shape.
+PRIORITY: dict[str, int] = {
+    "sort": 90,
+    "histogram": 90,
+    "inclusive_cumsum": 90,
+    "exclusive_cumsum": 90,
+    "topology": 90,
+    "replicate": 90,
+    "replicate_backward": 90,
+    "gmm": 100,
+    "gmm_weight_grad": 100,
+}
+
+ROUTING_OPS = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology",
+               "replicate", "replicate_backward")
+
+BF16 = frozenset({torch.bfloat16})
+GMM_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
+    "gmm": {"a": BF16, "b": BF16},
+    "gmm_weight_grad": {"a": BF16, "grad": BF16},
+}
+
+#: Compute capabilities (major) where torch._grouped_mm runs its sync-free CUTLASS kernels;
+#: elsewhere it loops over groups after copying the offsets to the host.
+GROUPED_MM_MAJORS = (9, 10)
+# ---------------------------------------------------------------- capability predicates
+
+
+def _nvidia(device: DeviceInfo) -> str | None:
+    if device.kind != "cuda" or device.capability is None:
+        return f"needs an NVIDIA CUDA device, not {device.kind}"
+    return None
+
+
+def routing_capability(device: DeviceInfo) -> str | None:
+    """The routing kernels need the extension, built with code for this device's architecture."""
+    problem = _nvidia(device) or extension.problem()
+    if problem:
+        return f"CUDA extension unavailable: {problem}" if device.kind == "cuda" else problem
+    if device.index is not None and not extension.load().has_kernel_image(device.index):
+        return (f"the CUDA extension has no code for {device.arch}: rebuild with "
+                f"TORCH_CUDA_ARCH_LIST including {'.'.join(map(str, device.capability or ()))}")
+    return None
+
+
+def grouped_mm_capability(device: DeviceInfo) -> str | None:
+    problem = _nvidia(device)
+    if problem:
+        return problem
+    major, minor = device.capability  # type: ignore[misc]
+    if major not in GROUPED_MM_MAJORS:
+        return (f"torch._grouped_mm is sync-free only on compute capability 9.x/10.x; "
+                f"{device.name or device} is {major}.{minor}")
+    if gmm.grouped_mm_function() is None:
+        return f"torch {torch.__version__} has no grouped_mm"
+    return None
+
+
+def grouped_gemm_capability(device: DeviceInfo) -> str | None:
+    problem = _nvidia(device)
+    if problem:
+        return problem
+    if device.capability < (8, 0):  # type: ignore[operator]
+        return "grouped_gemm needs compute capability >= 8.0 (bf16)"
+    if gmm.grouped_gemm_backend() is None:
+        return "grouped_gemm is not installed (pip install 'megablocks-cuda[grouped-gemm]')"
+    return None
+
+
+# ---------------------------------------------------------------- cost hints
+
+
+def cost_of(provider: str, host_counts_only: bool = False
+            ) -> Callable[[DeviceInfo, Mapping[str, Any]], float | None]:
+    """Cost hook for ``provider``: the core's gmm estimate from this plugin's measured points.
+
+    ``host_counts_only``: the provider reads ``batch_sizes`` on the host (grouped_gemm). With
+    device-side counts it would add a device→host sync, so it gives no estimate and the choice
+    goes to a provider that takes device counts; it still serves when forced or alone.
+    """
+
+    def cost(device: DeviceInfo, call: Mapping[str, Any]) -> float | None:
+        if device.kind != "cuda":
+            return None
+        if host_counts_only and getattr(call.get("batch_sizes"), "device", "cpu") != "cpu":
+            return None
+        return costs.gmm_estimate_us(device, call, tuning.EFFICIENCY[provider])
+
+    cost.__name__ = f"cost_{provider}"
+    return cost
+
+
+# ---------------------------------------------------------------- hooks
+
+
+@hookimpl
+def megablocks_unavailable_reason() -> str | None:
+    if torch.version.hip:
+        return f"torch {torch.__version__} is a ROCm build; this backend is for NVIDIA CUDA"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is built without CUDA"
+    if not torch.cuda.is_available():
+        return "no NVIDIA GPU visible"
+    return None
+
+
+@hookimpl
+def megablocks_routing_kernels() -> list[Kernel]:
+    return [Kernel(op=op, fn=getattr(routing, op), devices=("cuda",), priority=PRIORITY[op],
+                    capability=routing_capability, contiguous=True)
+            for op in ROUTING_OPS]
+
+
+@hookimpl
+def megablocks_grouped_gemm_kernels() -> list[Kernel]:
+    providers = (
+        ("grouped_mm", grouped_mm_capability, False,
+         {"gmm": gmm.grouped_mm_gmm, "gmm_weight_grad": gmm.grouped_mm_gmm_weight_grad}),
+        ("grouped_gemm", grouped_gemm_capability, True,
+         {"gmm": gmm.grouped_gemm_gmm, "gmm_weight_grad": gmm.grouped_gemm_gmm_weight_grad}),
+    )
+    return [Kernel(op=op, fn=fn, devices=("cuda",), priority=PRIORITY[op], capability=check,
+                    dtypes=GMM_DTYPES[op], contiguous=True, variant=variant,
+                    cost=cost_of(variant, host_only))
+            for variant, check, host_only, fns in providers for op, fn in fns.items()]

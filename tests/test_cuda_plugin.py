@@ -1,0 +1,339 @@
+"""megablocks-cuda on any host: registration, availability, capability logic, cost hints, and the
+torch._grouped_mm kernels run on the CPU against a float64 loop.
+
+Nothing here needs a GPU or the C++ extension (which is never built on import or registry load).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+from fake_plugins import ENV_VARS
+from megablocks_cuda import extension, gmm, plugin, tuning
+
+import megablocks_core
+from megablocks_core import DeviceInfo, costs
+from megablocks_core.descriptors import TensorMeta
+from megablocks_core.ranking import by_cost, rank
+from megablocks_core.registry import PluginRecord, Registry
+
+A100 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA A100", arch="sm_80", capability=(8, 0))
+H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90", capability=(9, 0))
+B200 = DeviceInfo(kind="cuda", type="cuda", index=1, name="NVIDIA B200", arch="sm_100", capability=(10, 0))
+RTX = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA RTX 5090", arch="sm_120", capability=(12, 0))
+MI300 = DeviceInfo(kind="rocm", type="cuda", index=0, name="AMD Instinct MI300X", arch="gfx942")
+CPU = DeviceInfo(kind="cpu", type="cpu", name="CPU")
+BF16_GMM = {"a": torch.bfloat16, "b": torch.bfloat16}
+
+ROUTING = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology", "replicate",
+           "replicate_backward")
+
+
+def _kernels():
+    return [*plugin.megablocks_routing_kernels(), *plugin.megablocks_grouped_gemm_kernels()]
+
+
+def _registry() -> Registry:
+    """The cuda backend alone, marked available, as the core would record it on a GPU host."""
+    kernels = tuple(dataclasses.replace(k, backend="cuda") for k in _kernels())
+    return Registry({"cuda": PluginRecord("cuda", "megablocks-cuda", "0.1.0", "ok", None, kernels)})
+
+
+@pytest.fixture
+def no_grouped_gemm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "grouped_gemm", None)  # import fails
+    gmm.grouped_gemm_backend.cache_clear()
+    yield
+    gmm.grouped_gemm_backend.cache_clear()
+
+
+@pytest.fixture
+def fake_grouped_gemm(monkeypatch):
+    """A stand-in ``grouped_gemm`` whose backend.gmm is a float64 loop on the CPU."""
+    package = types.ModuleType("grouped_gemm")
+    backend = types.ModuleType("grouped_gemm.backend")
+    calls = []
+
+    def fake_gmm(a, b, batch_sizes, trans_a, trans_b, c=None):
+        calls.append((batch_sizes.device.type, batch_sizes.dtype, trans_a, trans_b))
+        if trans_a:
+            return loop_weight_grad(a, b, batch_sizes).to(a.dtype)
+        return loop_gmm(a, b, batch_sizes, trans_b).to(a.dtype)
+
+    backend.gmm = fake_gmm
+    package.backend = backend
+    monkeypatch.setitem(sys.modules, "grouped_gemm", package)
+    monkeypatch.setitem(sys.modules, "grouped_gemm.backend", backend)
+    gmm.grouped_gemm_backend.cache_clear()
+    yield calls
+    gmm.grouped_gemm_backend.cache_clear()
+
+
+# ---------------------------------------------------------------- availability and registration
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CPU-only torch")
+def test_unavailable_on_cpu_torch_with_a_reason(monkeypatch):
+    for var in ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    try:
+        record = megablocks_core.reload({}).plugins["cuda"]
+    finally:
+        megablocks_core.reload({})
+    assert record.status == "unavailable"
+    assert "without CUDA" in record.reason
+    assert record.distribution == "megablocks-cuda" and record.version == "0.1.0"
+    assert set(record.ops) == {*ROUTING, "gmm", "gmm_weight_grad"}
+    assert extension.loaded() is None  # listing never builds or loads the extension
+
+
+def test_rocm_torch_is_unavailable(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    assert "ROCm" in plugin.megablocks_unavailable_reason()
+
+
+def test_no_gpu_visible(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plugin.megablocks_unavailable_reason() == "no NVIDIA GPU visible"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert plugin.megablocks_unavailable_reason() is None
+
+
+def test_every_op_is_registered_with_its_variant_and_dtypes():
+    kernels = {(k.op, k.variant): k for k in _kernels()}
+    expected = {(op, "") for op in ROUTING} | {
+        (op, v) for op in ("gmm", "gmm_weight_grad") for v in ("grouped_mm", "grouped_gemm")}
+    assert set(kernels) == expected
+    for op in ROUTING:
+        k = kernels[(op, "")]
+        assert k.devices == ("cuda",) and k.priority == plugin.PRIORITY[op] == 90
+        assert k.dtypes == {} and k.contiguous  # every dtype of the contract
+    for variant in ("grouped_mm", "grouped_gemm"):
+        assert kernels[("gmm", variant)].dtypes == {"a": {torch.bfloat16}, "b": {torch.bfloat16}}
+        assert kernels[("gmm_weight_grad", variant)].dtypes == {"a": {torch.bfloat16},
+                                                                "grad": {torch.bfloat16}}
+        assert all(kernels[(op, variant)].priority == 100 for op in ("gmm", "gmm_weight_grad"))
+
+
+def test_cost_hooks_are_declared_for_the_grouped_gemms():
+    assert all(callable(k.cost) for k in plugin.megablocks_grouped_gemm_kernels())
+    assert all(k.cost is None for k in plugin.megablocks_routing_kernels())
+
+
+def test_the_plugin_module_does_not_build_anything(monkeypatch):
+    def boom():
+        raise AssertionError("the extension was loaded")
+
+    monkeypatch.setattr(extension, "_load", boom)
+    _kernels()
+    plugin.megablocks_unavailable_reason()
+    assert plugin.grouped_mm_capability(H200) is None  # gmm providers never need the extension
+
+
+# ---------------------------------------------------------------- capability per device
+
+
+def test_grouped_mm_only_on_hopper_and_blackwell():
+    assert plugin.grouped_mm_capability(H200) is None
+    assert plugin.grouped_mm_capability(B200) is None
+    assert "8.0" in plugin.grouped_mm_capability(A100)
+    assert "12.0" in plugin.grouped_mm_capability(RTX)
+    assert plugin.grouped_mm_capability(MI300) is not None
+    assert plugin.grouped_mm_capability(CPU) is not None
+
+
+def test_grouped_gemm_only_when_importable(no_grouped_gemm):
+    assert "not installed" in plugin.grouped_gemm_capability(H200)
+
+
+def test_grouped_gemm_when_importable(fake_grouped_gemm):
+    assert plugin.grouped_gemm_capability(H200) is None
+    assert plugin.grouped_gemm_capability(A100) is None
+    assert plugin.grouped_gemm_capability(MI300) is not None
+    old = dataclasses.replace(A100, capability=(7, 0), arch="sm_70")
+    assert "8.0" in plugin.grouped_gemm_capability(old)
+
+
+def test_routing_capability_reports_why_the_extension_is_missing(monkeypatch):
+    monkeypatch.setattr(extension, "_module", None)
+    monkeypatch.setattr(extension, "_problem", "no CUDA toolkit to compile it")
+    reason = plugin.routing_capability(H200)
+    assert reason.startswith("CUDA extension unavailable") and "toolkit" in reason
+    assert plugin.routing_capability(MI300).startswith("needs an NVIDIA")
+
+
+def test_routing_capability_checks_the_build_has_code_for_the_device(monkeypatch):
+    fake = types.SimpleNamespace(has_kernel_image=lambda index: index == 0)
+    monkeypatch.setattr(extension, "_module", fake)
+    assert plugin.routing_capability(H200) is None
+    assert "sm_100" in plugin.routing_capability(B200)  # index 1: no code in this build
+
+
+def test_ranking_per_simulated_device(no_grouped_gemm):
+    registry = _registry()
+    for op, dtypes in (("gmm", BF16_GMM), ("gmm_weight_grad", {"a": torch.bfloat16, "grad": torch.bfloat16})):
+        for device in (H200, B200):
+            trace = rank(registry, op, device, dtypes)
+            assert trace.winner is not None and trace.winner.variant == "grouped_mm", trace.candidates
+        for device in (A100, MI300, CPU):
+            assert rank(registry, op, device, dtypes).winner is None
+    fp16 = rank(registry, "gmm", H200, {"a": torch.float16, "b": torch.float16})
+    assert fp16.winner is None and "bfloat16" in fp16.candidates[0].reason
+
+
+def test_ranking_on_an_a100_with_grouped_gemm(fake_grouped_gemm):
+    trace = rank(_registry(), "gmm", A100, BF16_GMM)
+    assert trace.winner.variant == "grouped_gemm"
+
+
+# ---------------------------------------------------------------- cost hints
+
+
+def test_efficiency_points_are_measured_per_arch():
+    for provider in ("grouped_mm", "grouped_gemm"):
+        assert set(tuning.EFFICIENCY[provider]) == {"sm_90"}  # only the H200 was measured
+        for rows, k, n, fraction in tuning.EFFICIENCY[provider]["sm_90"]:
+            assert min(rows, k, n) > 0 and 0 < fraction <= 1
+
+
+def _measured(provider, rows_per_expert, k, n):
+    return {p[:3]: p[3] for p in tuning.EFFICIENCY[provider]["sm_90"]}[(rows_per_expert, k, n)]
+
+
+def _call(rows_per_expert, k, n, experts, sizes_on="cuda"):
+    return {"a": TensorMeta((rows_per_expert * experts, k), torch.bfloat16, "cuda"),
+            "b": TensorMeta((experts, k, n), torch.bfloat16, "cuda"),
+            "batch_sizes": TensorMeta((experts,), torch.int32, sizes_on), "trans_b": False}
+
+
+def _dense_us(rows_per_expert, k, n, experts):
+    return 2.0 * rows_per_expert * experts * k * n / (costs.DENSE_TFLOPS["sm_90"] * 1e6)
+
+
+def test_costs_follow_the_measured_efficiency():
+    mm, gg = plugin.cost_of("grouped_mm"), plugin.cost_of("grouped_gemm", host_counts_only=True)
+    small = (1024, 2048, 768, 128)  # qwen3-like: one of the measured points
+    eff_mm, eff_gg = _measured("grouped_mm", *small[:3]), _measured("grouped_gemm", *small[:3])
+    assert mm(H200, _call(*small)) == pytest.approx(_dense_us(*small) / eff_mm)
+    assert gg(H200, _call(*small, sizes_on="cpu")) == pytest.approx(_dense_us(*small) / eff_gg)
+    # device-side counts: grouped_gemm would sync the host, so it offers no estimate
+    assert gg(H200, _call(*small)) is None
+    big = (4096, 4096, 14336, 8)  # mixtral-like: grouped_gemm measured faster than grouped_mm
+    assert gg(H200, _call(*big, sizes_on="cpu")) < mm(H200, _call(*big))
+    assert mm(H200, _call(*small)) < mm(H200, _call(*big))
+    # never measured there, or not NVIDIA: no estimate, priorities decide
+    assert mm(B200, _call(*big)) is None and gg(A100, _call(*big, sizes_on="cpu")) is None
+    assert mm(MI300, _call(*big)) is None and mm(CPU, _call(*big)) is None
+
+
+def test_cost_picks_the_provider_per_shape_on_an_h200(fake_grouped_gemm):
+    trace = rank(_registry(), "gmm", H200, BF16_GMM)
+    assert {k.variant for k in trace.cost_tier} == {"grouped_mm", "grouped_gemm"}
+    assert by_cost(trace, _call(1024, 2048, 768, 128, "cpu"))[0].variant == "grouped_mm"
+    assert by_cost(trace, _call(4096, 4096, 14336, 8, "cpu"))[0].variant == "grouped_gemm"
+    # Device-side counts: never the provider that would copy them to the host.
+    assert by_cost(trace, _call(4096, 4096, 14336, 8))[0].variant == "grouped_mm"
+
+
+# ---------------------------------------------------------------- grouped_mm kernels on the CPU
+
+
+def loop_gmm(a, b, sizes, trans_b):
+    out = torch.zeros(a.shape[0], b.shape[1] if trans_b else b.shape[2], dtype=torch.float64)
+    start = 0
+    for e, s in enumerate(sizes.tolist()):
+        w = b[e].double().t() if trans_b else b[e].double()
+        out[start:start + s] = a[start:start + s].double() @ w
+        start += s
+    return out
+
+
+def loop_weight_grad(a, grad, sizes):
+    out = torch.zeros(sizes.shape[0], a.shape[1], grad.shape[1], dtype=torch.float64)
+    start = 0
+    for e, s in enumerate(sizes.tolist()):
+        out[e] = a[start:start + s].double().t() @ grad[start:start + s].double()
+        start += s
+    return out
+
+
+def _problem(m, k, n, sizes, dtype, trans_b=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor(sizes, dtype=torch.int64)
+    assert int(sizes.sum()) == m
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(len(sizes), *((n, k) if trans_b else (k, n)), generator=g).to(dtype)
+    grad = torch.randn(m, n, generator=g).to(dtype)
+    return a, b, grad, sizes
+
+
+SHAPES = [  # (m, k, n, sizes): aligned, unaligned K and N, empty experts, one expert
+    (48, 16, 24, [10, 0, 30, 8]),
+    (37, 13, 5, [0, 20, 17]),
+    (64, 40, 8, [64]),
+    (20, 8, 16, [0, 0, 20, 0]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("m,k,n,sizes", SHAPES)
+def test_grouped_mm_gmm_on_cpu(dtype, trans_b, m, k, n, sizes):
+    a, b, _, sizes_t = _problem(m, k, n, sizes, dtype, trans_b, seed=m + k)
+    for batch_sizes in (sizes_t, sizes_t.to(torch.int32)):
+        out = gmm.grouped_mm_gmm(a, b, batch_sizes, trans_b)
+        assert out.dtype == dtype and out.shape == (m, n) and out.is_contiguous()
+        tol = {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+        torch.testing.assert_close(out.double(), loop_gmm(a, b, sizes_t, trans_b), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,k,n,sizes", SHAPES)
+def test_grouped_mm_weight_grad_on_cpu(dtype, m, k, n, sizes):
+    a, _, grad, sizes_t = _problem(m, k, n, sizes, dtype, seed=m * k)
+    out = gmm.grouped_mm_gmm_weight_grad(a, grad, sizes_t)
+    assert out.dtype == dtype and out.shape == (len(sizes), k, n)
+    tol = {"rtol": 2e-2, "atol": 1e-1} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(out.double(), loop_weight_grad(a, grad, sizes_t), **tol)
+    for e, s in enumerate(sizes):
+        if s == 0:
+            assert torch.equal(out[e], torch.zeros_like(out[e]))  # exact zeros, not just close
+
+
+def test_weight_grad_ignores_rows_past_the_groups():
+    a, _, grad, sizes = _problem(40, 16, 8, [10, 0, 30], torch.float32)
+    want = gmm.grouped_mm_gmm_weight_grad(a, grad, sizes)
+    # Extra garbage rows after sum(batch_sizes) (a worst-case-sized buffer) must change nothing.
+    junk_a = torch.cat([a, torch.full((7, 16), 1e6)])
+    junk_g = torch.cat([grad, torch.full((7, 8), float("nan"))])
+    assert torch.equal(gmm.grouped_mm_gmm_weight_grad(junk_a, junk_g, sizes), want)
+
+
+def test_device_side_style_empty_expert_masking():
+    out = torch.ones(3, 2, 2)
+    gmm._zero_empty_experts(out, torch.tensor([4, 0, 1]))
+    assert out[1].eq(0).all() and out[0].eq(1).all() and out[2].eq(1).all()
+
+
+@pytest.mark.parametrize("k,n", [(0, 8), (8, 0)])
+def test_grouped_mm_degenerate_sizes(k, n):
+    a, b, grad, sizes = _problem(6, k, n, [6, 0], torch.float32)
+    assert torch.equal(gmm.grouped_mm_gmm(a, b, sizes, False), torch.zeros(6, n))
+    assert torch.equal(gmm.grouped_mm_gmm_weight_grad(a, grad, sizes), torch.zeros(2, k, n))
+    empty = torch.zeros(0, 8)
+    assert gmm.grouped_mm_gmm(empty, torch.zeros(2, 8, 4), torch.tensor([0, 0]), False).shape == (0, 4)
+
+
+def test_grouped_gemm_provider_passes_host_int64_sizes(fake_grouped_gemm):
+    a, b, grad, sizes = _problem(30, 8, 16, [0, 12, 18], torch.float32)
+    out = gmm.grouped_gemm_gmm(a, b, sizes.to(torch.int32), False)
+    torch.testing.assert_close(out.double(), loop_gmm(a, b, sizes, False))
+    wg = gmm.grouped_gemm_gmm_weight_grad(a, grad, sizes)
+    assert torch.equal(wg[0], torch.zeros_like(wg[0]))
+    assert fake_grouped_gemm == [("cpu", torch.int64, False, False), ("cpu", torch.int64, True, False)]
