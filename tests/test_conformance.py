@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import site
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_plugins import ENV_VARS, permutation
+from venvs import fresh_env
 
 from megablocks_core import contracts, testing, validation
 from megablocks_core.cli import main
@@ -201,22 +201,6 @@ def test_a_broken_plugin_fails_and_an_unknown_one_is_an_error(plugins, capsys):
 # The example plugin: a real wheel in a fresh environment
 
 
-def _fresh_env(tmp_path: Path) -> Path:
-    """A venv that sees this interpreter's packages (torch, the core, the reference backend).
-
-    ``--system-site-packages`` would expose the base interpreter's packages, not this
-    environment's, so a .pth file adds this environment's site directories instead.
-    """
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
-    lines = [f"import site; site.addsitedir({d!r})" for d in site.getsitepackages()]
-    (Path(purelib) / "outer_site.pth").write_text("\n".join(lines) + "\n")
-    return python
-
-
 def test_example_plugin_installed_as_a_wheel_is_listed_ranked_and_conforms(tmp_path):
     source = tmp_path / "src"
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
@@ -224,7 +208,7 @@ def test_example_plugin_installed_as_a_wheel_is_listed_ranked_and_conforms(tmp_p
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
                     "-q", "-w", str(wheels), str(source)], check=True, capture_output=True)
     [wheel] = wheels.glob("megablocks_example_plugin-*.whl")
-    python = _fresh_env(tmp_path)
+    python = fresh_env(tmp_path)
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)],
                    check=True, capture_output=True)
 

@@ -1,0 +1,90 @@
+"""AMD architectures: gfx name → family, and the HIP-only launch options per family.
+
+Pure functions of a :class:`~megablocks_core.DeviceInfo` (no triton, no GPU), so that every
+choice can be tested with simulated devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from megablocks_core.descriptors import DeviceInfo
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the launch choices need to know about one AMD GPU generation."""
+
+    name: str
+    """``"cdna2"``, ``"cdna3"``, ``"cdna4"`` or ``"generic"``."""
+    products: str
+    lds_kib: int
+    """Shared memory (LDS) per CU."""
+    wavefront: int = 64
+    kpack: int = 1
+    """Triton's ``kpack`` for dot kernels; 1 = leave the default (HIPOptions warns for != 1 on
+    gfx950, where kpack is deprecated)."""
+
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({
+    "gfx90a": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=64),
+    # AMD's MI300X Triton tuning guide pairs 16x16 MFMA with kpack=2 for GEMMs.
+    "gfx942": Family("cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=64, kpack=2),
+    "gfx950": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=160),
+})
+
+#: Anything else with a gfx name (RDNA's wave32 parts, older CDNA): no tuning of ours.
+GENERIC = Family("generic", "other AMD GPUs", lds_kib=64)
+
+
+def family(device: DeviceInfo | str | None) -> Family:
+    """The family of a device or gfx name (``"gfx942:sramecc+:xnack-"`` works too)."""
+    arch = device.arch if isinstance(device, DeviceInfo) else device
+    return FAMILIES.get((arch or "").split(":")[0], GENERIC)
+
+
+def unsupported(device: DeviceInfo) -> str | None:
+    """Capability predicate of this backend's kernels: None where we have tuned configurations.
+
+    Other archs are rejected with the reason, so the ranking falls through to the triton
+    backend, whose portable defaults still serve them.
+    """
+    fam = family(device)
+    if fam is GENERIC:
+        known = ", ".join(f"{a} ({f.products.split(' (')[0]})" for a, f in FAMILIES.items())
+        return (f"no ROCm launch configuration for {device.arch or 'an unknown arch'} "
+                f"(tuned: {known}); the triton backend's defaults serve it")
+    if device.warp_size not in (None, fam.wavefront):
+        return f"expects {fam.wavefront}-wide wavefronts on {device.arch}, device reports {device.warp_size}"
+    return None
+
+
+#: Only these keywords may ever be passed to a launch on HIP (a subset of Triton's HIPOptions;
+#: tests check it against the installed triton).
+HIP_LAUNCH_OPTIONS = frozenset({"waves_per_eu", "matrix_instr_nonkdim", "kpack"})
+
+
+def launch_options(device: DeviceInfo, kernel: str) -> dict[str, Any]:
+    """Extra Triton launch keywords for one kernel class on ``device`` (HIP only).
+
+    kernel: ``"routing"``, ``"permutation"``, ``"gmm"`` or ``"gmm_wgrad"``.
+    """
+    fam = family(device)
+    if fam is GENERIC or device.kind != "rocm":  # never an AMD option anywhere else
+        return {}
+    if kernel in ("gmm", "gmm_wgrad"):
+        # 16x16 MFMA: the tiles of gmm.CONFIGS shrink to 64 rows for small experts, where
+        # 32x32 instructions would waste half of each; waves_per_eu=2 = one 8-wave workgroup
+        # per CU, so the compiler may use up to 256 VGPRs for the fp32 accumulator tile.
+        opts: dict[str, Any] = {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
+        if fam.kpack != 1:
+            opts["kpack"] = fam.kpack
+        return opts
+    if kernel == "permutation":
+        # Bandwidth-bound row copies: ask for 4 waves per SIMD (<= 128 VGPRs) to keep more loads
+        # in flight; RocmLaunchConfigs sizes blocks so the fp32 accumulator fits that.
+        return {"waves_per_eu": 4}
+    return {}  # routing: small, latency-bound launches; the compiler's default occupancy

@@ -1,0 +1,354 @@
+"""The ``rocm`` backend, proven with SIMULATED AMD devices (no AMD GPU has run this code).
+
+Devices are :class:`DeviceInfo` records as megablocks_core.devices builds them on ROCm (kind
+"rocm", gfx arch, CU count, wavefront 64); the plugin's availability is simulated by setting
+``torch.version.hip`` and ``torch.cuda.is_available``; kernels run on CPU tensors under
+TRITON_INTERPRET=1 with the device description patched, and every launch is recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from importlib import metadata
+
+import pytest
+import torch
+from fake_plugins import routing_inputs
+from megablocks_reference import kernels as reference
+
+import megablocks_core as mb
+from megablocks_core import DeviceInfo
+from megablocks_core.contracts import BY_NAME
+
+triton = pytest.importorskip("triton")
+from megablocks_rocm import arch, plugin  # noqa: E402
+from megablocks_rocm import kernels as rocm_kernels  # noqa: E402
+from megablocks_rocm.launch import RocmLaunchConfigs  # noqa: E402
+from megablocks_triton import config as tconfig  # noqa: E402
+from megablocks_triton import gmm as tgmm  # noqa: E402
+
+
+def amd(arch_name: str, cus: int, name: str) -> DeviceInfo:
+    return DeviceInfo(kind="rocm", type="cuda", index=0, name=name, arch=arch_name,
+                      runtime="6.4.43482", warp_size=64, multiprocessors=cus)
+
+
+MI250X = amd("gfx90a", 110, "AMD Instinct MI250X")  # one GCD
+MI300X = amd("gfx942", 304, "AMD Instinct MI300X")
+MI355X = amd("gfx950", 256, "AMD Instinct MI355X")
+RX7900 = DeviceInfo(kind="rocm", type="cuda", index=0, name="Radeon RX 7900 XTX", arch="gfx1100",
+                    runtime="6.4.43482", warp_size=32, multiprocessors=48)
+H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90",
+                  capability=(9, 0), runtime="13.0", warp_size=32, multiprocessors=132)
+TUNED = [MI250X, MI300X, MI355X]
+KINDS = tconfig.KERNEL_KINDS
+
+try:
+    from triton.backends.amd.compiler import HIPOptions
+    from triton.backends.nvidia.compiler import CUDAOptions
+except ImportError:  # pragma: no cover - a triton without both backends
+    HIPOptions = CUDAOptions = None
+
+
+def _fields(options_cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(options_cls)}
+
+
+# ---------------------------------------------------------------------------
+# detection: arch -> family
+
+
+@pytest.mark.parametrize(("gfx", "family"), [
+    ("gfx90a", "cdna2"), ("gfx942", "cdna3"), ("gfx950", "cdna4"),
+    ("gfx942:sramecc+:xnack-", "cdna3"), ("gfx1100", "generic"), ("gfx908", "generic"), (None, "generic"),
+])
+def test_arch_family(gfx, family):
+    assert arch.family(gfx).name == family
+
+
+def test_capability_accepts_tuned_archs_only():
+    for dev in TUNED:
+        assert arch.unsupported(dev) is None
+    reason = arch.unsupported(RX7900)
+    assert "gfx1100" in reason and "triton backend" in reason
+    assert "wavefronts" in arch.unsupported(dataclasses.replace(MI300X, warp_size=32))
+
+
+def test_unavailable_with_a_clear_reason_off_rocm(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert "torch.version.hip is None" in plugin.megablocks_unavailable_reason()
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no AMD GPU visible" in plugin.megablocks_unavailable_reason()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert plugin.megablocks_unavailable_reason() is None
+
+
+@pytest.mark.skipif(bool(torch.version.hip), reason="this host runs a ROCm build of torch")
+def test_listed_unavailable_on_this_host(clean_env):
+    record = mb.registry().plugins["rocm"]
+    assert record.status == "unavailable" and "torch.version.hip is None" in record.reason
+    assert record.device_kinds == ("rocm",)
+
+
+# ---------------------------------------------------------------------------
+# ranking on simulated devices
+
+
+CUDA_ONLY = """
+@hookimpl
+def megablocks_permutation_kernels():
+    return [Kernel(op="gather", fn=recording("gather"), devices=("cuda",), priority=10_000)]
+
+
+@hookimpl
+def megablocks_grouped_gemm_kernels():
+    return [Kernel(op="gmm", fn=recording("gmm"), devices=("cuda",), priority=10_000,
+                   variant="grouped_mm")]
+"""
+
+
+@pytest.fixture
+def on_rocm_host(plugins, monkeypatch):
+    """A registry loaded as on a ROCm host: rocm available, a CUDA-only fake plugin, and the
+    megablocks-cuda plugin when it is installed."""
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plugins.add("cudaonly", CUDA_ONLY)
+    names = ["reference", "triton", "rocm", "cudaonly"]
+    if "cuda" in {ep.name for ep in metadata.entry_points(group="megablocks.backends")}:
+        names.append("cuda")
+    registry = plugins.reload({"MEGABLOCKS_PLUGINS": ",".join(names)})
+    assert registry.plugins["rocm"].status == "ok", registry.plugins["rocm"]
+    yield registry
+    monkeypatch.undo()  # before the plugins fixture reloads the normal registry
+
+
+def _triton_ops(registry) -> list[str]:
+    return sorted(registry.plugins["triton"].ops)
+
+
+@pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
+def test_every_triton_op_goes_to_rocm_on_tuned_archs(on_rocm_host, device):
+    ops = _triton_ops(on_rocm_host)
+    assert len(ops) >= 19 and set(ops) == set(on_rocm_host.plugins["rocm"].ops)
+    for op in ops:
+        trace = mb.dispatch.explain(op, device)
+        assert trace.winner is not None and trace.winner.backend == "rocm", (op, trace.why)
+        runner_up = [c for c in trace.candidates if c.accepted and c.kernel.backend == "triton"]
+        assert runner_up, f"triton must still be able to serve {op} on {device.arch}"
+
+
+def test_generic_amd_arch_falls_through_to_triton(on_rocm_host):
+    trace = mb.dispatch.explain("gather", RX7900)
+    assert trace.winner.backend == "triton"
+    [rocm] = [c for c in trace.candidates if c.kernel.backend == "rocm"]
+    assert not rocm.accepted and "no ROCm launch configuration for gfx1100" in rocm.reason
+
+
+def test_triton_alone_still_serves_amd(on_rocm_host):
+    with mb.use_backend("triton"):
+        for op in _triton_ops(on_rocm_host):
+            assert mb.dispatch.explain(op, MI300X).winner.backend == "triton"
+
+
+@pytest.mark.parametrize("device", [*TUNED, RX7900], ids=lambda d: d.arch)
+def test_no_cuda_only_kernel_is_ever_chosen_on_rocm(on_rocm_host, device):
+    ops = sorted(op for op, c in BY_NAME.items() if c.dispatched)
+    for op in ops:
+        trace = mb.dispatch.explain(op, device)
+        assert trace.winner is not None, (op, trace.error)
+        assert trace.winner.serves_kind("rocm"), (op, trace.winner)
+        assert trace.winner.backend not in ("cuda", "cudaonly"), (op, trace.winner)
+    # The fake's kernels outrank everything, but are rejected for their device kind.
+    for op in ("gather", "gmm"):
+        [fake] = [c for c in mb.dispatch.explain(op, device).candidates if c.kernel.backend == "cudaonly"]
+        assert not fake.accepted and fake.reason == "serves cuda, not rocm"
+
+
+def test_rocm_never_serves_nvidia(on_rocm_host):
+    trace = mb.dispatch.explain("gather", H200)
+    assert trace.winner.backend == "cudaonly"
+    [rocm] = [c for c in trace.candidates if c.kernel.backend == "rocm"]
+    assert not rocm.accepted and rocm.reason == "serves rocm, not cuda"
+
+
+# ---------------------------------------------------------------------------
+# launch configurations per arch
+
+
+def test_launch_options_per_arch_and_kernel():
+    dot = {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
+    assert RocmLaunchConfigs(MI300X).launch_options("gmm") == {**dot, "kpack": 2}
+    assert RocmLaunchConfigs(MI355X).launch_options("gmm") == dot  # kpack is deprecated on gfx950
+    assert RocmLaunchConfigs(MI250X).launch_options("gmm_wgrad") == dot
+    for dev in TUNED:
+        assert RocmLaunchConfigs(dev).launch_options("permutation") == {"waves_per_eu": 4}
+        assert RocmLaunchConfigs(dev).launch_options("routing") == {}
+    # Nothing AMD-specific for RDNA or any NVIDIA device; the default policy passes nothing.
+    for kind in KINDS:
+        assert arch.launch_options(RX7900, kind) == {}
+        assert arch.launch_options(H200, kind) == {}
+        assert tconfig.LaunchConfigs().launch_options(kind) == {}
+
+
+def test_permutation_and_routing_shapes_per_arch():
+    # Mixtral-like training step: 8192 tokens, hidden 4096, bf16.
+    for dev in TUNED:
+        cfg = RocmLaunchConfigs(dev).permutation(8192, 4096, 2, 2)
+        assert (cfg.block_h, cfg.split_h, cfg.num_warps) == (4096, 1, 2)
+    # Decode (16 tokens): rows split until >= 4 programs per CU exist.
+    mi300 = RocmLaunchConfigs(MI300X).permutation(16, 4096, 2, 2)
+    mi250 = RocmLaunchConfigs(MI250X).permutation(16, 4096, 2, 2)
+    assert (mi300.block_h, mi300.split_h) == (512, 8)
+    assert 16 * mi250.split_h >= 4 * 110 or mi250.block_h == 512
+    # Each lane of a 64-wide wavefront holds <= 32 fp32 accumulator elements (waves_per_eu=4).
+    for tokens in (1, 16, 1024, 65536):
+        for hidden in (1, 128, 4096, 7168, 16384):
+            for size in (2, 4):
+                cfg = RocmLaunchConfigs(MI300X).permutation(tokens, hidden, 8, size)
+                assert cfg.block_h <= 32 * 64 * cfg.num_warps and cfg.num_warps <= 8
+                w = RocmLaunchConfigs(MI300X).wgrad(tokens, hidden, 8, size)
+                assert 8 * w.block_h <= 16 * 64 * w.num_warps
+    # Routing: about one tile per CU (power of two at most the CU count).
+    assert RocmLaunchConfigs(MI300X).routing(1 << 17, 8).tile == 512  # 256 tiles
+    assert RocmLaunchConfigs(MI250X).routing(1 << 17, 8).tile == 2048  # 64 tiles
+    assert tconfig.LaunchConfigs().routing(1 << 17, 8).tile == 1024  # the NVIDIA default: 128
+
+
+@pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
+def test_gmm_tiles_come_from_the_cdna_entries(device, monkeypatch):
+    monkeypatch.setattr(tgmm, "describe", lambda _dev: device)
+    tgmm._device_info_cached.cache_clear()
+    try:
+        info = tgmm.device_info(torch.device("cuda", 0))
+    finally:
+        monkeypatch.undo()
+        tgmm._device_info_cached.cache_clear()
+    assert info.family == {"gfx90a": "amd", "gfx942": "cdna3", "gfx950": "cdna3"}[device.arch]
+    assert info.num_sms == device.multiprocessors
+    for op in ("gmm", "wgrad"):
+        cfg = tgmm.choose_config(op, 8192, 4096, 4096, 8, torch.bfloat16, info)
+        assert cfg == tgmm.choose_config(op, 8192, 4096, 4096, 8, torch.bfloat16,
+                                         dataclasses.replace(info, arch="x"))  # by family only
+        assert not cfg.use_tma and cfg.num_warps * 64 <= 1024  # AMD's workgroup limit
+
+
+# ---------------------------------------------------------------------------
+# the options are valid for Triton's HIP backend, and never cross vendors
+
+
+@pytest.mark.skipif(HIPOptions is None, reason="triton without the AMD and NVIDIA backends")
+@pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
+def test_options_are_hip_options_and_never_nvidia_ones(device):
+    hip, cuda = _fields(HIPOptions), _fields(CUDAOptions)
+    assert hip >= arch.HIP_LAUNCH_OPTIONS
+    assert not arch.HIP_LAUNCH_OPTIONS & cuda  # each would raise KeyError at a CUDA launch
+    cfgs = RocmLaunchConfigs(device)
+    for kind in KINDS:
+        opts = dict(cfgs.launch_options(kind))
+        assert set(opts) <= arch.HIP_LAUNCH_OPTIONS
+        assert not {"maxnreg", "num_ctas", "launch_pdl", "ptx_options", "enable_reflect_ftz"} & set(opts)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. kpack != 1 on gfx950 warns
+            built = HIPOptions(arch=device.arch, num_warps=8, **opts)
+        for key, value in opts.items():
+            assert getattr(built, key) == value
+        assert built.num_ctas == 1
+
+
+@pytest.mark.skipif(HIPOptions is None, reason="triton without the AMD and NVIDIA backends")
+def test_default_policy_passes_nothing_to_cuda():
+    for kind in KINDS:
+        assert set(tconfig.LaunchConfigs().launch_options(kind)) <= _fields(CUDAOptions) - _fields(HIPOptions)
+
+
+# ---------------------------------------------------------------------------
+# the policy reaches the launches (interpreter, device description simulated)
+
+interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                               reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: list[tuple[str, dict]] = []
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        seen.append((self.fn.__name__, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording)
+    return seen
+
+
+def _rocm_fn(hook, op):
+    [k] = [k for k in hook() if k.op == op]
+    return k.fn
+
+
+@interpret
+@pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
+def test_rocm_kernels_launch_with_the_arch_policy(device, monkeypatch, launches):
+    monkeypatch.setattr(rocm_kernels, "describe", lambda _dev: device)
+    rocm_kernels.clear_cache()
+    try:
+        x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)
+        gather = _rocm_fn(plugin.megablocks_permutation_kernels, "gather")
+        out = gather(x, indices, bin_ids, None, bins, 2)
+        torch.testing.assert_close(out, reference.gather(x, indices, bin_ids, None, bins, 2))
+        want = RocmLaunchConfigs(device).permutation(8, 32, 2, 4)
+        assert launches and all(kw.get("waves_per_eu") == 4 for _, kw in launches), launches
+        [(_, main)] = [(n, kw) for n, kw in launches if n == "_gather_kernel"]
+        assert main["num_warps"] == want.num_warps and main["BLOCK_H"] == want.block_h
+
+        launches.clear()
+        a = torch.randn(12, 16)
+        b = torch.randn(3, 16, 24)
+        sizes = torch.tensor([5, 0, 7])
+        gmm = _rocm_fn(plugin.megablocks_grouped_gemm_kernels, "gmm")
+        torch.testing.assert_close(gmm(a, b, sizes, False), reference.gmm(a, b, sizes, False))
+        [(_, kw)] = launches
+        assert {k: kw[k] for k in ("matrix_instr_nonkdim", "waves_per_eu")} == \
+            {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
+        assert kw.get("kpack", 1) == arch.family(device).kpack
+
+        launches.clear()
+        sort = _rocm_fn(plugin.megablocks_routing_kernels, "sort")
+        keys = torch.randint(0, 8, (64,), dtype=torch.int32)
+        torch.testing.assert_close(sort(keys, 3), reference.sort(keys, 3))
+        assert launches and not any(set(kw) & arch.HIP_LAUNCH_OPTIONS for _, kw in launches)
+    finally:
+        rocm_kernels.clear_cache()
+    # The policy is scoped to the call.
+    assert type(tconfig.launch_configs()) is tconfig.LaunchConfigs
+
+
+@interpret
+def test_triton_kernels_alone_pass_no_hip_options(launches):
+    from megablocks_triton import permutation as tperm
+
+    x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)
+    tperm.gather(x, indices, bin_ids, None, bins, 2)
+    tgmm.gmm(torch.randn(12, 16), torch.randn(3, 16, 24), torch.tensor([5, 0, 7]))
+    assert launches
+    for _, kw in launches:
+        assert not set(kw) & arch.HIP_LAUNCH_OPTIONS, kw
+
+
+def test_scoped_policy_is_restored_and_nests():
+    class Marked(tconfig.LaunchConfigs):
+        pass
+
+    outer, inner = Marked(), RocmLaunchConfigs(MI300X)
+    with tconfig.use_launch_configs(outer):
+        assert tconfig.launch_configs() is outer
+        with tconfig.use_launch_configs(inner):
+            assert tconfig.launch_configs() is inner
+        assert tconfig.launch_configs() is outer
+    assert type(tconfig.launch_configs()) is tconfig.LaunchConfigs
