@@ -37,7 +37,7 @@ all-to-all split sizes (:func:`megablocks_core.parallel.expert_parallel_apply`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,27 @@ if TYPE_CHECKING:
 def gelu_tanh(x: Tensor) -> Tensor:
     """GELU with the tanh approximation: MegaBlocks' default ``activation_fn`` (layers/arguments.py)."""
     return F.gelu(x, approximate="tanh")
+
+
+class _WideLogits(torch.autograd.Function):
+    """``x @ router.T`` computed in at least float32, saving x in its own dtype for backward.
+
+    ``F.linear(x.float(), router.float())`` would keep a float32 copy of every token for backward
+    (256 MiB for 16K tokens of width 4096 in bf16); the casts are redone in backward instead.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, router: Tensor) -> Tensor:
+        ctx.save_for_backward(x, router)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return F.linear(x.to(acc), router.to(acc))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, router = ctx.saved_tensors
+        grad_x = (grad @ router.to(grad.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_router = (grad.t() @ x.to(grad.dtype)).to(router.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_router
 
 
 def load_balancing_loss(tokens_per_expert: Tensor, probs: Tensor, top_k: int, coefficient: float) -> Tensor:
@@ -164,8 +185,7 @@ class DroplessMoE(torch.nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: (probs (T, E), top-k weights (T, K) in x's dtype, top-k expert ids (T, K) int32)."""
-        acc = torch.promote_types(x.dtype, torch.float32)
-        probs = F.linear(x.to(acc), self.router.to(acc)).softmax(dim=-1)
+        probs = _WideLogits.apply(x, self.router).softmax(dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_expert_weights is not None:
             weights = weights / weights.norm(p=self.normalize_expert_weights, dim=-1, keepdim=True)
