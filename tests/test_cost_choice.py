@@ -38,11 +38,21 @@ def persistent_cost(device, call):
 
 def broken_cost(device, call):
     raise RuntimeError("bug in a cost hint")
+
+
+def even_k(device, call):
+    k = call["a"].shape[1]
+    return None if k % 2 == 0 else f"needs an even K, got {k}"
+
+
+def broken_check(device, call):
+    raise ValueError("bug in a shape check")
 '''
 
 
-def gmm_backend(plugins, name, cost, priority=50):
-    kernel = f"Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), priority={priority}, cost={cost})"
+def gmm_backend(plugins, name, cost, priority=50, supports=None):
+    kernel = (f"Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), priority={priority}, "
+              f"cost={cost}, supports={supports})")
     return plugins.add(name, kernels_body("megablocks_grouped_gemm_kernels", f"[{kernel}]", COST_HINTS))
 
 
@@ -108,6 +118,47 @@ def test_raising_hint_counts_as_no_estimate(plugins):
     kernel, why = dispatch.explain_call(trace, call)
     assert kernel is not None and kernel.backend == "zzz"
     assert "16.0" in why
+
+
+def test_shape_predicate_sends_other_shapes_to_the_next_kernel(plugins):
+    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    plugins.reload()
+    run_gmm(tokens=8, experts=2, k=8)
+    run_gmm(tokens=8, experts=2, k=7)  # rejected by its shape check: the reference serves it
+    assert plugins.calls("even") == ["gmm"]
+    assert dispatch.served()["gmm"] == ["even", "reference"]
+    trace = dispatch.explain("gmm", CPU)
+    assert trace.per_call and trace.winner.backend == "even"
+
+
+def test_forced_backend_that_declines_the_shape_raises_with_its_reason(plugins):
+    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    plugins.reload()
+    with mb.use_backend("even"):
+        run_gmm(tokens=8, experts=2, k=8)
+        with pytest.raises(mb.NoKernelError, match=r"forced.*needs an even K, got 7"):
+            run_gmm(tokens=8, experts=2, k=7)
+
+
+def test_shape_predicate_and_cost_together(plugins):
+    gmm_backend(plugins, "loop", "loop_cost", supports="even_k")
+    gmm_backend(plugins, "persistent", "persistent_cost")
+    plugins.reload()
+    run_gmm(tokens=400, experts=2, k=8)  # both can take it: loop is cheaper
+    run_gmm(tokens=400, experts=2, k=7)  # loop declines: persistent, although dearer
+    assert plugins.calls("loop") == ["gmm"] and plugins.calls("persistent") == ["gmm"]
+
+
+def test_raising_shape_check_rejects_only_its_kernel(plugins):
+    gmm_backend(plugins, "buggy", None, priority=60, supports="broken_check")
+    plugins.reload()
+    run_gmm(tokens=8, experts=2)
+    assert plugins.calls("buggy") == []
+    call = {"a": TensorMeta((8, 8), torch.float32, "cpu"), "b": TensorMeta((2, 8, 4), torch.float32, "cpu")}
+    with mb.use_backend("buggy"):
+        trace = dispatch.explain("gmm", CPU)
+    kernel, why = dispatch.explain_call(trace, call)
+    assert kernel is None and "shape check raised ValueError: bug in a shape check" in why
 
 
 def test_explain_call_reports_estimates(two_gmms):
@@ -181,3 +232,25 @@ def test_cli_explain_shows_the_per_shape_choice(two_gmms, capsys):
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
             if line.split() and line.split()[0] in ("mixtral", "qwen3", "dsv3")}
     assert rows["qwen3"][-3:] == ["1280.0", str(2.0 * 16384 * 8), "loop"]
+
+
+def test_kit_counts_declined_shapes_as_declined_not_failed(plugins):
+    from megablocks_core import testing
+
+    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    plugins.reload()
+    [result] = [r for r in testing.check(["even"], device="cpu") if r.op == "gmm"]
+    assert result.status == "pass", result.message
+    assert result.scenarios > 0 and result.declined > 0  # the kit has odd and even K
+
+
+def test_cli_explain_shows_a_declined_shape(plugins, capsys):
+    from megablocks_core import cli
+
+    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    plugins.reload()
+    assert cli.main(["backends", "explain", "gmm", "--shape", "a=8x7", "--shape", "b=2x7x4"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("a=8x7 b=2x7x4: reference") and "even declined: needs an even K, got 7" in line
+    assert cli.main(["backends", "explain", "gmm", "--shape", "a=8x8", "--shape", "b=2x8x4"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("a=8x8 b=2x8x4: even")

@@ -18,7 +18,7 @@ from megablocks_cuda import extension, gmm, plugin, tuning
 import megablocks_core
 from megablocks_core import DeviceInfo, costs
 from megablocks_core.descriptors import TensorMeta
-from megablocks_core.ranking import by_cost, rank
+from megablocks_core.ranking import for_call, rank
 from megablocks_core.registry import PluginRecord, Registry
 
 A100 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA A100", arch="sm_80", capability=(8, 0))
@@ -235,10 +235,24 @@ def test_costs_follow_the_measured_efficiency():
 def test_cost_picks_the_provider_per_shape_on_an_h200(fake_grouped_gemm):
     trace = rank(_registry(), "gmm", H200, BF16_GMM)
     assert {k.variant for k in trace.cost_tier} == {"grouped_mm", "grouped_gemm"}
-    assert by_cost(trace, _call(1024, 2048, 768, 128, "cpu"))[0].variant == "grouped_mm"
-    assert by_cost(trace, _call(4096, 4096, 14336, 8, "cpu"))[0].variant == "grouped_gemm"
+    assert for_call(trace, _call(1024, 2048, 768, 128, "cpu"))[0].variant == "grouped_mm"
+    assert for_call(trace, _call(4096, 4096, 14336, 8, "cpu"))[0].variant == "grouped_gemm"
     # Device-side counts: never the provider that would copy them to the host.
-    assert by_cost(trace, _call(4096, 4096, 14336, 8))[0].variant == "grouped_mm"
+    assert for_call(trace, _call(4096, 4096, 14336, 8))[0].variant == "grouped_mm"
+
+
+@pytest.mark.parametrize("k,n,accepted", [(4096, 768, True), (100, 768, False), (4096, 36, False),
+                                          (8, 8, True), (12, 8, False)])
+def test_grouped_mm_declines_shapes_without_16_byte_rows(no_grouped_gemm, k, n, accepted):
+    # (k, n) in bf16: rows of a, b and the output are 16-byte aligned only for multiples of 8.
+    call = _call(64, k, n, 4)
+    reason = plugin.grouped_mm_supports(H200, call)
+    assert (reason is None) == accepted
+    winner, why, error = for_call(rank(_registry(), "gmm", H200, BF16_GMM), call)
+    if accepted:
+        assert winner is not None and winner.variant == "grouped_mm"
+    else:  # the cuda backend alone here: nothing else can take it, and the error says why
+        assert winner is None and "16-byte rows" in error and (f"K = {k}" in error or f"N = {n}" in error)
 
 
 # ---------------------------------------------------------------- grouped_mm kernels on the CPU

@@ -106,6 +106,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"\nwinner: {trace.winner.label} ({trace.why})")
         if trace.cost_tier:
             _print_cost_choices(trace, _explain_calls(args.op, trace, args.shape))
+        elif trace.per_call:  # shape predicates only
+            for label, call in _explain_calls(args.op, trace, args.shape).items():
+                kernel, why = dispatch.explain_call(trace, call)
+                print(f"{label}: {kernel.label if kernel else 'no kernel'} ({why})")
         if trace.fallback:
             print("note: this is the portable fallback; no kernel specific to this device can serve it")
         return 0

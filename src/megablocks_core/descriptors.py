@@ -83,6 +83,10 @@ CallInfo = Mapping[str, Any]
 #: A cost hint: the estimated run time of one call in microseconds, or None for "no estimate".
 CostEstimate = Callable[[DeviceInfo, CallInfo], "float | None"]
 
+#: A shape predicate: None when the kernel can take a call with these shapes, else the reason
+#: ("K = 20 is not a multiple of 8 (16-byte rows)").
+ShapeCheck = Callable[[DeviceInfo, CallInfo], "str | None"]
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -111,6 +115,10 @@ class Kernel:
     """Device-level predicate (arch range, library present); None means always."""
     dtypes: Mapping[str, frozenset[torch.dtype] | set[torch.dtype]] = field(default_factory=dict)
     """Per-argument dtype restriction, narrower than the contract's; absent means any allowed."""
+    supports: ShapeCheck | None = None
+    """Per-call predicate on the shapes/strides-free description of a call (alignment, layout
+    limits): a call it rejects goes to the next kernel in the ranking. Runs once per new call
+    shape, never per call. None: every shape the contract allows."""
     cost: CostEstimate | None = None
     """Shape-aware speed estimate (µs) for ops whose fastest kernel depends on the shapes (gmm).
     Among the eligible kernels of the highest priority, the lowest estimate wins per call shape;

@@ -37,7 +37,7 @@ from .contract import OpContract
 from .contracts import ALL, BY_NAME
 from .descriptors import CallInfo, DeviceInfo, Kernel, TensorMeta
 from .devices import describe
-from .ranking import DEFAULT_POLICY, Policy, Trace, by_cost, choose, rank
+from .ranking import DEFAULT_POLICY, NoKernelError, Policy, Trace, choose, for_call, rank
 from .registry import Registry, load
 
 log = logging.getLogger("megablocks_core")
@@ -204,8 +204,10 @@ def _resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
                         "portable %r kernel (see `megablocks backends explain %s`)", device.kind,
                         contract.name, trace.winner.label, contract.name)
         selected = ranked[signature] = Selected(trace.winner, _runner(trace.winner), trace)
-    if selected.trace.cost_tier:  # the fastest kernel depends on the shapes: ask the cost hints
-        kernel, why = by_cost(selected.trace, describe_call(contract, args))
+    if selected.trace.per_call or selected.trace.cost_tier:  # the shapes decide (ranking step 4)
+        kernel, why, error = for_call(selected.trace, describe_call(contract, args))
+        if kernel is None:
+            raise NoKernelError(f"megablocks_core: {error}")
         selected = Selected(kernel, _runner(kernel), selected.trace, why)
     _served.setdefault(contract.name, set()).add(selected.kernel.label)
     if key is not None:
@@ -231,8 +233,10 @@ def explain(op: str, device: DeviceInfo | torch.device | str = "cpu",
 
 
 def explain_call(trace: Trace, call: CallInfo) -> tuple[Kernel | None, str]:
-    """The kernel a call with these arguments (see :func:`describe_call`) would get, and why."""
-    return by_cost(trace, call) if trace.winner is not None else (None, trace.error or "")
+    """The kernel a call with these arguments (see :func:`describe_call`) would get, and why (or
+    why none can serve it)."""
+    kernel, why, error = for_call(trace, call)
+    return kernel, why if kernel is not None else (error or "")
 
 
 # ---------------------------------------------------------------------------

@@ -9,10 +9,12 @@
    first backend of a preference list that can serve wins; otherwise the
    highest priority, then kernels naming the device kind before portable ones,
    then backend name (so the choice is deterministic).
-4. Per call shape: when two or more eligible kernels of that highest priority
-   declare a ``cost`` hint, the one with the lowest estimate for the call's
-   shapes wins (kernels without an estimate rank after those with one). That
-   is how ``gmm`` picks between, say, a persistent Triton kernel and
+4. Per call shape: a kernel whose shape predicate (``supports``: alignment,
+   layout) rejects the call's shapes drops out, and steps 3-4 run again on the
+   rest; when two or more eligible kernels of the highest priority declare a
+   ``cost`` hint, the one with the lowest estimate for the call's shapes wins
+   (kernels without an estimate rank after those with one). That is how
+   ``gmm`` picks between, say, a persistent Triton kernel and
    ``torch._grouped_mm`` per shape (:mod:`megablocks_core.costs`).
 
 The dispatcher caches steps 1-3 per (op, device, dtype signature, policy) and
@@ -22,7 +24,7 @@ step 4 per call shape, so this module runs once per new signature, not per call.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -105,6 +107,9 @@ class Trace:
     cost_tier: tuple[Kernel, ...] = ()
     """Eligible kernels of the winner's priority that declare cost hints, when there are two or
     more and no forced/preferred backend decided: the choice then depends on the call's shapes."""
+    per_call: bool = False
+    """Some eligible kernel has a shape predicate (``Kernel.supports``): each new call shape is
+    checked against it (:func:`for_call`)."""
 
     @property
     def fallback(self) -> bool:
@@ -144,7 +149,11 @@ def _order(k: Kernel) -> tuple[int, int, str, str]:
 
 def rank(registry: Registry, op: str, device: DeviceInfo,
          dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy = DEFAULT_POLICY) -> Trace:
-    """Rank every candidate for ``op`` on ``device``; never raises (see :func:`choose`)."""
+    """Rank every candidate for ``op`` on ``device``; never raises (see :func:`choose`).
+
+    Steps 1-3 of the rule; when shapes can still change the choice (step 4: shape predicates or
+    cost hints), the trace says so (``per_call``) and :func:`for_call` finishes the job per call.
+    """
     dtypes = dtypes or {}
     judged = []
     for record, k in registry.kernels_for(op):
@@ -152,69 +161,104 @@ def rank(registry: Registry, op: str, device: DeviceInfo,
         judged.append(Candidate(k, reason is None, reason or "can serve"))
     judged.sort(key=lambda c: _order(c.kernel))
     eligible = [c.kernel for c in judged if c.accepted]
+    reasons = {id(c.kernel): c.reason for c in judged}
+    winner, why, error, tier = _select(op, device, dtypes, policy, set(registry.plugins),
+                                       [c.kernel for c in judged], eligible, reasons, None)
+    marked = tuple(Candidate(c.kernel, c.accepted, "chosen: " + why if c.kernel is winner else c.reason)
+                   for c in judged)
+    return Trace(op, device, dtypes, policy, marked, winner, why, error, cost_tier=tier,
+                 per_call=any(k.supports is not None for k in eligible))
 
-    def result(winner: Kernel | None, why: str, error: str | None = None) -> Trace:
-        marked = tuple(Candidate(c.kernel, c.accepted, "chosen: " + why if c.kernel is winner else c.reason)
-                       for c in judged)
-        return Trace(op, device, dtypes, policy, marked, winner, why, error)
 
-    known = set(registry.plugins)
+def _select(op: str, device: DeviceInfo, dtypes: Mapping[str, torch.dtype], policy: Policy,
+            known: set[str], candidates: list[Kernel], eligible: list[Kernel],
+            reasons: Mapping[int, str], call: CallInfo | None,
+            ) -> tuple[Kernel | None, str, str | None, tuple[Kernel, ...]]:
+    """Steps 3-4 over ``eligible`` (ranked order): (winner, why, error, cost tier)."""
+    what = "this call" if call is not None else _dtype_text(dtypes)
     forced = policy.forced_for(op)
     if forced is not None:  # a backend name, or "backend/variant" for one of its kernels
         if forced.partition("/")[0] not in known:
-            return result(None, "", f"backend {forced!r} was forced for {op!r} on {device} by {policy.source} "
-                                    f"but is not installed (installed: {', '.join(sorted(known)) or 'none'})")
+            return None, "", (f"backend {forced!r} was forced for {op!r} on {device} by {policy.source} "
+                              f"but is not installed (installed: {', '.join(sorted(known)) or 'none'})"), ()
         for k in eligible:
             if forced in (k.backend, k.label):
-                return result(k, f"forced by {policy.source}")
-        reasons = "; ".join(c.reason for c in judged if forced in (c.kernel.backend, c.kernel.label))
-        return result(None, "", f"backend {forced!r} was forced for {op!r} by {policy.source} "
-                                f"but cannot serve {device} with {_dtype_text(dtypes)}: "
-                                f"{reasons or 'provides no such op'}")
+                return k, f"forced by {policy.source}", None, ()
+        why_not = "; ".join(reasons[id(k)] for k in candidates if forced in (k.backend, k.label))
+        return None, "", (f"backend {forced!r} was forced for {op!r} by {policy.source} but cannot serve "
+                          f"{device} with {what}: {why_not or 'provides no such op'}"), ()
     for name in policy.prefer:
         for k in eligible:
             if name in (k.backend, k.label):
-                return result(k, f"preferred by {policy.source}")
-    if eligible:
-        k = eligible[0]
-        tier = tuple(c for c in eligible if c.priority == k.priority and c.cost is not None)
-        if len(tier) >= 2:
-            how = f"highest priority; per call shape, lowest cost hint of {', '.join(c.label for c in tier)}"
-            return replace(result(k, how), cost_tier=tier)
-        how = "highest priority" + (" (portable fallback)" if _is_fallback(k, device) else "")
-        return result(k, how)
-    reasons = "; ".join(f"{c.kernel.label}: {c.reason}" for c in judged) or "no backend provides it"
-    return result(None, "", f"no implementation of {op!r} can serve {device} with "
-                            f"{_dtype_text(dtypes)}: {reasons}")
+                return k, f"preferred by {policy.source}", None, ()
+    if not eligible:
+        why_not = "; ".join(f"{k.label}: {reasons[id(k)]}" for k in candidates) or "no backend provides it"
+        return None, "", f"no implementation of {op!r} can serve {device} with {what}: {why_not}", ()
+    top = eligible[0]
+    tier = tuple(k for k in eligible if k.priority == top.priority and k.cost is not None)
+    if len(tier) < 2:
+        return top, "highest priority" + (" (portable fallback)" if _is_fallback(top, device) else ""), None, ()
+    if call is None:  # no shapes yet: the priority order's pick, refined per call
+        labels = ", ".join(k.label for k in tier)
+        return top, f"highest priority; per call shape, lowest cost hint of {labels}", None, tier
+    scored = [(value, i, k) for i, (k, value) in enumerate(_estimates(tier, device, call)) if value is not None]
+    if not scored:
+        return top, "highest priority (no cost hint had an estimate for this shape)", None, tier
+    value, _, best = min(scored, key=lambda t: (t[0], t[1]))
+    others = ", ".join(f"{k.label} {v:.1f}" for v, _, k in scored if k is not best)
+    return best, f"lowest cost hint for this shape: {value:.1f} µs" + (f" (vs {others})" if others else ""), None, tier
 
 
 def _dtype_text(dtypes: Mapping[str, torch.dtype]) -> str:
     return ", ".join(f"{a}={str(d).removeprefix('torch.')}" for a, d in dtypes.items()) or "any dtypes"
 
 
-def estimates(trace: Trace, call: CallInfo) -> list[tuple[Kernel, float | None]]:
-    """Each cost-tier kernel's estimate (µs) for one call; a raising hint counts as no estimate."""
+def _estimates(kernels: tuple[Kernel, ...], device: DeviceInfo,
+               call: CallInfo) -> list[tuple[Kernel, float | None]]:
     out: list[tuple[Kernel, float | None]] = []
-    for k in trace.cost_tier:
+    for k in kernels:
         try:
-            value = k.cost(trace.device, call) if k.cost is not None else None
+            value = k.cost(device, call) if k.cost is not None else None
         except Exception:  # a buggy hint must not break the call: priority order decides
             value = None
         out.append((k, None if value is None or value != value else float(value)))
     return out
 
 
-def by_cost(trace: Trace, call: CallInfo) -> tuple[Kernel, str]:
-    """The kernel of ``trace`` for one call shape, and why (step 4 of the rule above)."""
-    assert trace.winner is not None
-    if not trace.cost_tier:
-        return trace.winner, trace.why
-    scored = [(value, i, k) for i, (k, value) in enumerate(estimates(trace, call)) if value is not None]
-    if not scored:
-        return trace.winner, "highest priority (no cost hint had an estimate for this shape)"
-    value, _, best = min(scored, key=lambda t: (t[0], t[1]))
-    others = ", ".join(f"{k.label} {v:.1f}" for v, _, k in sorted(scored, key=lambda t: t[1]) if k is not best)
-    return best, f"lowest cost hint for this shape: {value:.1f} µs" + (f" (vs {others})" if others else "")
+def estimates(trace: Trace, call: CallInfo) -> list[tuple[Kernel, float | None]]:
+    """Each cost-tier kernel's estimate (µs) for one call; a raising hint counts as no estimate."""
+    return _estimates(trace.cost_tier, trace.device, call)
+
+
+def _shape_rejection(k: Kernel, device: DeviceInfo, call: CallInfo) -> str | None:
+    if k.supports is None:
+        return None
+    try:
+        return k.supports(device, call) or None
+    except Exception as exc:  # a buggy predicate rejects its kernel, nothing more
+        return f"shape check raised {type(exc).__name__}: {exc}"
+
+
+def for_call(trace: Trace, call: CallInfo) -> tuple[Kernel | None, str, str | None]:
+    """The kernel one call gets (step 4): the trace's eligible kernels minus those whose shape
+    predicate rejects the call, then policy, priority and cost hints. (winner, why, error)."""
+    if not (trace.per_call or trace.cost_tier) or trace.winner is None:
+        return trace.winner, trace.why, trace.error
+    candidates = [c.kernel for c in trace.candidates]
+    reasons = {id(c.kernel): c.reason.removeprefix("chosen: ") for c in trace.candidates}
+    eligible, declined = [], []
+    for c in trace.candidates:
+        if c.accepted:
+            reason = _shape_rejection(c.kernel, trace.device, call)
+            if reason is None:
+                eligible.append(c.kernel)
+            else:
+                reasons[id(c.kernel)] = reason
+                declined.append(f"{c.kernel.label} declined: {reason}")
+    known = {k.backend for k in candidates}
+    winner, why, error, _ = _select(trace.op, trace.device, trace.dtypes, trace.policy, known,
+                                    candidates, eligible, reasons, call)
+    return winner, "; ".join([why, *declined]) if winner is not None else why, error
 
 
 def choose(registry: Registry, op: str, device: DeviceInfo,

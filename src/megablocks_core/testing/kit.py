@@ -23,7 +23,7 @@ import torch
 from ..contract import RULE_HELPERS, BoolArg, IntArg, OpContract, TensorArg
 from ..contracts import ALL, BY_NAME
 from ..devices import describe
-from ..dispatch import ENTRIES, explain, registry, use_backend
+from ..dispatch import ENTRIES, describe_call, explain, explain_call, registry, use_backend
 from ..library import output_meta
 from ..ranking import Policy
 from .scenarios import Routing, Scenario, routing, sample, scenarios
@@ -63,7 +63,7 @@ class Result:
     scenarios: int = 0
     """Scenarios checked."""
     declined: int = 0
-    """Scenarios the backend does not serve (dtype restriction, capability): not failures."""
+    """Scenarios the backend does not serve (dtype restriction, capability, shape check): not failures."""
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -166,7 +166,12 @@ def _on(backend: str, op: str) -> Iterator[None]:
 def _cannot_serve(backend: str, contract: OpContract, device: torch.device, args: tuple[Any, ...]) -> str | None:
     dtypes = {a.name: v.dtype for a, v in zip(contract.args, args, strict=True) if isinstance(v, torch.Tensor)}
     trace = explain(contract.name, describe(device), dtypes, Policy(force=backend, source="the kit"))
-    return None if trace.winner is not None else trace.error
+    if trace.winner is None:
+        return trace.error
+    # A kernel may decline some shapes (Kernel.supports, e.g. alignment): those samples are the
+    # next backend's, not a failure.
+    kernel, why = explain_call(trace, describe_call(contract, args))
+    return None if kernel is not None else why
 
 
 def _with_grad_leaves(contract: OpContract, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[str]]:

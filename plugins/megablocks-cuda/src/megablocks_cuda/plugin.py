@@ -96,6 +96,23 @@ def grouped_gemm_capability(device: DeviceInfo) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- shape predicates
+
+
+def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
+    """torch._grouped_mm's CUTLASS path needs 16-byte rows: K and N multiples of 8 (bf16).
+
+    Misaligned calls go to the next provider (triton takes any shape). The kernel itself still
+    zero-pads such operands if called directly, at the cost of copies.
+    """
+    _, k, n, _ = costs.gmm_problem(call)
+    multiple = gmm.ALIGN_BYTES // call["a"].dtype.itemsize
+    bad = [f"{name} = {size}" for name, size in (("K", k), ("N", n)) if size % multiple]
+    if bad:
+        return f"torch._grouped_mm needs 16-byte rows: {', '.join(bad)} not a multiple of {multiple}"
+    return None
+
+
 # ---------------------------------------------------------------- cost hints
 
 
@@ -143,12 +160,12 @@ def megablocks_routing_kernels() -> list[Kernel]:
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     providers = (
-        ("grouped_mm", grouped_mm_capability, False,
+        ("grouped_mm", grouped_mm_capability, grouped_mm_supports, False,
          {"gmm": gmm.grouped_mm_gmm, "gmm_weight_grad": gmm.grouped_mm_gmm_weight_grad}),
-        ("grouped_gemm", grouped_gemm_capability, True,
+        ("grouped_gemm", grouped_gemm_capability, None, True,
          {"gmm": gmm.grouped_gemm_gmm, "gmm_weight_grad": gmm.grouped_gemm_gmm_weight_grad}),
     )
     return [Kernel(op=op, fn=fn, devices=("cuda",), priority=PRIORITY[op], capability=check,
-                    dtypes=GMM_DTYPES[op], contiguous=True, variant=variant,
+                    supports=supports, dtypes=GMM_DTYPES[op], contiguous=True, variant=variant,
                     cost=cost_of(variant, host_only))
-            for variant, check, host_only, fns in providers for op, fn in fns.items()]
+            for variant, check, supports, host_only, fns in providers for op, fn in fns.items()]
