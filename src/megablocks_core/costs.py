@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from .descriptors import CallInfo, DeviceInfo, TensorMeta
+from .descriptors import CallInfo, DeviceInfo
 
 #: A measured point: (rows per expert, reduction size k, output columns n, fraction of dense).
 GmmPoint = tuple[float, float, float, float]
@@ -34,18 +34,13 @@ def gmm_problem(call: CallInfo) -> tuple[int, int, int, int]:
     gmm: a (tokens, k) times b (E, k, n) (b (E, n, k) with trans_b). gmm_weight_grad: a (tokens, k),
     grad (tokens, n), E = len(batch_sizes); the same features describe both.
     """
-    a = _shape(call["a"])
-    tokens, k = a[0], a[1]
+    tokens, k = call["a"].shape
     if "b" in call:
-        b = _shape(call["b"])
+        b = call["b"].shape
         experts, n = b[0], (b[1] if call.get("trans_b") else b[2])
     else:
-        experts, n = _shape(call["batch_sizes"])[0], _shape(call["grad"])[1]
+        experts, n = call["batch_sizes"].shape[0], call["grad"].shape[1]
     return tokens, k, n, experts
-
-
-def _shape(value: TensorMeta | Sequence[int]) -> tuple[int, ...]:
-    return value.shape if isinstance(value, TensorMeta) else tuple(value)
 
 
 def nearest_efficiency(points: Sequence[GmmPoint], rows_per_expert: float, k: float,

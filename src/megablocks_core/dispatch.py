@@ -154,8 +154,6 @@ class Selected:
     kernel: Kernel
     run: Callable[..., Any]
     trace: Trace
-    why: str = ""
-    """Why this kernel, when a per-shape cost hint decided (else the trace's reason)."""
 
 
 def _runner(kernel: Kernel) -> Callable[..., Any]:
@@ -205,10 +203,10 @@ def _resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
                         contract.name, trace.winner.label, contract.name)
         selected = ranked[signature] = Selected(trace.winner, _runner(trace.winner), trace)
     if selected.trace.per_call or selected.trace.cost_tier:  # the shapes decide (ranking step 4)
-        kernel, why, error = for_call(selected.trace, describe_call(contract, args))
+        kernel, _, error = for_call(selected.trace, describe_call(contract, args))
         if kernel is None:
             raise NoKernelError(f"megablocks_core: {error}")
-        selected = Selected(kernel, _runner(kernel), selected.trace, why)
+        selected = Selected(kernel, _runner(kernel), selected.trace)
     _served.setdefault(contract.name, set()).add(selected.kernel.label)
     if key is not None:
         cache = _caches[contract.name]

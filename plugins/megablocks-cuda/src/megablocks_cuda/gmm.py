@@ -111,12 +111,18 @@ def grouped_mm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> 
     return out[:, :n].contiguous()
 
 
+def _trivial_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor | None:
+    """The (E, K, N) zeros when there is nothing to multiply (no rows, K, N or experts), else None."""
+    (m, k), n, experts = a.shape, grad.shape[1], batch_sizes.shape[0]
+    return a.new_zeros(experts, k, n) if 0 in (m, k, n, experts) else None
+
+
 def grouped_mm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
+    trivial = _trivial_weight_grad(a, grad, batch_sizes)
+    if trivial is not None:
+        return trivial
     m, k = a.shape
     n = grad.shape[1]
-    experts = batch_sizes.shape[0]
-    if 0 in (m, k, n, experts):
-        return a.new_zeros(experts, k, n)
     offs = _end_offsets(batch_sizes, a.device)
     kp, np_ = _round_up(k, a.element_size()), _round_up(n, a.element_size())
     # Groups run along the rows of a and grad: rows past offs[-1] belong to no group.
@@ -147,11 +153,9 @@ def grouped_gemm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -
 
 
 def grouped_gemm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
-    m, k = a.shape
-    n = grad.shape[1]
-    experts = batch_sizes.shape[0]
-    if 0 in (m, k, n, experts):
-        return a.new_zeros(experts, k, n)
+    trivial = _trivial_weight_grad(a, grad, batch_sizes)
+    if trivial is not None:
+        return trivial
     if _capturing(batch_sizes):
         return grouped_mm_gmm_weight_grad(a, grad, batch_sizes)
     sizes = _host_sizes(batch_sizes)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from megablocks_triton.config import LaunchConfigs, PermutationConfig, RoutingConfig
+import triton
+from megablocks_triton.config import KERNEL_KINDS, LaunchConfigs, PermutationConfig, RoutingConfig
 
 from megablocks_core.descriptors import DeviceInfo
 
@@ -19,15 +20,11 @@ from . import arch
 
 
 def _pow2(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
+    return triton.next_power_of_2(max(int(x), 1))
 
 
 def _pow2_floor(x: int) -> int:
     return 1 << (max(int(x), 1).bit_length() - 1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class RocmLaunchConfigs(LaunchConfigs):
@@ -39,8 +36,7 @@ class RocmLaunchConfigs(LaunchConfigs):
         self.cus = device.multiprocessors or 64
         self.wave = device.warp_size or self.family.wavefront
         # Precomputed: launch_options runs on every launch.
-        self._options = {k: arch.launch_options(device, k)
-                         for k in ("routing", "permutation", "gmm", "gmm_wgrad")}
+        self._options = {k: arch.launch_options(device, k) for k in KERNEL_KINDS}
 
     def __repr__(self) -> str:
         return f"RocmLaunchConfigs({self.device.arch}, {self.family.name}, {self.cus} CUs)"
@@ -67,11 +63,11 @@ class RocmLaunchConfigs(LaunchConfigs):
         # Rows up to 8K elements per block (not 16K): waves_per_eu=4 caps VGPRs at 128, and the
         # fp32 top-k accumulator must stay <= 32 elements per lane.
         block_h = min(_pow2(hidden), 8192)
-        split_h = _cdiv(hidden, block_h)
+        split_h = triton.cdiv(hidden, block_h)
         # Few tokens: split rows until there are >= 4 programs per CU (1216 on an MI300X).
         while num_tokens * split_h < 4 * self.cus and block_h > 512:
             block_h //= 2
-            split_h = _cdiv(hidden, block_h)
+            split_h = triton.cdiv(hidden, block_h)
         # A wavefront moves 64 lanes x 16 bytes = 1 KiB per vector load; aim at ~4 loads per lane,
         # and enough lanes that each holds <= 32 accumulator elements.
         per_lane_cap = block_h // (32 * self.wave)
@@ -85,7 +81,7 @@ class RocmLaunchConfigs(LaunchConfigs):
         # (k_pad x block_h) fp32 partial dots per program: <= 4K elements, i.e. <= 16 per lane
         # over 4 wavefronts (half the NVIDIA tile: wave64 doubles the lanes per warp).
         block_h = min(_pow2(hidden), max(4096 // k_pad, 256), 4096)
-        h_blocks = _cdiv(hidden, block_h)
+        h_blocks = triton.cdiv(hidden, block_h)
         split_h = 1
         while num_tokens * split_h < 2 * self.cus and split_h * 2 <= h_blocks:
             split_h *= 2

@@ -191,7 +191,7 @@ def _counting_pass(
     n = keys.numel()
     nb = triton.next_power_of_2(num_bins)
     cfg = launch_configs().routing(n, nb)
-    opts = launch_configs().launch_options("routing")
+    opts = _options()
     num_tiles = triton.cdiv(n, cfg.tile)
     counts = torch.empty((num_tiles, nb), dtype=torch.int32, device=keys.device)
     values = torch.empty_like(keys)
