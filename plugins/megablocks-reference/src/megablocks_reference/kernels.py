@@ -1,7 +1,11 @@
 """Every op in plain, vectorised PyTorch: the oracle the other backends are checked against.
 
 Inputs arrive validated (the core checks them against the contracts), so these
-functions only compute. They run on any torch device and read nothing back to
+functions only compute. Outside checked mode the data rules are not checked, so
+data that breaks them (indices that are not a permutation, bins that are not a
+cumulative sum, expert ids out of range) reaches these functions: they mask every
+index to its tensor and return the documented safe result of each op (the
+contracts' edge cases), never torch's IndexError or unwritten memory. They run on any torch device and read nothing back to
 the host except where an output's size depends on data (padded_gather) or the
 per-expert loop of the grouped GEMM needs the group sizes.
 """
@@ -12,6 +16,8 @@ import math
 
 import torch
 from torch import Tensor
+
+from megablocks_core.validation import ContractError
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -86,8 +92,14 @@ def route(top_experts: Tensor, num_experts: int,
     # histogram and cumsum (but no fused route) those kernels do the work.
     from megablocks_core import ops
 
-    end_bit = max((num_experts - 1).bit_length(), 1)
-    bin_ids, indices = ops.sort(top_experts, end_bit)
+    # Ids outside [0, num_experts) sort after every valid one, in input order (as if they were
+    # expert num_experts): indices stays a permutation and bins counts only valid ids.
+    valid = (top_experts >= 0) & (top_experts < num_experts)
+    key_dtype = top_experts.dtype if num_experts <= torch.iinfo(top_experts.dtype).max else torch.int32
+    keys = torch.where(valid, top_experts.to(key_dtype), num_experts)
+    _, order = ops.sort(keys, max(num_experts.bit_length(), 1))
+    indices = order.to(top_experts.dtype)
+    bin_ids = top_experts.index_select(0, order.long())
     counts = ops.histogram(top_experts, num_experts)
     padded = ops.inclusive_cumsum(ops.round_up(counts, block_size), 0)
     return indices, bin_ids, counts, ops.inclusive_cumsum(counts, 0), padded
@@ -96,28 +108,52 @@ def route(top_experts: Tensor, num_experts: int,
 # --- permutation -------------------------------------------------------------------
 
 
-def _inverse(indices: Tensor) -> Tensor:
-    """position[f] = i where indices[i] = f: the sorted row of each flat (token, k) id."""
+def _named(indices: Tensor) -> tuple[Tensor, Tensor]:
+    """(flat ids clamped into range, whether each was in [0, rows) to begin with)."""
     flat = indices.long()
-    order = torch.arange(flat.shape[0], device=flat.device)
-    return torch.empty_like(flat).scatter_(0, flat, order)
+    valid = (flat >= 0) & (flat < flat.shape[0])
+    return torch.where(valid, flat, 0), valid
+
+
+def _inverse(indices: Tensor) -> Tensor:
+    """position[f] = i where indices[i] = f: the sorted row of each flat (token, k) id.
+
+    -1 for an id no row names; the last such row for an id several rows name (deterministic)."""
+    flat, valid = _named(indices)
+    n = flat.shape[0]
+    order = torch.arange(n, device=flat.device)
+    target = torch.where(valid, flat, n)  # out-of-range ids land in a slot that is cut off
+    inv = torch.full((n + 1,), -1, dtype=torch.int64, device=flat.device)
+    return inv.scatter_reduce_(0, target, order, reduce="amax")[:n]
+
+
+def _select_rows(x: Tensor, rows: Tensor, keep: Tensor) -> Tensor:
+    """x[rows] where keep, zero rows elsewhere (rows need only be valid where keep)."""
+    picked = x.index_select(0, torch.where(keep, rows, 0)) if x.shape[0] else x.new_zeros(rows.shape[0], *x.shape[1:])
+    return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), picked, 0)
 
 
 def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
            top_k: int) -> Tensor:
-    flat = indices.long()
-    rows = x.index_select(0, flat // top_k)
+    flat, valid = _named(indices)
+    rows = _select_rows(x, flat // top_k, valid)  # an id out of range gives a zero row
     if weights is None:
         return rows
-    scale = weights.index_select(0, flat).to(_acc(x.dtype))
+    scale = torch.where(valid, weights.index_select(0, flat), 0).to(_acc(x.dtype))
     return (rows.to(scale.dtype) * scale[:, None]).to(x.dtype)
+
+
+def _token_major(x: Tensor, indices: Tensor) -> Tensor:
+    """Row f = the sorted row naming flat id f (zero if none), in the accumulation dtype."""
+    inv = _inverse(indices)
+    return _select_rows(x, inv, inv >= 0).to(_acc(x.dtype))
 
 
 def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
             top_k: int) -> Tensor:
     rows, hidden = x.shape
     # Token-major order: row f is the (token, k) pair f = token * top_k + k.
-    by_token = x.index_select(0, _inverse(indices)).to(_acc(x.dtype))
+    by_token = _token_major(x, indices)
     if weights is not None:
         by_token = by_token * weights.to(by_token.dtype)[:, None]
     return by_token.view(rows // top_k, top_k, hidden).sum(1).to(x.dtype)
@@ -125,46 +161,62 @@ def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None,
 
 def scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
                   top_k: int) -> Tensor:
-    flat = indices.long()
-    acc = _acc(x.dtype)
-    dots = (x.to(acc) * grad.index_select(0, flat // top_k).to(acc)).sum(1)
-    return torch.empty_like(dots).scatter_(0, flat, dots).to(x.dtype)
+    by_token = _token_major(x, indices)
+    tokens = torch.arange(by_token.shape[0], device=x.device) // top_k
+    return (by_token * grad.index_select(0, tokens).to(by_token.dtype)).sum(1).to(x.dtype)
 
 
-def _padded_rows(bin_ids: Tensor, bins: Tensor, padded_bins: Tensor) -> Tensor:
-    """Row in the padded layout of each sorted row."""
-    expert = bin_ids.long()
-    position = torch.arange(expert.shape[0], device=expert.device)
-    return position - _starts(bins)[expert] + _starts(padded_bins)[expert]
+def _padded_rows(bins: Tensor, padded_bins: Tensor, count: int, total: int) -> tuple[Tensor, Tensor]:
+    """Row in the padded layout of each sorted row, and whether it lies inside the layout.
+
+    The expert of a sorted row comes from bins (bin_ids must agree with bins)."""
+    expert = _segment_of(bins, count)
+    in_bins = expert < bins.shape[0]
+    expert = torch.where(in_bins, expert, 0)
+    slot = torch.arange(count, device=bins.device) - _starts(bins)[expert]
+    rows = _starts(padded_bins)[expert] + slot
+    return rows, in_bins & (slot >= 0) & (rows >= 0) & (rows < total)
+
+
+def _padded_total(padded_bins: Tensor) -> int:
+    total = int(padded_bins[-1]) if padded_bins.numel() else 0  # output size: a host read
+    if total < 0:
+        raise ContractError(f"megablocks_core.ops.padded_gather: argument 'padded_bins' ends at {total}, "
+                            "but its last entry is the output's row count (expected >= 0)")
+    return total
 
 
 def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
                   padded_bins: Tensor, top_k: int) -> Tensor:
-    total = int(padded_bins[-1]) if padded_bins.numel() else 0  # output size: a host read
+    total = _padded_total(padded_bins)
     out = x.new_zeros(total, x.shape[1])
     rows = gather(x, indices, bin_ids, weights, bins, top_k)
-    return out.index_copy_(0, _padded_rows(bin_ids, bins, padded_bins), rows)
+    dest, keep = _padded_rows(bins, padded_bins, indices.shape[0], total)
+    return out.index_copy_(0, dest[keep], rows[keep])
 
 
 def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
                    padded_bins: Tensor, top_k: int) -> Tensor:
-    rows = x.index_select(0, _padded_rows(bin_ids, bins, padded_bins))
+    rows = _select_rows(x, *_padded_rows(bins, padded_bins, indices.shape[0], x.shape[0]))
     return scatter(rows, indices, bin_ids, weights, bins, top_k)
 
 
 def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
                          padded_bins: Tensor, top_k: int) -> Tensor:
-    rows = x.index_select(0, _padded_rows(bin_ids, bins, padded_bins))
+    rows = _select_rows(x, *_padded_rows(bins, padded_bins, indices.shape[0], x.shape[0]))
     return scatter_wgrad(rows, grad, indices, bin_ids, bins, top_k)
 
 
 def _binned_rows(indices: Tensor, bins: Tensor, bin_size: int) -> Tensor:
-    """Row of each sorted row in the flattened (experts * bin_size) layout; dropped rows get
-    experts * bin_size, one past the end."""
+    """Row of each sorted row in the flattened (experts * bin_size) layout; dropped rows (past
+    their bin's capacity, or placed by bins outside every bin) get experts * bin_size, one past
+    the end."""
+    experts = bins.shape[0]
     expert = _segment_of(bins, indices.shape[0])
-    slot = torch.arange(indices.shape[0], device=indices.device) - _starts(bins)[expert.clamp(max=bins.shape[0] - 1)]
-    drop = bins.shape[0] * bin_size
-    return torch.where(slot < bin_size, expert * bin_size + slot, drop)
+    in_bins = expert < experts
+    slot = torch.arange(indices.shape[0], device=indices.device) - _starts(bins)[expert.clamp(max=max(experts - 1, 0))]
+    keep = in_bins & (slot >= 0) & (slot < bin_size)
+    return torch.where(keep, expert * bin_size + slot, experts * bin_size)
 
 
 def binned_gather(x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, bin_size: int,
@@ -197,24 +249,31 @@ def binned_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bins: Tensor,
 # --- grouped GEMM -----------------------------------------------------------------
 
 
+def _groups(batch_sizes: Tensor, rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each group. Device-side sizes are not checked outside checked mode:
+    a negative size counts as 0 and groups are cut at the last row of a (the rest is empty)."""
+    groups, start = [], 0
+    for size in batch_sizes.tolist():  # host copy of the group sizes
+        size = min(max(int(size), 0), rows - start)
+        groups.append((start, size))
+        start += size
+    return groups
+
+
 def gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> Tensor:
     acc = _acc(a.dtype)
-    out = a.new_zeros(a.shape[0], b.shape[1] if trans_b else b.shape[2])
-    start = 0
-    for expert, size in enumerate(batch_sizes.tolist()):  # host copy of the group sizes
+    out = a.new_zeros(a.shape[0], b.shape[1] if trans_b else b.shape[2])  # rows no group covers: 0
+    for expert, (start, size) in enumerate(_groups(batch_sizes, a.shape[0])):
         weight = b[expert].t() if trans_b else b[expert]
         out[start:start + size] = (a[start:start + size].to(acc) @ weight.to(acc)).to(a.dtype)
-        start += size
     return out
 
 
 def gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
     acc = _acc(a.dtype)
     out = a.new_zeros(batch_sizes.shape[0], a.shape[1], grad.shape[1])
-    start = 0
-    for expert, size in enumerate(batch_sizes.tolist()):
+    for expert, (start, size) in enumerate(_groups(batch_sizes, a.shape[0])):
         if size:  # an empty expert keeps its exact zeros
             rows = slice(start, start + size)
             out[expert] = (a[rows].to(acc).t() @ grad[rows].to(acc)).to(a.dtype)
-        start += size
     return out

@@ -309,9 +309,24 @@ def _gmm_tile_tma(
 
 
 @triton.jit
+def _group_sizes(sizes_ptr, E, M, BLOCK_E: tl.constexpr):
+    """Per-expert row counts as the kernels use them (int32, BLOCK_E lanes, 0 past E).
+
+    Device-side batch_sizes are not checked outside checked mode, so they are made safe here,
+    for the cost of a few register ops: a negative size counts as 0, and groups are cut at a's
+    last row (rows past M are never addressed). Returns (sizes, rows covered by the groups)."""
+    e_idx = tl.arange(0, BLOCK_E)
+    raw = tl.load(sizes_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int64)
+    raw = tl.minimum(tl.maximum(raw, 0), M)  # cumsum of <= 4096 values <= M fits int64
+    ends = tl.cumsum(raw, 0)
+    sizes = tl.minimum(ends, M) - tl.minimum(ends - raw, M)
+    return sizes.to(tl.int32), tl.minimum(tl.sum(raw, 0), M).to(tl.int32)
+
+
+@triton.jit
 def _gmm_kernel(
     a_ptr, b_ptr, c_ptr, sizes_ptr,
-    N, K, E,
+    M, N, K, E,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
@@ -325,13 +340,16 @@ def _gmm_kernel(
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     # Per-expert sizes and tile-count prefix, built once per program (device side: no host sync).
     e_idx = tl.arange(0, BLOCK_E)
-    sizes = tl.load(sizes_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
+    sizes, covered = _group_sizes(sizes_ptr, E, M, BLOCK_E)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(sizes, BLOCK_M) * n_tiles
     tile_end = tl.cumsum(tiles, 0)  # inclusive prefix: tiles of experts 0..e
-    total_tiles = tl.sum(tiles, 0)
+    group_tiles = tl.sum(tiles, 0)
+    # Rows [covered, M) belong to no group (batch_sizes summing to less than M): zero tiles,
+    # none at all on valid input.
+    total_tiles = group_tiles + tl.cdiv(M - covered, BLOCK_M) * n_tiles
 
-    for tile in range(pid, total_tiles, num_programs):
+    for tile in range(pid, group_tiles, num_programs):
         # Experts wholly before this tile (empty experts included) give the expert id and bases.
         before = tile_end <= tile
         e = tl.sum(before.to(tl.int32), 0)
@@ -360,11 +378,21 @@ def _gmm_kernel(
         c_mask = (rows < size_e)[:, None] & (cols < N)[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
+    # The uncovered rows' tiles follow the groups' in the same strided order.
+    first_tail = group_tiles + (pid - group_tiles % num_programs + num_programs) % num_programs
+    for tile in range(first_tail, total_tiles, num_programs):
+        local = tile - group_tiles
+        rows = covered + (local // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (local % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+        tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
 
 @triton.jit
 def _gmm_wgrad_kernel(
     a_ptr, g_ptr, c_ptr, sizes_ptr,
-    KA, N, E,
+    M, KA, N, E,
     stride_am, stride_ak,
     stride_gm, stride_gn,
     stride_ce, stride_cm, stride_cn,
@@ -375,7 +403,7 @@ def _gmm_wgrad_kernel(
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     e_idx = tl.arange(0, BLOCK_E)
-    sizes = tl.load(sizes_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
+    sizes, _ = _group_sizes(sizes_ptr, E, M, BLOCK_E)
     m_tiles = tl.cdiv(KA, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_e = m_tiles * n_tiles
@@ -464,7 +492,11 @@ def gmm(
 ) -> torch.Tensor:
     """Grouped GEMM: rows ``[off_e, off_e + batch_sizes[e])`` of the result are ``a_e @ b[e]``
     (``a_e @ b[e].T`` when ``trans_b``). a (M, K); b (E, K, N), or (E, N, K) with trans_b;
-    sum(batch_sizes) == M. Returns (M, N) in a's dtype, fp32 accumulation. No host sync."""
+    sum(batch_sizes) == M. Returns (M, N) in a's dtype, fp32 accumulation. No host sync.
+
+    Device-side batch_sizes that break the contract (unchecked unless MEGABLOCKS_CHECK=1) are
+    made safe in the kernel: negative sizes count as 0, groups are cut at row M, and rows no
+    group covers come out 0."""
     a = _unit_last_stride(a)
     b = _unit_last_stride(b)
     m, k = a.shape
@@ -491,12 +523,13 @@ def gmm(
         b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]
         b_arg = TensorDescriptor.from_tensor(b, b_block)
     n_tiles = triton.cdiv(n, cfg.block_n)
-    # Host-side upper bound on the tile count (no sync): each non-empty group adds <= 1 partial tile.
-    max_tiles = (m // cfg.block_m + min(num_experts, m)) * n_tiles
+    # Host-side upper bound on the tile count (no sync): each non-empty group adds <= 1 partial
+    # tile, and so may the rows no group covers (bad device-side batch_sizes).
+    max_tiles = (m // cfg.block_m + min(num_experts, m) + 1) * n_tiles
     grid = max(1, min(info.num_sms * cfg.programs_per_sm, max_tiles))
     _gmm_kernel[(grid,)](
         a_arg, b_arg, out, sizes,
-        n, k, num_experts,
+        m, n, k, num_experts,
         a.stride(0), a.stride(1),
         b.stride(0), stride_bk, stride_bn,
         out.stride(0), out.stride(1),
@@ -537,7 +570,7 @@ def gmm_weight_grad(
     grid = max(1, min(info.num_sms * cfg.programs_per_sm, total_tiles))
     _gmm_wgrad_kernel[(grid,)](
         a, grad, out, sizes,
-        ka, n, num_experts,
+        a.shape[0], ka, n, num_experts,
         a.stride(0), a.stride(1),
         grad.stride(0), grad.stride(1),
         out.stride(0), out.stride(1), out.stride(2),

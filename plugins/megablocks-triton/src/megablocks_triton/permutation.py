@@ -16,11 +16,18 @@ reads one value on the host (``padded_bins[-1]``, the output size).
 
 Destinations by layout (``MODE``):
   0 plain:  row p = inv[f]
-  1 padded: row p - bins_start(e) + padded_start(e), e = bin_ids[p]
+  1 padded: row p - bins_start(e) + padded_start(e), e found by binary search in bins
   2 binned: row e * bin_size + (p - bins_start(e)), e found by binary search in
             bins; dropped when p - bins_start(e) >= bin_size.
 The padded/binned gathers also zero their padding rows in the same launch
 (extra programs after the token programs), so the output is never memset.
+
+Bad data (inputs that pass the always-on checks but break the data rules) never
+makes a kernel address memory outside its tensors, and every output element is
+written: ``inv`` is trusted only where it points back at a row naming that flat
+id (an int compare), destinations are masked to the layout, and each token
+program also writes the sorted rows no token reaches (``_fix_unreached``). The
+results are documented per op in the contracts' edge cases.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from megablocks_core.validation import ContractError
 
 from .config import launch_configs
 
@@ -53,12 +62,19 @@ PLAIN, PADDED, BINNED = 0, 1, 2
 def _inverse_kernel(indices_ptr, inv_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    f = tl.load(indices_ptr + i, mask=m, other=0).to(tl.int32)
-    tl.store(inv_ptr + f, i, mask=m & (f >= 0) & (f < n))
+    f = tl.load(indices_ptr + i, mask=m, other=0)
+    # Range test before the narrowing cast, so a huge int64 id cannot wrap into [0, n).
+    ok = m & (f >= 0) & (f < n)
+    tl.store(inv_ptr + tl.where(ok, f, 0).to(tl.int32), i, mask=ok)
 
 
 def _inverse(indices: torch.Tensor) -> torch.Tensor:
-    """inv[indices[i]] = i (int32): the sorted row of each flat id."""
+    """inv[indices[i]] = i (int32): the sorted row of each flat id.
+
+    Not initialised: a flat id that no row names keeps whatever the allocator gave, and one that
+    several rows name keeps one of them. Readers trust inv[f] only after checking that it points
+    back at a row naming f (:func:`_reached`), which costs one int load and no memset.
+    """
     n = indices.numel()
     inv = torch.empty(n, dtype=torch.int32, device=indices.device)
     block = launch_configs().elementwise_block(n)
@@ -67,84 +83,167 @@ def _inverse(indices: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _reached(indices_ptr, inv_ptr, f, n, mask):
+    """Sorted row p = inv[f] of flat id f, and whether some row names f (then p is one of them).
+
+    inv[f] was written iff some row names f, and then indices[inv[f]] == f; an unwritten slot
+    holds garbage that is range-checked before it is used as an address."""
+    p = tl.load(inv_ptr + f, mask=mask, other=0)
+    ok = mask & (p >= 0) & (p < n)
+    p = tl.where(ok, p, 0)
+    back = tl.load(indices_ptr + p, mask=ok, other=-1)
+    return p, ok & (back == f)
+
+
+@triton.jit
 def _bin_of(bins_ptr, num_bins, p, mask, LOG: tl.constexpr):
-    """#{e : bins[e] <= p}: the expert whose [bins[e-1], bins[e]) holds sorted row p."""
+    """#{e : bins[e] <= p}: the expert whose [bins[e-1], bins[e]) holds sorted row p.
+
+    Only reads bins[0:num_bins], whatever bins holds; for bins that are not a cumulative sum
+    the result is some e in [0, num_bins] with bins[e-1] <= p."""
     pos = tl.zeros_like(p)
     for s in tl.static_range(LOG):
         cand = pos + (1 << (LOG - 1 - s))
         ok = mask & (cand <= num_bins)
-        v = tl.load(bins_ptr + (cand - 1), mask=ok, other=0).to(tl.int32)
+        v = tl.load(bins_ptr + (cand - 1), mask=ok, other=0)
         pos = tl.where(ok & (v <= p), cand, pos)
     return pos
 
 
 @triton.jit
+def _placement(p, keep, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
+               MODE: tl.constexpr, LOG: tl.constexpr):
+    """Row (int64) of the output layout that sorted row p maps to, and whether it has one
+    inside the layout (never an address outside it, whatever bins/padded_bins hold)."""
+    if MODE == 0:
+        dest = p.to(tl.int64)
+    else:
+        # The expert comes from bins, never from bin_ids: one fewer array that can be wrong.
+        e = _bin_of(bins_ptr, num_bins, p, keep, LOG)
+        has_prev = keep & (e > 0)
+        start = tl.load(bins_ptr + e - 1, mask=has_prev, other=0).to(tl.int64)
+        j = p.to(tl.int64) - start
+        keep = keep & (e < num_bins) & (j >= 0)
+        if MODE == 1:
+            dest = tl.load(padded_ptr + e - 1, mask=has_prev, other=0).to(tl.int64) + j
+            keep = keep & (dest >= 0) & (dest < num_rows)
+        else:
+            keep = keep & (j < bin_size)
+            dest = e.to(tl.int64) * bin_size + j
+    return dest, keep
+
+
+@triton.jit
 def _destinations(
-    t, k, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, num_bins, bin_size,
+    t, k, indices_ptr, inv_ptr, bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr,
 ):
     """Flat ids, destination rows (int64) and keep-mask of token t's copies k (a vector of
-    copies, or one copy when k is a scalar)."""
+    copies, or one copy when k is a scalar). A copy no row names is not kept."""
     f = t * TOP_K + k
-    km = k < TOP_K
-    p = tl.load(inv_ptr + f, mask=km, other=0)
-    if MODE == 0:
-        dest = p
-        keep = km
-    elif MODE == 1:
-        e = tl.load(bin_ids_ptr + p, mask=km, other=0).to(tl.int32)
-        has_prev = km & (e > 0)
-        start = tl.load(bins_ptr + e - 1, mask=has_prev, other=0).to(tl.int32)
-        pstart = tl.load(padded_ptr + e - 1, mask=has_prev, other=0).to(tl.int32)
-        dest = p - start + pstart
-        keep = km
-    else:
-        e = _bin_of(bins_ptr, num_bins, p, km, LOG)
-        start = tl.load(bins_ptr + e - 1, mask=km & (e > 0), other=0).to(tl.int32)
-        j = p - start
-        keep = km & (j < bin_size) & (e < num_bins)
-        dest = e * bin_size + j
-    return f, dest.to(tl.int64), keep
+    p, reached = _reached(indices_ptr, inv_ptr, f, n, k < TOP_K)
+    dest, keep = _placement(p, reached, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
+                            MODE, LOG)
+    return f, dest, keep
+
+
+@triton.jit
+def _is_cumulative(ptr, count, BLOCK: tl.constexpr):
+    """ptr[0:count] is nondecreasing and starts at >= 0 (a cumulative sum of counts)."""
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    for c0 in range(0, count, BLOCK):
+        i = c0 + tl.arange(0, BLOCK)
+        m = i < count
+        cur = tl.load(ptr + i, mask=m, other=0)
+        prev = tl.load(ptr + i - 1, mask=m & (i > 0), other=0)
+        bad += (m & (cur < prev)).to(tl.int32)
+    return tl.sum(bad, axis=0) == 0
 
 
 @triton.jit
 def _zero_padding(
-    pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens,
-    BLOCK_H: tl.constexpr, ZERO_ROWS: tl.constexpr, MODE: tl.constexpr,
+    pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens, n, num_bins, num_rows,
+    BLOCK_H: tl.constexpr, ZERO_ROWS: tl.constexpr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Programs past the tokens: zero expert e's padding rows (ZERO_ROWS programs per expert)."""
+    """Programs past the tokens: zero expert e's padding rows (ZERO_ROWS programs per expert).
+
+    With cumulative bins (and padded_bins), the token programs and their fix-ups write exactly
+    rows [first row of e, + rows of e) and these programs the rest of e's rows. With any other
+    bins nothing says which rows the tokens reach, so e's whole segment is zeroed (tokens may
+    overwrite it): every output row is still written, and none outside the output."""
     q = pid - num_tokens
     e = q // ZERO_ROWS
     lane = q % ZERO_ROWS
-    end = tl.load(bins_ptr + e).to(tl.int32)
-    start = tl.load(bins_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
-    count = end - start
+    sane = _is_cumulative(bins_ptr, num_bins, BLOCK_E)
     if MODE == 1:
-        row_lo = tl.load(padded_ptr + e - 1, mask=e > 0, other=0).to(tl.int32) + count
-        row_hi = tl.load(padded_ptr + e).to(tl.int32)
+        sane = sane & _is_cumulative(padded_ptr, num_bins, BLOCK_E)
+    start = tl.load(bins_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+    end = tl.load(bins_ptr + e).to(tl.int64)
+    # Rows of e that exist (sorted rows past n do not); none when bins are not cumulative.
+    count = tl.where(sane, tl.maximum(tl.minimum(end, n) - start, 0), 0)
+    if MODE == 1:
+        first = tl.load(padded_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        row_lo = tl.minimum(tl.maximum(first + count, 0), num_rows)
+        row_hi = tl.minimum(tl.maximum(tl.load(padded_ptr + e).to(tl.int64), 0), num_rows)
     else:
-        row_lo = e * bin_size + tl.minimum(count, bin_size)
-        row_hi = (e + 1) * bin_size
+        row_lo = e.to(tl.int64) * bin_size + tl.minimum(count, bin_size)
+        row_hi = (e + 1).to(tl.int64) * bin_size
     zeros = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
-    # int64 loop bounds: row * hidden may pass 2**31 on large padded outputs.
-    for r in range((row_lo + lane).to(tl.int64), row_hi.to(tl.int64), ZERO_ROWS):
+    # int64 rows: row * hidden may pass 2**31 on large padded outputs.
+    for r in range(row_lo + lane, row_hi, ZERO_ROWS):
         for h0 in range(0, hidden, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             tl.store(out_ptr + r * hidden + h, zeros, mask=h < hidden)
 
 
 @triton.jit
+def _fix_unreached(
+    pid, x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    hidden, n, num_bins, bin_size, num_rows,
+    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
+    MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+):
+    """Write the sorted rows pid*TOP_K + k that no token program writes.
+
+    Sorted row q is written by a token program iff inv[indices[q]] == q. Otherwise (indices
+    is not a permutation: q's id is out of range, or another row names the same id) this
+    program writes q's row: x[indices[q] // TOP_K] (weighted) for an id in range, else zeros.
+    On a permutation this is one int compare per row and no data traffic."""
+    for k in tl.static_range(TOP_K):
+        q = pid * TOP_K + k
+        g = tl.load(indices_ptr + q)
+        named = (g >= 0) & (g < n)
+        g = tl.where(named, g, 0).to(tl.int32)
+        owner = tl.load(inv_ptr + g, mask=named, other=-1)
+        if owner != q:
+            dest, keep = _placement(q, q >= 0, bins_ptr, padded_ptr, num_bins, bin_size,
+                                    num_rows, MODE, LOG)
+            if keep:
+                src = x_ptr + (g // TOP_K).to(tl.int64) * hidden
+                if HAS_WEIGHTS:
+                    w = tl.load(weights_ptr + g, mask=named, other=0).to(tl.float32)
+                for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
+                    h = h0 + tl.arange(0, BLOCK_H)
+                    hm = h < hidden
+                    row = tl.load(src + h, mask=hm & named, other=0)
+                    if HAS_WEIGHTS:
+                        row = (row.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+                    tl.store(out_ptr + dest * hidden + h, row, mask=hm)
+
+
+@triton.jit
 def _gather_kernel(
-    x_ptr, inv_ptr, bin_ids_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
-    num_tokens, hidden, num_bins, bin_size,
+    x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    num_tokens, hidden, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid >= num_tokens:
         if tl.program_id(1) == 0:
-            _zero_padding(pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens,
-                          BLOCK_H, ZERO_ROWS, MODE)
+            _zero_padding(pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens, n,
+                          num_bins, num_rows, BLOCK_H, ZERO_ROWS, MODE, BLOCK_E)
     else:
         x_row = x_ptr + pid.to(tl.int64) * hidden
         # BLOCK_H usually covers the whole row, so each copy's destination is computed once.
@@ -153,20 +252,24 @@ def _gather_kernel(
             hm = h < hidden
             v = tl.load(x_row + h, mask=hm, other=0)  # read once, written top_k times
             for k in tl.static_range(TOP_K):
-                f, dest, keep = _destinations(pid, tl.full([], k, tl.int32), inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr,
-                                              num_bins, bin_size, TOP_K, MODE, LOG)
+                f, dest, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr,
+                                              bins_ptr, padded_ptr, n, num_bins, bin_size,
+                                              num_rows, TOP_K, MODE, LOG)
                 if HAS_WEIGHTS:
                     w = tl.load(weights_ptr + f).to(tl.float32)
                     row = (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
                 else:
                     row = v
                 tl.store(out_ptr + dest * hidden + h, row, mask=keep & hm)
+        _fix_unreached(pid, x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr,
+                       out_ptr, hidden, n, num_bins, bin_size, num_rows,
+                       TOP_K, BLOCK_H, SPLIT_H, MODE, LOG, HAS_WEIGHTS)
 
 
 @triton.jit
 def _scatter_kernel(
-    x_ptr, inv_ptr, bin_ids_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
-    hidden, num_bins, bin_size,
+    x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    hidden, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
     MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
 ):
@@ -179,8 +282,9 @@ def _scatter_kernel(
         # cross-thread reduction over a (k, H) tile.
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            f, src, keep = _destinations(pid, tl.full([], k, tl.int32), inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr,
-                                         num_bins, bin_size, TOP_K, MODE, LOG)
+            f, src, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr,
+                                         bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
+                                         TOP_K, MODE, LOG)
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
             if HAS_WEIGHTS:
                 row = row * tl.load(weights_ptr + f).to(tl.float32)
@@ -190,14 +294,14 @@ def _scatter_kernel(
 
 @triton.jit
 def _wgrad_kernel(
-    x_ptr, grad_ptr, inv_ptr, bin_ids_ptr, bins_ptr, padded_ptr, out_ptr,
-    hidden, num_bins, bin_size,
+    x_ptr, grad_ptr, indices_ptr, inv_ptr, bins_ptr, padded_ptr, out_ptr,
+    hidden, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     MODE: tl.constexpr, LOG: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    f, src, keep = _destinations(pid, tl.arange(0, K_PAD), inv_ptr, bin_ids_ptr, bins_ptr,
-                                 padded_ptr, num_bins, bin_size, TOP_K, MODE, LOG)
+    f, src, keep = _destinations(pid, tl.arange(0, K_PAD), indices_ptr, inv_ptr, bins_ptr,
+                                 padded_ptr, n, num_bins, bin_size, num_rows, TOP_K, MODE, LOG)
     g_row = grad_ptr + pid.to(tl.int64) * hidden
     acc = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
@@ -224,10 +328,15 @@ def _meta(top_k: int, num_bins: int) -> dict[str, int]:
     return {"TOP_K": top_k, "LOG": max(num_bins.bit_length(), 1)}
 
 
+def _rows(x: torch.Tensor, mode: int) -> int:
+    """Rows of the padded layout (the bound every padded destination is checked against)."""
+    return x.shape[0] if mode == PADDED else 0
+
+
 def _launch_gather(
-    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor | None,
-    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor | None,
-    top_k: int, out: torch.Tensor, mode: int, bin_size: int, inv: torch.Tensor | None = None,
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
+    padded_bins: torch.Tensor | None, top_k: int, out: torch.Tensor, mode: int, bin_size: int,
+    inv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)  # numpy ints are not kernel scalars
     num_tokens, hidden = x.shape
@@ -240,20 +349,20 @@ def _launch_gather(
         inv = _inverse(indices) if num_tokens else indices
     grid = (num_tokens + pad_programs * cfg.zero_rows, cfg.split_h)
     _gather_kernel[grid](
-        x, inv, bin_ids if bin_ids is not None else indices, weights if weights is not None else x,
+        x, indices, inv, weights if weights is not None else x,
         bins, padded_bins if padded_bins is not None else bins, out,
-        num_tokens, hidden, num_bins, bin_size,
+        num_tokens, hidden, indices.numel(), num_bins, bin_size, _rows(out, mode),
         BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=cfg.zero_rows, MODE=mode,
-        HAS_WEIGHTS=weights is not None, num_warps=cfg.num_warps, **_meta(top_k, num_bins),
+        HAS_WEIGHTS=weights is not None, num_warps=cfg.num_warps,
+        BLOCK_E=min(triton.next_power_of_2(max(num_bins, 1)), 256), **_meta(top_k, num_bins),
         **_options(),
     )
     return out
 
 
 def _launch_scatter(
-    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor | None,
-    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor | None,
-    top_k: int, mode: int, bin_size: int,
+    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
+    padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)
     num_tokens = indices.numel() // top_k
@@ -264,10 +373,9 @@ def _launch_scatter(
     cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
     _scatter_kernel[(num_tokens, cfg.split_h)](
-        x, _inverse(indices), bin_ids if bin_ids is not None else indices,
-        weights if weights is not None else x, bins,
+        x, indices, _inverse(indices), weights if weights is not None else x, bins,
         padded_bins if padded_bins is not None else bins, out,
-        hidden, num_bins, bin_size,
+        hidden, indices.numel(), num_bins, bin_size, _rows(x, mode),
         BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, MODE=mode, HAS_WEIGHTS=weights is not None,
         num_warps=cfg.num_warps, **_meta(top_k, num_bins), **_options(),
     )
@@ -275,8 +383,8 @@ def _launch_scatter(
 
 
 def _launch_wgrad(
-    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor | None,
-    bins: torch.Tensor, padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
+    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor,
+    padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)
     n = indices.numel()
@@ -290,9 +398,9 @@ def _launch_wgrad(
     cfg = launch_configs().wgrad(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
     _wgrad_kernel[(num_tokens,)](
-        x, grad, _inverse(indices), bin_ids if bin_ids is not None else indices, bins,
+        x, grad, indices, _inverse(indices), bins,
         padded_bins if padded_bins is not None else bins, out,
-        hidden, num_bins, bin_size,
+        hidden, n, num_bins, bin_size, _rows(x, mode),
         BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, K_PAD=triton.next_power_of_2(top_k),
         **_meta(top_k, num_bins), **_options(),
     )
@@ -308,7 +416,7 @@ def gather(
 ) -> torch.Tensor:
     """(T, H) -> (T*K, H): out[i] = x[indices[i] // K] * weights[indices[i]] (if weights)."""
     out = torch.empty((indices.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    return _launch_gather(x, indices, None, weights, bins, None, top_k, out, PLAIN, 0)
+    return _launch_gather(x, indices, weights, bins, None, top_k, out, PLAIN, 0)
 
 
 def scatter(
@@ -316,7 +424,7 @@ def scatter(
     weights: torch.Tensor | None, bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(T*K, H) sorted rows -> (T, H): weighted top-k sum per token (fp32 accumulation)."""
-    return _launch_scatter(x, indices, None, weights, bins, None, top_k, PLAIN, 0)
+    return _launch_scatter(x, indices, weights, bins, None, top_k, PLAIN, 0)
 
 
 def scatter_wgrad(
@@ -324,7 +432,7 @@ def scatter_wgrad(
     bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(n,) in x.dtype: out[indices[i]] = dot(x[i], grad[indices[i] // K])."""
-    return _launch_wgrad(x, grad, indices, None, bins, None, top_k, PLAIN, 0)
+    return _launch_wgrad(x, grad, indices, bins, None, top_k, PLAIN, 0)
 
 
 def padded_gather(
@@ -338,8 +446,11 @@ def padded_gather(
     # Queue the inverse permutation first: the GPU computes it while the host waits on the read.
     inv = _inverse(indices) if indices.numel() else indices
     rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
+    if rows < 0:
+        raise ContractError(f"megablocks_core.ops.padded_gather: argument 'padded_bins' ends at {rows}, "
+                            "but its last entry is the output's row count (expected >= 0)")
     out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    return _launch_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k, out, PADDED, 0, inv)
+    return _launch_gather(x, indices, weights, bins, padded_bins, top_k, out, PADDED, 0, inv)
 
 
 def padded_scatter(
@@ -347,7 +458,7 @@ def padded_scatter(
     weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(padded rows, H) -> (T, H): inverse of padded_gather, weighted top-k sum in fp32."""
-    return _launch_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k, PADDED, 0)
+    return _launch_scatter(x, indices, weights, bins, padded_bins, top_k, PADDED, 0)
 
 
 def padded_scatter_wgrad(
@@ -355,7 +466,7 @@ def padded_scatter_wgrad(
     bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(n,): dot of each flat id's padded row with its token's grad row."""
-    return _launch_wgrad(x, grad, indices, bin_ids, bins, padded_bins, top_k, PADDED, 0)
+    return _launch_wgrad(x, grad, indices, bins, padded_bins, top_k, PADDED, 0)
 
 
 def binned_gather(
@@ -365,7 +476,7 @@ def binned_gather(
     """(T, H) -> (E, bin_size, H) zero-filled; copies beyond an expert's capacity are dropped."""
     num_bins, bin_size = bins.numel(), int(bin_size)
     out = torch.empty((num_bins, bin_size, x.shape[1]), dtype=x.dtype, device=x.device)
-    _launch_gather(x, indices, None, weights, bins, None, top_k, out, BINNED, bin_size)
+    _launch_gather(x, indices, weights, bins, None, top_k, out, BINNED, bin_size)
     return out
 
 
@@ -374,11 +485,11 @@ def binned_scatter(
     bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(E, bin_size, H) -> (T, H): weighted top-k sum; dropped copies contribute 0."""
-    return _launch_scatter(x, indices, None, weights, bins, None, top_k, BINNED, x.shape[1])
+    return _launch_scatter(x, indices, weights, bins, None, top_k, BINNED, x.shape[1])
 
 
 def binned_scatter_wgrad(
     x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(n,): dot of each kept binned row with its token's grad row; 0 for dropped copies."""
-    return _launch_wgrad(x, grad, indices, None, bins, None, top_k, BINNED, x.shape[1])
+    return _launch_wgrad(x, grad, indices, bins, None, top_k, BINNED, x.shape[1])

@@ -148,6 +148,9 @@ def _counting_scatter_kernel(
             before += tl.sum(tl.where((rows < pid)[:, None], blk, 0), axis=0)
     ends = tl.cumsum(total, axis=0)
     base = ends - total + before  # where this tile's first key of each bin goes
+    # Keys outside [0, num_bins) (route only) go after every valid key, in input order: earlier
+    # tiles are full, so they hold pid * TILE keys of which sum(before) are valid.
+    stray_base = tl.sum(total, axis=0) + pid * TILE - tl.sum(before, axis=0)
 
     if WRITE_META and pid == 0:
         real = cols < num_bins
@@ -171,6 +174,12 @@ def _counting_scatter_kernel(
         payload = tl.load(payload_ptr + offs, mask=inb, other=0) if HAS_PAYLOAD else offs
         tl.store(index_ptr + pos, payload.to(index_ptr.dtype.element_ty), mask=valid)
         base += tl.histogram(digit, NB, mask=valid)
+        if not USE_MASK:  # a radix pass places every key; route drops none either
+            stray = inb & ~valid
+            stray_pos = stray_base + tl.cumsum(stray.to(tl.int32), axis=0) - 1
+            tl.store(values_ptr + stray_pos, raw, mask=stray)
+            tl.store(index_ptr + stray_pos, payload.to(index_ptr.dtype.element_ty), mask=stray)
+            stray_base += tl.sum(stray.to(tl.int32), axis=0)
 
 
 def _options() -> Mapping[str, Any]:
@@ -235,7 +244,8 @@ def route(
     bin_ids in top_experts' dtype), the per-expert counts, their inclusive
     cumsum, and the inclusive cumsum of the counts rounded up to block_size
     (the three int32, shape (num_experts,)). Expert ids outside
-    [0, num_experts) are left out of everything (their slots stay unwritten).
+    [0, num_experts) are not counted and sort after every valid id, in input
+    order (bin_ids keeps them as they are): indices is always a permutation.
     """
     num_experts, block_size = int(num_experts), int(block_size)
     keys = top_experts.reshape(-1)
@@ -250,10 +260,13 @@ def route(
     if num_experts > MAX_COUNTING_BINS:
         # Too many bins for the in-register scan: documented torch fallback
         # (stable radix sort by torch + our sync-free histogram and cumsum).
-        bin_ids, order = torch.sort(keys, stable=True)
+        # Ids out of range sort last, as in the counting sort (int32 keys: num_experts may not
+        # fit int16).
+        valid = (keys >= 0) & (keys < num_experts)
+        _, order = torch.sort(torch.where(valid, keys.int(), num_experts), stable=True)
         tpe = histogram(keys, num_experts)
         rounded = (tpe + block_size - 1) // block_size * block_size
-        return (order.to(keys.dtype), bin_ids, tpe, inclusive_cumsum(tpe, 0),
+        return (order.to(keys.dtype), keys[order], tpe, inclusive_cumsum(tpe, 0),
                 inclusive_cumsum(rounded, 0))
     bin_ids, indices = _counting_pass(
         keys, None, num_experts, 0, None, meta=(tpe, bins, padded, block_size)
