@@ -35,7 +35,7 @@ from ..library import output_meta
 from ..validation import ContractError, ContractTypeError
 from .kit import REFERENCE, TOLERANCES, Mismatch, compare
 
-__all__ = ["CASES", "BadCase", "Failure", "case_names", "check_result", "run", "run_case"]
+__all__ = ["CASES", "BadCase", "Failure", "case_names", "check_call", "check_result", "run", "run_case"]
 
 Args = tuple[Any, ...]
 
@@ -516,6 +516,27 @@ def _force(backend: str, op: str) -> Any:
     return use_backend(REFERENCE) if backend == REFERENCE else use_backend(backend, REFERENCE, **{op: backend})
 
 
+def check_call(backend: str, op: str, args: Args, must_raise: bool = False) -> str | None:
+    """Call ``op`` on ``backend`` with (possibly bad) kernel-order ``args``; None when the
+    outcome is allowed (the documented safe result, or the core's error naming the op), else
+    what is wrong. Also for generated inputs (e.g. hypothesis)."""
+    try:
+        with _force(backend, op):
+            out = ENTRIES[op](*args)
+    except (ContractError, ContractTypeError) as exc:
+        return None if f"ops.{op}" in str(exc) else f"{type(exc).__name__} does not name the op: {exc}"
+    except Exception as exc:
+        return (f"raised {type(exc).__name__} (only the core's ContractError/ContractTypeError may be "
+                f"raised): {str(exc)[:300]}")
+    if must_raise:
+        return "returned; no safe result exists, a ContractError is required"
+    try:
+        check_result(op, args, out)
+    except Mismatch as exc:
+        return str(exc)
+    return None
+
+
 def run_case(backend: str, name: str, device: torch.device | str = "cpu") -> Failure | None:
     """Run one case on ``backend``; None when it holds. A crash kills the calling process."""
     case = _BY_NAME[name]
@@ -524,23 +545,9 @@ def run_case(backend: str, name: str, device: torch.device | str = "cpu") -> Fai
     valid = _valid_args(case.op, device)
     with use_backend(REFERENCE):
         want = call(*valid)
-    args = case.build(device)
-    try:
-        with _force(backend, case.op):
-            out = call(*args)
-    except (ContractError, ContractTypeError) as exc:
-        if f"ops.{case.op}" not in str(exc):
-            return Failure(name, backend, f"{type(exc).__name__} does not name the op: {exc}")
-    except Exception as exc:
-        return Failure(name, backend, f"raised {type(exc).__name__} (only the core's ContractError/"
-                                      f"ContractTypeError may be raised): {str(exc)[:300]}")
-    else:
-        if case.must_raise:
-            return Failure(name, backend, "returned; no safe result exists, a ContractError is required")
-        try:
-            check_result(case.op, args, out)
-        except Mismatch as exc:
-            return Failure(name, backend, str(exc))
+    problem = check_call(backend, case.op, case.build(device), case.must_raise)
+    if problem is not None:
+        return Failure(name, backend, problem)
     try:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a device fault surfaces here, named by this case

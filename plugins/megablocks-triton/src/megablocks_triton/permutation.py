@@ -347,12 +347,15 @@ def _launch_gather(
     cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
     if inv is None:
         inv = _inverse(indices) if num_tokens else indices
-    grid = (num_tokens + pad_programs * cfg.zero_rows, cfg.split_h)
+    # The CPU runs programs one by one (TRITON_INTERPRET=1): two padding programs per expert
+    # still exercise the lane split, at an eighth of the cost.
+    zero_rows = min(cfg.zero_rows, 2) if x.device.type == "cpu" else cfg.zero_rows
+    grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
     _gather_kernel[grid](
         x, indices, inv, weights if weights is not None else x,
         bins, padded_bins if padded_bins is not None else bins, out,
         num_tokens, hidden, indices.numel(), num_bins, bin_size, _rows(out, mode),
-        BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=cfg.zero_rows, MODE=mode,
+        BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=zero_rows, MODE=mode,
         HAS_WEIGHTS=weights is not None, num_warps=cfg.num_warps,
         BLOCK_E=min(triton.next_power_of_2(max(num_bins, 1)), 256), **_meta(top_k, num_bins),
         **_options(),
