@@ -107,6 +107,44 @@ EMPTY_AND_ZERO = (
 )
 FP32_ACCUMULATION = "Weighting and summation accumulate in float32 (float64 for float64 data)."
 
+# Bad data: what each op returns for data that breaks its checked rules. Those rules run only in
+# checked mode (MEGABLOCKS_CHECK=1), so this data reaches the kernels; every backend must stay
+# inside its tensors and write every output element (see docs/writing-a-plugin.md).
+UNCHECKED = "bad data (unchecked unless MEGABLOCKS_CHECK=1; never an out-of-bounds access or an unwritten element): "
+GATHER_BAD_INDICES = (
+    UNCHECKED + "indices not a permutation: a row whose flat id is in [0, tokens * top_k) gets "
+    "x[id // top_k] (weighted), duplicate ids included; a row whose id is out of range (negative "
+    "too) is 0"
+)
+SCATTER_BAD_INDICES = (
+    UNCHECKED + "indices not a permutation: each (token, k) reads one of the rows naming its "
+    "flat id (which one is unspecified when several do) and contributes 0 when none does; ids "
+    "out of range are ignored"
+)
+WGRAD_BAD_INDICES = (
+    UNCHECKED + "indices not a permutation: out[f] uses one of the rows naming f (unspecified "
+    "which), 0 when none does; ids out of range are ignored"
+)
+LAYOUT_FROM_BINS = (
+    "The expert of sorted row i is the e with bins[e-1] <= i < bins[e]; bin_ids must agree with "
+    "bins (checked mode checks it) and a backend may read either."
+)
+PADDED_BAD_LAYOUT = (
+    UNCHECKED + "bins or padded_bins not cumulative sums, or a padded bin too small for its "
+    "rows: every element is 0 or the element of a (weighted) row of x, which row lands where is "
+    "unspecified; rows placed outside the output are dropped"
+)
+PADDED_NEGATIVE_END = "padded_bins[-1] < 0 (it is the output's row count): ContractError"
+LAYOUT_BAD_READS = (
+    UNCHECKED + "bins or padded_bins not cumulative sums (or x with fewer rows than they say): "
+    "each (token, k) reads some row of x or contributes 0; nothing outside x is read"
+)
+BINNED_BAD_LAYOUT = (
+    UNCHECKED + "bins not a cumulative sum: every element is 0 or the element of a (weighted) "
+    "row of x, which row lands where is unspecified; bins past the rows (bins[-1] > rows) leave "
+    "the missing rows 0"
+)
+
 # ---------------------------------------------------------------------------
 # Routing
 
@@ -129,7 +167,9 @@ SORT = OpContract(
         Output("indices", "x.dtype", ("x.shape[0]",), "position in x of each sorted key"),
     ),
     semantics="Equal keys keep their input order (stable), so the result is deterministic.",
-    edge_cases=("empty input: empty outputs",),
+    edge_cases=("empty input: empty outputs",
+                UNCHECKED + "keys outside [0, 2**end_bit): indices is still a permutation and "
+                "values = x[indices]; their order is unspecified"),
     deviations=(
         "int16 keys longer than 32768 are rejected; MegaBlocks returns wrapped int16 indices.",
     ),
@@ -203,7 +243,9 @@ TOPOLOGY = OpContract(
         "Block-row r of expert e (padded_bins[e-1] <= r * block_size < padded_bins[e]) gets "
         "columns e * output_block_columns + [0, output_block_columns)."
     ),
-    edge_cases=("experts with no rows own no block-rows", "output_block_rows = 0: empty output"),
+    edge_cases=("experts with no rows own no block-rows", "output_block_rows = 0: empty output",
+                UNCHECKED + "padded_bins not a cumulative sum of whole blocks: every entry is "
+                "e * output_block_columns + j for some e in [0, experts]"),
 )
 
 REPLICATE = OpContract(
@@ -225,7 +267,9 @@ REPLICATE = OpContract(
         "out[b, j] = x[b, e] for bins[e-1] <= j < bins[e]; columns past bins[-1] are 0. "
         "The gradient is a per-bin sum."
     ),
-    edge_cases=("empty bins: no output columns", "num_outputs = 0: empty output"),
+    edge_cases=("empty bins: no output columns", "num_outputs = 0: empty output",
+                UNCHECKED + "bins not a cumulative sum: every element is 0 or a value of its "
+                "row of x"),
     deviations=("Any float or int dtype, forward and backward (MegaBlocks: fp16/int16/int32, fp16 backward).",),
 )
 
@@ -239,7 +283,9 @@ REPLICATE_BACKWARD = OpContract(
     ),
     outputs=(Output("out", "grad.dtype", ("grad.shape[0]", "bins.shape[0]")),),
     semantics="out[b, e] = sum(grad[b, bins[e-1]:bins[e]]), accumulated in float32 (float64 for float64).",
-    edge_cases=("an empty bin sums to exactly 0",),
+    edge_cases=("an empty bin sums to exactly 0",
+                UNCHECKED + "bins not a cumulative sum: each bin sums some columns of grad "
+                "inside grad (which ones is unspecified)"),
 )
 
 ROUTE = OpContract(
@@ -269,7 +315,10 @@ ROUTE = OpContract(
         "those dispatched ops, so every backend that provides them gets route for free; a backend "
         "may provide a fused kernel instead."
     ),
-    edge_cases=("zero tokens: empty indices, all-zero counts",),
+    edge_cases=("zero tokens: empty indices, all-zero counts",
+                UNCHECKED + "expert ids outside [0, num_experts) are not counted and sort after "
+                "every valid id, in input order; bin_ids keeps them as given, indices stays a "
+                "permutation and bins[-1] counts only the valid ids"),
     deviations=("Not in MegaBlocks, which makes the caller issue the five ops (and a sync in places).",),
 )
 
@@ -284,7 +333,7 @@ GATHER = OpContract(
     outputs=(Output("out", "x.dtype", ("indices.shape[0]", "x.shape[1]"), "expert-sorted rows"),),
     differentiable=("x",),
     semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level). " + FP32_ACCUMULATION,
-    edge_cases=EMPTY_AND_ZERO,
+    edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES),
 )
 
 SCATTER = OpContract(
@@ -298,7 +347,7 @@ SCATTER = OpContract(
         "out[t] = sum over k of weights[t*top_k + k] * x[i], where indices[i] = t*top_k + k. "
         + FP32_ACCUMULATION
     ),
-    edge_cases=EMPTY_AND_ZERO,
+    edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES),
 )
 
 SCATTER_WGRAD = OpContract(
@@ -308,7 +357,7 @@ SCATTER_WGRAD = OpContract(
     rules=(SORTED_ROWS_MATCH, GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, SAME_LENGTH, WHOLE_TOKENS, INDICES_FIT),
     outputs=(WGRAD_OUT,),
     semantics="out[indices[i]] = dot(x[i], grad[indices[i] // top_k]), accumulated in float32.",
-    edge_cases=EMPTY_AND_ZERO,
+    edge_cases=(*EMPTY_AND_ZERO, WGRAD_BAD_INDICES),
 )
 
 PADDED_GATHER = OpContract(
@@ -321,9 +370,10 @@ PADDED_GATHER = OpContract(
     differentiable=("x",),
     semantics=(
         "Sorted row i of expert e = bin_ids[i] lands at padded_bins[e-1] + (i - bins[e-1]); "
-        "rows no token lands on are 0. " + FP32_ACCUMULATION
+        "rows no token lands on are 0. " + LAYOUT_FROM_BINS + " " + FP32_ACCUMULATION
     ),
-    edge_cases=(*EMPTY_AND_ZERO, "no experts: empty output"),
+    edge_cases=(*EMPTY_AND_ZERO, "no experts: empty output", GATHER_BAD_INDICES, PADDED_BAD_LAYOUT,
+                PADDED_NEGATIVE_END),
     deviations=("The output row count is read from padded_bins on the host (a sync), as in MegaBlocks.",),
 )
 
@@ -336,7 +386,7 @@ PADDED_SCATTER = OpContract(
     outputs=(TOKENS_OUT,),
     differentiable=("x", "weights"),
     semantics="As scatter, reading the row each (token, k) was padded_gather'ed to. " + FP32_ACCUMULATION,
-    edge_cases=(*EMPTY_AND_ZERO, "padding rows are never read"),
+    edge_cases=(*EMPTY_AND_ZERO, "padding rows are never read", SCATTER_BAD_INDICES, LAYOUT_BAD_READS),
 )
 
 PADDED_SCATTER_WGRAD = OpContract(
@@ -346,7 +396,7 @@ PADDED_SCATTER_WGRAD = OpContract(
     rules=(GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, SAME_LENGTH, WHOLE_TOKENS, INDICES_FIT, PADDED_LENGTH),
     outputs=(WGRAD_OUT,),
     semantics="As scatter_wgrad, reading padded rows. Accumulated in float32.",
-    edge_cases=EMPTY_AND_ZERO,
+    edge_cases=(*EMPTY_AND_ZERO, WGRAD_BAD_INDICES, LAYOUT_BAD_READS),
 )
 
 BINNED_GATHER = OpContract(
@@ -360,7 +410,8 @@ BINNED_GATHER = OpContract(
         "out[e, j] = x[indices[bins[e-1] + j] // top_k] for j < min(bin_size, rows of e); "
         "other rows are 0. " + FP32_ACCUMULATION
     ),
-    edge_cases=(*EMPTY_AND_ZERO, "rows beyond bin_size are dropped", "bin_size = 0: empty bins"),
+    edge_cases=(*EMPTY_AND_ZERO, "rows beyond bin_size are dropped", "bin_size = 0: empty bins",
+                GATHER_BAD_INDICES, BINNED_BAD_LAYOUT),
 )
 
 BINNED_SCATTER = OpContract(
@@ -371,7 +422,8 @@ BINNED_SCATTER = OpContract(
     outputs=(TOKENS_OUT,),
     differentiable=("x", "weights"),
     semantics="out[t] = sum over kept k of weights[t*top_k + k] * x[e, j]. " + FP32_ACCUMULATION,
-    edge_cases=(*EMPTY_AND_ZERO, "a token whose rows were all dropped gets 0"),
+    edge_cases=(*EMPTY_AND_ZERO, "a token whose rows were all dropped gets 0", SCATTER_BAD_INDICES,
+                LAYOUT_BAD_READS),
 )
 
 BINNED_SCATTER_WGRAD = OpContract(
@@ -382,7 +434,7 @@ BINNED_SCATTER_WGRAD = OpContract(
            GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, WHOLE_TOKENS, INDICES_FIT),
     outputs=(WGRAD_OUT,),
     semantics="As scatter_wgrad for kept rows; dropped rows get 0. Accumulated in float32.",
-    edge_cases=(*EMPTY_AND_ZERO, "dropped rows get exactly 0"),
+    edge_cases=(*EMPTY_AND_ZERO, "dropped rows get exactly 0", WGRAD_BAD_INDICES, LAYOUT_BAD_READS),
 )
 
 # ---------------------------------------------------------------------------
@@ -398,6 +450,12 @@ GROUPS_COVER_A = Rule("int(batch_sizes.sum()) == a.shape[0]", "the groups cover 
                       checked="batch_sizes")
 GROUPS_NONNEGATIVE = Rule("batch_sizes.numel() == 0 or int(batch_sizes.min()) >= 0",
                           "group sizes are not negative", checked="batch_sizes")
+
+GMM_BAD_SIZES = (
+    UNCHECKED + "device-side batch_sizes that are negative or do not sum to the rows of a: a "
+    "negative size counts as 0, groups are cut at a's last row, and output rows no group covers "
+    "are 0"
+)
 
 GMM = OpContract(
     name="gmm", family="grouped_gemm",
@@ -423,7 +481,8 @@ GMM = OpContract(
         "a's device it is the sync-free form: nothing reads it on the host unless MEGABLOCKS_CHECK=1, "
         "and the default ranking never picks a provider that would copy it there."
     ),
-    edge_cases=("rows = 0: empty output", "empty experts: no rows, exactly-zero weight gradient"),
+    edge_cases=("rows = 0: empty output", "empty experts: no rows, exactly-zero weight gradient",
+                GMM_BAD_SIZES),
 )
 
 GMM_WEIGHT_GRAD = OpContract(
@@ -441,7 +500,7 @@ GMM_WEIGHT_GRAD = OpContract(
     ),
     outputs=(Output("out", "a.dtype", ("batch_sizes.shape[0]", "a.shape[1]", "grad.shape[1]")),),
     semantics="out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32.",
-    edge_cases=("an empty expert gets exactly 0",),
+    edge_cases=("an empty expert gets exactly 0", GMM_BAD_SIZES),
 )
 
 # ---------------------------------------------------------------------------
