@@ -226,3 +226,20 @@ def test_triton_gmm_random_device_sizes(sizes, trans_b):
     for impl in (triton_gmm, reference):
         bad_data.check_result("gmm", (a, b, batch, trans_b), impl.gmm(a, b, batch, trans_b))
         bad_data.check_result("gmm_weight_grad", (a, grad, batch), impl.gmm_weight_grad(a, grad, batch))
+
+
+@pytest.mark.parametrize("sizes", [[6, 6, 9], [3, 2, 4], [-4, 10, 6], [2**40, 1, 1], [0, 0, 0]])
+def test_cuda_grouped_mm_makes_device_sizes_safe(monkeypatch, sizes):
+    """The cuda plugin's torch._grouped_mm provider with unchecked (device-side) sizes, run on the
+    CPU by treating CPU sizes as unchecked: clamped, cut at the last row, uncovered rows 0."""
+    from megablocks_cuda import gmm as cuda_gmm
+
+    if cuda_gmm.grouped_mm_function() is None:
+        pytest.skip("this torch has no grouped mm")
+    monkeypatch.setattr(cuda_gmm, "_unchecked", lambda batch_sizes: True)
+    gen = torch.Generator().manual_seed(9)
+    a, b, grad = torch.randn(12, 8, generator=gen), torch.randn(3, 8, 8, generator=gen), torch.randn(12, 8, generator=gen)
+    batch = torch.tensor(sizes)
+    bad_data.check_result("gmm", (a, b, batch, False), cuda_gmm.grouped_mm_gmm(a, b, batch, False))
+    bad_data.check_result("gmm_weight_grad", (a, grad, batch),
+                          cuda_gmm.grouped_mm_gmm_weight_grad(a, grad, batch))

@@ -47,10 +47,37 @@ def _shape_of(a: Tensor, b: Tensor, trans_b: bool) -> tuple[int, int, int]:
     return a.shape[0], a.shape[1], b.shape[1] if trans_b else b.shape[2]
 
 
-def _end_offsets(batch_sizes: Tensor, device: torch.device) -> Tensor:
-    # non_blocking: a CPU→device copy that never waits for the device (no host sync).
-    sizes = batch_sizes.to(device=device, non_blocking=True)
-    return torch.cumsum(sizes, 0, dtype=torch.int32)
+def _unchecked(batch_sizes: Tensor) -> bool:
+    """Device-side sizes: the core checks them only in checked mode (CPU ones always)."""
+    return batch_sizes.device.type != "cpu"
+
+
+def _end_offsets(batch_sizes: Tensor, device: torch.device, rows: int) -> Tensor:
+    """int32 end offset of each group on ``device``, without a host sync.
+
+    CPU sizes were checked by the core (non-negative, summing to ``rows``). Device-side sizes are
+    not, outside checked mode: negative sizes count as 0 and the groups are cut at ``rows``, so
+    torch's grouped mm never addresses a row outside a (three tiny launches on E values).
+    """
+    if not _unchecked(batch_sizes):
+        # non_blocking: a CPU→device copy that never waits for the device (no host sync).
+        sizes = batch_sizes.to(device=device, non_blocking=True)
+        return torch.cumsum(sizes, 0, dtype=torch.int32)
+    ends = torch.cumsum(batch_sizes.to(device).clamp(min=0), 0, dtype=torch.int64)
+    return ends.clamp_(max=rows).to(torch.int32)
+
+
+def _zero_uncovered_rows(out: Tensor, offs: Tensor, batch_sizes: Tensor) -> Tensor:
+    """Zero the rows past the last group end (device-side sizes summing short of the rows):
+    torch's grouped mm leaves them unwritten. One launch that writes only those rows."""
+    if not _unchecked(batch_sizes) or out.numel() == 0:
+        return out  # checked on the host: the groups cover every row
+    ext = extension.load() if extension.problem() is None else None
+    if out.is_cuda and out.is_contiguous() and hasattr(ext, "zero_uncovered_rows"):
+        ext.zero_uncovered_rows(out, offs)
+        return out
+    rows = torch.arange(out.shape[0], device=out.device)
+    return out.masked_fill_((rows >= offs[-1:].long()).view(-1, 1), 0)  # a pass, without the extension
 
 
 def _round_up(size: int, element_size: int) -> int:
@@ -100,7 +127,7 @@ def grouped_mm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> 
     experts = b.shape[0]
     if 0 in (m, k, n, experts):
         return a.new_zeros(m, n)
-    offs = _end_offsets(batch_sizes, a.device)
+    offs = _end_offsets(batch_sizes, a.device, m)
     kp, np_ = _round_up(k, a.element_size()), _round_up(n, a.element_size())
     a = _aligned(a, (m, kp))
     if trans_b:  # (E, N, K) row-major is (E, K, N) column-major: only K must be aligned
@@ -108,7 +135,7 @@ def grouped_mm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> 
     else:
         mat_b = _aligned(b, (experts, kp, np_))
     out = grouped_mm_function()(a, mat_b, offs=offs)  # type: ignore[misc]
-    return out[:, :n].contiguous()
+    return _zero_uncovered_rows(out[:, :n].contiguous(), offs, batch_sizes)
 
 
 def _trivial_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor | None:
@@ -123,11 +150,14 @@ def grouped_mm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> 
         return trivial
     m, k = a.shape
     n = grad.shape[1]
-    offs = _end_offsets(batch_sizes, a.device)
+    offs = _end_offsets(batch_sizes, a.device, m)
     kp, np_ = _round_up(k, a.element_size()), _round_up(n, a.element_size())
     # Groups run along the rows of a and grad: rows past offs[-1] belong to no group.
     out = grouped_mm_function()(_aligned(a, (m, kp)).t(), _aligned(grad, (m, np_)), offs=offs)  # type: ignore[misc]
     out = out[:, :k, :n].contiguous()
+    if _unchecked(batch_sizes):
+        # The sizes the groups got (bad device-side sizes are clamped): those are the empty ones.
+        batch_sizes = torch.diff(offs, prepend=offs.new_zeros(1))
     return _zero_empty_experts(out, batch_sizes)
 
 
@@ -137,6 +167,12 @@ def grouped_mm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> 
 def _host_sizes(batch_sizes: Tensor) -> Tensor:
     # grouped_gemm reads int64 sizes on the host: device-side counts cost a sync here.
     return batch_sizes.to("cpu", torch.int64)
+
+
+def _host_sizes_ok(sizes: Tensor, rows: int) -> bool:
+    """Device-side sizes are unchecked outside checked mode; now on the host, check them for free.
+    grouped_gemm trusts them, so bad ones go to the grouped_mm path, which makes them safe."""
+    return bool((sizes >= 0).all()) and int(sizes.sum()) == rows
 
 
 def _capturing(batch_sizes: Tensor) -> bool:
@@ -149,7 +185,10 @@ def grouped_gemm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -
         return a.new_zeros(m, n)
     if _capturing(batch_sizes):  # no host sync possible inside a CUDA graph
         return grouped_mm_gmm(a, b, batch_sizes, trans_b)
-    return grouped_gemm_backend().gmm(a, b, _host_sizes(batch_sizes), False, trans_b)
+    sizes = _host_sizes(batch_sizes)
+    if not _host_sizes_ok(sizes, m):
+        return grouped_mm_gmm(a, b, batch_sizes, trans_b)
+    return grouped_gemm_backend().gmm(a, b, sizes, False, trans_b)
 
 
 def grouped_gemm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
@@ -159,5 +198,7 @@ def grouped_gemm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -
     if _capturing(batch_sizes):
         return grouped_mm_gmm_weight_grad(a, grad, batch_sizes)
     sizes = _host_sizes(batch_sizes)
+    if not _host_sizes_ok(sizes, a.shape[0]):
+        return grouped_mm_gmm_weight_grad(a, grad, batch_sizes)
     out = grouped_gemm_backend().gmm(a, grad, sizes, True, False)
     return _zero_empty_experts(out, sizes)

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("replicate_backward", &megablocks_cuda::replicate_backward, "per-bin sums of columns");
   m.def("zero_empty_groups", &megablocks_cuda::zero_empty_groups,
         "zero out[e] in place where counts[e] == 0");
+  m.def("zero_uncovered_rows", &megablocks_cuda::zero_uncovered_rows,
+        "zero rows [ends[-1], rows) of a (rows, cols) output in place");
   m.def("has_kernel_image", &megablocks_cuda::has_kernel_image,
         "whether this build has code for the device");
 }

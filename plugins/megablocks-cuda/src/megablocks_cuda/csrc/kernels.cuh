@@ -200,4 +200,19 @@ __global__ void zero_empty_groups_kernel(T* out, const CountT* counts, int64_t g
   }
 }
 
+// Zero rows [ends[groups - 1], rows) of a row-major (rows, cols) output: the rows no group covers
+// when device-side group sizes (unchecked outside checked mode) add up to fewer than `rows`.
+// The end is clamped to [0, rows]; on valid sizes it equals `rows` and no thread writes anything.
+template <typename T, typename EndT>
+__global__ void zero_uncovered_rows_kernel(T* out, const EndT* ends, int64_t groups, int64_t rows,
+                                           int64_t cols) {
+  int64_t covered = static_cast<int64_t>(ends[groups - 1]);
+  covered = covered < 0 ? 0 : (covered > rows ? rows : covered);
+  const int64_t total = rows * cols;
+  for (int64_t i = covered * cols + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = T(0);
+  }
+}
+
 }  // namespace megablocks_cuda

@@ -196,6 +196,26 @@ void zero_empty_groups(torch::Tensor& out, const torch::Tensor& counts) {
   });
 }
 
+void zero_uncovered_rows(torch::Tensor& out, const torch::Tensor& ends) {
+  check_cuda(out, "out");
+  check_cuda(ends, "ends");
+  TORCH_CHECK(out.dim() == 2, "megablocks_cuda.zero_uncovered_rows: expected a (rows, cols) output");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const int64_t groups = ends.numel();
+  if (out.numel() == 0 || groups == 0) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int blocks = blocks_for(out.numel(), kThreads * 4, 1024);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(),
+                                  "megablocks_cuda.zero_uncovered_rows", [&] {
+    using value_t = scalar_t;
+    MB_DISPATCH_INTS(ends.scalar_type(), "megablocks_cuda.zero_uncovered_rows", [&] {
+      zero_uncovered_rows_kernel<value_t, scalar_t><<<blocks, kThreads, 0, stream>>>(
+          out.data_ptr<value_t>(), ends.data_ptr<scalar_t>(), groups, out.size(0), out.size(1));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+}
+
 bool has_kernel_image(int64_t device_index) {
   // False when this build has no code for the device's architecture (e.g. an ahead-of-time
   // build for sm_90 on an sm_80 GPU): the capability check then rejects the routing kernels.

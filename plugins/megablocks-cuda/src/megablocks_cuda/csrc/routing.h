@@ -16,6 +16,7 @@ torch::Tensor topology(const torch::Tensor& padded_bins, int64_t block_size, int
 torch::Tensor replicate(const torch::Tensor& x, const torch::Tensor& bins, int64_t num_outputs);
 torch::Tensor replicate_backward(const torch::Tensor& grad, const torch::Tensor& bins);
 void zero_empty_groups(torch::Tensor& out, const torch::Tensor& counts);
+void zero_uncovered_rows(torch::Tensor& out, const torch::Tensor& ends);
 bool has_kernel_image(int64_t device_index);
 
 }  // namespace megablocks_cuda
