@@ -32,10 +32,11 @@ from ..contract import RULE_HELPERS, DataDim
 from ..contracts import BY_NAME
 from ..dispatch import ENTRIES, registry, use_backend
 from ..library import output_meta
+from ..ranking import NoKernelError
 from ..validation import ContractError, ContractTypeError
 from .kit import REFERENCE, TOLERANCES, Mismatch, compare
 
-__all__ = ["CASES", "BadCase", "Failure", "case_names", "check_call", "check_result", "run", "run_case"]
+__all__ = ["CASES", "BadCase", "Declined", "Failure", "case_names", "check_call", "check_result", "run", "run_case"]
 
 Args = tuple[Any, ...]
 
@@ -53,6 +54,10 @@ class BadCase:
     build: Callable[[torch.device], Args]
     must_raise: bool = False
     """No safe result can be defined (e.g. a negative output size): a ContractError is required."""
+
+
+class Declined(Exception):
+    """The backend does not serve this call (device, dtype or shape): nothing to check."""
 
 
 @dataclass(frozen=True)
@@ -523,6 +528,8 @@ def check_call(backend: str, op: str, args: Args, must_raise: bool = False) -> s
     try:
         with _force(backend, op):
             out = ENTRIES[op](*args)
+    except NoKernelError as exc:
+        raise Declined(str(exc)) from None
     except (ContractError, ContractTypeError) as exc:
         return None if f"ops.{op}" in str(exc) else f"{type(exc).__name__} does not name the op: {exc}"
     except Exception as exc:
@@ -538,7 +545,8 @@ def check_call(backend: str, op: str, args: Args, must_raise: bool = False) -> s
 
 
 def run_case(backend: str, name: str, device: torch.device | str = "cpu") -> Failure | None:
-    """Run one case on ``backend``; None when it holds. A crash kills the calling process."""
+    """Run one case on ``backend``; None when it holds. A crash kills the calling process.
+    Raises :class:`Declined` when the backend does not serve the call."""
     case = _BY_NAME[name]
     device = torch.device(device)
     call = ENTRIES[case.op]
@@ -578,8 +586,11 @@ def run(backend: str, device: torch.device | str = "cpu", ops: Sequence[str] | N
             continue
         if not _serves(backend, case.op):
             continue
+        try:
+            failure = run_case(backend, case.name, device)
+        except Declined:
+            continue
         ran += 1
-        failure = run_case(backend, case.name, device)
         if failure is not None:
             failures.append(failure)
     return failures, ran
