@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="time every installed provider of each op against peers and the hardware limit")
     bench.add_argument("--shapes", default="", help="comma list of named shapes: mixtral, qwen3, dsv3, tiny "
-                       "(default: mixtral,qwen3,dsv3 unless --shape is given)")
+                       "(default unless --shape is given: mixtral,qwen3,dsv3 on accelerators, tiny on the CPU)")
     bench.add_argument("--shape", action="append", default=[], metavar="T,H,F,E,K",
                        help="a custom shape (repeatable)")
     bench.add_argument("--ops", default="", help="comma list of ops (default: all): routing, gather, "
