@@ -163,7 +163,7 @@ class Case:
 
     def __init__(self, name: str, shape: tuple[int, int, int, int, int], device: torch.device,
                  dtype: torch.dtype) -> None:
-        tokens, hidden, ffn, experts, top_k = shape
+        tokens, hidden, _, experts, top_k = shape
         self.name, self.tokens, self.hidden, self.ffn, self.experts, self.top_k = name, *shape
         gen = torch.Generator(device=device).manual_seed(0)
         logits = torch.randn(tokens, experts, device=device, generator=gen)
