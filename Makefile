@@ -4,13 +4,20 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PLUGINS := $(wildcard plugins/*/pyproject.toml)
+# Where pip looks for torch: pip's own configuration, plus TORCH_INDEX when set, e.g.
+#   make install TORCH_INDEX=https://download.pytorch.org/whl/cpu     (the CPU build, no CUDA libraries)
+# (passed to pip as PIP_EXTRA_INDEX_URL). Unset, nothing but pip's configured indexes is contacted.
+TORCH_INDEX ?=
+ifneq ($(strip $(TORCH_INDEX)),)
+export PIP_EXTRA_INDEX_URL := $(TORCH_INDEX)
+endif
 
 .PHONY: install demo example test lint bench-dispatch
 
 $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
-	# torch 2.13.0 is pinned so pip takes the CPU wheel; triton runs its kernels on the CPU
-	# under TRITON_INTERPRET=1 in the tests.
+	# torch 2.13.0 is pinned (from pip's indexes, plus TORCH_INDEX when set); triton runs its
+	# kernels on the CPU under TRITON_INTERPRET=1 in the tests.
 	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 "setuptools>=64" hypothesis==6.170.17
 	$(BIN)/pip install --quiet -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	touch $@

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from megablocks_core import bench
 from megablocks_core.cli import main
 
@@ -32,3 +34,24 @@ def test_bench_rejects_unknown_shape_and_op(capsys):
     assert main(["bench", "--shapes", "tiny", "--ops", "nope", "--device", "cpu"]) == 2
     assert "unknown op" in capsys.readouterr().err
     assert main(["bench", "--shape", "1,2,3", "--device", "cpu"]) == 2
+
+
+def test_bench_on_the_cpu_defaults_to_the_tiny_shape_and_says_so(capsys):
+    code = main(["bench", "--ops", "gather", "--device", "cpu", "--quick", "--no-peers"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "on the CPU the default shape is tiny" in err and "--shapes mixtral,qwen3,dsv3" in err
+    shapes = {line.split()[0] for line in out.splitlines()[1:] if line.strip()}
+    assert shapes == {"tiny"}
+    assert {line.split()[1] for line in out.splitlines()[1:] if line.strip()} == {"copy", "gather"}
+
+
+def test_a_case_builds_expert_weights_only_for_gmm():
+    case = bench.Case("tiny", bench.SHAPES["tiny"], torch.device("cpu"), torch.float32)
+    assert "w1" not in vars(case) and "padded_rows" not in vars(case)
+    results = list(bench.run(["tiny"], [], ["gather"], torch.device("cpu"), torch.float32, quick=True,
+                             peers=False, log=lambda _: None))
+    assert {r.op for r in results} == {"copy", "gather"}  # no gmm limit row: no weights built
+    tokens, hidden, ffn, experts, _ = bench.SHAPES["tiny"]
+    assert case.w1.shape == (experts, hidden, ffn) and case.w1.dtype == torch.float32
+    assert case.rows.shape == (tokens * 2, hidden)

@@ -230,3 +230,40 @@ def test_console_script_version():
                             timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"megablocks-core {mb.__version__}"
+
+
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(("demo", "--device", "cuda"), "device 'cuda': device cuda is not available", marks=NO_CUDA),
+    pytest.param(("example", "--device", "cuda"), "device 'cuda': device cuda is not available", marks=NO_CUDA),
+    (("example", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+    (("demo", "--device", "gpu0"), "device 'gpu0': Invalid device string"),
+    (("demo", "--steps", "1"), "--steps must be at least 2, got 1"),
+    (("demo", "--tokens", "0"), "--tokens must be at least 1, got 0"),
+    (("demo", "--top-k", "9"), "--top-k (9) cannot exceed --experts (8)"),
+    (("demo", "--backend", "nosuch"), "--backend: nosuch not installed"),
+    (("example", "--experts", "0"), "--experts must be at least 1, got 0"),
+    (("bench", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+    (("backends", "check", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+])
+def test_user_mistakes_are_one_line_errors_with_status_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("megablocks: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("steps", [2, 3, 5])
+def test_a_short_demo_passes_when_its_loss_falls(capsys, steps):
+    code, out, _ = run(capsys, "demo", "--steps", str(steps), "--backend", "reference")
+    assert code == 0, out
+    assert out.rstrip().splitlines()[-1] == "result: ok, the loss fell"
+
+
+def test_demo_success_rule_fits_the_step_count():
+    from megablocks_core.demo import required_fraction
+
+    assert required_fraction(2) == pytest.approx(0.95)
+    assert required_fraction(5) == pytest.approx(0.8)
+    assert required_fraction(11) == required_fraction(40) == 0.5

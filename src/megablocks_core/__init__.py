@@ -8,6 +8,8 @@
 
 __version__ = "0.1.0"
 
+import os as _os
+
 from . import library as _library  # noqa: F401  (registers torch.ops.megablocks.*)
 from . import ops
 from .descriptors import DeviceInfo, Kernel
@@ -15,10 +17,15 @@ from .dispatch import current_policy, explain, registry, reload, set_backend, us
 from .hookspecs import hookimpl
 from .ranking import NoKernelError, Policy
 from .registry import PluginLoadError
-from .validation import ContractError, ContractTypeError
+from .validation import BackendError, ContractError, ContractTypeError
+
+if _os.environ.get("MEGABLOCKS_STRICT_PLUGINS", "") not in ("", "0"):
+    # Strict mode fails fast: every plugin loads now, and one that cannot raises PluginLoadError
+    # from this import rather than from the first op call.
+    reload()
 
 __all__ = [
-    "ContractError", "ContractTypeError", "DeviceInfo", "Kernel", "NoKernelError", "PluginLoadError",
+    "BackendError", "ContractError", "ContractTypeError", "DeviceInfo", "Kernel", "NoKernelError", "PluginLoadError",
     "Policy", "__version__", "current_policy", "explain", "hookimpl", "ops", "registry", "reload",
     "set_backend", "use_backend",
 ]

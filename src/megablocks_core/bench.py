@@ -11,13 +11,16 @@ For each shape it builds realistic routing (softmax top-k of random logits), the
 - reports µs, GB/s (or TFLOP/s for gmm) and the ratio to a limit measured in the same run: a device
   copy of the op's ideal bytes for memory-bound ops, a dense matmul of the same FLOPs for gmm.
 
-On the CPU it times with ``time.perf_counter`` (for smoke tests); on GPUs with
-``triton.testing.do_bench`` (median) when Triton is installed, else CUDA events.
+On the CPU it times with ``time.perf_counter`` (for smoke tests) and, unless shapes are given,
+uses the ``tiny`` shape (the model shapes need tens of GB and minutes per op there); on GPUs with
+``triton.testing.do_bench`` (median) when Triton is installed, else CUDA events. Each shape builds
+only the inputs its chosen ops need (the dsv3 expert weights alone are 7.5 GB in bfloat16).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import math
@@ -40,6 +43,9 @@ SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "dsv3": (16384, 7168, 2048, 256, 8),
     "tiny": (64, 32, 48, 8, 2),
 }
+#: The shapes a run uses when none is given: model shapes on accelerators, ``tiny`` on the CPU.
+DEFAULT_SHAPES = ("mixtral", "qwen3", "dsv3")
+CPU_DEFAULT_SHAPES = ("tiny",)
 OPS = ("routing", "gather", "scatter", "padded_gather", "padded_scatter", "scatter_wgrad", "gmm", "gmm_train",
        "layer")
 BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
@@ -152,11 +158,12 @@ def _optional(module: str) -> Any:
 
 
 class Case:
-    """Inputs for one shape, built once."""
+    """Inputs for one shape: the routing at once, everything else on first use (so ``--ops gather``
+    never allocates the expert weights)."""
 
     def __init__(self, name: str, shape: tuple[int, int, int, int, int], device: torch.device,
                  dtype: torch.dtype) -> None:
-        tokens, hidden, ffn, experts, top_k = shape
+        tokens, hidden, _, experts, top_k = shape
         self.name, self.tokens, self.hidden, self.ffn, self.experts, self.top_k = name, *shape
         gen = torch.Generator(device=device).manual_seed(0)
         logits = torch.randn(tokens, experts, device=device, generator=gen)
@@ -164,20 +171,36 @@ class Case:
         self.top_experts = top.flatten().int()
         self.weights = weights.flatten().to(dtype)
         self.end_bit = max((experts - 1).bit_length(), 1)
-        self.x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+        self.x = torch.randn(tokens, hidden, device=device, generator=gen, dtype=dtype)
+        self.generator = gen
         with dispatch.use_backend("reference"):
             self.bin_ids, self.indices = ops.sort(self.top_experts, self.end_bit)
             self.counts = ops.histogram(self.top_experts, experts)
             self.bins = ops.inclusive_cumsum(self.counts, 0)
             self.padded_bins = ops.inclusive_cumsum(ops.round_up(self.counts, BLOCK), 0)
-            self.rows = ops.gather(self.x, self.indices, self.bin_ids, self.bins, top_k)
-            self.padded_rows = ops.padded_gather(self.x, self.indices, self.bin_ids, self.bins,
-                                                 self.padded_bins, top_k)
-        self.w1 = (torch.randn(experts, hidden, ffn, device=device, generator=gen) / hidden**0.5).to(dtype)
         self.counts_cpu = self.counts.long().cpu()
         self.gmm_grad: torch.Tensor | None = None  # the "gmm_train" item's output gradient
         self.layer: torch.nn.Module | None = None  # the "layer" item's dMoE, built on first use
         self.layer_x: torch.Tensor | None = None
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """The gathered rows (tokens * top_k, hidden)."""
+        with dispatch.use_backend("reference"):
+            return ops.gather(self.x, self.indices, self.bin_ids, self.bins, self.top_k)
+
+    @functools.cached_property
+    def padded_rows(self) -> torch.Tensor:
+        with dispatch.use_backend("reference"):
+            return ops.padded_gather(self.x, self.indices, self.bin_ids, self.bins, self.padded_bins,
+                                     self.top_k)
+
+    @functools.cached_property
+    def w1(self) -> torch.Tensor:
+        """The experts' first weight matrices (experts, hidden, ffn), drawn in the run's dtype."""
+        shape = (self.experts, self.hidden, self.ffn)
+        weights = torch.randn(shape, device=self.x.device, generator=self.generator, dtype=self.x.dtype)
+        return weights.div_(self.hidden**0.5)
 
     @property
     def permutation_bytes(self) -> int:
@@ -358,12 +381,14 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
         copy_dst = torch.empty_like(copy_src)
         copy_us = timer(lambda src=copy_src, dst=copy_dst: dst.copy_(src))
         bandwidth = 2 * copy_src.numel() * copy_src.element_size() / (copy_us * 1e-6)  # bytes/s
+        del copy_dst
         yield Result(label, "copy", "device copy (T*K, H)", "limit", copy_us, bandwidth / 1e9, "GB/s", None, "n/a")
-        dense_a = torch.randn(case.tokens * case.top_k, case.hidden, device=device, dtype=dtype)
-        wants_gmm = any(o.startswith("gmm") for o in ops_wanted)
-        dense_us = timer(lambda a=dense_a, w=case.w1[0]: a @ w) if wants_gmm else math.nan
-        dense_rate = case.gmm_flops / (dense_us * 1e-6) / 1e12
-        if wants_gmm:
+        dense_rate = math.nan
+        if any(o.startswith("gmm") for o in ops_wanted):
+            dense_a = torch.randn(case.tokens * case.top_k, case.hidden, device=device, dtype=dtype)
+            dense_us = timer(lambda a=dense_a, w=case.w1[0]: a @ w)
+            del dense_a
+            dense_rate = case.gmm_flops / (dense_us * 1e-6) / 1e12
             yield Result(label, "gmm", "dense mm, same FLOPs", "limit", dense_us, dense_rate, "TFLOP/s", None, "n/a")
         ours, peer_fns = _ours(case), (_peers(case) if peers else {op: {} for op in OPS})
         for op in ops_wanted:
@@ -428,7 +453,11 @@ def main(args: Any) -> int:
     custom = [tuple(int(v) for v in s.split(",")) for s in args.shape]
     if any(len(c) != 5 for c in custom):
         raise ValueError("--shape takes T,H,F,E,K (five integers)")
-    shapes = [s for s in args.shapes.split(",") if s] if args.shapes else ([] if custom else ["mixtral", "qwen3", "dsv3"])
+    defaults = CPU_DEFAULT_SHAPES if device.type == "cpu" else DEFAULT_SHAPES
+    shapes = [s for s in args.shapes.split(",") if s] if args.shapes else ([] if custom else list(defaults))
+    if not args.shapes and not custom and device.type == "cpu":
+        print(f"megablocks bench: on the CPU the default shape is {', '.join(defaults)}; pass --shapes "
+              f"{','.join(DEFAULT_SHAPES)} or --shape T,H,F,E,K to time larger ones", file=sys.stderr)
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise ValueError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")

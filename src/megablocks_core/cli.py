@@ -28,11 +28,21 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _device(text: str) -> DeviceInfo:
+def _device(text: str, runs: bool = False) -> DeviceInfo:
+    """Describe a ``--device`` value, after the plugins have loaded: a vendor's torch extension
+    (imported by its plugin) may register the device type (e.g. ``npu``). ``runs``: the command
+    will run ops there, so the device must exist (``explain`` describes any device)."""
+    dispatch.registry()
     try:
-        return describe(torch.device(text))
+        info = describe(torch.device(text))
     except (RuntimeError, ValueError) as exc:
-        raise CLIError(f"device {text!r}: {exc}") from exc
+        raise CLIError(f"device {text!r}: {str(exc).splitlines()[0]}") from exc
+    if runs and info.type not in ("cpu", "meta", "cuda"):  # cuda: describe() has checked it
+        module = getattr(torch, info.type, None)
+        available = getattr(module, "is_available", None)
+        if callable(available) and not available():
+            raise CLIError(f"device {text!r}: torch sees no {info.type} device")
+    return info
 
 
 def _parse_dtypes(op: str, items: Sequence[str]) -> dict[str, torch.dtype]:
@@ -165,7 +175,7 @@ def _print_cost_choices(trace: Trace, calls: dict[str, dict[str, Any]]) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     from . import testing
 
-    _device(args.device)  # a clear error for a device this host cannot use
+    _device(args.device, runs=True)  # a clear error for a device this host cannot use
     results = testing.check(args.names or None, device=args.device, quick=args.quick)
     ok = testing.passed(results, required=args.names)
     for name in args.names:
@@ -198,9 +208,20 @@ def cmd_contracts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
 def cmd_example(args: argparse.Namespace) -> int:
     from . import example
 
+    _device(args.device, runs=True)
+    _positive(args, "tokens", "hidden", "ffn", "experts", "top_k")
+    if args.top_k > args.experts:
+        raise CLIError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts})")
     return example.run(device=args.device, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
                        experts=args.experts, top_k=args.top_k, dtype=args.dtype)
 
@@ -208,6 +229,18 @@ def cmd_example(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    _device(args.device, runs=True)
+    _positive(args, "tokens", "experts", "top_k")
+    if args.steps < 2:
+        raise CLIError(f"--steps must be at least 2, got {args.steps}")
+    if args.top_k > args.experts:
+        raise CLIError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts})")
+    if args.backend:
+        installed = dispatch.registry().plugins
+        unknown = [n for n in args.backend.split(",") if n.strip().partition("/")[0] not in installed]
+        if unknown:
+            raise CLIError(f"--backend: {', '.join(unknown)} not installed "
+                           f"(installed: {', '.join(sorted(installed))})")
     return demo.run(steps=args.steps, device=args.device, dtype=args.dtype, backend=args.backend,
                     tokens=args.tokens, experts=args.experts, top_k=args.top_k, seed=args.seed)
 
@@ -215,6 +248,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
+    _device(args.device, runs=True)
     return bench.main(args)
 
 
@@ -282,12 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="time every installed provider of each op against peers and the hardware limit")
     bench.add_argument("--shapes", default="", help="comma list of named shapes: mixtral, qwen3, dsv3, tiny "
-                       "(default: mixtral,qwen3,dsv3 unless --shape is given)")
+                       "(default unless --shape is given: mixtral,qwen3,dsv3 on accelerators, tiny on the CPU)")
     bench.add_argument("--shape", action="append", default=[], metavar="T,H,F,E,K",
                        help="a custom shape (repeatable)")
     bench.add_argument("--ops", default="", help="comma list of ops (default: all): routing, gather, "
                        "scatter, padded_gather, padded_scatter, scatter_wgrad, gmm")
-    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                       help="torch device (default: cuda when torch sees one, else cpu)")
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
     bench.add_argument("--no-peers", action="store_true", help="skip torch / MegaBlocks / grouped_gemm peers")
@@ -304,3 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CLIError, ValueError, RuntimeError) as exc:
         print(f"megablocks: error: {exc}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

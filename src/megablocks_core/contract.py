@@ -12,6 +12,7 @@ checks of the conformance kit. The contracts themselves live in
 from __future__ import annotations
 
 import ast
+import builtins
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -227,15 +228,61 @@ def _is_permutation(t: torch.Tensor) -> bool:
     n = t.numel()
     if n == 0:
         return True
-    seen = torch.zeros(n, dtype=torch.int64, device=t.device)
-    if bool(((t < 0) | (t >= n)).any()):
+    # Compared in int64: a bound such as n = 32768 does not fit an int16 tensor's dtype and would wrap.
+    values = t.long()
+    if bool(((values < 0) | (values >= n)).any()):
         return False
-    seen.scatter_add_(0, t.long(), torch.ones_like(t, dtype=torch.int64))
+    seen = torch.zeros(n, dtype=torch.int64, device=t.device)
+    seen.scatter_add_(0, values, torch.ones_like(values))
     return bool((seen == 1).all())
 
 
 def _in_range(t: torch.Tensor, low: int, high: int) -> bool:
-    return t.numel() == 0 or bool(((t >= low) & (t < high)).all())
+    """Every element in [low, high). Bounds beyond the dtype's range are compared as Python ints,
+    never converted to the tensor's dtype (where 1 << 15 would wrap for int16, 1 << 64 overflow)."""
+    if t.numel() == 0:
+        return True
+    info = torch.iinfo(t.dtype) if not (t.is_floating_point() or t.is_complex()) else None
+    if info is not None and (high <= info.min or low > info.max):
+        return False  # the range holds no value of this dtype
+    ok = torch.ones((), dtype=torch.bool, device=t.device)
+    if info is None or low > info.min:
+        ok = ok & (t >= low).all()
+    if info is None or high <= info.max:
+        ok = ok & (t < high).all()
+    return bool(ok)
+
+
+def _multiple_of(t: torch.Tensor, value: int) -> bool:
+    """Every element is a multiple of ``value`` (any positive int, even one the dtype cannot hold)."""
+    if t.numel() == 0:
+        return True
+    if value > torch.iinfo(t.dtype).max:  # |element| < value: only 0 is a multiple
+        return bool((t == 0).all())
+    return bool((t.long() % value == 0).all())
+
+
+#: Up to this many group sizes, reading them as a Python list is cheaper than torch reductions
+#: (this rule runs on every gmm call with CPU batch_sizes).
+_SMALL = 128
+
+
+def _sizes_within(sizes: torch.Tensor, rows: int) -> bool:
+    """Every group size lies in [0, rows] (checked before any sum, so that a sum cannot wrap)."""
+    if sizes.numel() == 0:
+        return True
+    if sizes.numel() <= _SMALL:
+        values = sizes.tolist()
+        return min(values) >= 0 and max(values) <= rows
+    low, high = torch.aminmax(sizes)
+    return int(low) >= 0 and int(high) <= rows
+
+
+def _total(sizes: torch.Tensor, rows: int) -> int:
+    """The exact sum of sizes that each lie in [0, rows] (see :func:`_sizes_within`)."""
+    if sizes.numel() > _SMALL and sizes.numel() * max(rows, 1) < 2**63:  # the int64 sum cannot wrap
+        return int(sizes.sum())
+    return builtins.sum(sizes.tolist())  # Python ints: exact
 
 
 def _repeated_shape(x: torch.Tensor, tiling: tuple[int, ...]) -> tuple[int, ...]:
@@ -262,9 +309,16 @@ def _fits(t: torch.Tensor, bins: torch.Tensor) -> bool:
 
 
 def _cumsum_fits(x: torch.Tensor, dim: int) -> bool:
+    """The running sums along ``dim`` fit x's dtype. They are taken in int64 and an int64 sum that
+    wrapped is caught by its sign: adding a positive value never makes a running sum smaller."""
+    if x.numel() == 0:
+        return True
     info = torch.iinfo(x.dtype)
-    total = x.long().cumsum(dim)
-    return total.numel() == 0 or bool(((total >= info.min) & (total <= info.max)).all())
+    values = x.long()
+    total = values.cumsum(dim)
+    before = total - values  # what the sum was before each element (the same wrap-around arithmetic)
+    wrapped = ((values > 0) & (total < before)) | ((values < 0) & (total > before))
+    return not bool(wrapped.any()) and bool(((total >= info.min) & (total <= info.max)).all())
 
 
 RULE_HELPERS: Mapping[str, Any] = {
@@ -276,6 +330,9 @@ RULE_HELPERS: Mapping[str, Any] = {
     "bins_match": _bins_match,
     "fits": _fits,
     "cumsum_fits": _cumsum_fits,
+    "multiple_of": _multiple_of,
+    "sizes_within": _sizes_within,
+    "total": _total,
     "repeated_shape": _repeated_shape,
     "int": int,
     "bool": bool,

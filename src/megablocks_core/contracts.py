@@ -73,7 +73,7 @@ WEIGHTS_LENGTH = Rule(
 
 
 def int16_fits(arg: str, why: str) -> Rule:
-    """int16 positions cannot address more than 32768 rows: reject rather than wrap."""
+    """int16 positions run 0..32767, so int16 can address at most 32768 rows: reject more rather than wrap."""
     return Rule(f"{arg}.dtype != torch.int16 or {arg}.shape[0] <= 32768", why)
 
 
@@ -234,7 +234,7 @@ TOPOLOGY = OpContract(
     rules=(
         Rule("padded_bins.shape[0] * output_block_columns <= 32768", "column indices are int16"),
         Rule("nondecreasing(padded_bins)", "padded_bins is a cumulative sum", checked=True),
-        Rule("bool((padded_bins % block_size == 0).all())", "padded bins are whole blocks", checked=True),
+        Rule("multiple_of(padded_bins, block_size)", "padded bins are whole blocks", checked=True),
         Rule("last(padded_bins) == output_block_rows * block_size",
              "output_block_rows covers padded_bins", checked=True),
     ),
@@ -446,10 +446,12 @@ BATCH_SIZES = TensorArg(
     any_device=True,
 )
 # Checked always when batch_sizes is on the CPU (no device sync), otherwise only in checked mode.
-GROUPS_COVER_A = Rule("int(batch_sizes.sum()) == a.shape[0]", "the groups cover every row of a",
+# Each size is bounded first, so that the sum below cannot wrap around (int64 sizes
+# [2**63 - 1, 2**63 - 1, 6] must not pass for 4 rows).
+GROUPS_WITHIN_A = Rule("sizes_within(batch_sizes, a.shape[0])",
+                       "group sizes are not negative and none exceeds the rows of a", checked="batch_sizes")
+GROUPS_COVER_A = Rule("total(batch_sizes, a.shape[0]) == a.shape[0]", "the groups cover every row of a",
                       checked="batch_sizes")
-GROUPS_NONNEGATIVE = Rule("batch_sizes.numel() == 0 or int(batch_sizes.min()) >= 0",
-                          "group sizes are not negative", checked="batch_sizes")
 
 GMM_BAD_SIZES = (
     UNCHECKED + "device-side batch_sizes that are negative or do not sum to the rows of a: a "
@@ -470,7 +472,7 @@ GMM = OpContract(
         Rule("b.dtype == a.dtype", "a and b have the same dtype", error=TypeError),
         Rule("batch_sizes.shape[0] == b.shape[0]", "one group size per expert"),
         Rule("a.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
-        GROUPS_NONNEGATIVE, GROUPS_COVER_A,
+        GROUPS_WITHIN_A, GROUPS_COVER_A,
     ),
     outputs=(Output("out", "a.dtype", ("a.shape[0]", "b.shape[1] if trans_b else b.shape[2]")),),
     differentiable=("a", "b"),
@@ -496,7 +498,7 @@ GMM_WEIGHT_GRAD = OpContract(
     rules=(
         Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
         Rule("grad.shape[0] == a.shape[0]", "a and grad have the same rows"),
-        GROUPS_NONNEGATIVE, GROUPS_COVER_A,
+        GROUPS_WITHIN_A, GROUPS_COVER_A,
     ),
     outputs=(Output("out", "a.dtype", ("batch_sizes.shape[0]", "a.shape[1]", "grad.shape[1]")),),
     semantics="out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32.",
@@ -525,7 +527,7 @@ REPEAT = OpContract(
 SUM = OpContract(
     name="sum", family="composite",
     summary="Sum over dim; a dim of size 1 is squeezed instead (no copy).",
-    args=(TensorArg("x", ANY_DTYPE, (), "any tensor"), IntArg("dim", "dimension", optional=True, default=0)),
+    args=(TensorArg("x", ANY_DTYPE, (), "any tensor"), IntArg("dim", "dimension (None is not accepted)", default=0)),
     rules=(Rule("x.dim() > 0", "x has a dimension to sum"),
            Rule("-x.dim() <= dim < x.dim()", "dim is a dimension of x")),
     outputs=(Output("out", "x.dtype if x.is_floating_point() or x.shape[dim] == 1 else torch.int64",

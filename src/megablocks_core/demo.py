@@ -3,8 +3,9 @@
 The task is one a mixture of experts suits: every input comes from one of a few clusters and each
 cluster needs its own linear map (``y = A_c x``). The model is ``Linear → dMoE (residual) → Linear``;
 training minimises the mean squared error plus the router's load-balancing loss with AdamW. The run
-prints progress, checks that the loss fell by a clear margin (exit status 1 otherwise) and ends
-with the dispatch summary (:func:`megablocks_core.dispatch.served`).
+prints progress, checks that the loss fell by a margin that fits the number of steps (see
+:func:`required_fraction`; exit status 1 otherwise) and ends with the dispatch summary
+(:func:`megablocks_core.dispatch.served`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ import torch
 from . import dispatch
 from .moe import DroplessMoE
 
-#: The loss must end below this fraction of where it started.
+#: A long enough run must end below this fraction of its first loss.
 REQUIRED_DROP = 0.5
+#: Each step must take at least this fraction off the first loss until REQUIRED_DROP is reached:
+#: with the default settings a step takes 10-20 % off early on, so a short run is judged fairly.
+DROP_PER_STEP = 0.05
+
+
+def required_fraction(steps: int) -> float:
+    """The fraction of its first loss a run of ``steps`` steps must end below: 0.95 after 2 steps,
+    0.8 after 5, 0.5 from 11 steps on."""
+    return max(REQUIRED_DROP, 1.0 - DROP_PER_STEP * (steps - 1))
 
 
 class TinyMoEModel(torch.nn.Module):
@@ -108,13 +118,16 @@ def run(steps: int = 40, device: str = "cpu", dtype: str = "float32", backend: s
                       f"{rate:9.0f} tokens/s")
     elapsed = time.perf_counter() - started
 
-    first, last = losses[0], sum(losses[-3:]) / len(losses[-3:])  # smooth the end a little
-    ok = last <= REQUIRED_DROP * first
-    print(f"\nloss: {first:.4f} at step 1 → {last:.4f} (mean of the last 3 steps), "
+    tail = losses[1:][-3:]  # smooth the end a little, never counting the first step
+    first, last = losses[0], sum(tail) / len(tail)
+    required = required_fraction(steps)
+    ok = last <= required * first
+    print(f"\nloss: {first:.4f} at step 1 → {last:.4f} (mean of the last {len(tail)} steps), "
           f"{last / first:.1%} of the start; {elapsed:.1f} s, {steps * tokens / elapsed:.0f} tokens/s overall")
     print("\nbackends that served each op:")
     for op, labels in sorted(dispatch.served().items()):
         print(f"  {op:<18} {', '.join(labels)}")
     print("\nresult: " + ("ok, the loss fell" if ok else
-                          f"FAILED: the loss did not fall below {REQUIRED_DROP:.0%} of its start"))
+                          f"FAILED: the loss did not fall below {required:.0%} of its start "
+                          f"(expected of {steps} steps)"))
     return 0 if ok else 1

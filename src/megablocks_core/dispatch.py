@@ -12,9 +12,16 @@ call it:
    :mod:`megablocks_core.ranking`; a hit means the call was already validated;
 3. checks what a key cannot vouch for (exact int types, host-side data such as
    CPU ``batch_sizes``);
-4. runs the data rules only in checked mode (``MEGABLOCKS_CHECK=1``);
+4. runs the data rules only in checked mode (``MEGABLOCKS_CHECK=1``), and there
+   also compares the kernel's outputs with the contract's shapes and dtypes;
 5. goes through autograd only if a differentiable input needs a gradient;
-6. calls the kernel.
+6. calls the kernel; an exception it raises is re-raised naming the op and the
+   backend (the original is its ``__cause__``), on the exception path only.
+
+The overrides in the environment (``MEGABLOCKS_BACKEND``, ``MEGABLOCKS_CHECK``)
+are read when this module is imported, so they hold from the first call; the
+plugins themselves load on first use (or at import with
+``MEGABLOCKS_STRICT_PLUGINS=1``, see :mod:`megablocks_core`).
 
 Under ``torch.compile`` the entry calls the op's ``torch.library`` custom op
 instead, so tracing sees one node with a fake implementation.
@@ -39,6 +46,7 @@ from .descriptors import CallInfo, DeviceInfo, Kernel, TensorMeta
 from .devices import describe
 from .ranking import DEFAULT_POLICY, NoKernelError, Policy, Trace, choose, for_call, rank
 from .registry import Registry, load
+from .validation import BackendError, ContractError, ContractTypeError
 
 log = logging.getLogger("megablocks_core")
 
@@ -47,6 +55,7 @@ class _State:
     """Process-wide settings, read from the environment by :func:`reload`."""
 
     registry: Registry | None = None
+    env_spec: str = ""
     env_policy: Policy = DEFAULT_POLICY
     set_policy: Policy | None = None
     policy: Policy = DEFAULT_POLICY
@@ -75,21 +84,40 @@ def _update_default_policy() -> None:
     _state.policy = _state.set_policy if _state.set_policy is not None else _state.env_policy
 
 
-def reload(env: Mapping[str, str] | None = None) -> Registry:
-    """Re-read the environment, rediscover plugins and forget every cached choice."""
-    env = os.environ if env is None else env
-    loaded = load(env)  # may raise (strict mode): then nothing below changes
+def _env_policy(env: Mapping[str, str]) -> tuple[str, Policy]:
     spec = env.get("MEGABLOCKS_BACKEND", "").strip()
+    if spec == _state.env_spec:  # the same object: cache keys made before a reload stay valid
+        return spec, _state.env_policy
     policy = Policy.parse(spec) if spec else DEFAULT_POLICY
     unknown_ops = sorted({op for op, _ in policy.per_op} - set(BY_NAME))
     if unknown_ops:  # a typo must not silently leave an op on the default ranking
         raise ValueError(f"MEGABLOCKS_BACKEND={spec!r} names unknown op(s) {unknown_ops}; "
                          f"ops are {sorted(BY_NAME)}")
-    missing = [name for name in policy.prefer if name.partition("/")[0] not in loaded.plugins]
-    if missing:
-        log.warning("megablocks: MEGABLOCKS_BACKEND prefers %s, which is not installed", missing)
-    _state.env_policy = policy
+    return spec, policy
+
+
+def _read_overrides(env: Mapping[str, str]) -> None:
+    """Take the environment's overrides (cheap: no plugin is loaded)."""
+    _state.env_spec, _state.env_policy = _env_policy(env)
     _state.checked = env.get("MEGABLOCKS_CHECK", "") not in ("", "0")
+    _update_default_policy()
+
+
+def reload(env: Mapping[str, str] | None = None) -> Registry:
+    """Re-read the environment, rediscover plugins and forget every cached choice."""
+    env = os.environ if env is None else env
+    _env_policy(env)  # a bad MEGABLOCKS_BACKEND raises before anything changes
+    loaded = load(env)  # may raise (strict mode): then nothing below changes
+    _read_overrides(env)
+    policy = _state.env_policy
+    names = [*policy.prefer, *([policy.force] if policy.force else []), *(b for _, b in policy.per_op)]
+    for name in dict.fromkeys(n.partition("/")[0] for n in names):
+        record = loaded.plugins.get(name)
+        if record is None:
+            log.warning("megablocks: MEGABLOCKS_BACKEND names %r, which is not installed", name)
+        elif record.status != "ok":
+            log.warning("megablocks: MEGABLOCKS_BACKEND names %r, which is %s: %s", name,
+                        record.status, record.reason)
     _state.registry = loaded
     _update_default_policy()
     _state.warned.clear()
@@ -297,15 +325,48 @@ def _apply_autograd(contract: OpContract, selected: Selected, policy: Policy, ar
 # Entry functions, generated from the contracts
 
 
+def _kernel_failed(contract: OpContract, selected: Selected, exc: Exception) -> BaseException:
+    """The exception to raise for one a kernel raised: its type (or :class:`BackendError` where that
+    type cannot be built from a message), naming op and backend, the original as ``__cause__``."""
+    message = (f"megablocks_core.ops.{contract.name}: the {selected.kernel.label!r} kernel raised "
+               f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, ContractError | ContractTypeError | NoKernelError) and \
+            f"ops.{contract.name}:" in str(exc):
+        return exc  # the core's own error for this op (e.g. raised by the validation of a nested call)
+    try:
+        wrapped = type(exc)(message)
+        if not isinstance(wrapped, Exception) or wrapped.args != (message,):
+            raise TypeError  # an exception type that does not take a message
+    except Exception:
+        wrapped = BackendError(message)
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+def _run_checked(contract: OpContract, selected: Selected, policy: Policy, args: tuple[Any, ...],
+                 wants_grad: bool) -> Any:
+    """Checked mode: the data rules, the call, then the outputs against the contract."""
+    validation.check_data(contract, args)
+    try:
+        result = (_apply_autograd(contract, selected, policy, args) if wants_grad
+                  else selected.run(*args))
+    except Exception as exc:
+        raise _kernel_failed(contract, selected, exc)  # noqa: B904 (the cause is set there)
+    validation.check_outputs(contract, args, result, selected.kernel.label)
+    return result
+
+
 def _entry_source(contract: OpContract) -> str:
     params = ", ".join(contract.arg_names)
     grad_test = " or ".join(
         f"({n} is not None and {n}.requires_grad)" if contract.arg(n).optional else f"{n}.requires_grad"
         for n in contract.differentiable)
+    wants_grad = f"(({grad_test}) and _grad_enabled())" if contract.differentiable else "False"
     autograd_branch = (
-        f"    if ({grad_test}) and _grad_enabled():\n"
-        f"        return _apply_autograd(_contract, chosen, key[-1], ({params},))\n"
+        f"        if {wants_grad}:\n"
+        f"            return _apply_autograd(_contract, chosen, key[-1], ({params},))\n"
         if contract.differentiable else "")
+    # The try around the kernel call costs nothing until a kernel raises (Python >= 3.11).
     return (
         f"def {contract.name}({params}):\n"
         f"    if _is_compiling():\n"
@@ -320,9 +381,13 @@ def _entry_source(contract: OpContract) -> str:
         f"    if not ({validation.fast_check_source(contract)}):\n"
         f"        {params}, = _validate(_contract, ({params},))\n"
         f"    if _state.checked:\n"
-        f"        _check_data(_contract, ({params},))\n"
+        f"        return _run_checked(_contract, chosen, key[-1] if key else _current_policy(), "
+        f"({params},), {wants_grad})\n"
+        f"    try:\n"
         f"{autograd_branch}"
-        f"    return chosen.run({params})\n"
+        f"        return chosen.run({params})\n"
+        f"    except Exception as exc:\n"
+        f"        raise _kernel_failed(_contract, chosen, exc)\n"
     )
 
 
@@ -341,7 +406,8 @@ def _build_entry(contract: OpContract) -> Callable[..., Any]:
     scope: dict[str, Any] = {
         **RULE_HELPERS,
         "_contract": contract, "_cache": cache, "_state": _state, "_context_policy": _context_policy.get,
-        "_resolve": _resolve, "_validate": validation.validate, "_check_data": validation.check_data,
+        "_resolve": _resolve, "_validate": validation.validate, "_run_checked": _run_checked,
+        "_kernel_failed": _kernel_failed, "_current_policy": current_policy,
         "_is_compiling": torch.compiler.is_compiling, "_grad_enabled": torch.is_grad_enabled,
         "_apply_autograd": _apply_autograd, "_compiled": _compiled_op(contract.name),
     }
@@ -353,6 +419,10 @@ def _build_entry(contract: OpContract) -> Callable[..., Any]:
     entry.__doc__ = contract.summary
     return entry
 
+
+# A bad MEGABLOCKS_BACKEND is reported by the registry's first load (the first call), not at import.
+with contextlib.suppress(ValueError):
+    _read_overrides(os.environ)
 
 #: Op name → entry function taking the kernel-order arguments.
 ENTRIES: dict[str, Callable[..., Any]] = {c.name: _build_entry(c) for c in ALL if c.dispatched}

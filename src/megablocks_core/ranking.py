@@ -162,7 +162,8 @@ def rank(registry: Registry, op: str, device: DeviceInfo,
     judged.sort(key=lambda c: _order(c.kernel))
     eligible = [c.kernel for c in judged if c.accepted]
     reasons = {id(c.kernel): c.reason for c in judged}
-    winner, why, error, tier = _select(op, device, dtypes, policy, set(registry.plugins),
+    known = {name: None if p.status == "ok" else f"{p.status}: {p.reason}" for name, p in registry.plugins.items()}
+    winner, why, error, tier = _select(op, device, dtypes, policy, known,
                                        [c.kernel for c in judged], eligible, reasons, None)
     marked = tuple(Candidate(c.kernel, c.accepted, "chosen: " + why if c.kernel is winner else c.reason)
                    for c in judged)
@@ -171,10 +172,13 @@ def rank(registry: Registry, op: str, device: DeviceInfo,
 
 
 def _select(op: str, device: DeviceInfo, dtypes: Mapping[str, torch.dtype], policy: Policy,
-            known: set[str], candidates: list[Kernel], eligible: list[Kernel],
+            known: Mapping[str, str | None], candidates: list[Kernel], eligible: list[Kernel],
             reasons: Mapping[int, str], call: CallInfo | None,
             ) -> tuple[Kernel | None, str, str | None, tuple[Kernel, ...]]:
-    """Steps 3-4 over ``eligible`` (ranked order): (winner, why, error, cost tier)."""
+    """Steps 3-4 over ``eligible`` (ranked order): (winner, why, error, cost tier).
+
+    ``known``: every installed backend → None when it loaded, else why not (its status and error).
+    """
     what = "this call" if call is not None else _dtype_text(dtypes)
     forced = policy.forced_for(op)
     if forced is not None:  # a backend name, or "backend/variant" for one of its kernels
@@ -184,6 +188,10 @@ def _select(op: str, device: DeviceInfo, dtypes: Mapping[str, torch.dtype], poli
         for k in eligible:
             if forced in (k.backend, k.label):
                 return k, f"forced by {policy.source}", None, ()
+        problem = known[forced.partition("/")[0]]
+        if problem is not None and problem.startswith(("broken", "incompatible", "disabled")):
+            return None, "", (f"backend {forced!r} was forced for {op!r} by {policy.source} but did not "
+                              f"load: {problem}"), ()
         why_not = "; ".join(reasons[id(k)] for k in candidates if forced in (k.backend, k.label))
         return None, "", (f"backend {forced!r} was forced for {op!r} by {policy.source} but cannot serve "
                           f"{device} with {what}: {why_not or 'provides no such op'}"), ()
@@ -255,7 +263,7 @@ def for_call(trace: Trace, call: CallInfo) -> tuple[Kernel | None, str, str | No
             else:
                 reasons[id(c.kernel)] = reason
                 declined.append(f"{c.kernel.label} declined: {reason}")
-    known = {k.backend for k in candidates}
+    known: dict[str, str | None] = {k.backend: None for k in candidates}
     winner, why, error, _ = _select(trace.op, trace.device, trace.dtypes, trace.policy, known,
                                     candidates, eligible, reasons, call)
     return winner, "; ".join([why, *declined]) if winner is not None else why, error

@@ -9,6 +9,7 @@ distribution, version, error) and skipped; the others keep working.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -23,7 +24,7 @@ from packaging.utils import canonicalize_name
 
 from . import __version__
 from .contracts import BY_NAME
-from .descriptors import Kernel
+from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
 
 log = logging.getLogger("megablocks_core")
@@ -102,25 +103,83 @@ def _incompatibility(dist: metadata.Distribution | None) -> str | None:
     return None
 
 
+def known_device_kinds() -> frozenset[str]:
+    """Device kinds a kernel may declare: the core's (:data:`DEVICE_KINDS`, ``"any"``) and every
+    device type torch accepts now, including one a vendor's extension registered (e.g. ``npu`` after
+    ``torch.utils.rename_privateuse1_backend("npu")``, done when the plugin module is imported)."""
+    return frozenset({*DEVICE_KINDS, ANY_DEVICE})
+
+
+def _is_device_kind(kind: str) -> bool:
+    if kind in known_device_kinds():
+        return True
+    try:
+        return torch.device(kind).type == kind
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _arity_problem(fn: Any, contract: Any) -> str | None:
+    """Why ``fn`` cannot take the contract's arguments positionally, or None (also when its
+    signature cannot be read, e.g. some builtins)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*contract.arg_names)
+    except TypeError as exc:
+        return (f"fn {getattr(fn, '__qualname__', fn)!s}{signature} cannot take the {len(contract.args)} "
+                f"arguments ({', '.join(contract.arg_names)}) the contract passes positionally: {exc}")
+    return None
+
+
 def _check_kernel(item: Any, hook: str) -> Kernel:
+    """Validate one descriptor (raises naming the kernel) and return it with ``devices`` a tuple."""
     family = KERNEL_HOOKS[hook]
     if not isinstance(item, Kernel):
         raise TypeError(f"{hook} returned {type(item).__name__}, expected megablocks_core.Kernel")
-    contract = BY_NAME.get(item.op)
+    contract = BY_NAME.get(item.op) if isinstance(item.op, str) else None
     if contract is None or not contract.dispatched:
         raise ValueError(f"{hook} returned a kernel for unknown op {item.op!r}")
     if contract.family != family:
         raise ValueError(f"{hook} returned a kernel for {item.op!r}, a {contract.family} op")
+    what = f"kernel for {item.op!r}" + (f" (variant {item.variant!r})" if item.variant else "")
+    if not isinstance(item.variant, str):
+        raise TypeError(f"{what}: variant must be a str, got {type(item.variant).__name__}")
     if not callable(item.fn):
-        raise TypeError(f"kernel for {item.op!r}: fn is not callable")
-    if not item.devices or not all(isinstance(d, str) and d == d.lower() for d in item.devices):
-        raise ValueError(f"kernel for {item.op!r}: devices must be lowercase kinds, got {item.devices!r}")
+        raise TypeError(f"{what}: fn is not callable")
+    problem = _arity_problem(item.fn, contract)
+    if problem:
+        raise TypeError(f"{what}: {problem}")
+    devices = item.devices
+    if isinstance(devices, str) or not isinstance(devices, tuple | list | set | frozenset):
+        raise TypeError(f"{what}: devices must be a tuple of device kinds such as ('cpu',), "
+                        f"got {type(devices).__name__} {devices!r}")
+    if not devices or not all(isinstance(d, str) and d == d.lower() for d in devices):
+        raise ValueError(f"{what}: devices must be lowercase kinds, got {devices!r}")
+    unknown_kinds = sorted(d for d in devices if not _is_device_kind(d))
+    if unknown_kinds:
+        raise ValueError(f"{what}: unknown device kind(s) {unknown_kinds}; a kind is one of "
+                         f"{', '.join(sorted(known_device_kinds()))} or a device type torch accepts "
+                         "(register a vendor's type before the hooks return)")
+    if isinstance(item.priority, bool) or not isinstance(item.priority, int):
+        raise TypeError(f"{what}: priority must be an int, got {item.priority!r}")
+    if not isinstance(item.contiguous, bool):
+        raise TypeError(f"{what}: contiguous must be a bool, got {item.contiguous!r}")
+    for field_name in ("capability", "supports", "cost"):
+        value = getattr(item, field_name)
+        if value is not None and not callable(value):
+            raise TypeError(f"{what}: {field_name} must be callable or None, got {type(value).__name__}")
+    if not isinstance(item.dtypes, Mapping):
+        raise TypeError(f"{what}: dtypes must map argument names to sets of torch dtypes")
     unknown = set(item.dtypes) - set(contract.arg_names)
     if unknown:
-        raise ValueError(f"kernel for {item.op!r}: dtypes names unknown arguments {sorted(unknown)}")
-    if not all(isinstance(d, torch.dtype) for ds in item.dtypes.values() for d in ds):
-        raise TypeError(f"kernel for {item.op!r}: dtypes must map argument names to torch dtypes")
-    return item
+        raise ValueError(f"{what}: dtypes names unknown arguments {sorted(unknown)}")
+    if not all(isinstance(ds, set | frozenset | tuple | list) and all(isinstance(d, torch.dtype) for d in ds)
+               for ds in item.dtypes.values()):
+        raise TypeError(f"{what}: dtypes must map argument names to sets of torch dtypes")
+    return dataclasses.replace(item, devices=tuple(dict.fromkeys(devices)))
 
 
 def _collect(pm: pluggy.PluginManager, plugin: object, name: str) -> tuple[str | None, tuple[Kernel, ...]]:
@@ -165,9 +224,9 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
         if ep.name in registry.plugins:
             other = registry.plugins[ep.name].distribution
             problem = f"the name {ep.name!r} is already taken by distribution {other}"
-            log.warning("megablocks plugin from %s skipped: %s", record["distribution"], problem)
             if strict:
-                raise PluginLoadError(problem)
+                raise PluginLoadError(f"plugin from {record['distribution']}: {problem}")
+            log.warning("megablocks plugin from %s skipped: %s", record["distribution"], problem)
             continue
         if (allow is not None and ep.name not in allow) or ep.name in deny:
             registry.plugins[ep.name] = PluginRecord(**record, status="disabled",
@@ -175,10 +234,10 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
             continue
         problem = _incompatibility(dist)
         if problem:
-            registry.plugins[ep.name] = PluginRecord(**record, status="incompatible", reason=problem)
-            log.warning("megablocks plugin %r not loaded: %s", ep.name, problem)
             if strict:
                 raise PluginLoadError(f"plugin {ep.name!r}: {problem}")
+            registry.plugins[ep.name] = PluginRecord(**record, status="incompatible", reason=problem)
+            log.warning("megablocks plugin %r not loaded: %s", ep.name, problem)
             continue
         plugin = None
         try:
@@ -189,10 +248,10 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
             if plugin is not None and pm.is_registered(plugin):
                 pm.unregister(plugin)
             reason = f"{type(exc).__name__}: {exc}"
+            if strict:  # raised, not skipped: no "skipped" warning first
+                raise PluginLoadError(f"plugin {ep.name!r} failed to load: {reason}") from exc
             registry.plugins[ep.name] = PluginRecord(**record, status="broken", reason=reason)
             log.warning("megablocks plugin %r is broken and was skipped: %s", ep.name, reason)
-            if strict:
-                raise PluginLoadError(f"plugin {ep.name!r} failed to load: {reason}") from exc
             continue
         status: Status = "unavailable" if unavailable else "ok"
         registry.plugins[ep.name] = PluginRecord(**record, status=status, reason=unavailable,

@@ -10,7 +10,10 @@ say what is wrong.
 
 from __future__ import annotations
 
+import ast
+import functools
 import operator
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 from .contract import (
     RULE_HELPERS,
     BoolArg,
+    DataDim,
     IntArg,
     OpContract,
     Rule,
@@ -33,6 +37,17 @@ class ContractError(ValueError):
 
 class ContractTypeError(TypeError):
     """Raised for an argument of the wrong type or dtype."""
+
+
+class BackendError(RuntimeError):
+    """A backend's kernel broke the op's contract (checked mode compares every result's shapes and
+    dtypes with the contract), or raised an exception that cannot be re-raised as its own type."""
+
+
+#: Python ints beyond int64 cannot reach a kernel (torch cannot hold them).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+#: Bytes no device can hold: the 48-bit virtual address space of today's CPUs and GPUs.
+ADDRESS_SPACE = 2**48
 
 
 def _what(value: Any) -> str:
@@ -75,6 +90,9 @@ def _check_arg(op: OpContract, spec: Any, value: Any) -> None:
             return
         if not _is_int(value):
             _fail(op, f"argument '{name}' must be an {spec.describe()}; got {_what(value)}", TypeError)
+        if not INT64_MIN <= value <= INT64_MAX:
+            _fail(op, f"argument '{name}' must be an {spec.describe()} that fits int64; got {value}",
+                  ValueError)
         if (spec.min is not None and value < spec.min) or (spec.max is not None and value > spec.max):
             _fail(op, f"argument '{name}' must be an {spec.describe()}; got {value}", ValueError)
     elif isinstance(spec, BoolArg) and not isinstance(value, bool):
@@ -98,13 +116,18 @@ def _check_devices(op: OpContract, bound: dict[str, Any]) -> None:
                       f"'{primary_spec.name}'; got a tensor on {t.device}", ValueError)
 
 
+def _has_no_data(bound: dict[str, Any]) -> bool:
+    """True if a tensor argument is a meta tensor: shapes only, no data for a data rule to read."""
+    return any(isinstance(v, torch.Tensor) and v.is_meta for v in bound.values())
+
+
 def _rule_applies(rule: Rule, bound: dict[str, Any], checked_mode: bool) -> bool:
     if rule.checked is False:
         return True
     if isinstance(rule.checked, str):
         on_cpu = bound[rule.checked].device.type == "cpu"
-        return on_cpu or checked_mode
-    return checked_mode
+        return on_cpu or (checked_mode and not _has_no_data(bound))
+    return checked_mode and not _has_no_data(bound)
 
 
 def _check_rule(op: OpContract, rule: Rule, bound: dict[str, Any]) -> None:
@@ -140,7 +163,99 @@ def validate(op: OpContract, args: tuple[Any, ...], checked_mode: bool = False,
     for rule in op.rules:
         if rule.checked is False or (data_rules and _rule_applies(rule, bound, checked_mode)):
             _check_rule(op, rule, bound)
+    _check_output_sizes(op, bound)
     return tuple(_plain(spec, bound[spec.name]) for spec in op.args)
+
+
+@functools.cache
+def memory_limit(device: torch.device) -> int:
+    """Bytes one output on ``device`` may take at most: the device's memory (the host's physical
+    memory for the CPU), never more than the 48-bit address space."""
+    try:
+        if device.type == "cpu":
+            return min(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), ADDRESS_SPACE)
+        if device.type == "cuda":
+            return min(torch.cuda.get_device_properties(device).total_memory, ADDRESS_SPACE)
+    except (ValueError, OSError, RuntimeError, AttributeError):  # no sysconf, or no such device
+        pass
+    return ADDRESS_SPACE
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n:.1f} PiB"
+
+
+def _names(expr: str) -> set[str]:
+    return {node.id for node in ast.walk(ast.parse(expr, mode="eval")) if isinstance(node, ast.Name)}
+
+
+def output_shapes(op: OpContract, bound: dict[str, Any]) -> list[tuple[tuple[int | None, ...], torch.dtype]]:
+    """Each output's (shape, dtype) from the contract, with None for a size that depends on data."""
+    scope = {**RULE_HELPERS, **bound}
+    result = []
+    for out in op.outputs:
+        if isinstance(out.shape, str):
+            shape: tuple[int | None, ...] = tuple(eval(out.shape, scope))
+        else:
+            shape = tuple(None if isinstance(d, DataDim) else eval(d, scope) for d in out.shape)
+        result.append((shape, eval(out.dtype, scope)))
+    return result
+
+
+def _check_output_sizes(op: OpContract, bound: dict[str, Any]) -> None:
+    """Reject a call whose output could never be allocated (e.g. ``histogram(x, 2**40)``) with an
+    error naming the argument that sizes it, before any allocator fails without naming the op."""
+    primary = bound[op.primary.name]
+    if not isinstance(primary, torch.Tensor) or primary.is_meta:
+        return  # meta tensors allocate nothing
+    try:
+        shapes = output_shapes(op, bound)
+    except Exception:  # a shape the rules let through but cannot be evaluated: the kernel will say
+        return
+    limit = memory_limit(primary.device)
+    for out, (shape, dtype) in zip(op.outputs, shapes, strict=True):
+        if not all(isinstance(d, int) for d in shape if d is not None):
+            return  # symbolic sizes (tracing): nothing to allocate here
+        elements = 1
+        for d in shape:
+            elements *= d if d is not None else 1
+        size = elements * (dtype.itemsize if hasattr(dtype, "itemsize") else 8)
+        if elements <= INT64_MAX and size <= limit:
+            continue
+        exprs = [out.shape] if isinstance(out.shape, str) else [d for d in out.shape if isinstance(d, str)]
+        used = set().union(*(_names(e) for e in exprs))
+        sizing = [a.name for a in op.args if a.name in used and isinstance(a, IntArg | SequenceArg)]
+        culprit = (", ".join(f"argument '{n}' = {bound[n]!r}" for n in sizing) if sizing
+                   else "the input shapes")
+        shown = tuple("?" if d is None else d for d in shape)
+        _fail(op, f"{culprit} would make output '{out.name}' of shape {shown} {dtype} "
+                  f"({_bytes(size)}), more than the {_bytes(limit)} of memory of device {primary.device}", ValueError)
+
+
+def check_outputs(op: OpContract, args: tuple[Any, ...], result: Any, backend: str) -> None:
+    """Checked mode: the kernel's outputs have the contract's count, shapes, dtypes and device
+    (sizes that depend on data are not read)."""
+    bound = op.bind(args)
+    device = bound[op.primary.name].device
+    outs = result if isinstance(result, tuple) else (result,)
+    where = f"megablocks_core.ops.{op.name}: the {backend!r} kernel"
+    if len(outs) != len(op.outputs):
+        raise BackendError(f"{where} returned {len(outs)} output(s); the contract says {len(op.outputs)}")
+    for out, value, (shape, dtype) in zip(op.outputs, outs, output_shapes(op, bound), strict=True):
+        if not isinstance(value, torch.Tensor):
+            raise BackendError(f"{where} returned {_what(value)} as output '{out.name}'; "
+                               "the contract says a tensor")
+        got_shape = tuple(value.shape)
+        shape_ok = len(got_shape) == len(shape) and all(
+            want is None or want == got for want, got in zip(shape, got_shape, strict=True))
+        if not shape_ok or value.dtype != dtype or value.device != device:
+            shown = tuple("any" if d is None else d for d in shape)
+            raise BackendError(f"{where} returned output '{out.name}' of shape {got_shape} {value.dtype} "
+                               f"on {value.device}; the contract says {shown} {dtype} on {device}")
 
 
 def _plain(spec: Any, value: Any) -> Any:
@@ -152,6 +267,8 @@ def _plain(spec: Any, value: Any) -> Any:
 def check_data(op: OpContract, args: tuple[Any, ...]) -> None:
     """Run the rules that read tensor data (checked mode only; may sync the device)."""
     bound = op.bind(args)
+    if _has_no_data(bound):
+        return  # meta tensors: shapes only (the shape rules have run)
     for rule in op.rules:
         if rule.checked:
             _check_rule(op, rule, bound)

@@ -1,7 +1,8 @@
 """The conformance checks: one backend's kernels, op by op, against the contracts and the reference.
 
 For every op a backend claims, each scenario's sample (see :mod:`.scenarios`)
-is run with that backend forced for the op and compared with the reference
+is run with that backend forced for the op (every other op, e.g. those its
+backward calls, on the reference) and compared with the reference
 backend: output shapes and dtypes against the contract, values against the
 reference (tolerances in :data:`TOLERANCES`), inputs unmodified, a repeated
 call equal, gradients of every differentiable input equal. Then, on the first
@@ -153,13 +154,14 @@ def _check_meta(contract: OpContract, args: tuple[Any, ...], got: Any) -> None:
 
 @contextlib.contextmanager
 def _on(backend: str, op: str) -> Iterator[None]:
-    """``op`` forced onto ``backend``; the ops it calls (backward, composites) preferably too,
-    else the reference."""
+    """``op`` forced onto ``backend`` and every other op (those its backward or a composite kernel
+    calls) onto the reference: a failure is the op under test's own. (A backend's gather that is
+    wrong fails gather's check, not scatter's, whose backward would otherwise run it.)"""
     if backend == REFERENCE:
         with use_backend(REFERENCE):
             yield
     else:
-        with use_backend(backend, REFERENCE, **{op: backend}):
+        with use_backend(REFERENCE, **{op: backend}):
             yield
 
 
