@@ -94,9 +94,11 @@ def route(top_experts: Tensor, num_experts: int,
 
     # Ids outside [0, num_experts) sort after every valid one, in input order (as if they were
     # expert num_experts): indices stays a permutation and bins counts only valid ids.
-    valid = (top_experts >= 0) & (top_experts < num_experts)
+    # Compared as int64: num_experts may not fit the ids' dtype (torch would wrap the bound).
+    wide = top_experts.long()
+    valid = (wide >= 0) & (wide < num_experts)
     key_dtype = top_experts.dtype if num_experts <= torch.iinfo(top_experts.dtype).max else torch.int32
-    keys = torch.where(valid, top_experts.to(key_dtype), num_experts)
+    keys = torch.where(valid, wide, num_experts).to(key_dtype)
     _, order = ops.sort(keys, max(num_experts.bit_length(), 1))
     indices = order.to(top_experts.dtype)
     bin_ids = top_experts.index_select(0, order.long())

@@ -260,10 +260,11 @@ def route(
     if num_experts > MAX_COUNTING_BINS:
         # Too many bins for the in-register scan: documented torch fallback
         # (stable radix sort by torch + our sync-free histogram and cumsum).
-        # Ids out of range sort last, as in the counting sort (int32 keys: num_experts may not
-        # fit int16).
-        valid = (keys >= 0) & (keys < num_experts)
-        _, order = torch.sort(torch.where(valid, keys.int(), num_experts), stable=True)
+        # Ids out of range sort last, as in the counting sort. Compared as int64: num_experts
+        # may not fit the ids' dtype (int16 ids, 32768 experts), and torch would wrap it.
+        wide = keys.long()
+        valid = (wide >= 0) & (wide < num_experts)
+        _, order = torch.sort(torch.where(valid, wide, num_experts), stable=True)
         tpe = histogram(keys, num_experts)
         rounded = (tpe + block_size - 1) // block_size * block_size
         return (order.to(keys.dtype), keys[order], tpe, inclusive_cumsum(tpe, 0),
