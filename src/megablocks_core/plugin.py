@@ -1,0 +1,63 @@
+"""The plugin API: everything a backend may import from the core, in one module.
+
+A backend imports this module (and :mod:`megablocks_core.ops` where its kernels compose other
+ops); every other module of the core is private and may change between minor versions. The
+backends in this repository use nothing else, like any third-party plugin.
+
+- :data:`hookimpl` marks the hook implementations (the hooks: :class:`BackendHooks`);
+- :class:`Kernel` is what the kernel hooks return; :class:`DeviceInfo`, :class:`TensorMeta` and
+  :data:`CallInfo` are what its predicates and cost hints receive;
+- :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
+- :func:`describe_device` gives the :class:`DeviceInfo` of a torch device;
+- :func:`gmm_estimate_us` turns a grouped-GEMM provider's measured points into cost hints;
+- :class:`ContractError` / :class:`ContractTypeError` are what a kernel raises for input it
+  cannot serve safely (the core names the op and backend).
+"""
+
+from __future__ import annotations
+
+from .contract import OpContract
+from .contracts import BY_NAME, family_ops
+from .costs import GmmPoint, gmm_estimate_us, gmm_problem
+from .descriptors import (
+    ANY_DEVICE,
+    CallInfo,
+    CapabilityCheck,
+    CostEstimate,
+    DeviceInfo,
+    Kernel,
+    ShapeCheck,
+    TensorMeta,
+)
+from .devices import describe as describe_device
+from .hookspecs import ENTRY_POINT_GROUP, BackendHooks, hookimpl
+from .validation import ContractError, ContractTypeError
+
+
+def contract(op: str) -> OpContract:
+    """The contract of ``op`` (arguments in kernel order, outputs, rules, edge cases)."""
+    return BY_NAME[op]
+
+
+__all__ = [
+    "ANY_DEVICE",
+    "ENTRY_POINT_GROUP",
+    "BackendHooks",
+    "CallInfo",
+    "CapabilityCheck",
+    "ContractError",
+    "ContractTypeError",
+    "CostEstimate",
+    "DeviceInfo",
+    "GmmPoint",
+    "Kernel",
+    "OpContract",
+    "ShapeCheck",
+    "TensorMeta",
+    "contract",
+    "describe_device",
+    "family_ops",
+    "gmm_estimate_us",
+    "gmm_problem",
+    "hookimpl",
+]
