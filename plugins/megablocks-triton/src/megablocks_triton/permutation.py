@@ -16,7 +16,8 @@ reads one value on the host (``padded_bins[-1]``, the output size).
 
 Destinations by layout (``MODE``):
   0 plain:  row p = inv[f]
-  1 padded: row p - bins_start(e) + padded_start(e), e found by binary search in bins
+  1 padded: row p - bins_start(e) + padded_start(e), e = bin_ids[p] once bins confirms it
+            (bins[e-1] <= p < bins[e]), else found by binary search in bins
   2 binned: row e * bin_size + (p - bins_start(e)), e found by binary search in
             bins; dropped when p - bins_start(e) >= bin_size.
 The padded/binned gathers also zero their padding rows in the same launch
@@ -111,15 +112,25 @@ def _bin_of(bins_ptr, num_bins, p, mask, LOG: tl.constexpr):
 
 
 @triton.jit
-def _placement(p, keep, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
+def _placement(p, keep, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
                MODE: tl.constexpr, LOG: tl.constexpr):
     """Row (int64) of the output layout that sorted row p maps to, and whether it has one
     inside the layout (never an address outside it, whatever bins/padded_bins hold)."""
     if MODE == 0:
         dest = p.to(tl.int64)
     else:
-        # The expert comes from bins, never from bin_ids: one fewer array that can be wrong.
-        e = _bin_of(bins_ptr, num_bins, p, keep, LOG)
+        # The expert comes from bins. In the padded layout bin_ids[p] (hint_ptr) names it on
+        # valid data: two loads verify it, and only a wrong hint pays the binary search
+        # (its loads are masked off everywhere else).
+        if MODE == 1:
+            e = tl.load(hint_ptr + p, mask=keep, other=0).to(tl.int32)
+            e = tl.minimum(tl.maximum(e, 0), num_bins)
+            lo = tl.load(bins_ptr + e - 1, mask=keep & (e > 0), other=0)
+            hi = tl.load(bins_ptr + e, mask=keep & (e < num_bins), other=0)
+            wrong = keep & ((e >= num_bins) | (lo > p) | (hi <= p))
+            e = tl.where(wrong, _bin_of(bins_ptr, num_bins, p, wrong, LOG), e)
+        else:
+            e = _bin_of(bins_ptr, num_bins, p, keep, LOG)
         has_prev = keep & (e > 0)
         start = tl.load(bins_ptr + e - 1, mask=has_prev, other=0).to(tl.int64)
         j = p.to(tl.int64) - start
@@ -135,14 +146,14 @@ def _placement(p, keep, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
 
 @triton.jit
 def _destinations(
-    t, k, indices_ptr, inv_ptr, bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
+    t, k, indices_ptr, inv_ptr, hint_ptr, bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr,
 ):
     """Flat ids, destination rows (int64) and keep-mask of token t's copies k (a vector of
     copies, or one copy when k is a scalar). A copy no row names is not kept."""
     f = t * TOP_K + k
     p, reached = _reached(indices_ptr, inv_ptr, f, n, k < TOP_K)
-    dest, keep = _placement(p, reached, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
+    dest, keep = _placement(p, reached, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
                             MODE, LOG)
     return f, dest, keep
 
@@ -198,7 +209,7 @@ def _zero_padding(
 
 @triton.jit
 def _fix_unreached(
-    pid, x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    pid, x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
     hidden, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
     MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
@@ -216,7 +227,7 @@ def _fix_unreached(
         g = tl.where(named, g, 0).to(tl.int32)
         owner = tl.load(inv_ptr + g, mask=named, other=-1)
         if owner != q:
-            dest, keep = _placement(q, q >= 0, bins_ptr, padded_ptr, num_bins, bin_size,
+            dest, keep = _placement(q, q >= 0, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size,
                                     num_rows, MODE, LOG)
             if keep:
                 src = x_ptr + (g // TOP_K).to(tl.int64) * hidden
@@ -233,7 +244,7 @@ def _fix_unreached(
 
 @triton.jit
 def _gather_kernel(
-    x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
     num_tokens, hidden, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
     ZERO_ROWS: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
@@ -252,7 +263,7 @@ def _gather_kernel(
             hm = h < hidden
             v = tl.load(x_row + h, mask=hm, other=0)  # read once, written top_k times
             for k in tl.static_range(TOP_K):
-                f, dest, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr,
+                f, dest, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr, hint_ptr,
                                               bins_ptr, padded_ptr, n, num_bins, bin_size,
                                               num_rows, TOP_K, MODE, LOG)
                 if HAS_WEIGHTS:
@@ -261,14 +272,14 @@ def _gather_kernel(
                 else:
                     row = v
                 tl.store(out_ptr + dest * hidden + h, row, mask=keep & hm)
-        _fix_unreached(pid, x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr,
+        _fix_unreached(pid, x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr,
                        out_ptr, hidden, n, num_bins, bin_size, num_rows,
                        TOP_K, BLOCK_H, SPLIT_H, MODE, LOG, HAS_WEIGHTS)
 
 
 @triton.jit
 def _scatter_kernel(
-    x_ptr, indices_ptr, inv_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
+    x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
     hidden, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
     MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
@@ -282,7 +293,7 @@ def _scatter_kernel(
         # cross-thread reduction over a (k, H) tile.
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            f, src, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr,
+            f, src, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr, hint_ptr,
                                          bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
                                          TOP_K, MODE, LOG)
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
@@ -294,13 +305,13 @@ def _scatter_kernel(
 
 @triton.jit
 def _wgrad_kernel(
-    x_ptr, grad_ptr, indices_ptr, inv_ptr, bins_ptr, padded_ptr, out_ptr,
+    x_ptr, grad_ptr, indices_ptr, inv_ptr, hint_ptr, bins_ptr, padded_ptr, out_ptr,
     hidden, n, num_bins, bin_size, num_rows,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
     MODE: tl.constexpr, LOG: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    f, src, keep = _destinations(pid, tl.arange(0, K_PAD), indices_ptr, inv_ptr, bins_ptr,
+    f, src, keep = _destinations(pid, tl.arange(0, K_PAD), indices_ptr, inv_ptr, hint_ptr, bins_ptr,
                                  padded_ptr, n, num_bins, bin_size, num_rows, TOP_K, MODE, LOG)
     g_row = grad_ptr + pid.to(tl.int64) * hidden
     acc = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
@@ -336,7 +347,7 @@ def _rows(x: torch.Tensor, mode: int) -> int:
 def _launch_gather(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
     padded_bins: torch.Tensor | None, top_k: int, out: torch.Tensor, mode: int, bin_size: int,
-    inv: torch.Tensor | None = None,
+    inv: torch.Tensor | None = None, bin_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)  # numpy ints are not kernel scalars
     num_tokens, hidden = x.shape
@@ -352,7 +363,7 @@ def _launch_gather(
     zero_rows = min(cfg.zero_rows, 2) if x.device.type == "cpu" else cfg.zero_rows
     grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
     _gather_kernel[grid](
-        x, indices, inv, weights if weights is not None else x,
+        x, indices, inv, bin_ids if bin_ids is not None else bins, weights if weights is not None else x,
         bins, padded_bins if padded_bins is not None else bins, out,
         num_tokens, hidden, indices.numel(), num_bins, bin_size, _rows(out, mode),
         BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=zero_rows, MODE=mode,
@@ -366,6 +377,7 @@ def _launch_gather(
 def _launch_scatter(
     x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
     padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
+    bin_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)
     num_tokens = indices.numel() // top_k
@@ -376,7 +388,8 @@ def _launch_scatter(
     cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
     _scatter_kernel[(num_tokens, cfg.split_h)](
-        x, indices, _inverse(indices), weights if weights is not None else x, bins,
+        x, indices, _inverse(indices), bin_ids if bin_ids is not None else bins,
+        weights if weights is not None else x, bins,
         padded_bins if padded_bins is not None else bins, out,
         hidden, indices.numel(), num_bins, bin_size, _rows(x, mode),
         BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, MODE=mode, HAS_WEIGHTS=weights is not None,
@@ -388,6 +401,7 @@ def _launch_scatter(
 def _launch_wgrad(
     x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor,
     padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
+    bin_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)
     n = indices.numel()
@@ -401,7 +415,7 @@ def _launch_wgrad(
     cfg = launch_configs().wgrad(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
     _wgrad_kernel[(num_tokens,)](
-        x, grad, indices, _inverse(indices), bins,
+        x, grad, indices, _inverse(indices), bin_ids if bin_ids is not None else bins, bins,
         padded_bins if padded_bins is not None else bins, out,
         hidden, n, num_bins, bin_size, _rows(x, mode),
         BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, K_PAD=triton.next_power_of_2(top_k),
@@ -453,7 +467,7 @@ def padded_gather(
         raise ContractError(f"megablocks_core.ops.padded_gather: argument 'padded_bins' ends at {rows}, "
                             "but its last entry is the output's row count (expected >= 0)")
     out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    return _launch_gather(x, indices, weights, bins, padded_bins, top_k, out, PADDED, 0, inv)
+    return _launch_gather(x, indices, weights, bins, padded_bins, top_k, out, PADDED, 0, inv, bin_ids)
 
 
 def padded_scatter(
@@ -461,7 +475,7 @@ def padded_scatter(
     weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(padded rows, H) -> (T, H): inverse of padded_gather, weighted top-k sum in fp32."""
-    return _launch_scatter(x, indices, weights, bins, padded_bins, top_k, PADDED, 0)
+    return _launch_scatter(x, indices, weights, bins, padded_bins, top_k, PADDED, 0, bin_ids)
 
 
 def padded_scatter_wgrad(
@@ -469,7 +483,7 @@ def padded_scatter_wgrad(
     bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
 ) -> torch.Tensor:
     """(n,): dot of each flat id's padded row with its token's grad row."""
-    return _launch_wgrad(x, grad, indices, bins, padded_bins, top_k, PADDED, 0)
+    return _launch_wgrad(x, grad, indices, bins, padded_bins, top_k, PADDED, 0, bin_ids)
 
 
 def binned_gather(

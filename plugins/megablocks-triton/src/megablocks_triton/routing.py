@@ -176,10 +176,12 @@ def _counting_scatter_kernel(
         base += tl.histogram(digit, NB, mask=valid)
         if not USE_MASK:  # a radix pass places every key; route drops none either
             stray = inb & ~valid
-            stray_pos = stray_base + tl.cumsum(stray.to(tl.int32), axis=0) - 1
-            tl.store(values_ptr + stray_pos, raw, mask=stray)
-            tl.store(index_ptr + stray_pos, payload.to(index_ptr.dtype.element_ty), mask=stray)
-            stray_base += tl.sum(stray.to(tl.int32), axis=0)
+            num_stray = tl.sum(stray.to(tl.int32), axis=0)
+            if num_stray > 0:  # bad data only: valid ids never pay for the scan below
+                stray_pos = stray_base + tl.cumsum(stray.to(tl.int32), axis=0) - 1
+                tl.store(values_ptr + stray_pos, raw, mask=stray)
+                tl.store(index_ptr + stray_pos, payload.to(index_ptr.dtype.element_ty), mask=stray)
+            stray_base += num_stray
 
 
 def _options() -> Mapping[str, Any]:
