@@ -1,11 +1,41 @@
-"""Shared fixtures."""
+"""Shared setup and fixtures.
+
+Setup, done here once before any test module imports triton or a plugin:
+
+- ``TRITON_INTERPRET`` defaults to 1 on a machine without a GPU, so the Triton backend serves CPU
+  tensors through Triton's interpreter (triton reads the variable when a kernel is defined, so it
+  must be set first). On a GPU machine nothing is defaulted and the compiled kernels are tested;
+  ``TRITON_INTERPRET=1`` runs the interpreter there too.
+- plugins that are not installed are imported from the source tree (``plugins/*/src``), for the
+  tests that import a plugin's modules directly;
+- the test-only workaround for a Triton 3.6 interpreter bug (``triton_interpreter.apply_shims``).
+"""
 
 from __future__ import annotations
 
-import pytest
-from fake_plugins import ENV_VARS, ONLY_REFERENCE, FakePlugins
+import importlib.util
+import os
+import sys
+from pathlib import Path
 
-import megablocks_core
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
+for _src in sorted(_PLUGINS.glob("*/src")):
+    for _package in sorted(p for p in _src.iterdir() if (p / "__init__.py").is_file()):
+        if importlib.util.find_spec(_package.name) is None:
+            sys.path.append(str(_src))
+
+import pytest  # noqa: E402
+import triton_interpreter  # noqa: E402
+from fake_plugins import ENV_VARS, ONLY_REFERENCE, FakePlugins  # noqa: E402
+
+import megablocks_core  # noqa: E402
+
+triton_interpreter.apply_shims()
 
 
 @pytest.fixture
