@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	# torch 2.13.0 is pinned so pip takes the CPU wheel; triton runs its kernels on the CPU
 	# under TRITON_INTERPRET=1 in the tests.
-	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 "setuptools>=64"
+	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest hypothesis==6.170.17 "numpy<2.4" ruff==0.17.6 "setuptools>=64"
 	$(BIN)/pip install --quiet -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	touch $@
 
