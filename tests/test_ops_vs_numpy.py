@@ -12,6 +12,7 @@ written in numpy.
 from __future__ import annotations
 
 import numpy as np
+import oracle
 import pytest
 import torch
 
@@ -32,26 +33,6 @@ TOL = {
     torch.float32: (1e-5, 1e-5),
     torch.bfloat16: (1e-2, 1e-2),
 }
-
-
-def bf16_round(a: np.ndarray) -> np.ndarray:
-    """Round float values to bfloat16 (nearest-even), in numpy; returns float64."""
-    a32 = np.ascontiguousarray(a, dtype=np.float32)
-    u = a32.view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.astype(np.uint32).view(np.float32).astype(np.float64)
-
-
-def representable(a: np.ndarray, dtype: torch.dtype) -> np.ndarray:
-    """The float64 values that ``dtype`` stores exactly for ``a``."""
-    a = np.asarray(a, dtype=np.float64)
-    if dtype == torch.float64:
-        return a.copy()
-    if dtype == torch.float32:
-        return a.astype(np.float32).astype(np.float64)
-    if dtype == torch.bfloat16:
-        return bf16_round(a)
-    raise AssertionError(dtype)
 
 
 def ft(a: np.ndarray, dtype: torch.dtype, noncontig: bool = False) -> torch.Tensor:
@@ -106,140 +87,6 @@ def check_int(got: torch.Tensor, exp: np.ndarray, dtype: torch.dtype) -> None:
     np.testing.assert_array_equal(got.contiguous().numpy().astype(np.int64), np.asarray(exp, dtype=np.int64))
 
 
-def make_routing(rng, T: int, K: int, E: int, block: int = 4, empty: bool = False) -> dict:
-    """Realistic MoE routing metadata, in numpy.
-
-    top_experts (T*K,) -> indices/bin_ids by stable argsort -> tokens_per_expert by
-    bincount -> bins (inclusive cumsum) and padded_bins (cumsum of counts rounded up
-    to ``block``). ``empty`` leaves the first, the last and every other expert empty.
-    """
-    allowed = np.arange(1, E - 1)[::2] if empty and E >= 3 else np.arange(E)
-    top = np.zeros((T, K), dtype=np.int64)
-    for t in range(T):
-        top[t] = rng.choice(allowed, size=K, replace=len(allowed) < K)
-    top = top.reshape(-1)
-    indices = np.argsort(top, kind="stable").astype(np.int64)
-    bin_ids = top[indices]
-    tpe = np.bincount(top, minlength=E).astype(np.int64)
-    bins = np.cumsum(tpe).astype(np.int64)
-    padded_tpe = ((tpe + block - 1) // block) * block
-    padded_bins = np.cumsum(padded_tpe).astype(np.int64)
-    if empty and E >= 3 and T > 0:
-        assert tpe[0] == 0 and tpe[-1] == 0
-    return dict(T=T, K=K, E=E, top=top, indices=indices, bin_ids=bin_ids, tpe=tpe, bins=bins,
-                padded_bins=padded_bins, block=block)
-
-
-def start_of(cum: np.ndarray, e: int) -> int:
-    return 0 if e == 0 else int(cum[e - 1])
-
-
-# --------------------------------------------------------------------------------------
-# numpy references (loops)
-# --------------------------------------------------------------------------------------
-
-
-def ref_gather(x, r, w):
-    K, n = r["K"], len(r["indices"])
-    out = np.zeros((n, x.shape[1]))
-    for i in range(n):
-        f = int(r["indices"][i])
-        out[i] = x[f // K] * (1.0 if w is None else w[f])
-    return out
-
-
-def ref_scatter(x, r, w):
-    K, T = r["K"], r["T"]
-    out = np.zeros((T, x.shape[1]))
-    for i in range(len(r["indices"])):
-        f = int(r["indices"][i])
-        out[f // K] += x[i] * (1.0 if w is None else w[f])
-    return out
-
-
-def ref_scatter_wgrad(x, g, r):
-    K = r["K"]
-    out = np.zeros(len(r["indices"]))
-    for i in range(len(r["indices"])):
-        f = int(r["indices"][i])
-        out[f] = float(np.dot(x[i], g[f // K]))
-    return out
-
-
-def padded_positions(r):
-    pos = np.zeros(len(r["indices"]), dtype=np.int64)
-    for i in range(len(r["indices"])):
-        e = int(r["bin_ids"][i])
-        pos[i] = start_of(r["padded_bins"], e) + (i - start_of(r["bins"], e))
-    return pos
-
-
-def ref_padded_gather(x, r, w):
-    K = r["K"]
-    rows = int(r["padded_bins"][-1])
-    out = np.zeros((rows, x.shape[1]))
-    for i, p in enumerate(padded_positions(r)):
-        f = int(r["indices"][i])
-        out[p] = x[f // K] * (1.0 if w is None else w[f])
-    return out
-
-
-def ref_padded_scatter(x, r, w):
-    K, T = r["K"], r["T"]
-    out = np.zeros((T, x.shape[1]))
-    for i, p in enumerate(padded_positions(r)):
-        f = int(r["indices"][i])
-        out[f // K] += x[p] * (1.0 if w is None else w[f])
-    return out
-
-
-def ref_padded_scatter_wgrad(x, g, r):
-    K = r["K"]
-    out = np.zeros(len(r["indices"]))
-    for i, p in enumerate(padded_positions(r)):
-        f = int(r["indices"][i])
-        out[f] = float(np.dot(x[p], g[f // K]))
-    return out
-
-
-def binned_slots(r, cap):
-    """(e, j, sorted row i) for every kept entry."""
-    slots = []
-    for e in range(r["E"]):
-        s = start_of(r["bins"], e)
-        cnt = int(r["bins"][e]) - s
-        for j in range(min(cap, cnt)):
-            slots.append((e, j, s + j))
-    return slots
-
-
-def ref_binned_gather(x, r, cap, w):
-    K = r["K"]
-    out = np.zeros((r["E"], cap, x.shape[1]))
-    for e, j, i in binned_slots(r, cap):
-        f = int(r["indices"][i])
-        out[e, j] = x[f // K] * (1.0 if w is None else w[f])
-    return out
-
-
-def ref_binned_scatter(x, r, cap, w):
-    K, T = r["K"], r["T"]
-    out = np.zeros((T, x.shape[2]))
-    for e, j, i in binned_slots(r, cap):
-        f = int(r["indices"][i])
-        out[f // K] += x[e, j] * (1.0 if w is None else w[f])
-    return out
-
-
-def ref_binned_scatter_wgrad(x, g, r, cap):
-    K = r["K"]
-    out = np.zeros(len(r["indices"]))
-    for e, j, i in binned_slots(r, cap):
-        f = int(r["indices"][i])
-        out[f] = float(np.dot(x[e, j], g[f // K]))
-    return out
-
-
 # --------------------------------------------------------------------------------------
 # permutation-op cases
 # --------------------------------------------------------------------------------------
@@ -269,7 +116,7 @@ PERM_IDS = list(PERM_CASES)
 def setup_case(name):
     T, K, E, H, idt, fdt, nc, empty, block, seed = PERM_CASES[name]
     rng = np.random.default_rng(1000 + seed)
-    r = make_routing(rng, T, K, E, block=block, empty=empty)
+    r = oracle.make_routing(rng, T, K, E, block=block, empty=empty)
     if name == "many_experts":
         assert (r["tpe"] == 0).any()
     t = dict(
@@ -282,7 +129,7 @@ def setup_case(name):
 
 
 def rand(rng, shape, dtype):
-    return representable(rng.standard_normal(shape), dtype)
+    return oracle.representable(rng.standard_normal(shape), dtype)
 
 
 def leaf(a, dtype, nc):
@@ -301,12 +148,12 @@ def test_gather(name):
     xv = rand(rng, (T, H), fdt)
     x = leaf(xv, fdt, nc)
     out = ops.gather(x, t["indices"], t["bin_ids"], t["bins"], K)
-    check(out, ref_gather(xv, r, None), fdt, exact=True)
+    check(out, oracle.gather(xv, r["indices"], r["bin_ids"], None, r["bins"], r["K"]), fdt, exact=True)
 
     g = rand(rng, (T * K, H), fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
-    check(x.grad, ref_scatter(g, r, None), fdt)
+    check(x.grad, oracle.scatter(g, r["indices"], r["bin_ids"], None, r["bins"], r["K"]), fdt)
 
 
 @pytest.mark.parametrize("with_weights", [True, False], ids=["weights", "noweights"])
@@ -317,18 +164,18 @@ def test_scatter(name, with_weights):
     n = T * K
     xv = rand(rng, (n, H), fdt)
     x = leaf(xv, fdt, nc)
-    wv = representable(rng.uniform(0.1, 1.0, n), fdt) if with_weights else None
+    wv = oracle.representable(rng.uniform(0.1, 1.0, n), fdt) if with_weights else None
     w = leaf(wv, fdt, nc) if with_weights else None
     out = ops.scatter(x, t["indices"], t["bin_ids"], w, t["bins"], K)
-    check(out, ref_scatter(xv, r, wv), fdt)
+    check(out, oracle.scatter(xv, r["indices"], r["bin_ids"], wv, r["bins"], r["K"]), fdt)
 
     g = rand(rng, (T, H), fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
-    check(x.grad, ref_gather(g, r, wv), fdt)
+    check(x.grad, oracle.gather(g, r["indices"], r["bin_ids"], wv, r["bins"], r["K"]), fdt)
     if with_weights:
         assert w.grad is not None
-        check(w.grad, ref_scatter_wgrad(xv, g, r), fdt)
+        check(w.grad, oracle.scatter_wgrad(xv, g, r["indices"], r["bin_ids"], r["bins"], r["K"]), fdt)
 
 
 @pytest.mark.parametrize("name", ["basic", "top4_bf16", "top6_i16"])
@@ -338,13 +185,13 @@ def test_scatter_weights_only_grad(name):
     T, K = r["T"], r["K"]
     n = T * K
     xv = rand(rng, (n, H), fdt)
-    wv = representable(rng.uniform(0.1, 1.0, n), fdt)
+    wv = oracle.representable(rng.uniform(0.1, 1.0, n), fdt)
     w = leaf(wv, fdt, nc)
     out = ops.scatter(ft(xv, fdt), t["indices"], t["bin_ids"], w, t["bins"], K)
-    check(out, ref_scatter(xv, r, wv), fdt)
+    check(out, oracle.scatter(xv, r["indices"], r["bin_ids"], wv, r["bins"], r["K"]), fdt)
     g = rand(rng, (T, H), fdt)
     out.backward(ft(g, fdt))
-    check(w.grad, ref_scatter_wgrad(xv, g, r), fdt)
+    check(w.grad, oracle.scatter_wgrad(xv, g, r["indices"], r["bin_ids"], r["bins"], r["K"]), fdt)
 
 
 # --------------------------------------------------------------------------------------
@@ -359,13 +206,15 @@ def test_padded_gather(name):
     xv = rand(rng, (T, H), fdt)
     x = leaf(xv, fdt, nc)
     out = ops.padded_gather(x, t["indices"], t["bin_ids"], t["bins"], t["padded_bins"], K)
-    exp = ref_padded_gather(xv, r, None)
+    exp = oracle.padded_gather(xv, r["indices"], r["bin_ids"], None, r["bins"], r["padded_bins"], K)
     check(out, exp, fdt, exact=True)
 
     g = rand(rng, exp.shape, fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
-    check(x.grad, ref_padded_scatter(g, r, None), fdt)
+    exp_grad = oracle.padded_scatter(g, r["indices"], r["bin_ids"], None, r["bins"],
+                                     r["padded_bins"], K)
+    check(x.grad, exp_grad, fdt)
 
 
 @pytest.mark.parametrize("with_weights", [True, False], ids=["weights", "noweights"])
@@ -377,22 +226,26 @@ def test_padded_scatter(name, with_weights):
     rows = int(r["padded_bins"][-1]) if r["E"] else 0
     xv = rand(rng, (rows, H), fdt)
     x = leaf(xv, fdt, nc)
-    wv = representable(rng.uniform(0.1, 1.0, n), fdt) if with_weights else None
+    wv = oracle.representable(rng.uniform(0.1, 1.0, n), fdt) if with_weights else None
     w = leaf(wv, fdt, nc) if with_weights else None
     out = ops.padded_scatter(x, t["indices"], t["bin_ids"], w, t["bins"], t["padded_bins"], K)
-    check(out, ref_padded_scatter(xv, r, wv), fdt)
+    exp = oracle.padded_scatter(xv, r["indices"], r["bin_ids"], wv, r["bins"], r["padded_bins"], K)
+    check(out, exp, fdt)
 
     g = rand(rng, (T, H), fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
     # padding rows must receive exactly zero gradient
-    check(x.grad, ref_padded_gather(g, r, wv), fdt)
+    exp_grad = oracle.padded_gather(g, r["indices"], r["bin_ids"], wv, r["bins"], r["padded_bins"], K)
+    check(x.grad, exp_grad, fdt)
     pad = np.ones(rows, dtype=bool)
-    pad[padded_positions(r)] = False
+    pad[oracle.padded_positions(r["bin_ids"], r["bins"], r["padded_bins"])] = False
     assert (to64(x.grad)[pad] == 0).all()
     if with_weights:
         assert w.grad is not None
-        check(w.grad, ref_padded_scatter_wgrad(xv, g, r), fdt)
+        exp_wgrad = oracle.padded_scatter_wgrad(xv, g, r["indices"], r["bin_ids"], r["bins"],
+                                                r["padded_bins"], K)
+        check(w.grad, exp_wgrad, fdt)
 
 
 # --------------------------------------------------------------------------------------
@@ -416,13 +269,13 @@ def test_binned_gather(name, mode):
     xv = rand(rng, (T, H), fdt)
     x = leaf(xv, fdt, nc)
     out = ops.binned_gather(x, t["indices"], t["bins"], cap, K)
-    exp = ref_binned_gather(xv, r, cap, None)
+    exp = oracle.binned_gather(xv, r["indices"], None, r["bins"], cap, r["K"])
     check(out, exp, fdt, exact=True)
 
     g = rand(rng, exp.shape, fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
-    check(x.grad, ref_binned_scatter(g, r, cap, None), fdt)
+    check(x.grad, oracle.binned_scatter(g, r["indices"], None, r["bins"], r["K"]), fdt)
 
 
 @pytest.mark.parametrize("name", ["basic", "top6_i16", "zero_tokens", "top4_bf16"])
@@ -438,7 +291,7 @@ def test_binned_zero_capacity(name):
     check(x.grad, np.zeros((T, H)), fdt, exact=True)
 
     xb = leaf(np.zeros((E, 0, H)), fdt, False)
-    wv = representable(rng.uniform(0.1, 1.0, T * K), fdt)
+    wv = oracle.representable(rng.uniform(0.1, 1.0, T * K), fdt)
     w = leaf(wv, fdt, nc)
     out = ops.binned_scatter(xb, t["indices"], w, t["bins"], K)
     check(out, np.zeros((T, H)), fdt, exact=True)
@@ -456,18 +309,18 @@ def test_binned_scatter(name, mode, with_weights):
     cap = capacity(r, mode)
     xv = rand(rng, (E, cap, H), fdt)
     x = leaf(xv, fdt, nc)
-    wv = representable(rng.uniform(0.1, 1.0, n), fdt) if with_weights else None
+    wv = oracle.representable(rng.uniform(0.1, 1.0, n), fdt) if with_weights else None
     w = leaf(wv, fdt, nc) if with_weights else None
     out = ops.binned_scatter(x, t["indices"], w, t["bins"], K)
-    check(out, ref_binned_scatter(xv, r, cap, wv), fdt)
+    check(out, oracle.binned_scatter(xv, r["indices"], wv, r["bins"], r["K"]), fdt)
 
     g = rand(rng, (T, H), fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
-    check(x.grad, ref_binned_gather(g, r, cap, wv), fdt)
+    check(x.grad, oracle.binned_gather(g, r["indices"], wv, r["bins"], cap, r["K"]), fdt)
     if with_weights:
         assert w.grad is not None
-        exp_wg = ref_binned_scatter_wgrad(xv, g, r, cap)
+        exp_wg = oracle.binned_scatter_wgrad(xv, g, r["indices"], r["bins"], r["K"])
         check(w.grad, exp_wg, fdt)
 
 
@@ -531,14 +384,6 @@ def test_sort_noncontiguous():
     check_int(idx, perm, torch.int32)
 
 
-def ref_hist(row, num_bins):
-    out = np.zeros(num_bins, dtype=np.int64)
-    for v in row:
-        if 0 <= v < num_bins:
-            out[v] += 1
-    return out
-
-
 HIST_CASES = [
     # (dtype, shape, num_bins, lo, hi, noncontig, seed)
     (torch.int32, (50,), 8, 0, 8, False, 0),
@@ -561,29 +406,10 @@ def test_histogram(dtype, shape, num_bins, lo, hi, nc, seed):
     xv = rng.integers(lo, hi, size=shape).astype(np.int64)
     out = ops.histogram(it(xv, dtype, nc), num_bins)
     if len(shape) == 1:
-        exp = ref_hist(xv, num_bins)
+        exp = oracle.histogram(xv, num_bins)
     else:
-        exp = np.stack([ref_hist(row, num_bins) for row in xv]).reshape(shape[0], num_bins)
+        exp = np.stack([oracle.histogram(row, num_bins) for row in xv]).reshape(shape[0], num_bins)
     check_int(out, exp, torch.int32)
-
-
-def ref_cumsum(xv, dim, exclusive):
-    xv = np.asarray(xv, dtype=np.int64)
-    if xv.ndim == 1:
-        dim = 0
-    out = np.zeros_like(xv)
-    moved = np.moveaxis(xv, dim, -1)
-    res = np.moveaxis(out, dim, -1)
-    for idx in np.ndindex(moved.shape[:-1]):
-        acc = 0
-        for j in range(moved.shape[-1]):
-            if exclusive:
-                res[(*idx, j)] = acc
-                acc += int(moved[(*idx, j)])
-            else:
-                acc += int(moved[(*idx, j)])
-                res[(*idx, j)] = acc
-    return out
 
 
 CUMSUM_CASES = [
@@ -620,29 +446,15 @@ def test_cumsum(dtype, shape, dim, nc, seed, exclusive):
     x = it(xv, dtype, nc)
     fn = ops.exclusive_cumsum if exclusive else ops.inclusive_cumsum
     out = fn(x, dim)
-    check_int(out, ref_cumsum(xv, dim, exclusive), dtype)
+    check_int(out, (oracle.exclusive_cumsum if exclusive else oracle.inclusive_cumsum)(xv, dim), dtype)
 
 
 def test_cumsum_of_routing_counts():
     """The way a MoE layer uses it: bins from tokens_per_expert, with empty experts."""
-    r = make_routing(np.random.default_rng(3), 20, 2, 8, empty=True)
+    r = oracle.make_routing(np.random.default_rng(3), 20, 2, 8, empty=True)
     tpe = it(r["tpe"], torch.int32)
     check_int(ops.inclusive_cumsum(tpe, 0), r["bins"], torch.int32)
     check_int(ops.exclusive_cumsum(tpe, 0), r["bins"] - r["tpe"], torch.int32)
-
-
-def ref_topology(padded_bins, bs, rows, cols):
-    out = np.zeros(rows * cols, dtype=np.int64)
-    for r in range(rows):
-        e = None
-        for ee in range(len(padded_bins)):
-            if start_of(padded_bins, ee) // bs <= r < int(padded_bins[ee]) // bs:
-                e = ee
-                break
-        assert e is not None
-        for j in range(cols):
-            out[r * cols + j] = e * cols + j
-    return out
 
 
 TOPO_CASES = [
@@ -660,30 +472,11 @@ TOPO_CASES = [
 
 @pytest.mark.parametrize("T,K,E,bs,cols,dtype,empty,seed", TOPO_CASES)
 def test_topology(T, K, E, bs, cols, dtype, empty, seed):
-    r = make_routing(np.random.default_rng(seed), T, K, E, block=bs, empty=empty)
+    r = oracle.make_routing(np.random.default_rng(seed), T, K, E, block=bs, empty=empty)
     pb = r["padded_bins"]
     rows = int(pb[-1]) // bs
     out = ops.topology(it(pb, dtype), bs, rows, cols)
-    check_int(out, ref_topology(pb, bs, rows, cols), torch.int16)
-
-
-def ref_replicate(xv, bins, num_outputs):
-    B, E = xv.shape
-    out = np.zeros((B, num_outputs))
-    for e in range(E):
-        for j in range(start_of(bins, e), int(bins[e])):
-            out[:, j] = xv[:, e]
-    return out
-
-
-def ref_replicate_backward(g, bins):
-    B = g.shape[0]
-    E = len(bins)
-    out = np.zeros((B, E))
-    for e in range(E):
-        for j in range(start_of(bins, e), int(bins[e])):
-            out[:, e] += g[:, j]
-    return out
+    check_int(out, oracle.topology(pb, bs, rows, cols), torch.int16)
 
 
 REPL_CASES = [
@@ -702,18 +495,18 @@ REPL_CASES = [
 @pytest.mark.parametrize("B,T,K,E,extra,fdt,idt,empty,nc,seed", REPL_CASES)
 def test_replicate(B, T, K, E, extra, fdt, idt, empty, nc, seed):
     rng = np.random.default_rng(seed)
-    r = make_routing(rng, T, K, E, empty=empty)
+    r = oracle.make_routing(rng, T, K, E, empty=empty)
     bins = r["bins"]
     num_outputs = int(bins[-1]) + extra
     xv = rand(rng, (B, E), fdt)
     x = leaf(xv, fdt, nc)
     out = ops.replicate(x, it(bins, idt, nc), num_outputs)
-    check(out, ref_replicate(xv, bins, num_outputs), fdt, exact=True)
+    check(out, oracle.replicate(xv, bins, num_outputs), fdt, exact=True)
 
     g = rand(rng, (B, num_outputs), fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
-    exp = ref_replicate_backward(g, bins)
+    exp = oracle.replicate_backward(g, bins)
     check(x.grad, exp, fdt)
     # empty experts get exactly zero gradient
     assert (to64(x.grad)[:, r["tpe"] == 0] == 0).all()
@@ -722,12 +515,12 @@ def test_replicate(B, T, K, E, extra, fdt, idt, empty, nc, seed):
 def test_replicate_trailing_columns_are_zero():
     """kernels.md: columns j >= bins[-1] are 0 (num_outputs larger than bins[-1])."""
     rng = np.random.default_rng(41)
-    r = make_routing(rng, 11, 2, 5, empty=True)
+    r = oracle.make_routing(rng, 11, 2, 5, empty=True)
     bins = r["bins"]
     num_outputs = int(bins[-1]) + 3
     xv = rand(rng, (2, 5), torch.float32)
     out = ops.replicate(ft(xv, torch.float32), it(bins, torch.int32), num_outputs)
-    exp = ref_replicate(xv, bins, num_outputs)
+    exp = oracle.replicate(xv, bins, num_outputs)
     assert (exp[:, int(bins[-1]):] == 0).all()
     check(out, exp, torch.float32, exact=True)
 
@@ -735,11 +528,11 @@ def test_replicate_trailing_columns_are_zero():
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16])
 def test_replicate_int_values(dtype):
     rng = np.random.default_rng(42)
-    r = make_routing(rng, 9, 3, 8, empty=True)
+    r = oracle.make_routing(rng, 9, 3, 8, empty=True)
     bins = r["bins"]
     xv = rng.integers(-100, 100, size=(3, 8)).astype(np.int64)
     out = ops.replicate(it(xv, dtype), it(bins, torch.int32), int(bins[-1]))
-    check_int(out, ref_replicate(xv, bins, int(bins[-1])).astype(np.int64), dtype)
+    check_int(out, oracle.replicate(xv, bins, int(bins[-1])).astype(np.int64), dtype)
 
 
 @pytest.mark.parametrize("value", [1, 4, 128])
@@ -755,7 +548,7 @@ def test_round_up(dtype, value):
 
 
 def test_round_up_routing_counts():
-    r = make_routing(np.random.default_rng(5), 30, 2, 8, block=4, empty=True)
+    r = oracle.make_routing(np.random.default_rng(5), 30, 2, 8, block=4, empty=True)
     out = ops.round_up(it(r["tpe"], torch.int32), 4)
     check_int(out, np.diff(np.concatenate([[0], r["padded_bins"]])), torch.int32)
 
@@ -844,34 +637,6 @@ def test_sum_default_dim():
 # --------------------------------------------------------------------------------------
 
 
-def ref_gmm(av, bv, sizes, trans_b):
-    M = av.shape[0]
-    N = bv.shape[1] if trans_b else bv.shape[2]
-    out = np.zeros((M, N))
-    s = 0
-    for e, c in enumerate(sizes):
-        be = bv[e].T if trans_b else bv[e]
-        out[s : s + c] = av[s : s + c] @ be
-        s += c
-    return out
-
-
-def ref_gmm_grads(av, bv, g, sizes, trans_b):
-    ga = np.zeros_like(av)
-    gb = np.zeros_like(bv)
-    s = 0
-    for e, c in enumerate(sizes):
-        a_e, g_e = av[s : s + c], g[s : s + c]
-        if trans_b:  # out_e = a_e @ b_e^T, b_e (N, K)
-            ga[s : s + c] = g_e @ bv[e]
-            gb[e] = g_e.T @ a_e
-        else:  # out_e = a_e @ b_e, b_e (K, N)
-            ga[s : s + c] = g_e @ bv[e].T
-            gb[e] = a_e.T @ g_e
-        s += c
-    return ga, gb
-
-
 GMM_CASES = {
     # name: (T, topk, E, K, N, trans_b, data dtype, batch_sizes dtype, empty, noncontig, seed)
     "basic": (12, 2, 4, 8, 6, False, torch.float32, torch.int64, False, False, 0),
@@ -905,7 +670,7 @@ def gmm_noncontig_b(bv, dtype):
 def test_gmm(name):
     T, topk, E, K, N, trans_b, fdt, sdt, empty, nc, seed = GMM_CASES[name]
     rng = np.random.default_rng(500 + seed)
-    r = make_routing(rng, T, topk, E, empty=empty)
+    r = oracle.make_routing(rng, T, topk, E, empty=empty)
     sizes = [int(c) for c in r["tpe"]]
     M = sum(sizes)
     av = rand(rng, (M, K), fdt)
@@ -915,11 +680,11 @@ def test_gmm(name):
     bs = it(sizes, sdt, nc)
     assert bs.device.type == "cpu"
     out = ops.gmm(a, b, bs, trans_b)
-    check(out, ref_gmm(av, bv, sizes, trans_b), fdt)
+    check(out, oracle.gmm(av, bv, sizes, trans_b), fdt)
 
     g = rand(rng, (M, N), fdt)
     out.backward(ft(g, fdt, nc))
-    ga, gb = ref_gmm_grads(av, bv, g, sizes, trans_b)
+    ga, gb = oracle.gmm_backward(av, bv, g, sizes, trans_b)
     assert a.grad is not None and b.grad is not None
     check(a.grad, ga, fdt)
     check(b.grad, gb, fdt)
@@ -933,7 +698,7 @@ def test_gmm(name):
 def test_gmm_default_trans_b_and_same_device_sizes():
     """trans_b defaults to False; batch_sizes may live on a's device."""
     rng = np.random.default_rng(77)
-    r = make_routing(rng, 10, 2, 3)
+    r = oracle.make_routing(rng, 10, 2, 3)
     sizes = [int(c) for c in r["tpe"]]
     M = sum(sizes)
     av = rand(rng, (M, 4), torch.float32)
@@ -941,7 +706,7 @@ def test_gmm_default_trans_b_and_same_device_sizes():
     a = ft(av, torch.float32)
     bs = it(sizes, torch.int64).to(a.device)
     out = ops.gmm(a, ft(bv, torch.float32), bs)
-    check(out, ref_gmm(av, bv, sizes, False), torch.float32)
+    check(out, oracle.gmm(av, bv, sizes, False), torch.float32)
 
 
 @pytest.mark.parametrize("T,K,E,block,empty,dtype", [
@@ -949,7 +714,7 @@ def test_gmm_default_trans_b_and_same_device_sizes():
     (17, 3, 9, 4, True, torch.int16), (64, 2, 8, 128, False, torch.int64),
 ])
 def test_route(T, K, E, block, empty, dtype):
-    r = make_routing(np.random.default_rng(T + E), T, K, E, block=block, empty=empty)
+    r = oracle.make_routing(np.random.default_rng(T + E), T, K, E, block=block, empty=empty)
     indices, bin_ids, counts, bins, padded_bins = ops.route(it(r["top"], dtype), E, block)
     check_int(indices, r["indices"], dtype)
     check_int(bin_ids, r["bin_ids"], dtype)

@@ -1,68 +1,40 @@
-"""Triton grouped GEMM (megablocks_triton.gmm) against a float64 loop reference.
+"""Triton grouped GEMM (megablocks_triton.gmm) against the float64 oracle (oracle.py).
 
-Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1), so shapes are tiny and tile
-configs small enough that every expert spans several tiles and M-tiles straddle group ends.
+Runs under the Triton interpreter on the CPU (TRITON_INTERPRET=1, the default without a GPU: see
+conftest.py), so shapes are tiny and tile configs small enough that every expert spans several
+tiles and M-tiles straddle group ends.
 """
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-
-import sys
-from pathlib import Path
-
 import numpy as np
+import oracle
 import pytest
 import torch
+from triton_interpreter import interpreting
 
 triton = pytest.importorskip("triton")
 
-from triton_interpreter import apply_shims  # noqa: E402
+from megablocks_triton import gmm as G  # noqa: E402
 
-try:
-    from megablocks_triton import gmm as G
-except ImportError:  # plugin not installed: import it from the source tree
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins/megablocks-triton/src"))
-    from megablocks_triton import gmm as G
-
-
-apply_shims()
+# The kernels get CPU tensors: only the interpreter runs them (choose_config tests need neither).
+needs_interpreter = pytest.mark.skipif(not interpreting(),
+                                       reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
 
 SMALL = G.GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 # fp32 must track float64 closely (ieee dot, no tf32); 16-bit outputs are rounded once.
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    return [int(v) for v in np.concatenate([[0], np.cumsum(sizes)])]
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A tensor's exact values as a float64 numpy array (for the oracle)."""
+    return t.double().numpy()
 
 
-def _ref_gmm(a: torch.Tensor, b: torch.Tensor, sizes: list[int], trans_b: bool) -> torch.Tensor:
-    off = _offsets(sizes)
-    n = b.shape[1] if trans_b else b.shape[2]
-    out = torch.zeros(off[-1], n, dtype=torch.float64)
-    for e in range(len(sizes)):
-        be = b[e].double()
-        out[off[e] : off[e + 1]] = a[off[e] : off[e + 1]].double() @ (be.T if trans_b else be)
-    return out
-
-
-def _ref_wgrad(a: torch.Tensor, g: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    off = _offsets(sizes)
-    return torch.stack(
-        [
-            a[off[e] : off[e + 1]].double().T @ g[off[e] : off[e + 1]].double()
-            for e in range(len(sizes))
-        ]
-    )
-
-
-def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+def _close(out: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> None:
     rtol, atol = TOL[dtype]
-    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
-    torch.testing.assert_close(out.double(), ref, rtol=rtol, atol=atol * scale)
+    scale = max(1.0, float(np.abs(ref).max())) if ref.size else 1.0
+    torch.testing.assert_close(out.double(), torch.from_numpy(ref), rtol=rtol, atol=atol * scale)
 
 
 def _rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -70,6 +42,7 @@ def _rand(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("trans_b", [False, True])
 def test_gmm_odd_shapes(dtype: torch.dtype, trans_b: bool) -> None:
@@ -78,9 +51,10 @@ def test_gmm_odd_shapes(dtype: torch.dtype, trans_b: bool) -> None:
     b = _rand(len(sizes), *((n, k) if trans_b else (k, n)), dtype=dtype, seed=1)
     out = G.gmm(a, b, torch.tensor(sizes), trans_b, config=SMALL)
     assert out.shape == (sum(sizes), n) and out.dtype == dtype
-    _close(out, _ref_gmm(a, b, sizes, trans_b), dtype)
+    _close(out, oracle.gmm(_np(a), _np(b), sizes, trans_b), dtype)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("sizes_dtype", [torch.int64, torch.int32])
 def test_gmm_multi_tile_many_experts(sizes_dtype: torch.dtype) -> None:
     # 20 experts (BLOCK_E=32), several M- and N-tiles per expert, K % BLOCK_K == 0 (EVEN_K path),
@@ -90,15 +64,16 @@ def test_gmm_multi_tile_many_experts(sizes_dtype: torch.dtype) -> None:
     a = _rand(sum(sizes), k, dtype=torch.float32, seed=2)
     b = _rand(len(sizes), k, n, dtype=torch.float32, seed=3)
     bs = torch.tensor(sizes, dtype=sizes_dtype)
-    _close(G.gmm(a, b, bs, False), _ref_gmm(a, b, sizes, False), torch.float32)
+    _close(G.gmm(a, b, bs, False), oracle.gmm(_np(a), _np(b), sizes, False), torch.float32)
 
 
+@needs_interpreter
 def test_gmm_one_expert_and_empty() -> None:
     a = _rand(45, 24, dtype=torch.float32, seed=4)
     b = _rand(1, 24, 20, dtype=torch.float32, seed=5)
     _close(
         G.gmm(a, b, torch.tensor([45]), False, config=SMALL),
-        _ref_gmm(a, b, [45], False),
+        oracle.gmm(_np(a), _np(b), [45], False),
         torch.float32,
     )
     # M = 0: nothing to compute, no launch.
@@ -111,6 +86,7 @@ def test_gmm_one_expert_and_empty() -> None:
     assert out.shape == (0, 20)
 
 
+@needs_interpreter
 def test_gmm_reads_nothing_outside_groups() -> None:
     # a: a narrowed view of a larger NaN-filled buffer (the tail is past the last group end);
     # b: a column slice of a NaN-padded buffer (non-unit row stride; clamped columns must stay < N).
@@ -123,15 +99,16 @@ def test_gmm_reads_nothing_outside_groups() -> None:
     a, b = a_buf[:m], b_buf[:, :, :n]
     out = G.gmm(a, b, torch.tensor(sizes, dtype=torch.int32), False, config=SMALL)
     assert torch.isfinite(out).all()
-    _close(out, _ref_gmm(a, b, sizes, False), torch.float32)
+    _close(out, oracle.gmm(_np(a), _np(b), sizes, False), torch.float32)
     # trans_b: b (E, N, K) sliced on N, so rows of b[e] beyond N are NaN.
     bt_buf = torch.full((len(sizes), n + 8, k), float("nan"))
     bt_buf[:, :n] = b.transpose(1, 2)
     out = G.gmm(a, bt_buf[:, :n], torch.tensor(sizes), True, config=SMALL)
     assert torch.isfinite(out).all()
-    _close(out, _ref_gmm(a, b, sizes, False), torch.float32)
+    _close(out, oracle.gmm(_np(a), _np(b), sizes, False), torch.float32)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_weight_grad_odd_shapes_empty_experts(dtype: torch.dtype) -> None:
     sizes, k, n = [1, 7, 0, 33, 0], 24, 40
@@ -142,9 +119,10 @@ def test_weight_grad_odd_shapes_empty_experts(dtype: torch.dtype) -> None:
     assert out.shape == (len(sizes), k, n) and out.dtype == dtype
     assert (out[2] == 0).all() and (out[4] == 0).all()  # exact zeros, not just small
     assert not torch.signbit(out[2]).any()  # +0.0, as a zero-initialised accumulator gives
-    _close(out, _ref_wgrad(a, g, sizes), dtype)
+    _close(out, oracle.gmm_weight_grad(_np(a), _np(g), sizes), dtype)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("sizes_dtype", [torch.int64, torch.int32])
 def test_weight_grad_worst_case_buffer(sizes_dtype: torch.dtype) -> None:
     # The whole worst-case-allocated buffers are passed; rows beyond sum(batch_sizes) are NaN and
@@ -158,13 +136,14 @@ def test_weight_grad_worst_case_buffer(sizes_dtype: torch.dtype) -> None:
     out = G.gmm_weight_grad(a, g, torch.tensor(sizes, dtype=sizes_dtype))
     assert torch.isfinite(out).all()
     assert (out[0] == 0).all() and (out[3] == 0).all()
-    _close(out, _ref_wgrad(a[:m], g[:m], sizes), torch.float32)
+    _close(out, oracle.gmm_weight_grad(_np(a[:m]), _np(g[:m]), sizes), torch.float32)
     # A single group covering only part of the buffer.
     out1 = G.gmm_weight_grad(a, g, torch.tensor([m], dtype=sizes_dtype), config=SMALL)
     assert torch.isfinite(out1).all()
-    _close(out1, _ref_wgrad(a[:m], g[:m], [m]), torch.float32)
+    _close(out1, oracle.gmm_weight_grad(_np(a[:m]), _np(g[:m]), [m]), torch.float32)
 
 
+@needs_interpreter
 def test_weight_grad_no_tokens() -> None:
     a, g = torch.empty(0, 24), torch.empty(0, 40)
     out = G.gmm_weight_grad(a, g, torch.zeros(3, dtype=torch.int64))
@@ -176,6 +155,7 @@ def test_weight_grad_no_tokens() -> None:
     assert (out == 0).all()
 
 
+@needs_interpreter
 def test_non_unit_inner_stride() -> None:
     # A transposed view of a is made contiguous by the wrapper; results unchanged.
     sizes, k, n = [5, 12], 24, 16
@@ -183,7 +163,7 @@ def test_non_unit_inner_stride() -> None:
     b = _rand(2, k, n, dtype=torch.float32, seed=14)
     _close(
         G.gmm(a, b, torch.tensor(sizes), False, config=SMALL),
-        _ref_gmm(a, b, sizes, False),
+        oracle.gmm(_np(a), _np(b), sizes, False),
         torch.float32,
     )
 
@@ -219,6 +199,7 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     assert G.device_info(torch.device("cpu")).family == "cpu"
 
 
+@needs_interpreter
 def test_choose_config_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGABLOCKS_TRITON_GMM_CONFIG", "64,128,32,4,4,5")
     cfg = G.choose_config("gmm", 4096, 4096, 4096, 8, torch.bfloat16, H200)
@@ -231,9 +212,11 @@ def test_choose_config_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = [3, 0, 40]
     a = _rand(43, 24, dtype=torch.float32, seed=15)
     b = _rand(3, 24, 20, dtype=torch.float32, seed=16)
-    _close(G.gmm(a, b, torch.tensor(sizes), False), _ref_gmm(a, b, sizes, False), torch.float32)
+    _close(G.gmm(a, b, torch.tensor(sizes), False), oracle.gmm(_np(a), _np(b), sizes, False),
+           torch.float32)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("trans_b", [False, True])
 def test_gmm_tma_path(dtype: torch.dtype, trans_b: bool) -> None:
@@ -249,4 +232,4 @@ def test_gmm_tma_path(dtype: torch.dtype, trans_b: bool) -> None:
     cfg = G.GmmConfig(16, 16, 32, group_m=2, num_warps=1, num_stages=1, use_tma=True)
     out = G.gmm(a, b, torch.tensor(sizes), trans_b, config=cfg)
     assert torch.isfinite(out).all()
-    _close(out, _ref_gmm(a, b, sizes, trans_b), dtype)
+    _close(out, oracle.gmm(_np(a), _np(b), sizes, trans_b), dtype)

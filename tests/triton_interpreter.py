@@ -1,14 +1,21 @@
 """Test-only workaround for a Triton 3.6 interpreter bug (compiled kernels are unaffected).
 
-(The interpreter's other known bug, triton-lang/triton#9171 with numpy >= 2.4, is avoided by
-pinning numpy < 2.4 in the test environment; the triton plugin reports it as unavailable.)
+Applied once by ``conftest.py``. (The interpreter's other known bug, triton-lang/triton#9171 with
+numpy >= 2.4, is avoided by pinning numpy < 2.4 in the test environment; the triton plugin reports
+it as unavailable.)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import numpy as np
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run under the interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def apply_shims() -> None:
@@ -16,7 +23,7 @@ def apply_shims() -> None:
     tl.dot on bf16 multiplies the raw uint16 bit patterns (the interpreter stores bf16 as
       uint16 and only converts fp8 before np.matmul).
     """
-    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not interpreting() or importlib.util.find_spec("triton") is None:
         return
     import triton.language as tl
     from triton.runtime import interpreter as ti
