@@ -807,9 +807,6 @@ def test_checked_mode_rejects_bad_data(checked_mode: None, op: str, r: Routing,
     assert message.startswith(f"megablocks_core.ops.{op}: "), f"{what}: {message}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect in megablocks_core.contract._cumsum_fits: it sums in int64, so an int64 running sum "
-    "that overflows wraps before the range test and checked mode lets it through"))
 @pytest.mark.parametrize("op", ["inclusive_cumsum", "exclusive_cumsum"])
 def test_checked_mode_int64_cumsum_overflow(checked_mode: None, op: str) -> None:
     x = torch.full((3,), torch.iinfo(torch.int64).max, dtype=torch.int64)
