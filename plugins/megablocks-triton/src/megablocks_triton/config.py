@@ -19,7 +19,8 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import triton
+
+from .launch import cdiv, next_power_of_2
 
 #: The kernel classes :meth:`LaunchConfigs.launch_options` is asked about: ``"routing"``
 #: (sort/route/histogram/cumsum/topology/replicate), ``"permutation"`` (gather/scatter and their
@@ -58,7 +59,7 @@ class PermutationConfig:
 
 
 def _pow2(x: int) -> int:
-    return triton.next_power_of_2(max(int(x), 1))
+    return next_power_of_2(max(int(x), 1))
 
 
 class LaunchConfigs:
@@ -100,10 +101,10 @@ class LaunchConfigs:
         looked up once. With few tokens, rows are split so that >= ~1024 programs exist.
         """
         block_h = min(_pow2(hidden), 16384)
-        split_h = triton.cdiv(hidden, block_h)
+        split_h = cdiv(hidden, block_h)
         while num_tokens * split_h < 1024 and block_h > 512:
             block_h //= 2
-            split_h = triton.cdiv(hidden, block_h)
+            split_h = cdiv(hidden, block_h)
         # ~16 bytes per thread per load: 8 warps for an 8K-element bf16 row.
         num_warps = max(4, min(16, block_h * element_size // 2048))
         return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps)
@@ -116,7 +117,7 @@ class LaunchConfigs:
         # Each step holds k_pad rows x block_h elements in registers: keep that
         # near 8K elements, but each row slice >= 512 elements for wide loads.
         block_h = min(_pow2(hidden), max(8192 // k_pad, 512), 4096)
-        h_blocks = triton.cdiv(hidden, block_h)
+        h_blocks = cdiv(hidden, block_h)
         # Few tokens (decode): split the hidden dim so >= ~4 programs per SM exist.
         split_h = 1
         while num_tokens * split_h < 512 and split_h * 2 <= h_blocks:

@@ -43,6 +43,7 @@ import triton.language as tl
 from megablocks_core.validation import ContractError
 
 from .config import launch_configs
+from .launch import cdiv, launch, next_power_of_2
 
 __all__ = [
     "binned_gather",
@@ -79,7 +80,7 @@ def _inverse(indices: torch.Tensor) -> torch.Tensor:
     n = indices.numel()
     inv = torch.empty(n, dtype=torch.int32, device=indices.device)
     block = launch_configs().elementwise_block(n)
-    _inverse_kernel[(triton.cdiv(n, block),)](indices, inv, n, BLOCK=block, **_options())
+    launch(_inverse_kernel, (cdiv(n, block),), indices, inv, n, BLOCK=block, **_options())
     return inv
 
 
@@ -113,22 +114,26 @@ def _bin_of(bins_ptr, num_bins, p, mask, LOG: tl.constexpr):
 
 @triton.jit
 def _placement(p, keep, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
-               MODE: tl.constexpr, LOG: tl.constexpr):
+               MODE: tl.constexpr, LOG: tl.constexpr, SCALAR: tl.constexpr):
     """Row (int64) of the output layout that sorted row p maps to, and whether it has one
     inside the layout (never an address outside it, whatever bins/padded_bins hold)."""
     if MODE == 0:
         dest = p.to(tl.int64)
     else:
         # The expert comes from bins. In the padded layout bin_ids[p] (hint_ptr) names it on
-        # valid data: two loads verify it, and only a wrong hint pays the binary search
-        # (its loads are masked off everywhere else).
+        # valid data: two loads verify it, and only a wrong hint pays the binary search (a
+        # uniform branch for one copy at a time; masked loads for a vector of copies).
         if MODE == 1:
             e = tl.load(hint_ptr + p, mask=keep, other=0).to(tl.int32)
             e = tl.minimum(tl.maximum(e, 0), num_bins)
             lo = tl.load(bins_ptr + e - 1, mask=keep & (e > 0), other=0)
             hi = tl.load(bins_ptr + e, mask=keep & (e < num_bins), other=0)
             wrong = keep & ((e >= num_bins) | (lo > p) | (hi <= p))
-            e = tl.where(wrong, _bin_of(bins_ptr, num_bins, p, wrong, LOG), e)
+            if SCALAR:
+                if wrong:
+                    e = _bin_of(bins_ptr, num_bins, p, wrong, LOG).to(tl.int32)
+            else:
+                e = tl.where(wrong, _bin_of(bins_ptr, num_bins, p, wrong, LOG), e)
         else:
             e = _bin_of(bins_ptr, num_bins, p, keep, LOG)
         has_prev = keep & (e > 0)
@@ -147,14 +152,14 @@ def _placement(p, keep, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_
 @triton.jit
 def _destinations(
     t, k, indices_ptr, inv_ptr, hint_ptr, bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
-    TOP_K: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr,
+    TOP_K: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, SCALAR: tl.constexpr,
 ):
     """Flat ids, destination rows (int64) and keep-mask of token t's copies k (a vector of
     copies, or one copy when k is a scalar). A copy no row names is not kept."""
     f = t * TOP_K + k
     p, reached = _reached(indices_ptr, inv_ptr, f, n, k < TOP_K)
     dest, keep = _placement(p, reached, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
-                            MODE, LOG)
+                            MODE, LOG, SCALAR)
     return f, dest, keep
 
 
@@ -228,7 +233,7 @@ def _fix_unreached(
         owner = tl.load(inv_ptr + g, mask=named, other=-1)
         if owner != q:
             dest, keep = _placement(q, q >= 0, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size,
-                                    num_rows, MODE, LOG)
+                                    num_rows, MODE, LOG, True)
             if keep:
                 src = x_ptr + (g // TOP_K).to(tl.int64) * hidden
                 if HAS_WEIGHTS:
@@ -265,7 +270,7 @@ def _gather_kernel(
             for k in tl.static_range(TOP_K):
                 f, dest, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr, hint_ptr,
                                               bins_ptr, padded_ptr, n, num_bins, bin_size,
-                                              num_rows, TOP_K, MODE, LOG)
+                                              num_rows, TOP_K, MODE, LOG, True)
                 if HAS_WEIGHTS:
                     w = tl.load(weights_ptr + f).to(tl.float32)
                     row = (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
@@ -295,7 +300,7 @@ def _scatter_kernel(
         for k in tl.static_range(TOP_K):
             f, src, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr, hint_ptr,
                                          bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
-                                         TOP_K, MODE, LOG)
+                                         TOP_K, MODE, LOG, True)
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
             if HAS_WEIGHTS:
                 row = row * tl.load(weights_ptr + f).to(tl.float32)
@@ -312,7 +317,7 @@ def _wgrad_kernel(
 ):
     pid = tl.program_id(0)
     f, src, keep = _destinations(pid, tl.arange(0, K_PAD), indices_ptr, inv_ptr, hint_ptr, bins_ptr,
-                                 padded_ptr, n, num_bins, bin_size, num_rows, TOP_K, MODE, LOG)
+                                 padded_ptr, n, num_bins, bin_size, num_rows, TOP_K, MODE, LOG, False)
     g_row = grad_ptr + pid.to(tl.int64) * hidden
     acc = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
@@ -362,13 +367,13 @@ def _launch_gather(
     # still exercise the lane split, at an eighth of the cost.
     zero_rows = min(cfg.zero_rows, 2) if x.device.type == "cpu" else cfg.zero_rows
     grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
-    _gather_kernel[grid](
+    launch(_gather_kernel, grid,
         x, indices, inv, bin_ids if bin_ids is not None else bins, weights if weights is not None else x,
         bins, padded_bins if padded_bins is not None else bins, out,
         num_tokens, hidden, indices.numel(), num_bins, bin_size, _rows(out, mode),
         BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=zero_rows, MODE=mode,
         HAS_WEIGHTS=weights is not None, num_warps=cfg.num_warps,
-        BLOCK_E=min(triton.next_power_of_2(max(num_bins, 1)), 256), **_meta(top_k, num_bins),
+        BLOCK_E=min(next_power_of_2(max(num_bins, 1)), 256), **_meta(top_k, num_bins),
         **_options(),
     )
     return out
@@ -387,7 +392,7 @@ def _launch_scatter(
         return out
     cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
-    _scatter_kernel[(num_tokens, cfg.split_h)](
+    launch(_scatter_kernel, (num_tokens, cfg.split_h),
         x, indices, _inverse(indices), bin_ids if bin_ids is not None else bins,
         weights if weights is not None else x, bins,
         padded_bins if padded_bins is not None else bins, out,
@@ -414,11 +419,11 @@ def _launch_wgrad(
     num_tokens = n // top_k
     cfg = launch_configs().wgrad(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
-    _wgrad_kernel[(num_tokens,)](
+    launch(_wgrad_kernel, (num_tokens,),
         x, grad, indices, _inverse(indices), bin_ids if bin_ids is not None else bins, bins,
         padded_bins if padded_bins is not None else bins, out,
         hidden, n, num_bins, bin_size, _rows(x, mode),
-        BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, K_PAD=triton.next_power_of_2(top_k),
+        BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, K_PAD=next_power_of_2(top_k),
         **_meta(top_k, num_bins), **_options(),
     )
     return out

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .config import launch_configs
+from .launch import cdiv, launch, next_power_of_2
 
 __all__ = [
     "exclusive_cumsum",
@@ -150,7 +151,9 @@ def _counting_scatter_kernel(
     base = ends - total + before  # where this tile's first key of each bin goes
     # Keys outside [0, num_bins) (route only) go after every valid key, in input order: earlier
     # tiles are full, so they hold pid * TILE keys of which sum(before) are valid.
-    stray_base = tl.sum(total, axis=0) + pid * TILE - tl.sum(before, axis=0)
+    valid_total = tl.sum(total, axis=0)
+    stray_base = valid_total + pid * TILE - tl.sum(before, axis=0)
+    has_stray = valid_total < n  # bad data only: valid ids never pay for the stray scan
 
     if WRITE_META and pid == 0:
         real = cols < num_bins
@@ -174,14 +177,14 @@ def _counting_scatter_kernel(
         payload = tl.load(payload_ptr + offs, mask=inb, other=0) if HAS_PAYLOAD else offs
         tl.store(index_ptr + pos, payload.to(index_ptr.dtype.element_ty), mask=valid)
         base += tl.histogram(digit, NB, mask=valid)
-        if not USE_MASK:  # a radix pass places every key; route drops none either
-            stray = inb & ~valid
-            num_stray = tl.sum(stray.to(tl.int32), axis=0)
-            if num_stray > 0:  # bad data only: valid ids never pay for the scan below
+        if not USE_MASK:  # noqa: SIM102 (compile-time test, then a runtime one)
+            # a radix pass places every key; route drops none either
+            if has_stray:
+                stray = inb & ~valid
                 stray_pos = stray_base + tl.cumsum(stray.to(tl.int32), axis=0) - 1
                 tl.store(values_ptr + stray_pos, raw, mask=stray)
                 tl.store(index_ptr + stray_pos, payload.to(index_ptr.dtype.element_ty), mask=stray)
-            stray_base += num_stray
+                stray_base += tl.sum(stray.to(tl.int32), axis=0)
 
 
 def _options() -> Mapping[str, Any]:
@@ -200,16 +203,16 @@ def _counting_pass(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One stable counting-sort pass (two launches). Returns (values, index)."""
     n = keys.numel()
-    nb = triton.next_power_of_2(num_bins)
+    nb = next_power_of_2(num_bins)
     cfg = launch_configs().routing(n, nb)
     opts = _options()
-    num_tiles = triton.cdiv(n, cfg.tile)
+    num_tiles = cdiv(n, cfg.tile)
     counts = torch.empty((num_tiles, nb), dtype=torch.int32, device=keys.device)
     values = torch.empty_like(keys)
     index = torch.empty_like(keys)
     use_mask = digit_mask is not None
     dmask = digit_mask if digit_mask is not None else 0
-    _tile_histogram_kernel[(num_tiles,)](
+    launch(_tile_histogram_kernel, (num_tiles,),
         keys, counts, n, num_bins, shift, dmask,
         NB=nb, TILE=cfg.tile, USE_MASK=use_mask, num_warps=cfg.num_warps, **opts,
     )
@@ -223,9 +226,9 @@ def _counting_pass(
         before = torch.empty_like(counts)
         total = torch.empty(nb, dtype=torch.int32, device=keys.device)
         cols = min(nb, 32)
-        _tile_scan_kernel[(nb // cols,)](counts, before, total, num_tiles, NB=nb, COLS=cols, ROWS=64,
+        launch(_tile_scan_kernel, (nb // cols,), counts, before, total, num_tiles, NB=nb, COLS=cols, ROWS=64,
                                          num_warps=4, **opts)
-    _counting_scatter_kernel[(num_tiles,)](
+    launch(_counting_scatter_kernel, (num_tiles,),
         keys, payload if payload is not None else keys, counts, before, total, values, index,
         tpe, bins, padded,
         n, num_tiles, num_bins, shift, dmask, block_size,
@@ -340,8 +343,8 @@ def histogram(x: torch.Tensor, num_bins: int) -> torch.Tensor:
         return out
     block = launch_configs().histogram_block(n)
     per_key = num_bins > MAX_TILE_HISTOGRAM_BINS
-    nb = 1 if per_key else triton.next_power_of_2(num_bins)
-    _histogram_kernel[(triton.cdiv(n, block), rows)](
+    nb = 1 if per_key else next_power_of_2(num_bins)
+    launch(_histogram_kernel, (cdiv(n, block), rows),
         x, out, n, num_bins, NB=nb, BLOCK=block, PER_KEY=per_key, **_options(),
     )
     return out
@@ -384,7 +387,7 @@ def _cumsum(x: torch.Tensor, dim: int, exclusive: bool) -> torch.Tensor:
             lines, length, line_stride, elem_stride = rows, cols, cols, 1
         else:
             lines, length, line_stride, elem_stride = cols, rows, 1, cols
-    _cumsum_kernel[(lines,)](
+    launch(_cumsum_kernel, (lines,),
         x, out, length, line_stride, elem_stride,
         BLOCK=launch_configs().scan_block(length), EXCLUSIVE=exclusive,
         WIDE=x.dtype == torch.int64, **_options(),
@@ -433,8 +436,8 @@ def topology(
         return out
     num_bins = padded_bins.numel()
     block_r = 32
-    block_c = min(triton.next_power_of_2(cols), 128)
-    _topology_kernel[(triton.cdiv(rows, block_r),)](
+    block_c = min(next_power_of_2(cols), 128)
+    launch(_topology_kernel, (cdiv(rows, block_r),),
         padded_bins, out, num_bins, block_size, rows, cols,
         BLOCK_R=block_r, BLOCK_C=block_c, LOG=max(num_bins.bit_length(), 1), **_options(),
     )
@@ -468,7 +471,7 @@ def replicate(x: torch.Tensor, bins: torch.Tensor, num_outputs: int) -> torch.Te
     if num_bins == 0:
         return out.zero_()
     block = launch_configs().elementwise_block(num_outputs)
-    _replicate_kernel[(triton.cdiv(num_outputs, block), batch)](
+    launch(_replicate_kernel, (cdiv(num_outputs, block), batch),
         x, bins, out, num_bins, num_outputs, BLOCK=block, LOG=num_bins.bit_length(), **_options(),
     )
     return out
@@ -497,7 +500,7 @@ def replicate_backward(grad: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     out = torch.empty((batch, num_bins), dtype=grad.dtype, device=grad.device)
     if out.numel() == 0:
         return out
-    _replicate_backward_kernel[(num_bins, batch)](
+    launch(_replicate_backward_kernel, (num_bins, batch),
         grad, bins, out, num_bins, num_cols, BLOCK=256, **_options(),
     )
     return out

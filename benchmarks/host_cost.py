@@ -1,0 +1,137 @@
+"""Host time per eager call beside GPU time, for the small-batch regime (JSON lines out).
+
+For each op at a decode-sized shape (default T=128 tokens, H=2048, E=128, top_k=8, qwen3
+widths) it reports:
+
+* ``host_us``: wall time per call of N back-to-back eager calls without a sync in between
+  (what the Python side costs while the GPU keeps up; the GPU work is a few µs);
+* ``gpu_us``: time per replay of the same call captured in a CUDA graph (no host work);
+
+and the dMoE layer's forward (``--layer``) at T = 1, 16, 128: eager and CUDA-graph µs.
+
+    python benchmarks/host_cost.py [--tokens 128] [--calls 2000] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _host_us(fn: Callable[[], Any], calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        best = min(best, elapsed / calls * 1e6)
+    return best
+
+
+def _graph_us(fn: Callable[[], Any], replays: int = 200) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays * 1e3
+
+
+def op_cases(tokens: int, hidden: int, experts: int, top_k: int) -> dict[str, Callable[[], Any]]:
+    from megablocks_core import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    weights, top = torch.topk(logits.softmax(-1), top_k)
+    top = top.flatten().int()
+    weights = weights.flatten().to(torch.bfloat16)
+    end_bit = max((experts - 1).bit_length(), 1)
+    bin_ids, indices = ops.sort(top, end_bit)
+    counts = ops.histogram(top, experts)
+    bins = ops.inclusive_cumsum(counts, 0)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rows = ops.gather(x, indices, bin_ids, bins, top_k)
+    return {
+        "sort": lambda: ops.sort(top, end_bit),
+        "histogram": lambda: ops.histogram(top, experts),
+        "inclusive_cumsum": lambda: ops.inclusive_cumsum(counts, 0),
+        "exclusive_cumsum": lambda: ops.exclusive_cumsum(counts, 0),
+        "route": lambda: ops.route(top, experts, 128),
+        "gather": lambda: ops.gather(x, indices, bin_ids, bins, top_k),
+        "scatter": lambda: ops.scatter(rows, indices, bin_ids, weights, bins, top_k),
+    }
+
+
+def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Callable[[], Any]]:
+    try:
+        from megablocks_core.layers import dMoE
+    except ImportError:
+        from megablocks_core.moe import dMoE  # type: ignore[no-redef]
+
+    layer = dMoE(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k).to(
+        device="cuda", dtype=torch.bfloat16)
+    layer.eval()
+    cases = {}
+    for tokens in (1, 16, 128):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+
+        def forward(x: torch.Tensor = x) -> Any:
+            with torch.no_grad():
+                return layer(x)
+
+        cases[f"dmoe_forward_T{tokens}"] = forward
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--layer", action="store_true", help="also the dMoE layer's forward")
+    parser.add_argument("--json", help="append JSON lines here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_cost.py: needs a CUDA/ROCm GPU", file=sys.stderr)
+        return 2
+    cases = op_cases(args.tokens, args.hidden, args.experts, args.top_k)
+    if args.layer:
+        cases.update(layer_cases(args.hidden, args.ffn, args.experts, args.top_k))
+    for name, fn in cases.items():
+        calls = args.calls if not name.startswith("dmoe") else max(args.calls // 10, 50)
+        row = {"case": name, "host_us": round(_host_us(fn, calls), 2), "gpu_us": round(_graph_us(fn), 2)}
+        print(f"{name:24s} host {row['host_us']:8.1f} µs   gpu {row['gpu_us']:8.1f} µs", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
