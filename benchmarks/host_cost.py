@@ -7,7 +7,8 @@ widths) it reports:
   (what the Python side costs while the GPU keeps up; the GPU work is a few µs);
 * ``gpu_us``: time per replay of the same call captured in a CUDA graph (no host work);
 
-and the dMoE layer's forward (``--layer``) at T = 1, 16, 128: eager and CUDA-graph µs.
+the dMoE layer's forward (``--layer``) at T = 1, 16, 128: eager and CUDA-graph µs; and
+(``--gmm``) ``ops.gmm``'s eager time with CPU counts beside device counts at the benchmark shapes.
 
     python benchmarks/host_cost.py [--tokens 128] [--calls 2000] [--json PATH]
 """
@@ -85,6 +86,37 @@ def op_cases(tokens: int, hidden: int, experts: int, top_k: int) -> dict[str, Ca
     }
 
 
+def gmm_cases() -> dict[str, Callable[[], Any]]:
+    """``ops.gmm`` forward at the three benchmark shapes, counts on the CPU vs on the device
+    (eager: a CPU count tensor must reach the GPU without stalling the stream)."""
+    from megablocks_core import ops
+
+    shapes = {"mixtral": (16384, 4096, 14336, 8, 2), "qwen3": (16384, 2048, 768, 128, 8),
+              "dsv3": (16384, 7168, 2048, 256, 8)}
+    cases: dict[str, Callable[[], Any]] = {}
+    for name, (tokens, hidden, ffn, experts, top_k) in shapes.items():
+        rows = tokens * top_k
+        counts = torch.full((experts,), rows // experts, dtype=torch.int64)
+        counts[0] += rows - int(counts.sum())
+        a = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(experts, hidden, ffn, device="cuda", dtype=torch.bfloat16) * 0.02
+        device_counts = counts.cuda()
+        cases[f"gmm_{name}_cpu_counts"] = lambda a=a, b=b, c=counts: ops.gmm(a, b, c)
+        cases[f"gmm_{name}_device_counts"] = lambda a=a, b=b, c=device_counts: ops.gmm(a, b, c)
+    return cases
+
+
+def _eager_us(fn: Callable[[], Any], calls: int = 20) -> float:
+    """µs per call of back-to-back eager calls, synchronised at the end (GPU-bound work)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Callable[[], Any]]:
     try:
         from megablocks_core.layers import dMoE
@@ -115,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--layer", action="store_true", help="also the dMoE layer's forward")
+    parser.add_argument("--gmm", action="store_true",
+                        help="also ops.gmm eager time with CPU vs device counts (large shapes)")
     parser.add_argument("--json", help="append JSON lines here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,13 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     cases = op_cases(args.tokens, args.hidden, args.experts, args.top_k)
     if args.layer:
         cases.update(layer_cases(args.hidden, args.ffn, args.experts, args.top_k))
+    rows: list[dict[str, Any]] = []
+    if args.gmm:
+        for name, fn in gmm_cases().items():
+            rows.append({"case": name, "eager_us": round(_eager_us(fn), 1)})
+            print(f"{name:30s} eager {rows[-1]['eager_us']:9.1f} µs", flush=True)
+        torch.cuda.empty_cache()
     for name, fn in cases.items():
         calls = args.calls if not name.startswith("dmoe") else max(args.calls // 10, 50)
         row = {"case": name, "host_us": round(_host_us(fn, calls), 2), "gpu_us": round(_graph_us(fn), 2)}
         print(f"{name:24s} host {row['host_us']:8.1f} µs   gpu {row['gpu_us']:8.1f} µs", flush=True)
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        rows.append(row)
+    if args.json:
+        with open(args.json, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
     return 0
 
 

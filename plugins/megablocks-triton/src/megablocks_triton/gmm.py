@@ -453,6 +453,11 @@ def _device_sizes(batch_sizes: torch.Tensor, device: torch.device) -> torch.Tens
     so a device int64 tensor costs no conversion kernel). A CPU tensor is copied H2D — the caller
     already has the counts on the host, so that is not a new sync."""
     if batch_sizes.device != device:
+        if batch_sizes.device.type == "cpu" and device.type != "cpu" and not batch_sizes.is_pinned():
+            # From pageable memory the copy would wait for the stream to drain; through pinned
+            # memory (torch's caching host allocator, which keeps the block until the copy has
+            # run) it is queued like a kernel.
+            batch_sizes = batch_sizes.pin_memory()
         batch_sizes = batch_sizes.to(device, non_blocking=True)
     return batch_sizes if batch_sizes.is_contiguous() else batch_sizes.contiguous()
 
