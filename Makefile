@@ -1,4 +1,4 @@
-# Development tasks. `make demo`, `make example` and `make test` create .venv on first use.
+# Development tasks. `make demo` and `make test` create .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,7 +12,7 @@ ifneq ($(strip $(TORCH_INDEX)),)
 export PIP_EXTRA_INDEX_URL := $(TORCH_INDEX)
 endif
 
-.PHONY: install demo example test lint bench-dispatch
+.PHONY: install demo test lint bench-dispatch
 
 $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,6 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/megablocks backends list
 	$(BIN)/megablocks demo
-
-example: $(STAMP)
-	$(BIN)/megablocks backends list
-	$(BIN)/megablocks example
 
 test: $(STAMP)
 	# The conformance kit's full set on the reference backend, then the test suite.
