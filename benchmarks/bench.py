@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from megablocks_core import contracts, dispatch, explain, ops, use_backend
+from megablocks_core import contracts, dispatch, entries, explain, ops, use_backend
 from megablocks_core.devices import describe
 from megablocks_core.layers import DroplessMoE
 from megablocks_core.layers.shapes import SHAPES
@@ -225,7 +225,7 @@ def _ours(case: Case) -> dict[str, Callable[[], Any]]:
         "padded_gather": lambda: ops.padded_gather(c.x, c.indices, c.bin_ids, c.bins, c.padded_bins, c.top_k),
         "padded_scatter": lambda: ops.padded_scatter(c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins,
                                                      c.padded_bins, c.top_k),
-        "scatter_wgrad": lambda: dispatch.call("scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins,
+        "scatter_wgrad": lambda: entries.call("scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins,
                                                c.top_k),
         "gmm": lambda: ops.gmm(c.rows, c.w1, c.counts_cpu),
         "gmm_train": lambda: _gmm_train_step(c, lambda a, b: ops.gmm(a, b, c.counts_cpu)),

@@ -28,11 +28,13 @@ from typing import Any
 
 import torch
 
-from ..contract import RULE_HELPERS, DataDim
 from ..contracts import BY_NAME
-from ..dispatch import ENTRIES, registry, use_backend
+from ..dispatch import registry
+from ..entries import ENTRIES
 from ..library import output_meta
+from ..policy import use_backend
 from ..ranking import NoKernelError
+from ..schema import RULE_HELPERS, DataDim
 from ..validation import ContractError, ContractTypeError
 from .kit import REFERENCE, TOLERANCES, Mismatch, compare
 
