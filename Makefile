@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	# torch 2.13.0 is pinned (from pip's indexes, plus TORCH_INDEX when set); triton runs its
 	# kernels on the CPU under TRITON_INTERPRET=1 in the tests.
-	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 "setuptools>=64" hypothesis==6.170.17
+	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 mypy==2.4.1 "setuptools>=64" hypothesis==6.170.17
 	$(BIN)/pip install --quiet -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	touch $@
 

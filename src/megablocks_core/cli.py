@@ -17,6 +17,7 @@ from . import __version__, contracts, dispatch, docgen, ranking
 from .descriptors import DeviceInfo, TensorMeta
 from .devices import describe
 from .ranking import Trace
+from .schema import TensorArg
 
 
 class CLIError(Exception):
@@ -135,7 +136,10 @@ def _explain_calls(op: str, trace: Trace, shapes: Sequence[str]) -> dict[str, di
     from .layers.shapes import SHAPES
 
     def meta(name: str, shape: tuple[int, ...]) -> TensorMeta:
-        allowed = contracts.BY_NAME[op].arg(name).dtypes
+        spec = contracts.BY_NAME[op].arg(name)
+        if not isinstance(spec, TensorArg):
+            raise KeyError(name)  # only tensors have shapes
+        allowed = spec.dtypes
         fallback = torch.bfloat16 if not allowed or torch.bfloat16 in allowed else min(allowed, key=str)
         return TensorMeta(shape, trace.dtypes.get(name) or fallback, trace.device.type)
 

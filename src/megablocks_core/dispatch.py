@@ -60,8 +60,10 @@ def reload(env: Mapping[str, str] | None = None) -> Registry:
                         record.status, record.reason)
     _registry = loaded
     _warned.clear()
-    for cache in (*_caches.values(), *_ranked.values(), *_served.values()):
+    for cache in (*_caches.values(), *_ranked.values()):
         cache.clear()
+    for labels in _served.values():
+        labels.clear()
     return _registry
 
 

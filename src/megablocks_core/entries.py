@@ -116,8 +116,9 @@ def _run_checked(contract: OpContract, selected: Selected, policy: Policy, args:
 
 def _entry_source(contract: OpContract) -> str:
     params = ", ".join(contract.arg_names)
+    optional = {a.name for a in contract.tensor_args if a.optional}
     grad_test = " or ".join(
-        f"({n} is not None and {n}.requires_grad)" if contract.arg(n).optional else f"{n}.requires_grad"
+        f"({n} is not None and {n}.requires_grad)" if n in optional else f"{n}.requires_grad"
         for n in contract.differentiable)
     wants_grad = f"(({grad_test}) and _grad_enabled())" if contract.differentiable else "False"
     autograd_branch = (

@@ -182,11 +182,14 @@ def memory_limit(device: torch.device) -> int:
 
 
 def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.1f} PiB"
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} PiB"
 
 
 def _names(expr: str) -> set[str]:
