@@ -1,4 +1,4 @@
-# Development tasks. `make demo`, `make example` and `make test` create .venv on first use.
+# Development tasks. `make demo` and `make test` create .venv on first use.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,13 +12,13 @@ ifneq ($(strip $(TORCH_INDEX)),)
 export PIP_EXTRA_INDEX_URL := $(TORCH_INDEX)
 endif
 
-.PHONY: install demo example test lint bench-dispatch
+.PHONY: install demo test lint bench-dispatch
 
 $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	# torch 2.13.0 is pinned (from pip's indexes, plus TORCH_INDEX when set); triton runs its
 	# kernels on the CPU under TRITON_INTERPRET=1 in the tests.
-	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 "setuptools>=64" hypothesis==6.170.17
+	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 mypy==2.4.1 "setuptools>=64" hypothesis==6.170.17
 	$(BIN)/pip install --quiet -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	touch $@
 
@@ -27,10 +27,6 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/megablocks backends list
 	$(BIN)/megablocks demo
-
-example: $(STAMP)
-	$(BIN)/megablocks backends list
-	$(BIN)/megablocks example
 
 test: $(STAMP)
 	# The conformance kit's full set on the reference backend, then the test suite.

@@ -30,8 +30,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from megablocks_core.bench import SHAPES
-from megablocks_core.moe import DroplessMoE
+from megablocks_core.layers import DroplessMoE
+from megablocks_core.layers.shapes import SHAPES
 
 
 def step_ms(layer: DroplessMoE, x: torch.Tensor, steps: int, sync_group: bool) -> float:

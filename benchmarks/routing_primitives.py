@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench import BLOCK  # benchmarks/bench.py (this script's directory is on sys.path)
 from triton.testing import do_bench
 
 import megablocks_core as mb
 from megablocks_core import ops
-from megablocks_core.bench import BLOCK, SHAPES
+from megablocks_core.layers.shapes import SHAPES
 
 PRIMITIVES = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology", "sequence")
 

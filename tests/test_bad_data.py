@@ -29,12 +29,12 @@ pytestmark = pytest.mark.usefixtures("unchecked")
 def unchecked(monkeypatch):
     """The data rules are off (the default), so bad data reaches the kernels."""
     monkeypatch.delenv("MEGABLOCKS_CHECK", raising=False)
-    from megablocks_core import dispatch
+    from megablocks_core.policy import overrides
 
-    checked = dispatch._state.checked
-    dispatch._state.checked = False
+    checked = overrides.checked
+    overrides.checked = False
     yield
-    dispatch._state.checked = checked
+    overrides.checked = checked
 
 
 def _triton_ok() -> bool:

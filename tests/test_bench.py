@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
-from megablocks_core import bench
+from megablocks_core import cli
 from megablocks_core.cli import main
+
+bench = cli.load_benchmark()  # benchmarks/bench.py of this checkout
 
 
 def test_bench_tiny_on_cpu(tmp_path, capsys):
@@ -55,3 +58,18 @@ def test_a_case_builds_expert_weights_only_for_gmm():
     tokens, hidden, ffn, experts, _ = bench.SHAPES["tiny"]
     assert case.w1.shape == (experts, hidden, ffn) and case.w1.dtype == torch.float32
     assert case.rows.shape == (tokens * 2, hidden)
+
+
+def test_the_benchmark_is_found_in_this_checkout():
+    path = cli.benchmark_path()
+    assert path is not None and path.parent.name == "benchmarks" and path.name == "bench.py"
+    assert (path.parent.parent / "pyproject.toml").is_file()
+
+
+def test_without_a_checkout_bench_is_a_one_line_error(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "benchmark_path", lambda: None)
+    monkeypatch.delitem(sys.modules, cli.BENCHMARK_MODULE, raising=False)
+    assert main(["bench", "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("megablocks: error: ") and "runs from a source checkout" in err

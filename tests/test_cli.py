@@ -206,13 +206,6 @@ def test_contracts_output_equals_docs(capsys):
     assert out == (ROOT / "docs" / "contracts.md").read_text()
 
 
-def test_example_runs_and_checks(capsys):
-    code, out, _ = run(capsys, "example", "--tokens", "16", "--experts", "4")
-    assert code == 0
-    assert out.rstrip().splitlines()[-1] == "result: ok"
-    assert "FAILED" not in out
-
-
 def test_no_subcommand_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         main([])
@@ -237,14 +230,13 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host wit
 
 @pytest.mark.parametrize("argv, message", [
     pytest.param(("demo", "--device", "cuda"), "device 'cuda': device cuda is not available", marks=NO_CUDA),
-    pytest.param(("example", "--device", "cuda"), "device 'cuda': device cuda is not available", marks=NO_CUDA),
-    (("example", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+    (("demo", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
     (("demo", "--device", "gpu0"), "device 'gpu0': Invalid device string"),
     (("demo", "--steps", "1"), "--steps must be at least 2, got 1"),
     (("demo", "--tokens", "0"), "--tokens must be at least 1, got 0"),
     (("demo", "--top-k", "9"), "--top-k (9) cannot exceed --experts (8)"),
     (("demo", "--backend", "nosuch"), "--backend: nosuch not installed"),
-    (("example", "--experts", "0"), "--experts must be at least 1, got 0"),
+    (("demo", "--experts", "0"), "--experts must be at least 1, got 0"),
     (("bench", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
     (("backends", "check", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
 ])
@@ -262,7 +254,7 @@ def test_a_short_demo_passes_when_its_loss_falls(capsys, steps):
 
 
 def test_demo_success_rule_fits_the_step_count():
-    from megablocks_core.demo import required_fraction
+    from megablocks_core.layers.demo import required_fraction
 
     assert required_fraction(2) == pytest.approx(0.95)
     assert required_fraction(5) == pytest.approx(0.8)

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from megablocks_core import contracts, docgen, library, ops
-from megablocks_core.contract import BoolArg, IntArg
-from megablocks_core.dispatch import ENTRIES
+from megablocks_core.entries import ENTRIES
+from megablocks_core.schema import BoolArg, IntArg
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def test_every_dispatched_op_has_an_entry_and_a_custom_op():
 def test_rule_expressions_only_name_arguments_and_helpers():
     import ast
 
-    from megablocks_core.contract import HELPER_NAMES
+    from megablocks_core.schema import HELPER_NAMES
 
     for contract in contracts.ALL:
         allowed = set(contract.arg_names) | HELPER_NAMES

@@ -205,11 +205,42 @@ def test_gmm_estimate_is_flops_over_rate():
     points = {"sm_90": [(4096, 4096, 14336, 0.5)]}
     call = gmm_call(32768, 4096, 14336, 8)
     flops = 2 * 32768 * 4096 * 14336
-    want_us = flops / (0.5 * costs.DENSE_TFLOPS["sm_90"] * 1e12) * 1e6
+    want_us = flops / (0.5 * 690.0 * 1e12) * 1e6  # the H200 dense bf16 rate of docs/performance.md
     assert costs.gmm_estimate_us(H200, call, points) == pytest.approx(want_us)
     assert costs.gmm_estimate_us(H200, call, points, extra_us=7.0) == pytest.approx(want_us + 7.0)
     a100 = DeviceInfo(kind="cuda", type="cuda", index=0, arch="sm_80", capability=(8, 0))
     assert costs.gmm_estimate_us(a100, call, points) is None  # unmeasured arch: priority decides
+
+
+def test_gmm_cost_hint_estimates_from_points_and_can_refuse_device_counts():
+    points = {"sm_90": [(4096, 4096, 14336, 0.5)]}
+    call = gmm_call(32768, 4096, 14336, 8)  # host-side batch_sizes
+    device_counts = {**call, "batch_sizes": TensorMeta((8,), torch.int64, "cuda")}
+    hint = costs.gmm_cost_hint(points, extra_us=3.0)
+    assert hint(H200, call) == pytest.approx(costs.gmm_estimate_us(H200, call, points) + 3.0)
+    assert hint(H200, device_counts) == hint(H200, call)
+    host_only = costs.gmm_cost_hint(points, host_counts_only=True)
+    assert host_only(H200, call) == pytest.approx(costs.gmm_estimate_us(H200, call, points))
+    assert host_only(H200, device_counts) is None  # it would sync: no estimate, priority decides
+    assert hint(CPU, call) is None
+
+
+@pytest.mark.parametrize(("arch", "family"), [
+    ("gfx90a", "cdna2"), ("gfx942", "cdna3"), ("gfx950", "cdna4"), ("gfx942:sramecc+:xnack-", "cdna3"),
+    ("gfx1100", None), ("sm_90", None), (None, None)])
+def test_arch_family_of_amd_archs(arch, family):
+    from megablocks_core import plugin
+
+    assert plugin.arch_family(arch) == family
+    assert plugin.arch_family(DeviceInfo(kind="rocm", type="cuda", arch=arch)) == family
+
+
+def test_dense_rate_is_known_for_the_measured_arch_only():
+    from megablocks_core import plugin
+
+    assert plugin.dense_tflops(H200) == plugin.DENSE_BF16_TFLOPS["sm_90"] > 0
+    assert plugin.dense_tflops(DeviceInfo(kind="cuda", type="cuda", arch="sm_80")) is None
+    assert plugin.dense_tflops(CPU) is None
 
 
 def test_triton_hint_prefers_itself_only_where_measured():

@@ -1,4 +1,4 @@
-"""Expert parallelism (megablocks_core.parallel) on CPU with gloo: W processes vs one process.
+"""Expert parallelism (megablocks_core.layers.parallel) on CPU with gloo: W processes vs one process.
 
 One spawn per world size runs every case (process start-up dominates the cost); each child saves
 its results, or its traceback, to a file that the parent compares with the single-process layer
@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 import megablocks_core
-from megablocks_core.moe import DroplessMoE
+from megablocks_core.layers import DroplessMoE
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
                                 or not torch.distributed.is_gloo_available(),

@@ -1,4 +1,4 @@
-"""The dropless MoE layer (megablocks_core.moe) against a per-token loop, under compile, and the demo."""
+"""The dropless MoE layer (megablocks_core.layers) against a per-token loop, under compile, and the demo."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import megablocks_core
 from megablocks_core import cli
-from megablocks_core.moe import DroplessMoE, dMoE, load_balancing_loss
+from megablocks_core.layers import DroplessMoE, dMoE, load_balancing_loss
 
 pytestmark = pytest.mark.usefixtures("reference_backend")
 
@@ -178,6 +178,57 @@ def test_compile_fullgraph_matches_eager(backend):
     got = _step(torch.compile(model, fullgraph=True, backend=backend), model, x)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def _hand_composed_moe(x, router, w1, w2, top_k):
+    """A dropless MoE written with the routing primitives (sort, histogram, inclusive_cumsum) rather
+    than ``ops.route``, exact GELU: the ops composed by hand, as a user of megablocks.ops would."""
+    experts = w1.shape[0]
+    probs = torch.softmax(x.float() @ router.float(), dim=-1)
+    weights, top_experts = torch.topk(probs, top_k, dim=-1)
+    weights, top_experts = weights.flatten().to(x.dtype), top_experts.flatten().int()
+    bin_ids, indices = megablocks_core.ops.sort(top_experts, max((experts - 1).bit_length(), 1))
+    tokens_per_expert = megablocks_core.ops.histogram(top_experts, experts)
+    bins = megablocks_core.ops.inclusive_cumsum(tokens_per_expert, 0)
+    rows = megablocks_core.ops.gather(x, indices, bin_ids, bins, top_k)
+    hidden = F.gelu(megablocks_core.ops.gmm(rows, w1, tokens_per_expert))
+    rows = megablocks_core.ops.gmm(hidden, w2, tokens_per_expert)
+    return megablocks_core.ops.scatter(rows, indices, bin_ids, weights, bins, top_k)
+
+
+def _hand_composed_loop(x, router, w1, w2, top_k):
+    """The same layer token by token in float64, with no MoE op at all."""
+    probs = torch.softmax(x @ router, dim=-1)
+    weights, top_experts = torch.topk(probs, top_k, dim=-1)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(top_k):
+            e = int(top_experts[t, k])
+            out[t] += weights[t, k] * (F.gelu(x[t] @ w1[e]) @ w2[e])
+    return out
+
+
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(16, 4, 2), (64, 8, 2), (33, 5, 3), (8, 1, 1)])
+def test_ops_composed_by_hand_match_a_float64_loop(tokens, experts, top_k):
+    gen = torch.Generator().manual_seed(tokens * 31 + experts)
+    hidden, ffn = 32, 48
+    x = torch.randn(tokens, hidden, generator=gen, requires_grad=True)
+    router = torch.randn(hidden, experts, generator=gen)
+    w1 = (torch.randn(experts, hidden, ffn, generator=gen) / hidden**0.5).requires_grad_()
+    w2 = (torch.randn(experts, ffn, hidden, generator=gen) / ffn**0.5).requires_grad_()
+    out = _hand_composed_moe(x, router, w1, w2, top_k)
+    out.square().sum().backward()
+
+    x64, w1_64, w2_64 = (t.detach().double().requires_grad_() for t in (x, w1, w2))
+    want = _hand_composed_loop(x64, router.double(), w1_64, w2_64, top_k)
+    want.square().sum().backward()
+
+    def relative_error(got, expected):
+        return float((got.double() - expected).norm() / expected.norm().clamp_min(1e-30))
+
+    for name, got, expected in [("output", out.detach(), want.detach()), ("grad x", x.grad, x64.grad),
+                                ("grad w1", w1.grad, w1_64.grad), ("grad w2", w2.grad, w2_64.grad)]:
+        assert relative_error(got, expected) <= 1e-5, name
 
 
 def test_demo_trains(capsys):

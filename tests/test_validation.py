@@ -179,3 +179,18 @@ def test_data_rules_are_skipped_by_default():
     # Out-of-range keys with end_bit are the caller's promise; without checked mode nobody reads them.
     values, _ = ops.sort(torch.tensor([5, 1], dtype=torch.int32), 1)
     assert values.tolist() == [1, 5]
+
+
+def test_a_traceback_through_an_entry_function_shows_its_generated_lines():
+    import traceback
+
+    from megablocks_core.entries import ENTRIES
+
+    with pytest.raises(TypeError) as info:
+        ops.histogram("not a tensor", 4)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    entry = [f for f in frames if f.filename == "<megablocks_core.entries histogram>"]
+    assert len(entry) == 1, [f.filename for f in frames]
+    assert entry[0].line == "chosen = _resolve(_contract, key, (x, num_bins,))"
+    assert entry[0].line in ENTRIES["histogram"].__source__
+    assert "chosen = _resolve(_contract, key" in "".join(traceback.format_exception(info.value))

@@ -2,20 +2,21 @@
 
 - :mod:`megablocks_core.ops` — the op surface (MegaBlocks-compatible).
 - :mod:`megablocks_core.contracts` — every op's contract, written once.
-- :mod:`megablocks_core.hookspecs` — the plugin interface.
+- :mod:`megablocks_core.plugin` — what a backend may import (the plugin API).
 - :mod:`megablocks_core.ranking` — how an implementation is chosen.
+- :mod:`megablocks_core.layers` — a dropless MoE layer built on the ops.
 """
 
 __version__ = "0.1.0"
 
 import os as _os
 
-from . import library as _library  # noqa: F401  (registers torch.ops.megablocks.*)
 from . import ops
 from .descriptors import DeviceInfo, Kernel
-from .dispatch import current_policy, explain, registry, reload, set_backend, use_backend
+from .dispatch import explain, registry, reload
 from .hookspecs import hookimpl
-from .ranking import NoKernelError, Policy
+from .policy import Policy, current_policy, set_backend, use_backend
+from .ranking import NoKernelError
 from .registry import PluginLoadError
 from .validation import BackendError, ContractError, ContractTypeError
 

@@ -1,11 +1,12 @@
-"""Backward rules: the core's autograd, written once for every backend.
+"""The core's autograd, written once for every backend: backward rules and the glue that runs them.
 
 Each rule receives ``call(op, *args)``, which runs another op through the
 registry (kernel-order arguments), and the forward's arguments by name (those
 not kept are None; ``"<name>.shape"`` gives each tensor argument's shape). So a
 backend that supplies only forward kernels is autograd-correct. The same rules serve eager autograd
-(:mod:`megablocks_core.dispatch`) and ``torch.compile``
-(:mod:`megablocks_core.library`).
+(:func:`apply`, called by the entry functions of :mod:`megablocks_core.entries`) and
+``torch.compile`` (:mod:`megablocks_core.library`); :func:`pack_for_backward` and
+:func:`unpack_for_backward` decide what both keep for the backward.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .policy import Policy, policy_scope
+from .schema import OpContract
 
 Call = Callable[..., torch.Tensor]
 Grads = dict[str, "torch.Tensor | None"]
@@ -118,3 +122,64 @@ def kept(rule: BackwardRule, name: str, needs: Mapping[str, bool]) -> bool:
         return True
     dependant = rule.saves_if.get(name)
     return dependant is not None and needs.get(dependant, False)
+
+
+# ---------------------------------------------------------------------------
+# The glue: what a forward keeps, and the autograd node of an eager call
+
+
+def pack_for_backward(contract: OpContract, args: tuple[Any, ...],
+                      needs: Mapping[str, bool]) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
+    """Split the forward's arguments into tensors to save and constants to keep."""
+    rule = RULES[contract.name]
+    tensors: list[torch.Tensor | None] = []
+    consts: dict[str, Any] = {}
+    for spec, value in zip(contract.args, args, strict=True):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value if kept(rule, spec.name, needs) else None)
+            consts[f"{spec.name}.shape"] = tuple(value.shape)
+        elif spec in contract.tensor_args:
+            tensors.append(None)
+        else:
+            consts[spec.name] = value
+    return tensors, consts
+
+
+def unpack_for_backward(contract: OpContract, saved: tuple[torch.Tensor | None, ...],
+                        consts: Mapping[str, Any]) -> dict[str, Any]:
+    """The forward's arguments by name, for a backward rule (see :func:`pack_for_backward`)."""
+    bound = dict(consts)
+    bound.update(zip((a.name for a in contract.tensor_args), saved, strict=True))
+    return bound
+
+
+#: Leading arguments of :class:`_OpFunction` that are not the op's.
+_NODE_ARGS = 4
+
+
+class _OpFunction(torch.autograd.Function):
+    """One autograd node for any differentiable op; the backward comes from :data:`RULES`."""
+
+    @staticmethod
+    def forward(ctx: Any, contract: OpContract, run: Callable[..., Any], policy: Policy,
+                call: Call, *args: Any) -> Any:
+        needs = {a.name: bool(n) for a, n in zip(contract.args, ctx.needs_input_grad[_NODE_ARGS:], strict=True)}
+        tensors, consts = pack_for_backward(contract, args, needs)
+        ctx.save_for_backward(*tensors)
+        ctx.meta = (contract, policy, call, consts, needs)
+        return run(*args)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        contract, policy, call, consts, needs = ctx.meta
+        bound = unpack_for_backward(contract, ctx.saved_tensors, consts)
+        with policy_scope(policy):  # backward runs on the backends the forward was ranked with
+            grads = RULES[contract.name].fn(call, bound, grad, needs)
+        return (*(None,) * _NODE_ARGS, *(grads.get(a.name) if needs[a.name] else None for a in contract.args))
+
+
+def apply(contract: OpContract, run: Callable[..., Any], policy: Policy, call: Call,
+          args: tuple[Any, ...]) -> Any:
+    """``run(*args)`` recorded as one autograd node; its backward runs the op's rule, calling other
+    ops through ``call`` under ``policy`` (the policy the forward was ranked with)."""
+    return _OpFunction.apply(contract, run, policy, call, *args)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -14,6 +17,7 @@ from . import __version__, contracts, dispatch, docgen, ranking
 from .descriptors import DeviceInfo, TensorMeta
 from .devices import describe
 from .ranking import Trace
+from .schema import TensorArg
 
 
 class CLIError(Exception):
@@ -128,11 +132,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _explain_calls(op: str, trace: Trace, shapes: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Calls to show per-shape choices for: ``--shape ARG=AxB`` items, else the benchmark shapes."""
-    from .bench import SHAPES
+    """Calls to show per-shape choices for: ``--shape ARG=AxB`` items, else well-known model shapes."""
+    from .layers.shapes import SHAPES
 
     def meta(name: str, shape: tuple[int, ...]) -> TensorMeta:
-        allowed = contracts.BY_NAME[op].arg(name).dtypes
+        spec = contracts.BY_NAME[op].arg(name)
+        if not isinstance(spec, TensorArg):
+            raise KeyError(name)  # only tensors have shapes
+        allowed = spec.dtypes
         fallback = torch.bfloat16 if not allowed or torch.bfloat16 in allowed else min(allowed, key=str)
         return TensorMeta(shape, trace.dtypes.get(name) or fallback, trace.device.type)
 
@@ -215,19 +222,8 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise CLIError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-def cmd_example(args: argparse.Namespace) -> int:
-    from . import example
-
-    _device(args.device, runs=True)
-    _positive(args, "tokens", "hidden", "ffn", "experts", "top_k")
-    if args.top_k > args.experts:
-        raise CLIError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts})")
-    return example.run(device=args.device, tokens=args.tokens, hidden=args.hidden, ffn=args.ffn,
-                       experts=args.experts, top_k=args.top_k, dtype=args.dtype)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from .layers import demo
 
     _device(args.device, runs=True)
     _positive(args, "tokens", "experts", "top_k")
@@ -245,11 +241,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     tokens=args.tokens, experts=args.experts, top_k=args.top_k, seed=args.seed)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+#: The name the benchmark module is loaded under (:func:`load_benchmark`).
+BENCHMARK_MODULE = "megablocks_bench"
 
+
+def benchmark_path() -> Path | None:
+    """``benchmarks/bench.py`` of the source checkout that holds this package, or None (an installed
+    wheel has no benchmark: it needs MegaBlocks, grouped_gemm and the checkout's docs beside it)."""
+    package = Path(__file__).resolve().parent
+    for root in (package.parent, package.parent.parent):  # <root>/megablocks_core, <root>/src/megablocks_core
+        candidate = root / "benchmarks" / "bench.py"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_benchmark() -> ModuleType:
+    """Import the checkout's benchmark (once per process)."""
+    loaded = sys.modules.get(BENCHMARK_MODULE)
+    if loaded is not None:
+        return loaded
+    path = benchmark_path()
+    if path is None:
+        raise CLIError("the benchmark runs from a source checkout (benchmarks/bench.py beside the "
+                       "megablocks_core package); this installation has none")
+    spec = importlib.util.spec_from_file_location(BENCHMARK_MODULE, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[BENCHMARK_MODULE] = module  # dataclasses look their module up while it executes
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[BENCHMARK_MODULE]
+        raise
+    return module
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    bench = load_benchmark()
     _device(args.device, runs=True)
-    return bench.main(args)
+    return int(bench.main(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16")
     explain.add_argument("--shape", action="append", default=[], metavar="ARG=DIMS",
                          help="an argument's shape, e.g. a=32768x4096 (repeatable): shows which kernel a "
-                              "call of that shape gets when cost hints decide (default: benchmark shapes)")
+                              "call of that shape gets when cost hints decide (default: mixtral, qwen3, dsv3, tiny)")
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=cmd_explain)
     check = backend_commands.add_parser(
@@ -288,17 +319,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     contracts_cmd = commands.add_parser("contracts", help="print every op's contract as Markdown")
     contracts_cmd.set_defaults(func=cmd_contracts)
-
-    example = commands.add_parser(
-        "example", help="run a small MoE layer (routing → gather → gmm → scatter) and check it")
-    example.add_argument("--device", default="cpu")
-    example.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    example.add_argument("--tokens", type=int, default=64)
-    example.add_argument("--hidden", type=int, default=32)
-    example.add_argument("--ffn", type=int, default=48)
-    example.add_argument("--experts", type=int, default=8)
-    example.add_argument("--top-k", type=int, default=2)
-    example.set_defaults(func=cmd_example)
 
     demo = commands.add_parser(
         "demo", help="train a tiny MoE model on synthetic data; show the loss falling and which backend ran each op")

@@ -13,7 +13,7 @@ arguments minus those marked ``public=False`` (passed as None).
 
 from __future__ import annotations
 
-from .contract import (
+from .schema import (
     COUNT_DTYPES,
     FLOAT_DTYPES,
     INT_DTYPES,

@@ -1,4 +1,7 @@
-"""Helpers for :attr:`Kernel.cost <megablocks_core.descriptors.Kernel.cost>` hints.
+"""Cost hints from measured points: the one way a provider declares how fast it is.
+
+A :attr:`Kernel.cost <megablocks_core.descriptors.Kernel.cost>` hint is built with
+:func:`gmm_cost_hint` from the provider's measured points.
 
 Why cost hints: static priorities cannot know that a cuBLAS loop wins for 8 large experts while a
 persistent kernel wins for 256 small ones. A provider therefore declares how fast it measured
@@ -8,7 +11,8 @@ estimate among the eligible kernels of the highest priority (:mod:`megablocks_co
 For grouped GEMMs a provider describes its speed by *measured points*: ``(rows_per_expert, k, n,
 efficiency)`` where efficiency is its TFLOP/s divided by a dense matmul's with the same FLOPs,
 measured in the same run. A call is estimated from the nearest measured point (distance in
-log-space over the three features) and the family's dense rate. Estimates are deterministic and
+log-space over the three features) and the arch's dense rate
+(:func:`megablocks_core.devices.dense_tflops`). Estimates are deterministic and
 cheap (a few dozen float operations, once per new call shape), so they never time anything at
 call time: no warm-up, no host sync, nothing that breaks CUDA-graph capture or compilation.
 """
@@ -18,14 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from .descriptors import CallInfo, DeviceInfo
+from .descriptors import CallInfo, CostEstimate, DeviceInfo
+from .devices import base_arch, dense_tflops
 
 #: A measured point: (rows per expert, reduction size k, output columns n, fraction of dense).
 GmmPoint = tuple[float, float, float, float]
-
-#: Dense bf16 matmul TFLOP/s per device arch, measured at the benchmark shapes (docs/performance.md).
-#: Only the *ratio* between providers decides a choice, so an approximate rate is enough.
-DENSE_TFLOPS: dict[str, float] = {"sm_90": 690.0}
 
 
 def gmm_problem(call: CallInfo) -> tuple[int, int, int, int]:
@@ -65,8 +66,8 @@ def gmm_estimate_us(device: DeviceInfo, call: CallInfo,
     with no points, or no known dense rate, gives None (no estimate: priority decides).
     ``extra_us`` is a fixed cost the points do not show (e.g. a host sync of device counts).
     """
-    points = points_by_arch.get(device.arch or "")
-    dense = DENSE_TFLOPS.get(device.arch or "")
+    points = points_by_arch.get(base_arch(device))
+    dense = dense_tflops(device)
     if not points or dense is None:
         return None
     tokens, k, n, experts = gmm_problem(call)
@@ -75,3 +76,22 @@ def gmm_estimate_us(device: DeviceInfo, call: CallInfo,
         return None
     flops = 2.0 * tokens * k * n
     return flops / (efficiency * dense * 1e6) + extra_us
+
+
+def gmm_cost_hint(points_by_arch: Mapping[str, Sequence[GmmPoint]], *, extra_us: float = 0.0,
+                  host_counts_only: bool = False) -> CostEstimate:
+    """A ``Kernel.cost`` hint for a grouped GEMM provider from its measured points (see
+    :func:`gmm_estimate_us`).
+
+    ``host_counts_only``: the provider reads ``batch_sizes`` on the host. For a call whose counts
+    live on the device that would add a device→host sync, so the hint gives no estimate there and
+    the choice goes to a provider that takes device counts (this one still serves when forced or
+    alone).
+    """
+
+    def cost(device: DeviceInfo, call: CallInfo) -> float | None:
+        if host_counts_only and getattr(call.get("batch_sizes"), "device", "cpu") != "cpu":
+            return None
+        return gmm_estimate_us(device, call, points_by_arch, extra_us)
+
+    return cost

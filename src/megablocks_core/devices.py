@@ -1,8 +1,14 @@
-"""Device descriptions: what kind of device a tensor lives on, computed once per device."""
+"""Devices: what kind of device a tensor lives on (computed once per device), and per-arch facts.
+
+The facts every backend may share live here, once: the family of an AMD gfx arch, and the dense
+matmul rate a cost hint measures itself against (:mod:`megablocks_core.costs`).
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -40,9 +46,31 @@ def describe(device: torch.device | str) -> DeviceInfo:
     return DeviceInfo(kind=device.type, type=device.type, index=device.index)
 
 
-def local_devices() -> list[DeviceInfo]:
-    """Every device of this host that the core knows how to describe."""
-    found = [describe("cpu")]
-    if torch.cuda.is_available():
-        found += [describe(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
-    return found
+#: Dense bf16 matmul TFLOP/s per device arch, measured at the benchmark shapes (docs/performance.md).
+#: Cost hints compare providers by their *ratio* to it, so an approximate rate is enough.
+DENSE_BF16_TFLOPS: Mapping[str, float] = MappingProxyType({"sm_90": 690.0})
+
+#: AMD gfx arch → its architecture family (a gfx name's feature suffix, e.g. ``:xnack-``, is ignored).
+ARCH_FAMILIES: Mapping[str, str] = MappingProxyType({
+    "gfx90a": "cdna2",  # MI200
+    "gfx942": "cdna3",  # MI300
+    "gfx950": "cdna4",  # MI350
+})
+
+
+def base_arch(device: DeviceInfo | str | None) -> str:
+    """The arch name of a device (or arch string) without feature suffixes: ``"gfx942"`` for
+    ``"gfx942:sramecc+:xnack-"``; ``""`` when unknown."""
+    arch = device.arch if isinstance(device, DeviceInfo) else device
+    return (arch or "").split(":")[0]
+
+
+def arch_family(device: DeviceInfo | str | None) -> str | None:
+    """The family of a device's arch (``"cdna3"`` for gfx942), or None for an arch not listed in
+    :data:`ARCH_FAMILIES`."""
+    return ARCH_FAMILIES.get(base_arch(device))
+
+
+def dense_tflops(device: DeviceInfo | str | None) -> float | None:
+    """The dense bf16 matmul TFLOP/s of a device's arch, or None where it was not measured."""
+    return DENSE_BF16_TFLOPS.get(base_arch(device))

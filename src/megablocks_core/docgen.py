@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .contract import DataDim, OpContract, Rule, TensorArg
 from .contracts import ALL
+from .schema import DataDim, OpContract, Rule, TensorArg
 
 FAMILIES = (
     ("routing", "Routing"),

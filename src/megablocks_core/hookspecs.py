@@ -30,7 +30,7 @@ class BackendHooks:
     """Hook specifications (pluggy project ``"megablocks"``)."""
 
     @hookspec
-    def megablocks_unavailable_reason(self) -> str | None:  # type: ignore[empty-body]
+    def megablocks_unavailable_reason(self) -> str | None:
         """Say why this backend cannot work on this host at all, or return None.
 
         Use it for host-wide facts (no GPU, toolkit missing, torch built without

@@ -4,19 +4,20 @@ Each dispatched op becomes ``torch.ops.megablocks.<name>`` with a schema, a fake
 implementation (output shapes and dtypes from the contract; data-dependent
 sizes become unbacked symbols) and the core's backward rule. Eager calls never
 go through these wrappers (they cost several µs per call); the entry functions
-in :mod:`megablocks_core.dispatch` switch to them only while compiling.
+in :mod:`megablocks_core.entries` switch to them only while compiling, and
+register them (:func:`register`) when they are built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from . import autograd, dispatch, validation
-from .contract import RULE_HELPERS, BoolArg, DataDim, IntArg, OpContract, TensorArg
+from . import autograd, validation
 from .contracts import ALL
+from .schema import RULE_HELPERS, BoolArg, DataDim, IntArg, OpContract, TensorArg
 
 NAMESPACE = "megablocks"
 _library = torch.library.Library(NAMESPACE, "DEF")
@@ -64,9 +65,7 @@ def _fake(contract: OpContract) -> Callable[..., Any]:
     return fake
 
 
-def _real(contract: OpContract) -> Callable[..., Any]:
-    entry = dispatch.ENTRIES[contract.name]
-
+def _real(entry: Callable[..., Any]) -> Callable[..., Any]:
     def real(*args: Any) -> Any:
         with torch.no_grad():  # the custom op's own autograd formula records the graph
             return entry(*args)
@@ -84,27 +83,26 @@ def _register_autograd(contract: OpContract) -> None:
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         needs = {a.name: bool(i in diff_positions and isinstance(v, torch.Tensor) and v.requires_grad)
                  for i, (a, v) in enumerate(zip(contract.args, inputs, strict=True))}
-        tensors, consts = dispatch.pack_for_backward(contract, inputs, needs)
+        tensors, consts = autograd.pack_for_backward(contract, inputs, needs)
         ctx.save_for_backward(*tensors)
         ctx.meta = (consts, needs)
 
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         consts, needs = ctx.meta
-        bound = dispatch.unpack_for_backward(contract, ctx.saved_tensors, consts)
+        bound = autograd.unpack_for_backward(contract, ctx.saved_tensors, consts)
         grads = rule.fn(_custom_call, bound, grad, needs)
         return tuple(grads.get(a.name) if needs[a.name] else None for a in contract.args)
 
     torch.library.register_autograd(f"{NAMESPACE}::{contract.name}", backward, setup_context=setup_context)
 
 
-def _register(contract: OpContract) -> None:
-    _library.define(schema(contract))
-    _library.impl(contract.name, _real(contract), "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{NAMESPACE}::{contract.name}", _fake(contract), lib=_library)
-    if contract.differentiable:
-        _register_autograd(contract)
-
-
-for _contract in ALL:
-    if _contract.dispatched:
-        _register(_contract)
+def register(entries: Mapping[str, Callable[..., Any]]) -> None:
+    """Define ``torch.ops.megablocks.<op>`` for every dispatched op, running ``entries[op]`` (once
+    per process: the entry functions call it when they are built)."""
+    for contract in ALL:
+        if contract.dispatched:
+            _library.define(schema(contract))
+            _library.impl(contract.name, _real(entries[contract.name]), "CompositeExplicitAutograd")
+            torch.library.register_fake(f"{NAMESPACE}::{contract.name}", _fake(contract), lib=_library)
+            if contract.differentiable:
+                _register_autograd(contract)

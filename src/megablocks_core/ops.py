@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import contracts, validation
-from .dispatch import ENTRIES
+from .entries import ENTRIES
 
 _sort = ENTRIES["sort"]
 _histogram = ENTRIES["histogram"]

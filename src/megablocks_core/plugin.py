@@ -8,17 +8,19 @@ backends in this repository use nothing else, like any third-party plugin.
 - :class:`Kernel` is what the kernel hooks return; :class:`DeviceInfo`, :class:`TensorMeta` and
   :data:`CallInfo` are what its predicates and cost hints receive;
 - :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
-- :func:`describe_device` gives the :class:`DeviceInfo` of a torch device;
-- :func:`gmm_estimate_us` turns a grouped-GEMM provider's measured points into cost hints;
+- :func:`describe_device` gives the :class:`DeviceInfo` of a torch device; :func:`arch_family`
+  and :func:`dense_tflops` (tables :data:`ARCH_FAMILIES`, :data:`DENSE_BF16_TFLOPS`) are the
+  per-arch facts the backends share;
+- :func:`gmm_cost_hint` turns a grouped-GEMM provider's measured points (:data:`GmmPoint`) into a
+  ``Kernel.cost`` hint (:func:`gmm_estimate_us` and :func:`gmm_problem` are its parts);
 - :class:`ContractError` / :class:`ContractTypeError` are what a kernel raises for input it
   cannot serve safely (the core names the op and backend).
 """
 
 from __future__ import annotations
 
-from .contract import OpContract
 from .contracts import BY_NAME, family_ops
-from .costs import GmmPoint, gmm_estimate_us, gmm_problem
+from .costs import GmmPoint, gmm_cost_hint, gmm_estimate_us, gmm_problem
 from .descriptors import (
     ANY_DEVICE,
     CallInfo,
@@ -29,8 +31,10 @@ from .descriptors import (
     ShapeCheck,
     TensorMeta,
 )
+from .devices import ARCH_FAMILIES, DENSE_BF16_TFLOPS, arch_family, dense_tflops
 from .devices import describe as describe_device
 from .hookspecs import ENTRY_POINT_GROUP, BackendHooks, hookimpl
+from .schema import OpContract
 from .validation import ContractError, ContractTypeError
 
 
@@ -41,6 +45,8 @@ def contract(op: str) -> OpContract:
 
 __all__ = [
     "ANY_DEVICE",
+    "ARCH_FAMILIES",
+    "DENSE_BF16_TFLOPS",
     "ENTRY_POINT_GROUP",
     "BackendHooks",
     "CallInfo",
@@ -54,9 +60,12 @@ __all__ = [
     "OpContract",
     "ShapeCheck",
     "TensorMeta",
+    "arch_family",
     "contract",
+    "dense_tflops",
     "describe_device",
     "family_ops",
+    "gmm_cost_hint",
     "gmm_estimate_us",
     "gmm_problem",
     "hookimpl",

@@ -24,64 +24,17 @@ step 4 per call shape, so this module runs once per new signature, not per call.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .descriptors import CallInfo, DeviceInfo, Kernel
+from .policy import DEFAULT_POLICY, Policy
 from .registry import PluginRecord, Registry
 
 
 class NoKernelError(RuntimeError):
     """No kernel can serve a call (or the forced backend cannot)."""
-
-
-@dataclass(frozen=True, eq=False)  # identity hash: it is part of every dispatch cache key
-class Policy:
-    """User overrides of the ranking (from ``MEGABLOCKS_BACKEND`` or :func:`use_backend`).
-
-    ``force``: one backend for every op. ``prefer``: tried in order, then normal
-    ranking. ``per_op``: op name → forced backend.
-    """
-
-    force: str | None = None
-    prefer: tuple[str, ...] = ()
-    per_op: tuple[tuple[str, str], ...] = ()
-    source: str = "default"
-
-    @classmethod
-    def parse(cls, spec: str, source: str = "MEGABLOCKS_BACKEND") -> Policy:
-        """``"triton"`` forces; ``"triton,reference"`` prefers; ``"gather=triton,gmm=cuda"`` forces per op;
-        ``"gmm=cuda/grouped_mm"`` forces one variant of a backend."""
-        names: list[str] = []
-        per_op: list[tuple[str, str]] = []
-        for item in (s.strip() for s in spec.split(",")):
-            if not item:
-                continue
-            if "=" in item:
-                op, _, backend = item.partition("=")
-                per_op.append((op.strip(), backend.strip()))
-            else:
-                names.append(item)
-        if len(names) == 1:
-            return cls(force=names[0], per_op=tuple(per_op), source=source)
-        return cls(prefer=tuple(names), per_op=tuple(per_op), source=source)
-
-    @property
-    def is_default(self) -> bool:
-        return not (self.force or self.prefer or self.per_op)
-
-    def forced_for(self, op: str) -> str | None:
-        return dict(self.per_op).get(op, self.force)
-
-    def describe(self) -> str:
-        parts = [f"force {self.force}"] if self.force else []
-        parts += [f"prefer {', '.join(self.prefer)}"] if self.prefer else []
-        parts += [f"{op}={b}" for op, b in self.per_op]
-        return f"{'; '.join(parts)} ({self.source})" if parts else "default ranking"
-
-
-DEFAULT_POLICY = Policy()
 
 
 @dataclass(frozen=True)
@@ -103,7 +56,6 @@ class Trace:
     winner: Kernel | None
     why: str
     error: str | None = None
-    notes: tuple[str, ...] = field(default=())
     cost_tier: tuple[Kernel, ...] = ()
     """Eligible kernels of the winner's priority that declare cost hints, when there are two or
     more and no forced/preferred backend decided: the choice then depends on the call's shapes."""

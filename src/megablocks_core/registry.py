@@ -219,14 +219,14 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
 
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist = ep.dist
-        record = dict(name=ep.name, distribution=dist.metadata["Name"] if dist else None,
-                      version=dist.version if dist else None)
+        record: dict[str, Any] = dict(name=ep.name, distribution=dist.metadata["Name"] if dist else None,
+                                      version=dist.version if dist else None)
         if ep.name in registry.plugins:
             other = registry.plugins[ep.name].distribution
-            problem = f"the name {ep.name!r} is already taken by distribution {other}"
+            clash = f"the name {ep.name!r} is already taken by distribution {other}"
             if strict:
-                raise PluginLoadError(f"plugin from {record['distribution']}: {problem}")
-            log.warning("megablocks plugin from %s skipped: %s", record["distribution"], problem)
+                raise PluginLoadError(f"plugin from {record['distribution']}: {clash}")
+            log.warning("megablocks plugin from %s skipped: %s", record["distribution"], clash)
             continue
         if (allow is not None and ep.name not in allow) or ep.name in deny:
             registry.plugins[ep.name] = PluginRecord(**record, status="disabled",

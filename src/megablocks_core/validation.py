@@ -1,11 +1,11 @@
-"""Input validation derived from the contracts.
+"""Input and output validation derived from the contracts.
 
-Two speeds, one source. :func:`validate` interprets a contract and raises a
-precise ``TypeError``/``ValueError`` naming the op, the argument, what was
-expected and what came. :func:`fast_check_source` turns the same contract's
-cheap rules into one boolean Python expression that the dispatcher evaluates on
-every call; only when it is false does the dispatcher call :func:`validate` to
-say what is wrong.
+:func:`validate` interprets a contract and raises a precise ``TypeError``/``ValueError`` naming
+the op, the argument, what was expected and what came. The entry functions evaluate the same
+contract's cheap rules as one generated boolean expression on every call
+(:func:`megablocks_core.entries.fast_check_source`) and call :func:`validate` only when it is
+false, to say what is wrong. :func:`check_data` (the rules that read tensor data) and
+:func:`check_outputs` serve checked mode.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .contract import (
+from .schema import (
     RULE_HELPERS,
     BoolArg,
     DataDim,
@@ -182,11 +182,14 @@ def memory_limit(device: torch.device) -> int:
 
 
 def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n:.1f} PiB"
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} PiB"
 
 
 def _names(expr: str) -> set[str]:
@@ -272,46 +275,3 @@ def check_data(op: OpContract, args: tuple[Any, ...]) -> None:
     for rule in op.rules:
         if rule.checked:
             _check_rule(op, rule, bound)
-
-
-# ---------------------------------------------------------------------------
-# The fast path: a cache key per call, and what the key cannot vouch for.
-
-
-def call_key_source(op: OpContract) -> str:
-    """Tuple items that pin down everything the static rules look at.
-
-    Every tensor's dtype, shape and device, and every int/bool argument's value.
-    The dispatcher caches calls whose key :func:`validate` has accepted, so a
-    repeated call shape is valid without evaluating a single rule.
-    """
-    items = []
-    for spec in op.args:
-        n = spec.name
-        if isinstance(spec, TensorArg) and spec.optional:
-            items.append(f"{n} if {n} is None else ({n}.dtype, {n}.shape, {n}.device)")
-        elif isinstance(spec, TensorArg):
-            items += [f"{n}.dtype", f"{n}.shape", f"{n}.device"]
-        else:
-            items.append(n)
-    return ", ".join(items)
-
-
-def fast_check_source(op: OpContract) -> str:
-    """A boolean expression checked on every call, cache hit or not.
-
-    Exact types of int/bool arguments (the key cannot tell ``2`` from ``numpy.int64(2)``,
-    and kernels should only see Python ints), and the rules that read host data
-    (CPU ``batch_sizes``), which no key can vouch for.
-    """
-    parts = []
-    for spec in op.args:
-        if isinstance(spec, IntArg):
-            test = f"type({spec.name}) is int"
-            parts.append(f"({spec.name} is None or {test})" if spec.optional else test)
-        elif isinstance(spec, BoolArg):
-            parts.append(f"type({spec.name}) is bool")
-    for rule in op.rules:
-        if isinstance(rule.checked, str):
-            parts.append(f"({rule.checked}.device.type != 'cpu' or ({rule.expr}))")
-    return " and ".join(parts) or "True"

@@ -21,6 +21,7 @@ kill the process: run the cases of a backend that might crash in a subprocess ea
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,11 +29,13 @@ from typing import Any
 
 import torch
 
-from ..contract import RULE_HELPERS, DataDim
 from ..contracts import BY_NAME
-from ..dispatch import ENTRIES, registry, use_backend
+from ..dispatch import registry
+from ..entries import ENTRIES
 from ..library import output_meta
+from ..policy import use_backend
 from ..ranking import NoKernelError
+from ..schema import RULE_HELPERS, DataDim
 from ..validation import ContractError, ContractTypeError
 from .kit import REFERENCE, TOLERANCES, Mismatch, compare
 
@@ -246,11 +249,17 @@ def _routing_cases() -> list[BadCase]:
         BadCase("topology/padded_bins decreasing", "topology", lambda d: (top(d, [12, 4, 16]), 4, 4, 2)),
         BadCase("topology/rows past padded_bins", "topology", lambda d: (top(d, [4, 8, 8]), 4, 5, 3)),
     ]
+    def replicate_args(device: torch.device, bins: Sequence[int]) -> Args:
+        return grad_of(device)[:, :3].contiguous(), top(device, bins), 12
+
+    def replicate_backward_args(device: torch.device, bins: Sequence[int]) -> Args:
+        return grad_of(device), top(device, bins)
+
     for what, values in bins_cases.items():
         cases.append(BadCase(f"replicate/bins {what}", "replicate",
-                             lambda d, v=values: (grad_of(d)[:, :3].contiguous(), top(d, v), 12)))
+                             functools.partial(replicate_args, bins=values)))
         cases.append(BadCase(f"replicate_backward/bins {what}", "replicate_backward",
-                             lambda d, v=values: (grad_of(d), top(d, v))))
+                             functools.partial(replicate_backward_args, bins=values)))
     return cases
 
 
@@ -265,7 +274,7 @@ def _gmm_cases() -> list[BadCase]:
 
     sizes = {"sizes summing past the rows": [6, 6, 9], "sizes summing short": [3, 2, 4],
              "negative size": [-4, 10, 6], "huge size": [2**40, 1, 1]}
-    return [BadCase(f"{op}/{what}", op, lambda d, s=s, op=op: gmm_args(d, s, op))
+    return [BadCase(f"{op}/{what}", op, functools.partial(gmm_args, sizes=s, op=op))
             for op in ("gmm", "gmm_weight_grad") for what, s in sizes.items()]
 
 

@@ -1,4 +1,4 @@
-"""Expert parallelism for :class:`megablocks_core.moe.DroplessMoE` over ``torch.distributed``.
+"""Expert parallelism for :class:`megablocks_core.layers.DroplessMoE` over ``torch.distributed``.
 
 Each rank of the expert-parallel group owns ``E / W`` consecutive experts (rank r: experts
 ``[r * E/W, (r + 1) * E/W)``). The layer routes and gathers its own tokens as usual (rows sorted by
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ops
+from .. import ops
 
 
 class _AllToAll(torch.autograd.Function):

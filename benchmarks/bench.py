@@ -5,7 +5,7 @@ For each shape it builds realistic routing (softmax top-k of random logits), the
 - times every backend that can serve the op on the device, through ``megablocks_core.ops`` with that
   backend forced (so the figure includes what a caller pays, dispatch included);
 - times the peers that are importable: plain torch, MegaBlocks' ops, grouped_gemm;
-- ``layer``: forward+backward of :class:`megablocks_core.moe.DroplessMoE` with the default ranking,
+- ``layer``: forward+backward of :class:`megablocks_core.layers.DroplessMoE` with the default ranking,
   beside MegaBlocks' own ``dMoE`` (grouped MLP) when importable, with peak device memory;
 - checks each result against the reference backend's before timing it;
 - reports µs, GB/s (or TFLOP/s for gmm) and the ratio to a limit measured in the same run: a device
@@ -15,6 +15,9 @@ On the CPU it times with ``time.perf_counter`` (for smoke tests) and, unless sha
 uses the ``tiny`` shape (the model shapes need tens of GB and minutes per op there); on GPUs with
 ``triton.testing.do_bench`` (median) when Triton is installed, else CUDA events. Each shape builds
 only the inputs its chosen ops need (the dsv3 expert weights alone are 7.5 GB in bfloat16).
+
+It lives in the source checkout, not in the package: ``megablocks bench`` loads this file from the
+checkout that holds ``megablocks_core`` (:func:`megablocks_core.cli.load_benchmark`).
 """
 
 from __future__ import annotations
@@ -33,16 +36,11 @@ from typing import Any
 
 import torch
 
-from . import contracts, dispatch, ops
-from .devices import describe
+from megablocks_core import contracts, dispatch, entries, explain, ops, use_backend
+from megablocks_core.devices import describe
+from megablocks_core.layers import DroplessMoE
+from megablocks_core.layers.shapes import SHAPES
 
-#: name → (tokens, hidden, ffn, experts, top_k)
-SHAPES: dict[str, tuple[int, int, int, int, int]] = {
-    "mixtral": (16384, 4096, 14336, 8, 2),
-    "qwen3": (16384, 2048, 768, 128, 8),
-    "dsv3": (16384, 7168, 2048, 256, 8),
-    "tiny": (64, 32, 48, 8, 2),
-}
 #: The shapes a run uses when none is given: model shapes on accelerators, ``tiny`` on the CPU.
 DEFAULT_SHAPES = ("mixtral", "qwen3", "dsv3")
 CPU_DEFAULT_SHAPES = ("tiny",)
@@ -173,7 +171,7 @@ class Case:
         self.end_bit = max((experts - 1).bit_length(), 1)
         self.x = torch.randn(tokens, hidden, device=device, generator=gen, dtype=dtype)
         self.generator = gen
-        with dispatch.use_backend("reference"):
+        with use_backend("reference"):
             self.bin_ids, self.indices = ops.sort(self.top_experts, self.end_bit)
             self.counts = ops.histogram(self.top_experts, experts)
             self.bins = ops.inclusive_cumsum(self.counts, 0)
@@ -186,12 +184,12 @@ class Case:
     @functools.cached_property
     def rows(self) -> torch.Tensor:
         """The gathered rows (tokens * top_k, hidden)."""
-        with dispatch.use_backend("reference"):
+        with use_backend("reference"):
             return ops.gather(self.x, self.indices, self.bin_ids, self.bins, self.top_k)
 
     @functools.cached_property
     def padded_rows(self) -> torch.Tensor:
-        with dispatch.use_backend("reference"):
+        with use_backend("reference"):
             return ops.padded_gather(self.x, self.indices, self.bin_ids, self.bins, self.padded_bins,
                                      self.top_k)
 
@@ -227,7 +225,7 @@ def _ours(case: Case) -> dict[str, Callable[[], Any]]:
         "padded_gather": lambda: ops.padded_gather(c.x, c.indices, c.bin_ids, c.bins, c.padded_bins, c.top_k),
         "padded_scatter": lambda: ops.padded_scatter(c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins,
                                                      c.padded_bins, c.top_k),
-        "scatter_wgrad": lambda: dispatch.call("scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins,
+        "scatter_wgrad": lambda: entries.call("scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins,
                                                c.top_k),
         "gmm": lambda: ops.gmm(c.rows, c.w1, c.counts_cpu),
         "gmm_train": lambda: _gmm_train_step(c, lambda a, b: ops.gmm(a, b, c.counts_cpu)),
@@ -252,8 +250,6 @@ def _gmm_train_step(case: Case, gmm: Callable[[torch.Tensor, torch.Tensor], torc
 
 def _layer_step(case: Case) -> torch.Tensor:
     """Forward and backward of the dMoE layer on the case's tokens (built on first use)."""
-    from .moe import DroplessMoE
-
     if case.layer is None or case.layer_x is None:
         case.layer = DroplessMoE(case.hidden, case.ffn, case.experts, case.top_k, dtype=case.x.dtype,
                                  device=case.x.device, load_balancing_loss_coefficient=0.0)
@@ -354,7 +350,7 @@ def _providers(op: str, case: Case) -> list[str]:
     contract_dtypes = {"gmm": {"a": case.x.dtype, "b": case.x.dtype}}.get(name, {"x": case.x.dtype})
     if op == "routing":
         contract_dtypes = {"top_experts": case.top_experts.dtype}
-    trace = dispatch.explain(name, describe(case.x.device), contract_dtypes)
+    trace = explain(name, describe(case.x.device), contract_dtypes)
     labels = [c.kernel.label for c in trace.candidates if c.accepted]
     # Several backends for a grouped GEMM: also time what the default ranking picks per shape.
     default = ["default"] if op.startswith("gmm") and len(labels) > 1 else []
@@ -364,7 +360,7 @@ def _providers(op: str, case: Case) -> list[str]:
 def _default_gmm(case: Case) -> str:
     """The gmm kernel the default ranking gives this case's forward call."""
     args = (case.rows, case.w1, case.counts_cpu, False)
-    trace = dispatch.explain("gmm", describe(case.x.device), {"a": case.x.dtype, "b": case.x.dtype})
+    trace = explain("gmm", describe(case.x.device), {"a": case.x.dtype, "b": case.x.dtype})
     kernel, _ = dispatch.explain_call(trace, dispatch.describe_call(contracts.BY_NAME["gmm"], args))
     return kernel.label if kernel else "?"
 
@@ -392,7 +388,7 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
             yield Result(label, "gmm", "dense mm, same FLOPs", "limit", dense_us, dense_rate, "TFLOP/s", None, "n/a")
         ours, peer_fns = _ours(case), (_peers(case) if peers else {op: {} for op in OPS})
         for op in ops_wanted:
-            with dispatch.use_backend("reference"):
+            with use_backend("reference"):
                 want = ours[op]()
             tol = 0.0 if op in ("gather", "padded_gather", "routing") else 2e-2
             if op == "layer":  # what a user gets: the default ranking for every op
@@ -405,7 +401,7 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
                     continue  # the per-expert loop is a correctness oracle, not a contender
                 log(f"[{label}] {op}: {provider}")
                 def forced(backend: str | None = backend) -> Any:
-                    return dispatch.use_backend(backend) if backend else contextlib.nullcontext()
+                    return use_backend(backend) if backend else contextlib.nullcontext()
 
                 with forced():
                     try:

@@ -21,7 +21,7 @@ Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all delib
 * Expert weights are stored ``w1, v1: (E, hidden, ffn)`` and ``w2: (E, ffn, hidden)`` so no
   ``trans_b`` is needed; MegaBlocks stores ``(E * ffn, hidden)`` and uses ``trans_b=True`` for w1.
 * No router jitter, uniform assignment, sequence parallelism, or shared expert. Expert
-  parallelism is optional (``expert_parallel_group``, see :mod:`megablocks_core.parallel` and
+  parallelism is optional (``expert_parallel_group``, see :mod:`megablocks_core.layers.parallel` and
   docs/expert-parallelism.md).
 
 Sync-free: the layer itself never reads device data on the host (no ``.item()``, ``.tolist()``,
@@ -31,7 +31,7 @@ whenever the backends serving ``route``/``gather``/``gmm``/``scatter`` do not re
 host themselves. The Triton backend's do not; the reference ``gmm`` copies the counts to the host
 (it loops over experts), so on the reference backend the layer syncs once per ``gmm``. With an
 ``expert_parallel_group`` the layer makes exactly one more sync per call: the host read of the
-all-to-all split sizes (:func:`megablocks_core.parallel.expert_parallel_apply`).
+all-to-all split sizes (:func:`megablocks_core.layers.parallel.expert_parallel_apply`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops
+from .. import ops
 
 if TYPE_CHECKING:
     import torch.distributed as dist

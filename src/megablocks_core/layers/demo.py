@@ -5,7 +5,7 @@ cluster needs its own linear map (``y = A_c x``). The model is ``Linear → dMoE
 training minimises the mean squared error plus the router's load-balancing loss with AdamW. The run
 prints progress, checks that the loss fell by a margin that fits the number of steps (see
 :func:`required_fraction`; exit status 1 otherwise) and ends with the dispatch summary
-(:func:`megablocks_core.dispatch.served`).
+(:func:`megablocks_core.dispatch.served`). ``megablocks demo`` runs it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from . import dispatch
+from .. import current_policy, use_backend
+from ..dispatch import served
 from .moe import DroplessMoE
 
 #: A long enough run must end below this fraction of its first loss.
@@ -90,7 +91,7 @@ def run(steps: int = 40, device: str = "cpu", dtype: str = "float32", backend: s
     print("megablocks-core demo: training a tiny dropless-MoE model on synthetic clustered data")
     print(f"tokens/step={tokens} features={features} hidden={hidden} ffn={ffn} experts={experts} "
           f"top_k={top_k} glu=yes dtype={dtype} device={dev} backend={backend or 'ranked'} steps={steps}")
-    if (dev.type == "cpu" and not backend and dispatch.current_policy().is_default
+    if (dev.type == "cpu" and not backend and current_policy().is_default
             and os.environ.get("TRITON_INTERPRET") == "1"):
         print("note: TRITON_INTERPRET=1 lets the Triton interpreter serve the CPU ops: about 20 s a "
               "step; `--backend reference` is fast")
@@ -100,7 +101,7 @@ def run(steps: int = 40, device: str = "cpu", dtype: str = "float32", backend: s
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if backend:
-            stack.enter_context(dispatch.use_backend(*backend.split(",")))
+            stack.enter_context(use_backend(*backend.split(",")))
         if dev.type == "cpu":
             stack.enter_context(_one_thread())
         for step in range(1, steps + 1):
@@ -125,7 +126,7 @@ def run(steps: int = 40, device: str = "cpu", dtype: str = "float32", backend: s
     print(f"\nloss: {first:.4f} at step 1 → {last:.4f} (mean of the last {len(tail)} steps), "
           f"{last / first:.1%} of the start; {elapsed:.1f} s, {steps * tokens / elapsed:.0f} tokens/s overall")
     print("\nbackends that served each op:")
-    for op, labels in sorted(dispatch.served().items()):
+    for op, labels in sorted(served().items()):
         print(f"  {op:<18} {', '.join(labels)}")
     print("\nresult: " + ("ok, the loss fell" if ok else
                           f"FAILED: the loss did not fall below {required:.0%} of its start "

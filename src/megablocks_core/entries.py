@@ -1,0 +1,191 @@
+"""The entry functions of the dispatched ops, generated from the contracts.
+
+For each contract the core builds one function with the op's kernel-order signature (its source
+is kept in ``ENTRIES[name].__source__`` and registered with :mod:`linecache`, so tracebacks show
+its lines). On every eager call it:
+
+1. builds a key of every tensor's (dtype, shape, device), the int/bool arguments and the active
+   policy (:func:`call_key_source`);
+2. on a cache miss, validates the call fully and chooses its kernel
+   (:func:`megablocks_core.dispatch.resolve`); a hit means the call was already validated;
+3. checks what a key cannot vouch for (exact int types, host-side data such as CPU
+   ``batch_sizes``: :func:`fast_check_source`);
+4. runs the data rules only in checked mode (``MEGABLOCKS_CHECK=1``), and there also compares the
+   kernel's outputs with the contract's shapes and dtypes;
+5. goes through autograd (:func:`megablocks_core.autograd.apply`) only if a differentiable input
+   needs a gradient;
+6. calls the kernel; an exception it raises is re-raised naming the op and the backend (the
+   original is its ``__cause__``), on the exception path only.
+
+Under ``torch.compile`` the entry calls the op's ``torch.library`` custom op instead, so tracing
+sees one node with a fake implementation; this module registers those custom ops
+(:func:`megablocks_core.library.register`) once the entries exist.
+"""
+
+from __future__ import annotations
+
+import linecache
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import autograd, library, validation
+from .contracts import ALL
+from .dispatch import Selected, new_cache, resolve
+from .policy import Policy, context_policy, current_policy, overrides
+from .ranking import NoKernelError
+from .schema import RULE_HELPERS, BoolArg, IntArg, OpContract, TensorArg
+from .validation import BackendError, ContractError, ContractTypeError
+
+
+def call_key_source(op: OpContract) -> str:
+    """Tuple items that pin down everything the static rules look at.
+
+    Every tensor's dtype, shape and device, and every int/bool argument's value.
+    The selection cache holds calls whose key :func:`~megablocks_core.validation.validate` has
+    accepted, so a repeated call shape is valid without evaluating a single rule.
+    """
+    items = []
+    for spec in op.args:
+        n = spec.name
+        if isinstance(spec, TensorArg) and spec.optional:
+            items.append(f"{n} if {n} is None else ({n}.dtype, {n}.shape, {n}.device)")
+        elif isinstance(spec, TensorArg):
+            items += [f"{n}.dtype", f"{n}.shape", f"{n}.device"]
+        else:
+            items.append(n)
+    return ", ".join(items)
+
+
+def fast_check_source(op: OpContract) -> str:
+    """A boolean expression checked on every call, cache hit or not; only when it is false does
+    the entry call :func:`~megablocks_core.validation.validate` to say what is wrong.
+
+    Exact types of int/bool arguments (the key cannot tell ``2`` from ``numpy.int64(2)``,
+    and kernels should only see Python ints), and the rules that read host data
+    (CPU ``batch_sizes``), which no key can vouch for.
+    """
+    parts = []
+    for spec in op.args:
+        if isinstance(spec, IntArg):
+            test = f"type({spec.name}) is int"
+            parts.append(f"({spec.name} is None or {test})" if spec.optional else test)
+        elif isinstance(spec, BoolArg):
+            parts.append(f"type({spec.name}) is bool")
+    for rule in op.rules:
+        if isinstance(rule.checked, str):
+            parts.append(f"({rule.checked}.device.type != 'cpu' or ({rule.expr}))")
+    return " and ".join(parts) or "True"
+
+
+def _kernel_failed(contract: OpContract, selected: Selected, exc: Exception) -> BaseException:
+    """The exception to raise for one a kernel raised: its type (or :class:`BackendError` where that
+    type cannot be built from a message), naming op and backend, the original as ``__cause__``."""
+    message = (f"megablocks_core.ops.{contract.name}: the {selected.kernel.label!r} kernel raised "
+               f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, ContractError | ContractTypeError | NoKernelError) and \
+            f"ops.{contract.name}:" in str(exc):
+        return exc  # the core's own error for this op (e.g. raised by the validation of a nested call)
+    try:
+        wrapped = type(exc)(message)
+        if not isinstance(wrapped, Exception) or wrapped.args != (message,):
+            raise TypeError  # an exception type that does not take a message
+    except Exception:
+        wrapped = BackendError(message)
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+def _apply_autograd(contract: OpContract, selected: Selected, policy: Policy, args: tuple[Any, ...]) -> Any:
+    return autograd.apply(contract, selected.run, policy, call, args)
+
+
+def _run_checked(contract: OpContract, selected: Selected, policy: Policy, args: tuple[Any, ...],
+                 wants_grad: bool) -> Any:
+    """Checked mode: the data rules, the call, then the outputs against the contract."""
+    validation.check_data(contract, args)
+    try:
+        result = (_apply_autograd(contract, selected, policy, args) if wants_grad
+                  else selected.run(*args))
+    except Exception as exc:
+        raise _kernel_failed(contract, selected, exc)  # noqa: B904 (the cause is set there)
+    validation.check_outputs(contract, args, result, selected.kernel.label)
+    return result
+
+
+def _entry_source(contract: OpContract) -> str:
+    params = ", ".join(contract.arg_names)
+    optional = {a.name for a in contract.tensor_args if a.optional}
+    grad_test = " or ".join(
+        f"({n} is not None and {n}.requires_grad)" if n in optional else f"{n}.requires_grad"
+        for n in contract.differentiable)
+    wants_grad = f"(({grad_test}) and _grad_enabled())" if contract.differentiable else "False"
+    autograd_branch = (
+        f"        if {wants_grad}:\n"
+        f"            return _apply_autograd(_contract, chosen, key[-1], ({params},))\n"
+        if contract.differentiable else "")
+    # The try around the kernel call costs nothing until a kernel raises (Python >= 3.11).
+    return (
+        f"def {contract.name}({params}):\n"
+        f"    if _is_compiling():\n"
+        f"        return _compiled({params})\n"
+        f"    try:\n"
+        f"        key = ({call_key_source(contract)}, _context_policy() or _overrides.policy)\n"
+        f"        chosen = _cache.get(key)\n"
+        f"    except (AttributeError, TypeError):  # not a tensor, or unhashable: validation says which\n"
+        f"        key = chosen = None\n"
+        f"    if chosen is None:\n"
+        f"        chosen = _resolve(_contract, key, ({params},))\n"
+        f"    if not ({fast_check_source(contract)}):\n"
+        f"        {params}, = _validate(_contract, ({params},))\n"
+        f"    if _overrides.checked:\n"
+        f"        return _run_checked(_contract, chosen, key[-1] if key else _current_policy(), "
+        f"({params},), {wants_grad})\n"
+        f"    try:\n"
+        f"{autograd_branch}"
+        f"        return chosen.run({params})\n"
+        f"    except Exception as exc:\n"
+        f"        raise _kernel_failed(_contract, chosen, exc)\n"
+    )
+
+
+def _compiled_op(name: str) -> Callable[..., Any]:
+    def call_custom_op(*args: Any) -> Any:
+        return getattr(torch.ops.megablocks, name)(*args)
+    return call_custom_op
+
+
+def _build_entry(contract: OpContract) -> Callable[..., Any]:
+    scope: dict[str, Any] = {
+        **RULE_HELPERS,
+        "_contract": contract, "_cache": new_cache(contract.name), "_overrides": overrides,
+        "_context_policy": context_policy, "_resolve": resolve, "_validate": validation.validate,
+        "_run_checked": _run_checked, "_kernel_failed": _kernel_failed, "_current_policy": current_policy,
+        "_is_compiling": torch.compiler.is_compiling, "_grad_enabled": torch.is_grad_enabled,
+        "_apply_autograd": _apply_autograd, "_compiled": _compiled_op(contract.name),
+    }
+    source = _entry_source(contract)
+    filename = f"<megablocks_core.entries {contract.name}>"
+    # Tracebacks and debuggers read source lines through linecache: give them the generated ones
+    # (mtime None: linecache.checkcache never drops an entry that has no file behind it).
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(compile(source, filename, "exec"), scope)
+    entry: Callable[..., Any] = scope[contract.name]
+    entry.__source__ = source  # type: ignore[attr-defined]
+    entry.__qualname__ = entry.__name__ = contract.name
+    entry.__doc__ = contract.summary
+    return entry
+
+
+#: Op name → entry function taking the kernel-order arguments.
+ENTRIES: dict[str, Callable[..., Any]] = {c.name: _build_entry(c) for c in ALL if c.dispatched}
+
+
+def call(op: str, *args: Any) -> Any:
+    """Run a dispatched op (including kernel-only ops such as ``scatter_wgrad``) by name."""
+    return ENTRIES[op](*args)
+
+
+# torch.ops.megablocks.<op>, which the entries call while compiling.
+library.register(ENTRIES)

@@ -1,0 +1,344 @@
+"""The vocabulary in which every op's contract is written.
+
+A contract is data: argument specs, rules over the arguments (Python
+expressions over the argument names), output specs and prose. From that one
+declaration the core derives input validation (:mod:`megablocks_core.validation`),
+the fake implementations used by ``torch.compile`` (:mod:`megablocks_core.library`),
+``docs/contracts.md`` (:func:`megablocks_core.docgen.render_markdown`) and the
+checks of the conformance kit. The contracts themselves live in
+:mod:`megablocks_core.contracts`.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+import torch
+
+INT_DTYPES = frozenset({torch.int16, torch.int32, torch.int64})
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+COUNT_DTYPES = frozenset({torch.int32, torch.int64})
+
+Family = Literal["routing", "permutation", "grouped_gemm", "composite"]
+
+
+def dtype_names(dtypes: frozenset[torch.dtype]) -> str:
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument."""
+
+    name: str
+    dtypes: frozenset[torch.dtype]
+    """Accepted dtypes; empty means any dtype."""
+    ndim: tuple[int, ...]
+    """Accepted ranks; empty means any rank."""
+    doc: str
+    optional: bool = False
+    """None is accepted (e.g. ``weights``)."""
+    any_device: bool = False
+    """May live on another device than the op's primary tensor (gmm's CPU ``batch_sizes``)."""
+    public: bool = True
+    """False: the argument exists only at kernel level (the public op passes None)."""
+
+    def describe(self) -> str:
+        ranks = " or ".join(f"{n}-D" for n in self.ndim) + " " if self.ndim else ""
+        text = f"{ranks}tensor" + (f" of {dtype_names(self.dtypes)}" if self.dtypes else "")
+        return text + " or None" if self.optional else text
+
+
+@dataclass(frozen=True)
+class IntArg:
+    """A Python integer argument (``bool`` is not accepted)."""
+
+    name: str
+    doc: str
+    min: int | None = None
+    max: int | None = None
+    optional: bool = False
+    """None is accepted (and is the default)."""
+    default: int | None = None
+
+    def describe(self) -> str:
+        if self.min is not None and self.max is not None:
+            text = f"int in [{self.min}, {self.max}]"
+        elif self.min is not None:
+            text = f"int >= {self.min}"
+        else:
+            text = "int"
+        return text + " or None" if self.optional else text
+
+
+@dataclass(frozen=True)
+class BoolArg:
+    name: str
+    doc: str
+    default: bool = False
+
+    def describe(self) -> str:
+        return "bool"
+
+
+@dataclass(frozen=True)
+class SequenceArg:
+    """A list or tuple of Python ints (``repeat``'s tiling)."""
+
+    name: str
+    doc: str
+
+    def describe(self) -> str:
+        return "sequence of int"
+
+
+Arg = TensorArg | IntArg | BoolArg | SequenceArg
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A relation the arguments must satisfy, as a Python expression over their names.
+
+    ``checked=True`` marks a rule that must read tensor data (a device→host
+    sync on accelerators); it runs only in checked mode (``MEGABLOCKS_CHECK=1``).
+    """
+
+    expr: str
+    why: str
+    checked: bool | str = False
+    """True: checked mode only. An argument's name: always when that tensor is on
+    the CPU (reading it costs no device sync), otherwise checked mode only."""
+    error: type[Exception] = ValueError
+
+    @cached_property
+    def code(self) -> Any:
+        return compile(self.expr, f"<rule {self.expr}>", "eval")
+
+    @cached_property
+    def operands(self) -> tuple[str, ...]:
+        """The sub-expressions worth printing when the rule fails (``x.shape[0]``, ``top_k``)."""
+        found: list[str] = []
+
+        def visit(node: ast.AST) -> None:
+            if isinstance(node, ast.Name | ast.Attribute | ast.Subscript | ast.Call):
+                text = ast.unparse(node)
+                if text not in found and not text.startswith("torch.") and text not in HELPER_NAMES:
+                    found.append(text)
+                return
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+        visit(ast.parse(self.expr, mode="eval"))
+        return tuple(found)
+
+
+@dataclass(frozen=True)
+class DataDim:
+    """An output size that depends on tensor data (read on the host when run eagerly)."""
+
+    expr: str
+
+
+Dim = str | DataDim
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    dtype: str
+    """Expression giving the dtype, e.g. ``"x.dtype"`` or ``"torch.int32"``."""
+    shape: tuple[Dim, ...] | str
+    """One expression per dimension (:class:`DataDim` for data-dependent sizes), or
+    one expression giving the whole shape when the rank varies."""
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class OpContract:
+    """Everything the core promises about one op."""
+
+    name: str
+    family: Family
+    summary: str
+    args: tuple[Arg, ...]
+    outputs: tuple[Output, ...]
+    rules: tuple[Rule, ...] = ()
+    differentiable: tuple[str, ...] = ()
+    """Arguments that receive gradients (the core's autograd computes them)."""
+    public: bool = True
+    """In :mod:`megablocks_core.ops`; False for kernels used only by backward passes."""
+    semantics: str = ""
+    edge_cases: tuple[str, ...] = ()
+    deviations: tuple[str, ...] = ()
+    """Where this op knowingly differs from MegaBlocks, and why."""
+
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args)
+
+    @property
+    def public_args(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.args if not (isinstance(a, TensorArg) and not a.public))
+
+    @property
+    def tensor_args(self) -> tuple[TensorArg, ...]:
+        return tuple(a for a in self.args if isinstance(a, TensorArg))
+
+    @property
+    def primary(self) -> TensorArg:
+        """The tensor whose device and dtype pick the implementation (the first one)."""
+        return self.tensor_args[0]
+
+    @property
+    def dispatched(self) -> bool:
+        """True if backends provide kernels for it (composite ops run in the core)."""
+        return self.family != "composite"
+
+    def arg(self, name: str) -> Arg:
+        for a in self.args:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def signature(self, public: bool = True) -> str:
+        parts = []
+        for a in self.public_args if public else self.args:
+            if (isinstance(a, IntArg) and (a.optional or a.default is not None)) or isinstance(a, BoolArg):
+                parts.append(f"{a.name}={a.default!r}")
+            else:
+                parts.append(a.name)
+        return f"{self.name}({', '.join(parts)})"
+
+    def bind(self, args: tuple[Any, ...]) -> dict[str, Any]:
+        """Name the kernel-order positional arguments."""
+        return dict(zip(self.arg_names, args, strict=True))
+
+
+# Helpers that rule expressions may call; kept here so the rules stay one-liners.
+def _nondecreasing(t: torch.Tensor) -> bool:
+    return t.numel() < 2 or bool((t[1:] >= t[:-1]).all())
+
+
+def _is_permutation(t: torch.Tensor) -> bool:
+    n = t.numel()
+    if n == 0:
+        return True
+    # Compared in int64: a bound such as n = 32768 does not fit an int16 tensor's dtype and would wrap.
+    values = t.long()
+    if bool(((values < 0) | (values >= n)).any()):
+        return False
+    seen = torch.zeros(n, dtype=torch.int64, device=t.device)
+    seen.scatter_add_(0, values, torch.ones_like(values))
+    return bool((seen == 1).all())
+
+
+def _in_range(t: torch.Tensor, low: int, high: int) -> bool:
+    """Every element in [low, high). Bounds beyond the dtype's range are compared as Python ints,
+    never converted to the tensor's dtype (where 1 << 15 would wrap for int16, 1 << 64 overflow)."""
+    if t.numel() == 0:
+        return True
+    info = torch.iinfo(t.dtype) if not (t.is_floating_point() or t.is_complex()) else None
+    if info is not None and (high <= info.min or low > info.max):
+        return False  # the range holds no value of this dtype
+    ok = torch.ones((), dtype=torch.bool, device=t.device)
+    if info is None or low > info.min:
+        ok = ok & (t >= low).all()
+    if info is None or high <= info.max:
+        ok = ok & (t < high).all()
+    return bool(ok)
+
+
+def _multiple_of(t: torch.Tensor, value: int) -> bool:
+    """Every element is a multiple of ``value`` (any positive int, even one the dtype cannot hold)."""
+    if t.numel() == 0:
+        return True
+    if value > torch.iinfo(t.dtype).max:  # |element| < value: only 0 is a multiple
+        return bool((t == 0).all())
+    return bool((t.long() % value == 0).all())
+
+
+#: Up to this many group sizes, reading them as a Python list is cheaper than torch reductions
+#: (this rule runs on every gmm call with CPU batch_sizes).
+_SMALL = 128
+
+
+def _sizes_within(sizes: torch.Tensor, rows: int) -> bool:
+    """Every group size lies in [0, rows] (checked before any sum, so that a sum cannot wrap)."""
+    if sizes.numel() == 0:
+        return True
+    if sizes.numel() <= _SMALL:
+        values = sizes.tolist()
+        return min(values) >= 0 and max(values) <= rows
+    low, high = torch.aminmax(sizes)
+    return int(low) >= 0 and int(high) <= rows
+
+
+def _total(sizes: torch.Tensor, rows: int) -> int:
+    """The exact sum of sizes that each lie in [0, rows] (see :func:`_sizes_within`)."""
+    if sizes.numel() > _SMALL and sizes.numel() * max(rows, 1) < 2**63:  # the int64 sum cannot wrap
+        return int(sizes.sum())
+    return builtins.sum(sizes.tolist())  # Python ints: exact
+
+
+def _repeated_shape(x: torch.Tensor, tiling: tuple[int, ...]) -> tuple[int, ...]:
+    shape = (1,) * (len(tiling) - x.dim()) + tuple(x.shape)
+    return tuple(s * t for s, t in zip(shape, tiling, strict=True))
+
+
+def _last(t: torch.Tensor, empty: int = 0) -> int:
+    return int(t[-1]) if t.numel() else empty
+
+
+def _bins_match(bin_ids: torch.Tensor, bins: torch.Tensor) -> bool:
+    """bin_ids[i] is the bin whose [bins[e-1], bins[e]) range holds position i."""
+    positions = torch.arange(bin_ids.numel(), device=bins.device, dtype=torch.int64)
+    expected = torch.searchsorted(bins.long().contiguous(), positions, right=True)
+    return bool((expected == bin_ids.long()).all())
+
+
+def _fits(t: torch.Tensor, bins: torch.Tensor) -> bool:
+    """Each padded bin is at least as large as its unpadded twin."""
+    sizes = torch.diff(t.long(), prepend=t.new_zeros(1, dtype=torch.int64))
+    needed = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64))
+    return bool((sizes >= needed).all())
+
+
+def _cumsum_fits(x: torch.Tensor, dim: int) -> bool:
+    """The running sums along ``dim`` fit x's dtype. They are taken in int64 and an int64 sum that
+    wrapped is caught by its sign: adding a positive value never makes a running sum smaller."""
+    if x.numel() == 0:
+        return True
+    info = torch.iinfo(x.dtype)
+    values = x.long()
+    total = values.cumsum(dim)
+    before = total - values  # what the sum was before each element (the same wrap-around arithmetic)
+    wrapped = ((values > 0) & (total < before)) | ((values < 0) & (total > before))
+    return not bool(wrapped.any()) and bool(((total >= info.min) & (total <= info.max)).all())
+
+
+RULE_HELPERS: Mapping[str, Any] = {
+    "torch": torch,
+    "nondecreasing": _nondecreasing,
+    "is_permutation": _is_permutation,
+    "in_range": _in_range,
+    "last": _last,
+    "bins_match": _bins_match,
+    "fits": _fits,
+    "cumsum_fits": _cumsum_fits,
+    "multiple_of": _multiple_of,
+    "sizes_within": _sizes_within,
+    "total": _total,
+    "repeated_shape": _repeated_shape,
+    "int": int,
+    "bool": bool,
+    "len": len,
+    "all": all,
+    "isinstance": isinstance,
+}
+HELPER_NAMES = frozenset(RULE_HELPERS)
+
