@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import megablocks_core
 from megablocks_core import ContractError, ContractTypeError, ops
-from megablocks_core.contract import BoolArg, IntArg, TensorArg
+from megablocks_core.schema import BoolArg, IntArg, TensorArg
 from megablocks_core.contracts import BY_NAME
 
 settings.register_profile(
