@@ -220,7 +220,7 @@ def test_permutation_and_routing_shapes_per_arch():
 
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
 def test_gmm_tiles_come_from_the_cdna_entries(device, monkeypatch):
-    monkeypatch.setattr(tgmm, "describe", lambda _dev: device)
+    monkeypatch.setattr(tgmm, "describe_device", lambda _dev: device)
     tgmm._device_info_cached.cache_clear()
     try:
         info = tgmm.device_info(torch.device("cuda", 0))
@@ -295,7 +295,7 @@ def _rocm_fn(hook, op):
 @interpret
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
 def test_rocm_kernels_launch_with_the_arch_policy(device, monkeypatch, launches):
-    monkeypatch.setattr(rocm_kernels, "describe", lambda _dev: device)
+    monkeypatch.setattr(rocm_kernels, "describe_device", lambda _dev: device)
     rocm_kernels.clear_cache()
     try:
         x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)

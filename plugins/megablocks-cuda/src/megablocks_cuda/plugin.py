@@ -20,9 +20,7 @@ from typing import Any
 
 import torch
 
-from megablocks_core import costs
-from megablocks_core.descriptors import DeviceInfo, Kernel
-from megablocks_core.hookspecs import hookimpl
+from megablocks_core.plugin import DeviceInfo, Kernel, gmm_estimate_us, gmm_problem, hookimpl
 
 from . import extension, gmm, routing, tuning
 
@@ -105,7 +103,7 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
     Misaligned calls go to the next provider (triton takes any shape). The kernel itself still
     zero-pads such operands if called directly, at the cost of copies.
     """
-    _, k, n, _ = costs.gmm_problem(call)
+    _, k, n, _ = gmm_problem(call)
     multiple = gmm.ALIGN_BYTES // call["a"].dtype.itemsize
     bad = [f"{name} = {size}" for name, size in (("K", k), ("N", n)) if size % multiple]
     if bad:
@@ -130,7 +128,7 @@ def cost_of(provider: str, host_counts_only: bool = False
             return None
         if host_counts_only and getattr(call.get("batch_sizes"), "device", "cpu") != "cpu":
             return None
-        return costs.gmm_estimate_us(device, call, tuning.EFFICIENCY[provider])
+        return gmm_estimate_us(device, call, tuning.EFFICIENCY[provider])
 
     cost.__name__ = f"cost_{provider}"
     return cost

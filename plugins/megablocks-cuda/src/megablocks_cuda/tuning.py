@@ -2,7 +2,7 @@
 
 Each point is ``(rows_per_expert, k, n, fraction_of_dense_peak)``: the provider's forward bf16
 throughput on that problem as a fraction of a dense bf16 matmul with the same FLOPs, measured on
-the device arch named by the key. ``megablocks_core.costs.gmm_estimate_us`` turns them into a
+the device arch named by the key. ``megablocks_core.plugin.gmm_estimate_us`` turns them into a
 run-time estimate for a call (nearest measured point in log space). An arch without points gives
 no estimate, and the core then ranks by priority alone.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from megablocks_core.costs import GmmPoint
+from megablocks_core.plugin import GmmPoint
 
 #: provider (the kernel's variant) -> device arch -> measured points.
 EFFICIENCY: Mapping[str, Mapping[str, Sequence[GmmPoint]]] = {

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from megablocks_core.validation import ContractError
+from megablocks_core.plugin import ContractError
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

@@ -1,6 +1,6 @@
 """AMD architectures: gfx name → family, and the HIP-only launch options per family.
 
-Pure functions of a :class:`~megablocks_core.DeviceInfo` (no triton, no GPU), so that every
+Pure functions of a :class:`~megablocks_core.plugin.DeviceInfo` (no triton, no GPU), so that every
 choice can be tested with simulated devices.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from megablocks_core.descriptors import DeviceInfo
+from megablocks_core.plugin import DeviceInfo
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Launch shapes for the Triton kernels on AMD GPUs (64-wide wavefronts, CU counts).
 
 :class:`RocmLaunchConfigs` is a :class:`megablocks_triton.config.LaunchConfigs` for one device:
-a pure function of its :class:`~megablocks_core.DeviceInfo`, so tests build it for simulated
+a pure function of its :class:`~megablocks_core.plugin.DeviceInfo`, so tests build it for simulated
 MI200/MI300/MI350 devices. The grouped-GEMM tiles stay those of ``megablocks_triton.gmm.CONFIGS``
 (which has CDNA entries); this policy adds the HIP launch options for the dot kernels.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import triton
 from megablocks_triton.config import KERNEL_KINDS, LaunchConfigs, PermutationConfig, RoutingConfig
 
-from megablocks_core.descriptors import DeviceInfo
+from megablocks_core.plugin import DeviceInfo
 
 from . import arch
 

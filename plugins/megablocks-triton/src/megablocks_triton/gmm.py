@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megablocks_core.devices import describe
+from megablocks_core.plugin import describe_device
 
 from .config import launch_configs
 
@@ -112,7 +112,7 @@ def _is_interpreter() -> bool:
 def _device_info_cached(device_type: str, index: int | None) -> DeviceInfo:
     if device_type != "cuda":  # interpreter / CPU: a few "SMs" so the persistent loop is exercised
         return DeviceInfo(family="cpu", arch="cpu", num_sms=4)
-    info = describe(torch.device(device_type, index))  # the core's detection (ROCm vs CUDA, arch)
+    info = describe_device(torch.device(device_type, index))  # the core's detection (ROCm vs CUDA, arch)
     if info.kind == "rocm":
         family = "cdna3" if (info.arch or "").startswith(("gfx942", "gfx950")) else "amd"
     else:

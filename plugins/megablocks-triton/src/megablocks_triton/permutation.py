@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megablocks_core.validation import ContractError
+from megablocks_core.plugin import ContractError
 
 from .config import launch_configs
 

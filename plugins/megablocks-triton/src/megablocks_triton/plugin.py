@@ -13,9 +13,7 @@ import os
 
 import torch
 
-from megablocks_core.contracts import family_ops
-from megablocks_core.descriptors import Kernel
-from megablocks_core.hookspecs import hookimpl
+from megablocks_core.plugin import Kernel, family_ops, hookimpl
 
 PRIORITY = 100
 

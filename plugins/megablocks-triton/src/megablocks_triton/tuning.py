@@ -3,14 +3,13 @@
 Each point is ``(rows per expert, k, n, fraction of a dense matmul's TFLOP/s)`` measured on the
 H200 (bf16, ``megablocks bench --ops gmm``/``benchmarks/gmm_sweep.py``; figures and dates in
 docs/performance.md). The core estimates a call from the nearest point
-(:func:`megablocks_core.costs.gmm_estimate_us`); an arch with no points gets no estimate and the
+(:func:`megablocks_core.plugin.gmm_estimate_us`); an arch with no points gets no estimate and the
 choice falls back to priorities.
 """
 
 from __future__ import annotations
 
-from megablocks_core.costs import GmmPoint, gmm_estimate_us
-from megablocks_core.descriptors import CallInfo, DeviceInfo
+from megablocks_core.plugin import CallInfo, DeviceInfo, GmmPoint, gmm_estimate_us
 
 #: op → device arch → measured points.
 MEASURED: dict[str, dict[str, list[GmmPoint]]] = {
