@@ -215,8 +215,8 @@ def test_gmm_estimate_is_flops_over_rate():
 def test_triton_hint_prefers_itself_only_where_measured():
     tuning = pytest.importorskip("megablocks_triton.tuning")
     call = gmm_call(16384 * 8, 2048, 768, 128)
-    assert tuning.gmm_cost(H200, call) is not None
-    assert tuning.gmm_cost(CPU, call) is None
+    assert tuning.COST_HINTS["gmm"](H200, call) is not None
+    assert tuning.COST_HINTS["gmm"](CPU, call) is None
 
 
 def test_cli_explain_shows_the_per_shape_choice(two_gmms, capsys):

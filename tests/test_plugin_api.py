@@ -8,9 +8,11 @@ rest is private and may change between minor versions, as it may for a third-par
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from megablocks_core import plugin as plugin_api
 
@@ -82,3 +84,40 @@ def test_the_check_catches_private_imports() -> None:
 def test_every_declared_name_exists() -> None:
     missing = [name for name in plugin_api.__all__ if not hasattr(plugin_api, name)]
     assert missing == []
+
+
+# ---------------------------------------------------------------------------
+# helpers the API declares for backends
+
+
+@pytest.mark.parametrize(("arch", "family"), [
+    ("gfx90a", "cdna2"), ("gfx942", "cdna3"), ("gfx950", "cdna4"), ("gfx942:sramecc+:xnack-", "cdna3"),
+    ("sm_80", "ampere"), ("sm_89", "ada"), ("sm_90", "hopper"), ("sm_100", "blackwell"),
+    ("sm_120", None), ("gfx1100", None), ("gfx908", None), ("", None), (None, None),
+])
+def test_arch_family(arch: str | None, family: str | None) -> None:
+    assert plugin_api.arch_family(arch) == family
+    device = plugin_api.DeviceInfo(kind="rocm" if (arch or "").startswith("gfx") else "cuda",
+                                   type="cuda", arch=arch)
+    assert plugin_api.arch_family(device) == family
+
+
+def _gmm_call(tokens: int, k: int, n: int, experts: int, counts_on: str) -> dict[str, object]:
+    return {"a": plugin_api.TensorMeta((tokens, k), torch.bfloat16, "cuda"),
+            "b": plugin_api.TensorMeta((experts, k, n), torch.bfloat16, "cuda"),
+            "batch_sizes": plugin_api.TensorMeta((experts,), torch.int64, counts_on), "trans_b": False}
+
+
+def test_gmm_cost_hint() -> None:
+    h200 = plugin_api.DeviceInfo(kind="cuda", type="cuda", arch="sm_90", capability=(9, 0))
+    points = {"sm_90": [(1024.0, 2048.0, 768.0, 0.5)]}
+    on_host, on_device = _gmm_call(8192, 2048, 768, 8, "cpu"), _gmm_call(8192, 2048, 768, 8, "cuda")
+    want = plugin_api.gmm_estimate_us(h200, on_host, points)
+    assert want is not None and want > 0
+    anywhere = plugin_api.gmm_cost_hint(points)
+    assert anywhere(h200, on_host) == want and anywhere(h200, on_device) == want
+    assert anywhere(dataclasses.replace(h200, arch="sm_80"), on_host) is None  # not measured there
+    only_rocm = plugin_api.gmm_cost_hint(points, device_kinds=("rocm",))
+    assert only_rocm(h200, on_host) is None
+    host_counts = plugin_api.gmm_cost_hint(points, host_counts_only=True)
+    assert host_counts(h200, on_host) == want and host_counts(h200, on_device) is None

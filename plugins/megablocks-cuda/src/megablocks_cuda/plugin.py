@@ -15,12 +15,12 @@ routing kernel is first ranked or called on a CUDA device, never at registry loa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from megablocks_core.plugin import DeviceInfo, Kernel, gmm_estimate_us, gmm_problem, hookimpl
+from megablocks_core.plugin import DeviceInfo, Kernel, gmm_cost_hint, gmm_problem, hookimpl
 
 from . import extension, gmm, routing, tuning
 
@@ -111,29 +111,6 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
     return None
 
 
-# ---------------------------------------------------------------- cost hints
-
-
-def cost_of(provider: str, host_counts_only: bool = False
-            ) -> Callable[[DeviceInfo, Mapping[str, Any]], float | None]:
-    """Cost hook for ``provider``: the core's gmm estimate from this plugin's measured points.
-
-    ``host_counts_only``: the provider reads ``batch_sizes`` on the host (grouped_gemm). With
-    device-side counts it would add a device→host sync, so it gives no estimate and the choice
-    goes to a provider that takes device counts; it still serves when forced or alone.
-    """
-
-    def cost(device: DeviceInfo, call: Mapping[str, Any]) -> float | None:
-        if device.kind != "cuda":
-            return None
-        if host_counts_only and getattr(call.get("batch_sizes"), "device", "cpu") != "cpu":
-            return None
-        return gmm_estimate_us(device, call, tuning.EFFICIENCY[provider])
-
-    cost.__name__ = f"cost_{provider}"
-    return cost
-
-
 # ---------------------------------------------------------------- hooks
 
 
@@ -157,6 +134,9 @@ def megablocks_routing_kernels() -> list[Kernel]:
 
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
+    # (variant, capability, shape check, reads batch_sizes on the host, functions). A provider
+    # that reads them on the host gives no estimate for device-side counts (it would sync), so
+    # the cost choice avoids it there; it still serves when forced or alone.
     providers = (
         ("grouped_mm", grouped_mm_capability, grouped_mm_supports, False,
          {"gmm": gmm.grouped_mm_gmm, "gmm_weight_grad": gmm.grouped_mm_gmm_weight_grad}),
@@ -165,5 +145,6 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     )
     return [Kernel(op=op, fn=fn, devices=("cuda",), priority=PRIORITY[op], capability=check,
                     supports=supports, dtypes=GMM_DTYPES[op], contiguous=True, variant=variant,
-                    cost=cost_of(variant, host_only))
+                    cost=gmm_cost_hint(tuning.MEASURED[variant], device_kinds=("cuda",),
+                                       host_counts_only=host_only))
             for variant, check, supports, host_only, fns in providers for op, fn in fns.items()]

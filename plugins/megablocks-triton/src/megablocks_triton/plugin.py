@@ -70,7 +70,7 @@ def _kernels(module_name: str, ops: tuple[str, ...],
 
     return [
         Kernel(op=op, fn=getattr(module, op), devices=_devices(), priority=PRIORITY,
-               dtypes=dtypes[op], contiguous=True, cost=getattr(tuning, f"{op}_cost", None))
+               dtypes=dtypes[op], contiguous=True, cost=tuning.COST_HINTS.get(op))
         for op in ops
     ]
 
