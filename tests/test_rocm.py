@@ -44,6 +44,9 @@ H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="s
                   capability=(9, 0), runtime="13.0", warp_size=32, multiprocessors=132)
 TUNED = [MI250X, MI300X, MI355X]
 KINDS = tconfig.KERNEL_KINDS
+#: Every keyword the rocm policy may pass to a launch: options of Triton's HIP backend only
+#: (checked against the installed triton below).
+HIP_ONLY_OPTIONS = frozenset({"waves_per_eu", "matrix_instr_nonkdim", "kpack"})
 
 try:
     from triton.backends.amd.compiler import HIPOptions
@@ -297,12 +300,12 @@ def test_gmm_tiles_reach_choose_config_under_the_rocm_policy(device, monkeypatch
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
 def test_options_are_hip_options_and_never_nvidia_ones(device):
     hip, cuda = _fields(HIPOptions), _fields(CUDAOptions)
-    assert hip >= arch.HIP_LAUNCH_OPTIONS
-    assert not arch.HIP_LAUNCH_OPTIONS & cuda  # each would raise KeyError at a CUDA launch
+    assert hip >= HIP_ONLY_OPTIONS
+    assert not HIP_ONLY_OPTIONS & cuda  # each would raise KeyError at a CUDA launch
     cfgs = RocmLaunchConfigs(device)
     for kind in KINDS:
         opts = dict(cfgs.launch_options(kind))
-        assert set(opts) <= arch.HIP_LAUNCH_OPTIONS
+        assert set(opts) <= HIP_ONLY_OPTIONS
         assert not {"maxnreg", "num_ctas", "launch_pdl", "ptx_options", "enable_reflect_ftz"} & set(opts)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. kpack != 1 on gfx950 warns
@@ -350,38 +353,35 @@ def _rocm_fn(hook, op):
 def test_rocm_kernels_launch_with_the_arch_policy(device, monkeypatch, launches):
     monkeypatch.setattr(rocm_kernels, "describe_device", lambda _dev: device)
     monkeypatch.setattr(tgmm, "describe_device", lambda _dev: device)
-    rocm_kernels.clear_cache()
-    try:
-        x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)
-        gather = _rocm_fn(plugin.megablocks_permutation_kernels, "gather")
-        out = gather(x, indices, bin_ids, None, bins, 2)
-        torch.testing.assert_close(out, reference.gather(x, indices, bin_ids, None, bins, 2))
-        want = RocmLaunchConfigs(device).permutation(8, 32, 2, 4)
-        assert launches and all(kw.get("waves_per_eu") == 4 for _, kw in launches), launches
-        [(_, main)] = [(n, kw) for n, kw in launches if n == "_gather_kernel"]
-        assert main["num_warps"] == want.num_warps and main["BLOCK_H"] == want.block_h
+    monkeypatch.setattr(rocm_kernels, "_BY_DEVICE", {})  # no policy of another test's device
+    x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)
+    gather = _rocm_fn(plugin.megablocks_permutation_kernels, "gather")
+    out = gather(x, indices, bin_ids, None, bins, 2)
+    torch.testing.assert_close(out, reference.gather(x, indices, bin_ids, None, bins, 2))
+    want = RocmLaunchConfigs(device).permutation(8, 32, 2, 4)
+    assert launches and all(kw.get("waves_per_eu") == 4 for _, kw in launches), launches
+    [(_, main)] = [(n, kw) for n, kw in launches if n == "_gather_kernel"]
+    assert main["num_warps"] == want.num_warps and main["BLOCK_H"] == want.block_h
 
-        launches.clear()
-        a = torch.randn(12, 16)
-        b = torch.randn(3, 16, 24)
-        sizes = torch.tensor([5, 0, 7])
-        gmm = _rocm_fn(plugin.megablocks_grouped_gemm_kernels, "gmm")
-        torch.testing.assert_close(gmm(a, b, sizes, False), reference.gmm(a, b, sizes, False))
-        [(_, kw)] = launches
-        assert {k: kw[k] for k in ("matrix_instr_nonkdim", "waves_per_eu")} == \
-            {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
-        tiles = RocmLaunchConfigs(device).gmm(device, 12, 24, 16, 3, torch.float32)
-        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == \
-            (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps)
-        assert kw.get("kpack", 1) == arch.family(device).kpack
+    launches.clear()
+    a = torch.randn(12, 16)
+    b = torch.randn(3, 16, 24)
+    sizes = torch.tensor([5, 0, 7])
+    gmm = _rocm_fn(plugin.megablocks_grouped_gemm_kernels, "gmm")
+    torch.testing.assert_close(gmm(a, b, sizes, False), reference.gmm(a, b, sizes, False))
+    [(_, kw)] = launches
+    assert {k: kw[k] for k in ("matrix_instr_nonkdim", "waves_per_eu")} == \
+        {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
+    tiles = RocmLaunchConfigs(device).gmm(device, 12, 24, 16, 3, torch.float32)
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == \
+        (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps)
+    assert kw.get("kpack", 1) == arch.family(device).kpack
 
-        launches.clear()
-        sort = _rocm_fn(plugin.megablocks_routing_kernels, "sort")
-        keys = torch.randint(0, 8, (64,), dtype=torch.int32)
-        torch.testing.assert_close(sort(keys, 3), reference.sort(keys, 3))
-        assert launches and not any(set(kw) & arch.HIP_LAUNCH_OPTIONS for _, kw in launches)
-    finally:
-        rocm_kernels.clear_cache()
+    launches.clear()
+    sort = _rocm_fn(plugin.megablocks_routing_kernels, "sort")
+    keys = torch.randint(0, 8, (64,), dtype=torch.int32)
+    torch.testing.assert_close(sort(keys, 3), reference.sort(keys, 3))
+    assert launches and not any(set(kw) & HIP_ONLY_OPTIONS for _, kw in launches)
     # The policy is scoped to the call.
     assert type(tconfig.launch_configs()) is tconfig.LaunchConfigs
 
@@ -395,7 +395,7 @@ def test_triton_kernels_alone_pass_no_hip_options(launches):
     tgmm.gmm(torch.randn(12, 16), torch.randn(3, 16, 24), torch.tensor([5, 0, 7]))
     assert launches
     for _, kw in launches:
-        assert not set(kw) & arch.HIP_LAUNCH_OPTIONS, kw
+        assert not set(kw) & HIP_ONLY_OPTIONS, kw
 
 
 def test_scoped_policy_is_restored_and_nests():

@@ -67,11 +67,6 @@ def unsupported(device: DeviceInfo) -> str | None:
     return None
 
 
-#: Only these keywords may ever be passed to a launch on HIP (a subset of Triton's HIPOptions;
-#: tests check it against the installed triton).
-HIP_LAUNCH_OPTIONS = frozenset({"waves_per_eu", "matrix_instr_nonkdim", "kpack"})
-
-
 def launch_options(device: DeviceInfo, kernel: str) -> dict[str, Any]:
     """Extra Triton launch keywords for one kernel class on ``device`` (HIP only).
 

@@ -25,11 +25,6 @@ def configs_for(device: torch.device) -> RocmLaunchConfigs:
     return found
 
 
-def clear_cache() -> None:
-    """Forget the per-device policies (tests that simulate devices)."""
-    _BY_DEVICE.clear()
-
-
 def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with this backend's launch policy in force for the duration of the call.
 

@@ -316,6 +316,3 @@ def set_launch_configs(configs: LaunchConfigs) -> None:
     global _CONFIGS
     _CONFIGS = configs
 
-
-def is_rocm() -> bool:
-    return torch.version.hip is not None
