@@ -15,12 +15,20 @@ routing kernel is first ranked or called on a CUDA device, never at registry loa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from megablocks_core.plugin import DeviceInfo, Kernel, gmm_cost_hint, gmm_problem, hookimpl
+from megablocks_core.plugin import (
+    CapabilityCheck,
+    DeviceInfo,
+    Kernel,
+    ShapeCheck,
+    gmm_cost_hint,
+    gmm_problem,
+    hookimpl,
+)
 
 from . import extension, gmm, routing, tuning
 
@@ -71,10 +79,9 @@ def routing_capability(device: DeviceInfo) -> str | None:
 
 
 def grouped_mm_capability(device: DeviceInfo) -> str | None:
-    problem = _nvidia(device)
-    if problem:
-        return problem
-    major, minor = device.capability  # type: ignore[misc]
+    if device.kind != "cuda" or device.capability is None:
+        return _nvidia(device)
+    major, minor = device.capability
     if major not in GROUPED_MM_MAJORS:
         return (f"torch._grouped_mm is sync-free only on compute capability 9.x/10.x; "
                 f"{device.name or device} is {major}.{minor}")
@@ -84,10 +91,9 @@ def grouped_mm_capability(device: DeviceInfo) -> str | None:
 
 
 def grouped_gemm_capability(device: DeviceInfo) -> str | None:
-    problem = _nvidia(device)
-    if problem:
-        return problem
-    if device.capability < (8, 0):  # type: ignore[operator]
+    if device.kind != "cuda" or device.capability is None:
+        return _nvidia(device)
+    if device.capability < (8, 0):
         return "grouped_gemm needs compute capability >= 8.0 (bf16)"
     if gmm.grouped_gemm_backend() is None:
         return "grouped_gemm is not installed (pip install 'megablocks-cuda[grouped-gemm]')"
@@ -137,7 +143,8 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     # (variant, capability, shape check, reads batch_sizes on the host, functions). A provider
     # that reads them on the host gives no estimate for device-side counts (it would sync), so
     # the cost choice avoids it there; it still serves when forced or alone.
-    providers = (
+    providers: tuple[tuple[str, CapabilityCheck, ShapeCheck | None, bool,
+                           dict[str, Callable[..., Any]]], ...] = (
         ("grouped_mm", grouped_mm_capability, grouped_mm_supports, False,
          {"gmm": gmm.grouped_mm_gmm, "gmm_weight_grad": gmm.grouped_mm_gmm_weight_grad}),
         ("grouped_gemm", grouped_gemm_capability, None, True,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import triton
+import triton  # type: ignore[import-untyped]
 from megablocks_triton.config import (
     KERNEL_KINDS,
     GmmConfig,

@@ -20,7 +20,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import triton
+import triton  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import DeviceInfo, arch_family
 

@@ -38,8 +38,8 @@ import os
 from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import DeviceInfo, arch_family, describe_device
 
@@ -88,7 +88,12 @@ def _parse_env_config(text: str) -> GmmConfig:
     fields = [int(v) for v in text.replace(" ", "").split(",") if v]
     if not 3 <= len(fields) <= 7:
         raise ValueError(f"bad grouped-GEMM config override {text!r}")
-    return GmmConfig(*fields)
+    block_m, block_n, block_k, *rest = fields
+    cfg = GmmConfig(block_m, block_n, block_k)
+    defaults = (cfg.group_m, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm)
+    group_m, num_warps, num_stages, programs_per_sm = (*rest, *defaults[len(rest):])
+    return GmmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps,
+                     num_stages=num_stages, programs_per_sm=programs_per_sm)
 
 
 def _tma_override(cfg: GmmConfig) -> GmmConfig:
@@ -407,7 +412,7 @@ def gmm(
     b_arg: object = b
     use_tma = cfg.use_tma and _tma_ok(info, a, b)
     if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
         a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]

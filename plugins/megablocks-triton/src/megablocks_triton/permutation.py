@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import ContractError
 

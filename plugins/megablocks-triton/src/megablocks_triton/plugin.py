@@ -78,7 +78,7 @@ def _kernels(module_name: str, ops: tuple[str, ...],
 def _interpreter_problem() -> str | None:
     """Triton <= 3.6's interpreter breaks on numpy >= 2.4 (loops with tensor bounds call int() on
     a 1-element array: triton-lang/triton#9171); say so instead of failing inside a kernel."""
-    import triton
+    import triton  # type: ignore[import-untyped]
     from packaging.version import Version
 
     try:
