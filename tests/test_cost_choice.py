@@ -246,8 +246,8 @@ def test_dense_rate_is_known_for_the_measured_arch_only():
 def test_triton_hint_prefers_itself_only_where_measured():
     tuning = pytest.importorskip("megablocks_triton.tuning")
     call = gmm_call(16384 * 8, 2048, 768, 128)
-    assert tuning.gmm_cost(H200, call) is not None
-    assert tuning.gmm_cost(CPU, call) is None
+    assert tuning.COST_HINTS["gmm"](H200, call) is not None
+    assert tuning.COST_HINTS["gmm"](CPU, call) is None
 
 
 def test_cli_explain_shows_the_per_shape_choice(two_gmms, capsys):

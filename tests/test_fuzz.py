@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 import megablocks_core
 from megablocks_core import ContractError, ContractTypeError, ops
-from megablocks_core.schema import BoolArg, IntArg, TensorArg
 from megablocks_core.contracts import BY_NAME
+from megablocks_core.schema import BoolArg, IntArg, TensorArg
 
 settings.register_profile(
     "megablocks-fuzz", deadline=None, max_examples=30, database=None, print_blob=True,

@@ -44,6 +44,9 @@ H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="s
                   capability=(9, 0), runtime="13.0", warp_size=32, multiprocessors=132)
 TUNED = [MI250X, MI300X, MI355X]
 KINDS = tconfig.KERNEL_KINDS
+#: Every keyword the rocm policy may pass to a launch: options of Triton's HIP backend only
+#: (checked against the installed triton below).
+HIP_ONLY_OPTIONS = frozenset({"waves_per_eu", "matrix_instr_nonkdim", "kpack"})
 
 try:
     from triton.backends.amd.compiler import HIPOptions
@@ -218,22 +221,75 @@ def test_permutation_and_routing_shapes_per_arch():
     assert tconfig.LaunchConfigs().routing(1 << 17, 8).tile == 1024  # the NVIDIA default: 128
 
 
+GMM_SHAPES = [  # (tokens, n, k, experts): training steps, many small experts, decode, odd sizes
+    (32768, 14336, 4096, 8), (16384, 768, 2048, 128), (8192, 2048, 7168, 256), (64, 4096, 4096, 8),
+    (1, 24, 40, 1), (1000, 100, 36, 3), (0, 64, 64, 4),
+]
+
+
+def _pow2_at_least_16(x: int) -> int:
+    return max(16, 1 << max(int(x) - 1, 0).bit_length())
+
+
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
-def test_gmm_tiles_come_from_the_cdna_entries(device, monkeypatch):
-    monkeypatch.setattr(tgmm, "describe", lambda _dev: device)
-    tgmm._device_info_cached.cache_clear()
-    try:
-        info = tgmm.device_info(torch.device("cuda", 0))
-    finally:
-        monkeypatch.undo()
-        tgmm._device_info_cached.cache_clear()
-    assert info.family == {"gfx90a": "amd", "gfx942": "cdna3", "gfx950": "cdna3"}[device.arch]
-    assert info.num_sms == device.multiprocessors
-    for op in ("gmm", "wgrad"):
-        cfg = tgmm.choose_config(op, 8192, 4096, 4096, 8, torch.bfloat16, info)
-        assert cfg == tgmm.choose_config(op, 8192, 4096, 4096, 8, torch.bfloat16,
-                                         dataclasses.replace(info, arch="x"))  # by family only
-        assert not cfg.use_tma and cfg.num_warps * 64 <= 1024  # AMD's workgroup limit
+def test_gmm_tiles_fit_a_cdna_cu(device):
+    policy = RocmLaunchConfigs(device)
+    lds = arch.family(device).lds_kib * 1024
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for tokens, n, k, experts in GMM_SHAPES:
+            per_expert = max(tokens // experts, 1)
+            for cfg, out_rows, depth in (
+                (policy.gmm(device, tokens, n, k, experts, dtype), per_expert, k),
+                (policy.gmm_wgrad(device, k, n, tokens, experts, dtype), k, per_expert),
+            ):
+                assert not cfg.use_tma and cfg.num_stages == 2, cfg
+                # A workgroup is at most 1024 lanes = 16 wavefronts of 64.
+                assert cfg.num_warps >= 1 and cfg.num_warps * 64 <= 1024, cfg
+                # fp32 accumulators per lane: <= 128 (waves_per_eu=2 leaves 256 VGPRs), and no
+                # wavefront owns fewer than 8 16x16 MFMA blocks unless there is only one.
+                per_lane = cfg.block_m * cfg.block_n / (cfg.num_warps * 64)
+                assert per_lane <= 128 and (per_lane >= 32 or cfg.num_warps == 1), cfg
+                # One pipeline stage of A and B tiles in LDS.
+                assert (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize <= lds, cfg
+                # Never larger than the problem (power-of-two rounded, >= 16 for tl.dot).
+                assert cfg.block_m <= _pow2_at_least_16(out_rows), cfg
+                assert cfg.block_n <= _pow2_at_least_16(n) and cfg.block_k <= _pow2_at_least_16(depth)
+
+
+def test_gmm_tiles_per_family():
+    big = (32768, 14336, 4096, 8)
+    for device, tile in ((MI250X, (128, 128, 64, 8)), (MI300X, (256, 256, 64, 8)),
+                         (MI355X, (256, 256, 64, 8))):
+        cfg = RocmLaunchConfigs(device).gmm(device, *big, torch.bfloat16)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == tile, device.arch
+    # Many small experts (64 rows each): 64-row tiles; a smaller tile gets fewer wavefronts
+    # (64x256 = 16K fp32 accumulators = 32 per lane over 8 wavefronts; 64x128 over 4).
+    cfg = RocmLaunchConfigs(MI300X).gmm(MI300X, 64 * 128, 768, 2048, 128, torch.bfloat16)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (64, 256, 8)
+    cfg = RocmLaunchConfigs(MI300X).gmm(MI300X, 64 * 128, 128, 2048, 128, torch.bfloat16)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps) == (64, 128, 4)
+    # Not a CDNA part (or not AMD at all): the triton backend's portable defaults.
+    for device in (RX7900, H200):
+        for shape in ((32768, 14336, 4096, 8), (1000, 100, 36, 3)):
+            assert RocmLaunchConfigs(device).gmm(device, *shape, torch.bfloat16) == \
+                tconfig.LaunchConfigs().gmm(device, *shape, torch.bfloat16)
+            assert RocmLaunchConfigs(device).gmm_wgrad(device, *shape, torch.float32) == \
+                tconfig.LaunchConfigs().gmm_wgrad(device, *shape, torch.float32)
+
+
+@pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
+def test_gmm_tiles_reach_choose_config_under_the_rocm_policy(device, monkeypatch):
+    monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_CONFIG", raising=False)
+    monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG", raising=False)
+    policy = RocmLaunchConfigs(device)
+    with tconfig.use_launch_configs(policy):
+        assert tgmm.choose_config("gmm", 8192, 4096, 4096, 8, torch.bfloat16, device) == \
+            policy.gmm(device, 8192, 4096, 4096, 8, torch.bfloat16)
+        assert tgmm.choose_config("wgrad", 4096, 2048, 8192, 8, torch.bfloat16, device) == \
+            policy.gmm_wgrad(device, 4096, 2048, 8192, 8, torch.bfloat16)
+    # Without it (the triton backend alone), every AMD GPU gets the portable AMD tiles.
+    assert tgmm.choose_config("gmm", 8192, 4096, 4096, 8, torch.bfloat16, device) == \
+        tconfig.GMM_TILES[("gmm", "amd", "16bit")]
 
 
 # ---------------------------------------------------------------------------
@@ -244,12 +300,12 @@ def test_gmm_tiles_come_from_the_cdna_entries(device, monkeypatch):
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
 def test_options_are_hip_options_and_never_nvidia_ones(device):
     hip, cuda = _fields(HIPOptions), _fields(CUDAOptions)
-    assert hip >= arch.HIP_LAUNCH_OPTIONS
-    assert not arch.HIP_LAUNCH_OPTIONS & cuda  # each would raise KeyError at a CUDA launch
+    assert hip >= HIP_ONLY_OPTIONS
+    assert not HIP_ONLY_OPTIONS & cuda  # each would raise KeyError at a CUDA launch
     cfgs = RocmLaunchConfigs(device)
     for kind in KINDS:
         opts = dict(cfgs.launch_options(kind))
-        assert set(opts) <= arch.HIP_LAUNCH_OPTIONS
+        assert set(opts) <= HIP_ONLY_OPTIONS
         assert not {"maxnreg", "num_ctas", "launch_pdl", "ptx_options", "enable_reflect_ftz"} & set(opts)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. kpack != 1 on gfx950 warns
@@ -295,36 +351,37 @@ def _rocm_fn(hook, op):
 @interpret
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
 def test_rocm_kernels_launch_with_the_arch_policy(device, monkeypatch, launches):
-    monkeypatch.setattr(rocm_kernels, "describe", lambda _dev: device)
-    rocm_kernels.clear_cache()
-    try:
-        x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)
-        gather = _rocm_fn(plugin.megablocks_permutation_kernels, "gather")
-        out = gather(x, indices, bin_ids, None, bins, 2)
-        torch.testing.assert_close(out, reference.gather(x, indices, bin_ids, None, bins, 2))
-        want = RocmLaunchConfigs(device).permutation(8, 32, 2, 4)
-        assert launches and all(kw.get("waves_per_eu") == 4 for _, kw in launches), launches
-        [(_, main)] = [(n, kw) for n, kw in launches if n == "_gather_kernel"]
-        assert main["num_warps"] == want.num_warps and main["BLOCK_H"] == want.block_h
+    monkeypatch.setattr(rocm_kernels, "describe_device", lambda _dev: device)
+    monkeypatch.setattr(tgmm, "describe_device", lambda _dev: device)
+    monkeypatch.setattr(rocm_kernels, "_BY_DEVICE", {})  # no policy of another test's device
+    x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)
+    gather = _rocm_fn(plugin.megablocks_permutation_kernels, "gather")
+    out = gather(x, indices, bin_ids, None, bins, 2)
+    torch.testing.assert_close(out, reference.gather(x, indices, bin_ids, None, bins, 2))
+    want = RocmLaunchConfigs(device).permutation(8, 32, 2, 4)
+    assert launches and all(kw.get("waves_per_eu") == 4 for _, kw in launches), launches
+    [(_, main)] = [(n, kw) for n, kw in launches if n == "_gather_kernel"]
+    assert main["num_warps"] == want.num_warps and main["BLOCK_H"] == want.block_h
 
-        launches.clear()
-        a = torch.randn(12, 16)
-        b = torch.randn(3, 16, 24)
-        sizes = torch.tensor([5, 0, 7])
-        gmm = _rocm_fn(plugin.megablocks_grouped_gemm_kernels, "gmm")
-        torch.testing.assert_close(gmm(a, b, sizes, False), reference.gmm(a, b, sizes, False))
-        [(_, kw)] = launches
-        assert {k: kw[k] for k in ("matrix_instr_nonkdim", "waves_per_eu")} == \
-            {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
-        assert kw.get("kpack", 1) == arch.family(device).kpack
+    launches.clear()
+    a = torch.randn(12, 16)
+    b = torch.randn(3, 16, 24)
+    sizes = torch.tensor([5, 0, 7])
+    gmm = _rocm_fn(plugin.megablocks_grouped_gemm_kernels, "gmm")
+    torch.testing.assert_close(gmm(a, b, sizes, False), reference.gmm(a, b, sizes, False))
+    [(_, kw)] = launches
+    assert {k: kw[k] for k in ("matrix_instr_nonkdim", "waves_per_eu")} == \
+        {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
+    tiles = RocmLaunchConfigs(device).gmm(device, 12, 24, 16, 3, torch.float32)
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == \
+        (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps)
+    assert kw.get("kpack", 1) == arch.family(device).kpack
 
-        launches.clear()
-        sort = _rocm_fn(plugin.megablocks_routing_kernels, "sort")
-        keys = torch.randint(0, 8, (64,), dtype=torch.int32)
-        torch.testing.assert_close(sort(keys, 3), reference.sort(keys, 3))
-        assert launches and not any(set(kw) & arch.HIP_LAUNCH_OPTIONS for _, kw in launches)
-    finally:
-        rocm_kernels.clear_cache()
+    launches.clear()
+    sort = _rocm_fn(plugin.megablocks_routing_kernels, "sort")
+    keys = torch.randint(0, 8, (64,), dtype=torch.int32)
+    torch.testing.assert_close(sort(keys, 3), reference.sort(keys, 3))
+    assert launches and not any(set(kw) & HIP_ONLY_OPTIONS for _, kw in launches)
     # The policy is scoped to the call.
     assert type(tconfig.launch_configs()) is tconfig.LaunchConfigs
 
@@ -338,7 +395,7 @@ def test_triton_kernels_alone_pass_no_hip_options(launches):
     tgmm.gmm(torch.randn(12, 16), torch.randn(3, 16, 24), torch.tensor([5, 0, 7]))
     assert launches
     for _, kw in launches:
-        assert not set(kw) & arch.HIP_LAUNCH_OPTIONS, kw
+        assert not set(kw) & HIP_ONLY_OPTIONS, kw
 
 
 def test_scoped_policy_is_restored_and_nests():

@@ -7,6 +7,8 @@ tiles and M-tiles straddle group ends.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import oracle
 import pytest
@@ -20,6 +22,9 @@ from megablocks_triton import gmm as G  # noqa: E402
 # The kernels get CPU tensors: only the interpreter runs them (choose_config tests need neither).
 needs_interpreter = pytest.mark.skipif(not interpreting(),
                                        reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+from megablocks_triton.config import GMM_TILES, LaunchConfigs, use_launch_configs  # noqa: E402
+
+from megablocks_core.plugin import DeviceInfo  # noqa: E402
 
 SMALL = G.GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 # fp32 must track float64 closely (ieee dot, no tf32); 16-bit outputs are rounded once.
@@ -172,31 +177,58 @@ def test_non_unit_inner_stride() -> None:
 # choose_config: pure function of the shapes / dtype / device description.
 # ---------------------------------------------------------------------------------------------
 
-H200 = G.DeviceInfo(family="sm90", arch="sm90", num_sms=132)
-MI300 = G.DeviceInfo(family="cdna3", arch="gfx942", num_sms=304)
+H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90",
+                  capability=(9, 0), warp_size=32, multiprocessors=132)
+B200 = dataclasses.replace(H200, name="NVIDIA B200", arch="sm_100", capability=(10, 0))
+RTX5090 = dataclasses.replace(H200, name="NVIDIA RTX 5090", arch="sm_120", capability=(12, 0))
+MI300 = DeviceInfo(kind="rocm", type="cuda", index=0, name="AMD Instinct MI300X", arch="gfx942",
+                   warp_size=64, multiprocessors=304)
+RX7900 = dataclasses.replace(MI300, name="Radeon RX 7900 XTX", arch="gfx1100", warp_size=32)
 
 
 def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_CONFIG", raising=False)
     monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG", raising=False)
     big = G.choose_config("gmm", 32768, 14336, 4096, 8, torch.bfloat16, H200)
-    assert (big.block_m, big.block_n, big.block_k) == (128, 256, 64)
+    assert (big.block_m, big.block_n, big.block_k, big.num_stages, big.use_tma) == (128, 256, 64, 3, True)
     # Many small experts (~64 rows each): BLOCK_M shrinks, not below 64.
     small = G.choose_config("gmm", 128 * 64, 768, 2048, 128, torch.bfloat16, H200)
-    assert small.block_m == 64
+    assert small.block_m == 64 and small.num_stages == 4  # few output columns: one more stage
     tiny = G.choose_config("gmm", 128 * 8, 768, 2048, 128, torch.bfloat16, H200)
     assert tiny.block_m == 16  # capped by the rows per expert
     # Blocks never exceed the (power-of-two rounded) problem.
     c = G.choose_config("gmm", 4096, 40, 24, 4, torch.float32, H200)
     assert c.block_n == 64 and c.block_k == 32
     assert G.choose_config("wgrad", 2048, 768, 131072, 128, torch.bfloat16, MI300).num_stages == 2
-    # Unknown families fall back to a generic entry.
-    other = G.DeviceInfo(family="gfx1100", arch="gfx1100", num_sms=48)
-    assert (
-        G.choose_config("gmm", 4096, 4096, 4096, 8, torch.float16, other)
-        == G.CONFIGS[("gmm", "amd", "16bit")]
-    )
-    assert G.device_info(torch.device("cpu")).family == "cpu"
+    # By family: data-center Blackwell has its own tiles, sm_120 the generic NVIDIA ones, and
+    # every AMD GPU the portable AMD ones (the rocm plugin tunes CDNA through its launch policy).
+    assert G.choose_config("gmm", 32768, 14336, 4096, 8, torch.bfloat16, B200).num_stages == 4
+    for device, family in ((RTX5090, "cuda"), (MI300, "amd"), (RX7900, "amd")):
+        for op in ("gmm", "wgrad"):
+            got = G.choose_config(op, 4096, 4096, 4096, 8, torch.float16, device)
+            assert got == GMM_TILES[(op, family, "16bit")], (device.arch, op)
+    assert G.device_info(torch.device("cpu")).kind == "cpu"
+
+
+@needs_interpreter
+def test_choose_config_asks_the_launch_policy() -> None:
+    class Fixed(LaunchConfigs):
+        def gmm(self, device, tokens, n, k, num_experts, dtype):
+            return G.GmmConfig(32, 16, 16, group_m=1, num_warps=2, num_stages=1)
+
+        def gmm_wgrad(self, device, rows, cols, tokens, num_experts, dtype):
+            return G.GmmConfig(16, 32, 16, group_m=1, num_warps=2, num_stages=1)
+
+    with use_launch_configs(Fixed()):
+        assert G.choose_config("gmm", 4096, 4096, 4096, 8, torch.bfloat16, H200).block_m == 32
+        assert G.choose_config("wgrad", 4096, 4096, 4096, 8, torch.bfloat16, H200).block_n == 32
+        # ... and its tiles reach the kernels: still exact with 32-row and 32-column tiles.
+        sizes, k, n = [3, 0, 40], 24, 20
+        a = _rand(43, k, dtype=torch.float32, seed=21)
+        b = _rand(3, k, n, dtype=torch.float32, seed=22)
+        _close(G.gmm(a, b, torch.tensor(sizes), False), oracle.gmm(_np(a), _np(b), sizes, False),
+               torch.float32)
+    assert G.choose_config("gmm", 4096, 4096, 4096, 8, torch.bfloat16, H200).block_m == 128
 
 
 @needs_interpreter

@@ -20,7 +20,7 @@ call time: no warm-up, no host sync, nothing that breaks CUDA-graph capture or c
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from .descriptors import CallInfo, CostEstimate, DeviceInfo
 from .devices import base_arch, dense_tflops
@@ -79,10 +79,12 @@ def gmm_estimate_us(device: DeviceInfo, call: CallInfo,
 
 
 def gmm_cost_hint(points_by_arch: Mapping[str, Sequence[GmmPoint]], *, extra_us: float = 0.0,
+                  device_kinds: Collection[str] | None = None,
                   host_counts_only: bool = False) -> CostEstimate:
     """A ``Kernel.cost`` hint for a grouped GEMM provider from its measured points (see
     :func:`gmm_estimate_us`).
 
+    ``device_kinds``: estimate only on these device kinds (None: any).
     ``host_counts_only``: the provider reads ``batch_sizes`` on the host. For a call whose counts
     live on the device that would add a device→host sync, so the hint gives no estimate there and
     the choice goes to a provider that takes device counts (this one still serves when forced or
@@ -90,6 +92,8 @@ def gmm_cost_hint(points_by_arch: Mapping[str, Sequence[GmmPoint]], *, extra_us:
     """
 
     def cost(device: DeviceInfo, call: CallInfo) -> float | None:
+        if device_kinds is not None and device.kind not in device_kinds:
+            return None
         if host_counts_only and getattr(call.get("batch_sizes"), "device", "cpu") != "cpu":
             return None
         return gmm_estimate_us(device, call, points_by_arch, extra_us)

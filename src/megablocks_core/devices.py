@@ -52,9 +52,14 @@ DENSE_BF16_TFLOPS: Mapping[str, float] = MappingProxyType({"sm_90": 690.0})
 
 #: AMD gfx arch → its architecture family (a gfx name's feature suffix, e.g. ``:xnack-``, is ignored).
 ARCH_FAMILIES: Mapping[str, str] = MappingProxyType({
-    "gfx90a": "cdna2",  # MI200
-    "gfx942": "cdna3",  # MI300
-    "gfx950": "cdna4",  # MI350
+    "sm_80": "ampere", "sm_86": "ampere", "sm_87": "ampere",
+    "sm_89": "ada",
+    "sm_90": "hopper",
+    # Data-center Blackwell (B200/GB200, B300); sm_120 (RTX 50xx) has far less shared memory.
+    "sm_100": "blackwell", "sm_103": "blackwell",
+    "gfx90a": "cdna2",  # MI200 (MI210, MI250, MI250X)
+    "gfx942": "cdna3",  # MI300 (MI300X, MI300A, MI325X)
+    "gfx950": "cdna4",  # MI350 (MI350X, MI355X)
 })
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megablocks_core import DeviceInfo, Kernel, hookimpl
+from megablocks_core.plugin import DeviceInfo, Kernel, hookimpl
 
 from . import kernels
 

@@ -16,6 +16,7 @@ CUDA-graph capture, where that sync is impossible, it hands the call to the ``gr
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +34,20 @@ def grouped_mm_function() -> Callable[..., Tensor] | None:
     return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def _grouped_mm() -> Callable[..., Tensor]:
+    found = grouped_mm_function()
+    if found is None:  # the capability predicate keeps such calls away; a direct call says why
+        raise RuntimeError(f"torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm")
+    return found
+
+
 @functools.cache
 def grouped_gemm_backend() -> Any:
     """``grouped_gemm.backend`` or None when the package cannot be imported (checked once)."""
     try:
-        from grouped_gemm import backend
+        return importlib.import_module("grouped_gemm.backend")
     except Exception:  # not installed, or its extension does not load with this torch
         return None
-    return backend
 
 
 def _shape_of(a: Tensor, b: Tensor, trans_b: bool) -> tuple[int, int, int]:
@@ -73,7 +80,7 @@ def _zero_uncovered_rows(out: Tensor, offs: Tensor, batch_sizes: Tensor) -> Tens
     if not _unchecked(batch_sizes) or out.numel() == 0:
         return out  # checked on the host: the groups cover every row
     ext = extension.load() if extension.problem() is None else None
-    if out.is_cuda and out.is_contiguous() and hasattr(ext, "zero_uncovered_rows"):
+    if out.is_cuda and out.is_contiguous() and ext is not None and hasattr(ext, "zero_uncovered_rows"):
         ext.zero_uncovered_rows(out, offs)
         return out
     rows = torch.arange(out.shape[0], device=out.device)
@@ -134,7 +141,7 @@ def grouped_mm_gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> 
         mat_b = _aligned(b, (experts, n, kp)).transpose(1, 2)
     else:
         mat_b = _aligned(b, (experts, kp, np_))
-    out = grouped_mm_function()(a, mat_b, offs=offs)  # type: ignore[misc]
+    out = _grouped_mm()(a, mat_b, offs=offs)
     return _zero_uncovered_rows(out[:, :n].contiguous(), offs, batch_sizes)
 
 
@@ -153,7 +160,7 @@ def grouped_mm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> 
     offs = _end_offsets(batch_sizes, a.device, m)
     kp, np_ = _round_up(k, a.element_size()), _round_up(n, a.element_size())
     # Groups run along the rows of a and grad: rows past offs[-1] belong to no group.
-    out = grouped_mm_function()(_aligned(a, (m, kp)).t(), _aligned(grad, (m, np_)), offs=offs)  # type: ignore[misc]
+    out = _grouped_mm()(_aligned(a, (m, kp)).t(), _aligned(grad, (m, np_)), offs=offs)
     out = out[:, :k, :n].contiguous()
     if _unchecked(batch_sizes):
         # The sizes the groups got (bad device-side sizes are clamped): those are the empty ones.

@@ -20,9 +20,15 @@ from typing import Any
 
 import torch
 
-from megablocks_core import costs
-from megablocks_core.descriptors import DeviceInfo, Kernel
-from megablocks_core.hookspecs import hookimpl
+from megablocks_core.plugin import (
+    CapabilityCheck,
+    DeviceInfo,
+    Kernel,
+    ShapeCheck,
+    gmm_cost_hint,
+    gmm_problem,
+    hookimpl,
+)
 
 from . import extension, gmm, routing, tuning
 
@@ -73,10 +79,9 @@ def routing_capability(device: DeviceInfo) -> str | None:
 
 
 def grouped_mm_capability(device: DeviceInfo) -> str | None:
-    problem = _nvidia(device)
-    if problem:
-        return problem
-    major, minor = device.capability  # type: ignore[misc]
+    if device.kind != "cuda" or device.capability is None:
+        return _nvidia(device)
+    major, minor = device.capability
     if major not in GROUPED_MM_MAJORS:
         return (f"torch._grouped_mm is sync-free only on compute capability 9.x/10.x; "
                 f"{device.name or device} is {major}.{minor}")
@@ -86,10 +91,9 @@ def grouped_mm_capability(device: DeviceInfo) -> str | None:
 
 
 def grouped_gemm_capability(device: DeviceInfo) -> str | None:
-    problem = _nvidia(device)
-    if problem:
-        return problem
-    if device.capability < (8, 0):  # type: ignore[operator]
+    if device.kind != "cuda" or device.capability is None:
+        return _nvidia(device)
+    if device.capability < (8, 0):
         return "grouped_gemm needs compute capability >= 8.0 (bf16)"
     if gmm.grouped_gemm_backend() is None:
         return "grouped_gemm is not installed (pip install 'megablocks-cuda[grouped-gemm]')"
@@ -105,35 +109,12 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
     Misaligned calls go to the next provider (triton takes any shape). The kernel itself still
     zero-pads such operands if called directly, at the cost of copies.
     """
-    _, k, n, _ = costs.gmm_problem(call)
+    _, k, n, _ = gmm_problem(call)
     multiple = gmm.ALIGN_BYTES // call["a"].dtype.itemsize
     bad = [f"{name} = {size}" for name, size in (("K", k), ("N", n)) if size % multiple]
     if bad:
         return f"torch._grouped_mm needs 16-byte rows: {', '.join(bad)} not a multiple of {multiple}"
     return None
-
-
-# ---------------------------------------------------------------- cost hints
-
-
-def cost_of(provider: str, host_counts_only: bool = False
-            ) -> Callable[[DeviceInfo, Mapping[str, Any]], float | None]:
-    """Cost hook for ``provider``: the core's gmm estimate from this plugin's measured points.
-
-    ``host_counts_only``: the provider reads ``batch_sizes`` on the host (grouped_gemm). With
-    device-side counts it would add a device→host sync, so it gives no estimate and the choice
-    goes to a provider that takes device counts; it still serves when forced or alone.
-    """
-
-    def cost(device: DeviceInfo, call: Mapping[str, Any]) -> float | None:
-        if device.kind != "cuda":
-            return None
-        if host_counts_only and getattr(call.get("batch_sizes"), "device", "cpu") != "cpu":
-            return None
-        return costs.gmm_estimate_us(device, call, tuning.EFFICIENCY[provider])
-
-    cost.__name__ = f"cost_{provider}"
-    return cost
 
 
 # ---------------------------------------------------------------- hooks
@@ -159,7 +140,11 @@ def megablocks_routing_kernels() -> list[Kernel]:
 
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
-    providers = (
+    # (variant, capability, shape check, reads batch_sizes on the host, functions). A provider
+    # that reads them on the host gives no estimate for device-side counts (it would sync), so
+    # the cost choice avoids it there; it still serves when forced or alone.
+    providers: tuple[tuple[str, CapabilityCheck, ShapeCheck | None, bool,
+                           dict[str, Callable[..., Any]]], ...] = (
         ("grouped_mm", grouped_mm_capability, grouped_mm_supports, False,
          {"gmm": gmm.grouped_mm_gmm, "gmm_weight_grad": gmm.grouped_mm_gmm_weight_grad}),
         ("grouped_gemm", grouped_gemm_capability, None, True,
@@ -167,5 +152,6 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     )
     return [Kernel(op=op, fn=fn, devices=("cuda",), priority=PRIORITY[op], capability=check,
                     supports=supports, dtypes=GMM_DTYPES[op], contiguous=True, variant=variant,
-                    cost=cost_of(variant, host_only))
+                    cost=gmm_cost_hint(tuning.MEASURED[variant], device_kinds=("cuda",),
+                                       host_counts_only=host_only))
             for variant, check, supports, host_only, fns in providers for op, fn in fns.items()]

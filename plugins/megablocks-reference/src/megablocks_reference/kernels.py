@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from megablocks_core.validation import ContractError
+from megablocks_core.plugin import ContractError
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -137,6 +137,11 @@ def _select_rows(x: Tensor, rows: Tensor, keep: Tensor) -> Tensor:
 
 def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
            top_k: int) -> Tensor:
+    return _gather_rows(x, indices, weights, top_k)
+
+
+def _gather_rows(x: Tensor, indices: Tensor, weights: Tensor | None, top_k: int) -> Tensor:
+    """gather's rows: only the indices, weights and top_k decide them (not bin_ids or bins)."""
     flat, valid = _named(indices)
     rows = _select_rows(x, flat // top_k, valid)  # an id out of range gives a zero row
     if weights is None:
@@ -226,7 +231,7 @@ def binned_gather(x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tens
     experts = bins.shape[0]
     out = x.new_zeros(experts * bin_size + 1, x.shape[1])  # the last row absorbs dropped rows
     if indices.numel():
-        rows = gather(x, indices, None, weights, bins, top_k)
+        rows = _gather_rows(x, indices, weights, top_k)
         out.index_copy_(0, _binned_rows(indices, bins, bin_size), rows)
     return out[:-1].view(experts, bin_size, x.shape[1])
 

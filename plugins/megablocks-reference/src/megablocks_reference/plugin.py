@@ -6,8 +6,7 @@ nothing faster can (and the core reports that fallback).
 
 from __future__ import annotations
 
-from megablocks_core import Kernel, hookimpl
-from megablocks_core.contracts import family_ops
+from megablocks_core.plugin import Kernel, family_ops, hookimpl
 
 from . import kernels
 

@@ -1,6 +1,10 @@
-"""AMD architectures: gfx name → family, and the HIP-only launch options per family.
+"""AMD GPU families: what each generation offers, and the HIP-only launch options per family.
 
-Pure functions of a :class:`~megablocks_core.DeviceInfo` (no triton, no GPU), so that every
+Which gfx arch belongs to which family is the core's table
+(:data:`megablocks_core.plugin.ARCH_FAMILIES`); this module holds what this backend needs to know
+about each family.
+
+Pure functions of a :class:`~megablocks_core.plugin.DeviceInfo` (no triton, no GPU), so that every
 choice can be tested with simulated devices.
 """
 
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from megablocks_core.descriptors import DeviceInfo
+from megablocks_core.plugin import ARCH_FAMILIES, DeviceInfo, arch_family
 
 
 @dataclass(frozen=True)
@@ -29,11 +33,12 @@ class Family:
     gfx950, where kpack is deprecated)."""
 
 
+#: Family name (the core's :data:`~megablocks_core.plugin.ARCH_FAMILIES`) -> what we know of it.
 FAMILIES: Mapping[str, Family] = MappingProxyType({
-    "gfx90a": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=64),
+    "cdna2": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=64),
     # AMD's MI300X Triton tuning guide pairs 16x16 MFMA with kpack=2 for GEMMs.
-    "gfx942": Family("cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=64, kpack=2),
-    "gfx950": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=160),
+    "cdna3": Family("cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=64, kpack=2),
+    "cdna4": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=160),
 })
 
 #: Anything else with a gfx name (RDNA's wave32 parts, older CDNA): no tuning of ours.
@@ -42,8 +47,7 @@ GENERIC = Family("generic", "other AMD GPUs", lds_kib=64)
 
 def family(device: DeviceInfo | str | None) -> Family:
     """The family of a device or gfx name (``"gfx942:sramecc+:xnack-"`` works too)."""
-    arch = device.arch if isinstance(device, DeviceInfo) else device
-    return FAMILIES.get((arch or "").split(":")[0], GENERIC)
+    return FAMILIES.get(arch_family(device) or "", GENERIC)
 
 
 def unsupported(device: DeviceInfo) -> str | None:
@@ -54,17 +58,13 @@ def unsupported(device: DeviceInfo) -> str | None:
     """
     fam = family(device)
     if fam is GENERIC:
-        known = ", ".join(f"{a} ({f.products.split(' (')[0]})" for a, f in FAMILIES.items())
+        known = ", ".join(f"{gfx} ({FAMILIES[name].products.split(' (')[0]})"
+                          for gfx, name in ARCH_FAMILIES.items() if name in FAMILIES)
         return (f"no ROCm launch configuration for {device.arch or 'an unknown arch'} "
                 f"(tuned: {known}); the triton backend's defaults serve it")
     if device.warp_size not in (None, fam.wavefront):
         return f"expects {fam.wavefront}-wide wavefronts on {device.arch}, device reports {device.warp_size}"
     return None
-
-
-#: Only these keywords may ever be passed to a launch on HIP (a subset of Triton's HIPOptions;
-#: tests check it against the installed triton).
-HIP_LAUNCH_OPTIONS = frozenset({"waves_per_eu", "matrix_instr_nonkdim", "kpack"})
 
 
 def launch_options(device: DeviceInfo, kernel: str) -> dict[str, Any]:
@@ -76,9 +76,10 @@ def launch_options(device: DeviceInfo, kernel: str) -> dict[str, Any]:
     if fam is GENERIC or device.kind != "rocm":  # never an AMD option anywhere else
         return {}
     if kernel in ("gmm", "gmm_wgrad"):
-        # 16x16 MFMA: the tiles of gmm.CONFIGS shrink to 64 rows for small experts, where
-        # 32x32 instructions would waste half of each; waves_per_eu=2 = one 8-wave workgroup
-        # per CU, so the compiler may use up to 256 VGPRs for the fp32 accumulator tile.
+        # 16x16 MFMA: the gmm tiles (RocmLaunchConfigs.gmm) shrink to 64 rows for small
+        # experts, where 32x32 instructions would waste half of each; waves_per_eu=2 = one
+        # 8-wave workgroup per CU, so the compiler may use up to 256 VGPRs for the fp32
+        # accumulator tile.
         opts: dict[str, Any] = {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
         if fam.kpack != 1:
             opts["kpack"] = fam.kpack

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from megablocks_triton.config import use_launch_configs
 
-from megablocks_core.devices import describe
+from megablocks_core.plugin import describe_device
 
 from .launch import RocmLaunchConfigs
 
@@ -21,13 +21,8 @@ def configs_for(device: torch.device) -> RocmLaunchConfigs:
     """The launch policy for a device (built once per device from the core's description)."""
     found = _BY_DEVICE.get(device)
     if found is None:
-        found = _BY_DEVICE[device] = RocmLaunchConfigs(describe(device))
+        found = _BY_DEVICE[device] = RocmLaunchConfigs(describe_device(device))
     return found
-
-
-def clear_cache() -> None:
-    """Forget the per-device policies (tests that simulate devices)."""
-    _BY_DEVICE.clear()
 
 
 def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,20 +1,31 @@
 """Launch shapes for the Triton kernels on AMD GPUs (64-wide wavefronts, CU counts).
 
 :class:`RocmLaunchConfigs` is a :class:`megablocks_triton.config.LaunchConfigs` for one device:
-a pure function of its :class:`~megablocks_core.DeviceInfo`, so tests build it for simulated
-MI200/MI300/MI350 devices. The grouped-GEMM tiles stay those of ``megablocks_triton.gmm.CONFIGS``
-(which has CDNA entries); this policy adds the HIP launch options for the dot kernels.
+a pure function of its :class:`~megablocks_core.plugin.DeviceInfo`, so tests build it for simulated
+MI200/MI300/MI350 devices. It sizes the routing, permutation and grouped-GEMM launches (tiles per
+CDNA family: :data:`GMM_TILES`) and adds the HIP launch options (:func:`megablocks_rocm.arch.launch_options`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import triton
-from megablocks_triton.config import KERNEL_KINDS, LaunchConfigs, PermutationConfig, RoutingConfig
+import torch
+import triton  # type: ignore[import-untyped]
+from megablocks_triton.config import (
+    KERNEL_KINDS,
+    GmmConfig,
+    LaunchConfigs,
+    PermutationConfig,
+    RoutingConfig,
+    dtype_class,
+    fit_gmm_tiles,
+    permutation_wgrad_shape,
+)
 
-from megablocks_core.descriptors import DeviceInfo
+from megablocks_core.plugin import DeviceInfo
 
 from . import arch
 
@@ -25,6 +36,25 @@ def _pow2(x: int) -> int:
 
 def _pow2_floor(x: int) -> int:
     return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+#: (family, dtype class) -> grouped-GEMM starting tiles, before they are fitted to the problem.
+#: The stream pipeliner wants num_stages=2 and holds one stage of A and B tiles in LDS: 256x256x64
+#: 16-bit tiles take exactly the 64 KiB of a CDNA3 CU (the usual large-GEMM pick on MI300), with
+#: 8 wavefronts keeping the fp32 accumulator at 128 VGPRs per lane. CDNA2 keeps the portable AMD
+#: tiles of the triton backend (not tuned for it yet). Untested on hardware: AMD's published advice.
+GMM_TILES: Mapping[tuple[str, str], GmmConfig] = {
+    ("cdna2", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
+    ("cdna2", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+    ("cdna3", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
+    ("cdna3", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
+    ("cdna4", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
+    ("cdna4", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
+}
+
+#: Fewest fp32 accumulators per lane a grouped-GEMM wavefront should own: 8 16x16 MFMA output
+#: blocks (4 per lane each). Tiles fitted to a small problem get fewer wavefronts, not idle ones.
+MIN_ACC_PER_LANE = 32
 
 
 class RocmLaunchConfigs(LaunchConfigs):
@@ -77,14 +107,39 @@ class RocmLaunchConfigs(LaunchConfigs):
 
     def wgrad(self, num_tokens: int, hidden: int, top_k: int,
               element_size: int) -> PermutationConfig:
-        k_pad = _pow2(top_k)
-        # (k_pad x block_h) fp32 partial dots per program: <= 4K elements, i.e. <= 16 per lane
-        # over 4 wavefronts (half the NVIDIA tile: wave64 doubles the lanes per warp).
-        block_h = min(_pow2(hidden), max(4096 // k_pad, 256), 4096)
-        h_blocks = triton.cdiv(hidden, block_h)
-        split_h = 1
-        while num_tokens * split_h < 2 * self.cus and split_h * 2 <= h_blocks:
-            split_h *= 2
-        num_warps = 4 if k_pad * block_h >= 2048 else 2
-        return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16,
-                                 num_warps=num_warps)
+        # (top_k x block_h) fp32 partial dots per program: <= 4K elements, i.e. <= 16 per lane
+        # over 4 wavefronts (half the NVIDIA tile: wave64 doubles the lanes per warp); few
+        # tokens: >= 2 programs per CU.
+        return permutation_wgrad_shape(num_tokens, hidden, top_k, tile_elements=4096,
+                                       min_block_h=256, min_programs=2 * self.cus,
+                                       num_warps=(2, 4), more_warps_from=2048)
+
+    def gmm(self, device: DeviceInfo, tokens: int, n: int, k: int, num_experts: int,
+            dtype: torch.dtype) -> GmmConfig:
+        tiles = _gmm_tiles(device, dtype)
+        if tiles is None:  # not a CDNA part: the portable defaults
+            return super().gmm(device, tokens, n, k, num_experts, dtype)
+        experts = max(num_experts, 1)
+        fitted = fit_gmm_tiles(tiles, max(tokens // experts, 1), n, k,
+                               rows_per_expert=tokens / experts)
+        return _fewer_waves_for_small_tiles(fitted, device)
+
+    def gmm_wgrad(self, device: DeviceInfo, rows: int, cols: int, tokens: int, num_experts: int,
+                  dtype: torch.dtype) -> GmmConfig:
+        tiles = _gmm_tiles(device, dtype)
+        if tiles is None:
+            return super().gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)
+        fitted = fit_gmm_tiles(tiles, rows, cols, max(tokens // max(num_experts, 1), 1))
+        return _fewer_waves_for_small_tiles(fitted, device)
+
+
+def _gmm_tiles(device: DeviceInfo, dtype: torch.dtype) -> GmmConfig | None:
+    if device.kind != "rocm":
+        return None
+    return GMM_TILES.get((arch.family(device).name, dtype_class(dtype)))
+
+
+def _fewer_waves_for_small_tiles(cfg: GmmConfig, device: DeviceInfo) -> GmmConfig:
+    wave = device.warp_size or arch.family(device).wavefront
+    waves = cfg.block_m * cfg.block_n // (wave * MIN_ACC_PER_LANE)
+    return dataclasses.replace(cfg, num_warps=max(1, min(cfg.num_warps, waves)))

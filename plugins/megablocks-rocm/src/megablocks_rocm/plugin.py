@@ -16,8 +16,7 @@ import dataclasses
 
 import torch
 
-from megablocks_core.descriptors import CapabilityCheck, DeviceInfo, Kernel
-from megablocks_core.hookspecs import hookimpl
+from megablocks_core.plugin import CapabilityCheck, DeviceInfo, Kernel, hookimpl
 
 from . import arch
 

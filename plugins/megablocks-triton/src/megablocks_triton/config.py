@@ -1,7 +1,8 @@
 """Launch parameters, chosen in one place so another vendor can override them.
 
 Every kernel launch in this package asks :func:`launch_configs` for its block
-sizes and warp counts, and for extra backend-specific launch keywords
+sizes and warp counts (the grouped GEMMs for their tiles: :meth:`LaunchConfigs.gmm`,
+:meth:`LaunchConfigs.gmm_wgrad`), and for extra backend-specific launch keywords
 (:meth:`LaunchConfigs.launch_options`, e.g. ``waves_per_eu`` on AMD). The
 defaults are tuned by reasoning for an NVIDIA H200 (132 SMs, 32-wide warps) and
 pass no extra keywords; a ROCm plugin (64-wide wavefronts, different register
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextvars import ContextVar, Token
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
 import torch
+
+from megablocks_core.plugin import DeviceInfo, arch_family
 
 from .launch import cdiv, next_power_of_2
 
@@ -58,8 +61,127 @@ class PermutationConfig:
     num_warps: int
 
 
+@dataclass(frozen=True)
+class GmmConfig:
+    """Grouped-GEMM tile shape and launch parameters.
+
+    For ``gmm``: BLOCK_M tiles the rows of ``a``/output, BLOCK_N the output columns and BLOCK_K the
+    reduction (``a``'s columns). For ``gmm_weight_grad``: BLOCK_M tiles ``a``'s columns (output
+    rows), BLOCK_N ``grad``'s columns and BLOCK_K the tokens of the group (the reduction).
+    GROUP_M: M-tiles swizzled together inside one expert so neighbouring programs share B tiles.
+    programs_per_sm: persistent grid = programs_per_sm * num_sms (2 can hide the per-tile
+    prologue/epilogue when occupancy allows).
+    use_tma: forward only; load A/B tiles through TMA tensor descriptors (NVIDIA sm90+, or the
+    interpreter). Silently falls back to the portable path when the device or the operands'
+    alignment (16-byte base/strides, unit inner stride) do not allow it.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 1
+    use_tma: bool = False
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    """``"fp32"`` or ``"16bit"``: the grouped-GEMM tile tables are keyed by it."""
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+#: (op, family, dtype class) -> starting tiles of the default policy; op is "gmm" or "wgrad".
+#: Families: NVIDIA "hopper" and "blackwell" (:func:`megablocks_core.plugin.arch_family`), "cuda"
+#: (any other NVIDIA), "amd" (any AMD GPU: portable defaults; the ROCm plugin tunes CDNA) and
+#: "cpu" (TRITON_INTERPRET runs). Starting points only (Triton persistent-matmul defaults per
+#: arch); the H200 numbers are expected to be tuned.
+GMM_TILES: Mapping[tuple[str, str, str], GmmConfig] = MappingProxyType({
+    # Hopper: wgmma likes 128xN with 8 warps (2 warpgroups); 128x256x64 bf16 x 3 stages = 144 KiB smem.
+    # TMA loads: 0.95/0.87/0.89 of dense vs 0.81/0.80/0.76 with plain loads (docs/performance.md).
+    ("gmm", "hopper", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3,
+                                          use_tma=True),
+    ("gmm", "hopper", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    ("wgrad", "hopper", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
+    ("wgrad", "hopper", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    ("gmm", "blackwell", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4,
+                                             use_tma=True),
+    ("gmm", "blackwell", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    ("wgrad", "blackwell", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
+    ("wgrad", "blackwell", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+    # Ampere/Ada and unknown NVIDIA: mma.sync, ~100-160 KiB smem.
+    ("gmm", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
+    ("gmm", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
+    ("wgrad", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
+    ("wgrad", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
+    # AMD: 64 KiB LDS on most parts, the stream pipeliner wants num_stages=2.
+    ("gmm", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
+    ("gmm", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+    ("wgrad", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
+    ("wgrad", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+    # Interpreter: numpy-backed, small tiles keep the tiny test shapes multi-tile.
+    ("gmm", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+    ("gmm", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+    ("wgrad", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+    ("wgrad", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+})
+
+
+def gmm_tile_family(device: DeviceInfo) -> str:
+    """The family of :data:`GMM_TILES` that serves ``device``."""
+    if device.kind == "rocm":
+        return "amd"
+    if device.kind == "cuda":
+        family = arch_family(device)
+        return family if family in ("hopper", "blackwell") else "cuda"
+    return "cpu"  # the interpreter runs the kernels on the host
+
+
 def _pow2(x: int) -> int:
     return next_power_of_2(max(int(x), 1))
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, _pow2(x))
+
+
+def fit_gmm_tiles(cfg: GmmConfig, rows: int, cols: int, depth: int,
+                  rows_per_expert: float | None = None) -> GmmConfig:
+    """``cfg`` with blocks that never exceed the problem (rounded up to a power of two, >= 16
+    for ``tl.dot``): ``rows`` x ``cols`` output per expert, ``depth`` the reduction per expert.
+
+    ``rows_per_expert`` (the forward pass; None: no shrinking): experts averaging fewer rows than
+    half a BLOCK_M tile waste most of their last M-tile, so BLOCK_M halves while that holds, not
+    below 64 (the MMA atoms are 64 rows on Hopper; 4 16x16 MFMA blocks on AMD).
+    """
+    block_m = cfg.block_m
+    if rows_per_expert is not None:
+        while block_m > 64 and rows_per_expert < block_m / 2:
+            block_m //= 2
+    return replace(cfg, block_m=min(block_m, _pow2_at_least(rows, 16)),
+                   block_n=min(cfg.block_n, _pow2_at_least(cols, 16)),
+                   block_k=min(cfg.block_k, _pow2_at_least(depth, 16)))
+
+
+def permutation_wgrad_shape(num_tokens: int, hidden: int, top_k: int, *, tile_elements: int,
+                            min_block_h: int, min_programs: int, num_warps: tuple[int, int],
+                            more_warps_from: int) -> PermutationConfig:
+    """scatter_wgrad's launch shape: each program keeps a (top_k, block_h) fp32 tile of partial
+    dots in registers.
+
+    ``tile_elements``: the tile's size target (block_h shrinks as top_k grows), with rows of at
+    least ``min_block_h`` elements for wide loads. Few tokens (decode): the hidden dim is split
+    until ``min_programs`` programs exist. ``num_warps``: (fewer, more), the latter for tiles of
+    ``more_warps_from`` elements or more.
+    """
+    k_pad = _pow2(top_k)
+    block_h = min(_pow2(hidden), max(tile_elements // k_pad, min_block_h), 4096)
+    h_blocks = cdiv(hidden, block_h)
+    split_h = 1
+    while num_tokens * split_h < min_programs and split_h * 2 <= h_blocks:
+        split_h *= 2
+    warps = num_warps[1] if k_pad * block_h >= more_warps_from else num_warps[0]
+    return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16, num_warps=warps)
 
 
 class LaunchConfigs:
@@ -113,17 +235,36 @@ class LaunchConfigs:
         self, num_tokens: int, hidden: int, top_k: int, element_size: int
     ) -> PermutationConfig:
         """scatter_wgrad: each program keeps a (top_k, block_h) fp32 tile of partial dots."""
-        k_pad = _pow2(top_k)
-        # Each step holds k_pad rows x block_h elements in registers: keep that
-        # near 8K elements, but each row slice >= 512 elements for wide loads.
-        block_h = min(_pow2(hidden), max(8192 // k_pad, 512), 4096)
-        h_blocks = cdiv(hidden, block_h)
-        # Few tokens (decode): split the hidden dim so >= ~4 programs per SM exist.
-        split_h = 1
-        while num_tokens * split_h < 512 and split_h * 2 <= h_blocks:
-            split_h *= 2
-        num_warps = 8 if k_pad * block_h >= 8192 else 4
-        return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps)
+        # A tile near 8K elements (32 per thread at 8 warps), rows >= 512 elements; few tokens:
+        # >= ~4 programs per SM of the H200.
+        return permutation_wgrad_shape(num_tokens, hidden, top_k, tile_elements=8192,
+                                       min_block_h=512, min_programs=512, num_warps=(4, 8),
+                                       more_warps_from=8192)
+
+    def gmm(self, device: DeviceInfo, tokens: int, n: int, k: int, num_experts: int,
+            dtype: torch.dtype) -> GmmConfig:
+        """Tiles of the grouped GEMM ``gmm``: a (tokens, k) times b (E, k, n) on ``device``.
+
+        The :data:`GMM_TILES` entry of the device's family, fitted to the problem
+        (:func:`fit_gmm_tiles`). Hopper, 16-bit, few output columns (N <= 1024, e.g. many small
+        experts): 4 stages instead of 3 (one more K step in flight; 0.91 vs 0.87 of dense at the
+        qwen3 shape on the H200).
+        """
+        family = gmm_tile_family(device)
+        dclass = dtype_class(dtype)
+        experts = max(num_experts, 1)
+        cfg = fit_gmm_tiles(GMM_TILES[("gmm", family, dclass)], max(tokens // experts, 1), n, k,
+                            rows_per_expert=None if family == "cpu" else tokens / experts)
+        if family == "hopper" and dclass == "16bit" and n <= 1024:
+            cfg = replace(cfg, num_stages=4)
+        return cfg
+
+    def gmm_wgrad(self, device: DeviceInfo, rows: int, cols: int, tokens: int, num_experts: int,
+                  dtype: torch.dtype) -> GmmConfig:
+        """Tiles of ``gmm_weight_grad``: per expert a (rows x cols) output (a's and grad's
+        columns) reduced over the expert's share of ``tokens``."""
+        cfg = GMM_TILES[("wgrad", gmm_tile_family(device), dtype_class(dtype))]
+        return fit_gmm_tiles(cfg, rows, cols, max(tokens // max(num_experts, 1), 1))
 
     def launch_options(self, kernel: str) -> Mapping[str, Any]:
         """Extra keywords for every launch of a ``kernel`` class (see :data:`KERNEL_KINDS`).
@@ -176,6 +317,3 @@ def set_launch_configs(configs: LaunchConfigs) -> None:
     global _CONFIGS
     _CONFIGS = configs
 
-
-def is_rocm() -> bool:
-    return torch.version.hip is not None

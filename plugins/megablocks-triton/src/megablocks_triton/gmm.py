@@ -27,28 +27,26 @@ interpreter). An optional forward path (``GmmConfig.use_tma``) loads tiles throu
 descriptors on Hopper/Blackwell; it is the default there for 16-bit inputs (measured on the H200,
 docs/performance.md). fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
 
-Tile configs live in :data:`CONFIGS` and are picked by :func:`choose_config`; they can be
-overridden per call (``config=``) or by environment variable for tuning, see :func:`choose_config`.
+Tile configs come from the launch policy (:meth:`megablocks_triton.config.LaunchConfigs.gmm`, which
+a vendor plugin may override) through :func:`choose_config`; they can be overridden per call
+(``config=``) or by environment variable for tuning, see :func:`choose_config`.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
-from megablocks_core.devices import describe
+from megablocks_core.plugin import DeviceInfo, arch_family, describe_device
 
-from .config import launch_configs
+from .config import GmmConfig, launch_configs
 
 __all__ = [
-    "CONFIGS",
     "MAX_EXPERTS",
-    "DeviceInfo",
     "GmmConfig",
     "choose_config",
     "device_info",
@@ -66,110 +64,18 @@ MAX_EXPERTS = 4096
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GmmConfig:
-    """Tile shape and launch parameters.
-
-    For ``gmm``: BLOCK_M tiles the rows of ``a``/output, BLOCK_N the output columns and BLOCK_K the
-    reduction (``a``'s columns). For ``gmm_weight_grad``: BLOCK_M tiles ``a``'s columns (output
-    rows), BLOCK_N ``grad``'s columns and BLOCK_K the tokens of the group (the reduction).
-    GROUP_M: M-tiles swizzled together inside one expert so neighbouring programs share B tiles.
-    programs_per_sm: persistent grid = programs_per_sm * num_sms (2 can hide the per-tile
-    prologue/epilogue when occupancy allows).
-    use_tma: forward only; load A/B tiles through TMA tensor descriptors (NVIDIA sm90+, or the
-    interpreter). Silently falls back to the portable path when the device or the operands'
-    alignment (16-byte base/strides, unit inner stride) do not allow it.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    programs_per_sm: int = 1
-    use_tma: bool = False
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the config choice needs to know about the device.
-
-    family: "sm90" (Hopper), "sm100" (Blackwell), "sm80" (Ampere/Ada), "cuda" (other NVIDIA),
-    "cdna3" (MI300/MI325/MI350-class AMD), "amd" (other ROCm), "cpu" (TRITON_INTERPRET runs).
-    """
-
-    family: str
-    arch: str
-    num_sms: int
-
-
-def _is_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.cache
-def _device_info_cached(device_type: str, index: int | None) -> DeviceInfo:
-    if device_type != "cuda":  # interpreter / CPU: a few "SMs" so the persistent loop is exercised
-        return DeviceInfo(family="cpu", arch="cpu", num_sms=4)
-    info = describe(torch.device(device_type, index))  # the core's detection (ROCm vs CUDA, arch)
-    if info.kind == "rocm":
-        family = "cdna3" if (info.arch or "").startswith(("gfx942", "gfx950")) else "amd"
-    else:
-        family = {9: "sm90", 10: "sm100", 8: "sm80"}.get((info.capability or (0, 0))[0], "cuda")
-    return DeviceInfo(family=family, arch=(info.arch or "").replace("_", ""),
-                      num_sms=info.multiprocessors or 1)
-
-
 def device_info(device: torch.device) -> DeviceInfo:
-    """Cached device description (property queries cost µs; this is on every call)."""
+    """The core's (cached) description of ``device``; an index-less CUDA device is the current one."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _device_info_cached(device.type, device.index)
+    return describe_device(device)
 
 
-def _dtype_class(dtype: torch.dtype) -> str:
-    return "fp32" if dtype == torch.float32 else "16bit"
+def _num_sms(info: DeviceInfo) -> int:
+    # The interpreter: a few "SMs" so that the persistent loop is exercised.
+    return 4 if info.kind == "cpu" else info.multiprocessors or 1
 
 
-#: (op, device family, dtype class) -> base config. op is "gmm" or "wgrad".
-#: Starting points only (Triton persistent-matmul defaults per arch); the H200 numbers are
-#: expected to be tuned. Families missing here fall back to "cuda"/"amd" entries.
-CONFIGS: dict[tuple[str, str, str], GmmConfig] = {
-    # Hopper: wgmma likes 128xN with 8 warps (2 warpgroups); 128x256x64 bf16 x 3 stages = 144 KiB smem.
-    # TMA loads: 0.95/0.87/0.89 of dense vs 0.81/0.80/0.76 with plain loads (docs/performance.md).
-    ("gmm", "sm90", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3,
-                                        use_tma=True),
-    ("gmm", "sm90", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    ("wgrad", "sm90", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
-    ("wgrad", "sm90", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    ("gmm", "sm100", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4,
-                                         use_tma=True),
-    ("gmm", "sm100", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    ("wgrad", "sm100", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
-    ("wgrad", "sm100", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    # Ampere/Ada and unknown NVIDIA: mma.sync, ~100-160 KiB smem.
-    ("gmm", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
-    ("gmm", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
-    ("wgrad", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
-    ("wgrad", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
-    # CDNA3: 64 KiB LDS, the stream-pipeliner wants num_stages=2; 256x256 tiles are the usual pick.
-    ("gmm", "cdna3", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
-    ("gmm", "cdna3", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
-    ("wgrad", "cdna3", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
-    ("wgrad", "cdna3", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
-    ("gmm", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
-    ("gmm", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
-    ("wgrad", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
-    ("wgrad", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
-    # Interpreter: numpy-backed, small tiles keep the tiny test shapes multi-tile.
-    ("gmm", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-    ("gmm", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-    ("wgrad", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-    ("wgrad", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-}
-
-_FALLBACK_FAMILY = {"sm80": "cuda", "cdna3": "amd"}
 _ENV_VAR = {"gmm": "MEGABLOCKS_TRITON_GMM_CONFIG", "wgrad": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG"}
 
 
@@ -182,7 +88,12 @@ def _parse_env_config(text: str) -> GmmConfig:
     fields = [int(v) for v in text.replace(" ", "").split(",") if v]
     if not 3 <= len(fields) <= 7:
         raise ValueError(f"bad grouped-GEMM config override {text!r}")
-    return GmmConfig(*fields)
+    block_m, block_n, block_k, *rest = fields
+    cfg = GmmConfig(block_m, block_n, block_k)
+    defaults = (cfg.group_m, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm)
+    group_m, num_warps, num_stages, programs_per_sm = (*rest, *defaults[len(rest):])
+    return GmmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps,
+                     num_stages=num_stages, programs_per_sm=programs_per_sm)
 
 
 def _tma_override(cfg: GmmConfig) -> GmmConfig:
@@ -194,42 +105,25 @@ def _tma_override(cfg: GmmConfig) -> GmmConfig:
 def choose_config(
     op: str, m: int, n: int, k: int, num_experts: int, dtype: torch.dtype, info: DeviceInfo
 ) -> GmmConfig:
-    """Pick tile sizes for one call. Pure function of the shapes, dtype and device description.
+    """Pick tile sizes for one call. Pure function of the shapes, dtype, device and launch policy.
 
     op: "gmm" (m = rows of a, n = output columns, k = reduction) or "wgrad" (m = a.shape[1],
     n = grad.shape[1], k = total tokens). Steps:
 
     1. Env override ``MEGABLOCKS_TRITON_GMM_CONFIG`` / ``MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG``
        ("BM,BN,BK[,GROUP_M[,WARPS[,STAGES[,PROGRAMS_PER_SM]]]]") wins, for tuning sweeps.
-    2. Else the :data:`CONFIGS` entry for (op, family, dtype class).
-    3. For gmm, experts averaging fewer rows than half a BLOCK_M tile waste most of their last
-       M-tile: shrink BLOCK_M (not below 64 on GPUs, where MMA atoms are 64 rows on Hopper).
-    4. Blocks never exceed the problem (rounded up to a power of two, >= 16 for tl.dot).
-    5. Hopper, 16-bit, few output columns (N <= 1024, e.g. many small experts): 4 stages instead
-       of 3 (one more K step in flight; 0.91 vs 0.87 of dense at the qwen3 shape on the H200).
-    6. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (tuning).
+    2. Else the launch policy in force decides (:meth:`LaunchConfigs.gmm
+       <megablocks_triton.config.LaunchConfigs.gmm>` / ``gmm_wgrad``; a vendor plugin may
+       install its own).
+    3. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (tuning).
     """
     env = os.environ.get(_ENV_VAR[op])
     if env:
         return _tma_override(_parse_env_config(env))
-    dclass = _dtype_class(dtype)
-    family = info.family
-    cfg = CONFIGS.get((op, family, dclass))
-    if cfg is None:
-        family = _FALLBACK_FAMILY.get(family, "amd" if family.startswith("gfx") else "cuda")
-        cfg = CONFIGS[(op, family, dclass)]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if op == "gmm" and num_experts > 0 and info.family != "cpu":
-        avg_rows = m / num_experts
-        while bm > 64 and avg_rows < bm / 2:
-            bm //= 2
-    bm = min(bm, _pow2_at_least(m if op == "wgrad" else max(m // max(num_experts, 1), 1), 16))
-    bn = min(bn, _pow2_at_least(n, 16))
-    bk = min(bk, _pow2_at_least(k if op == "gmm" else max(k // max(num_experts, 1), 1), 16))
-    stages = cfg.num_stages
-    if op == "gmm" and family == "sm90" and dclass == "16bit" and n <= 1024:
-        stages = 4
-    return _tma_override(replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages))
+    policy = launch_configs()
+    if op == "gmm":
+        return _tma_override(policy.gmm(info, m, n, k, num_experts, dtype))
+    return _tma_override(policy.gmm_wgrad(info, m, n, k, num_experts, dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,7 +370,8 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 def _tma_ok(info: DeviceInfo, *tensors: torch.Tensor) -> bool:
     """TMA needs sm90+ (or the interpreter, which emulates descriptors) and 16-byte aligned bases
     and non-inner strides with a unit inner stride."""
-    if info.family not in ("sm90", "sm100", "cpu"):
+    on_sm90_plus = info.kind == "cuda" and arch_family(info) in ("hopper", "blackwell")
+    if not (on_sm90_plus or info.kind == "cpu"):
         return False
     for t in tensors:
         size = t.element_size()
@@ -522,7 +417,7 @@ def gmm(
     b_arg: object = b
     use_tma = cfg.use_tma and _tma_ok(info, a, b)
     if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
+        from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
         a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]
@@ -531,7 +426,7 @@ def gmm(
     # Host-side upper bound on the tile count (no sync): each non-empty group adds <= 1 partial
     # tile, and so may the rows no group covers (bad device-side batch_sizes).
     max_tiles = (m // cfg.block_m + min(num_experts, m) + 1) * n_tiles
-    grid = max(1, min(info.num_sms * cfg.programs_per_sm, max_tiles))
+    grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, max_tiles))
     _gmm_kernel[(grid,)](
         a_arg, b_arg, out, sizes,
         m, n, k, num_experts,
@@ -572,7 +467,7 @@ def gmm_weight_grad(
     info = device_info(a.device)
     cfg = config or choose_config("wgrad", ka, n, a.shape[0], num_experts, a.dtype, info)
     total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    grid = max(1, min(info.num_sms * cfg.programs_per_sm, total_tiles))
+    grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
     _gmm_wgrad_kernel[(grid,)](
         a, grad, out, sizes,
         a.shape[0], ka, n, num_experts,

@@ -37,10 +37,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
-from megablocks_core.validation import ContractError
+from megablocks_core.plugin import ContractError
 
 from .config import launch_configs
 from .launch import cdiv, launch, next_power_of_2

@@ -13,9 +13,7 @@ import os
 
 import torch
 
-from megablocks_core.contracts import family_ops
-from megablocks_core.descriptors import Kernel
-from megablocks_core.hookspecs import hookimpl
+from megablocks_core.plugin import Kernel, family_ops, hookimpl
 
 PRIORITY = 100
 
@@ -72,7 +70,7 @@ def _kernels(module_name: str, ops: tuple[str, ...],
 
     return [
         Kernel(op=op, fn=getattr(module, op), devices=_devices(), priority=PRIORITY,
-               dtypes=dtypes[op], contiguous=True, cost=getattr(tuning, f"{op}_cost", None))
+               dtypes=dtypes[op], contiguous=True, cost=tuning.COST_HINTS.get(op))
         for op in ops
     ]
 
@@ -80,7 +78,7 @@ def _kernels(module_name: str, ops: tuple[str, ...],
 def _interpreter_problem() -> str | None:
     """Triton <= 3.6's interpreter breaks on numpy >= 2.4 (loops with tensor bounds call int() on
     a 1-element array: triton-lang/triton#9171); say so instead of failing inside a kernel."""
-    import triton
+    import triton  # type: ignore[import-untyped]
     from packaging.version import Version
 
     try:

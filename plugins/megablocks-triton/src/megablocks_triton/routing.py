@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from .config import launch_configs
 from .launch import cdiv, launch, next_power_of_2
