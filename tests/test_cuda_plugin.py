@@ -16,8 +16,9 @@ from fake_plugins import ENV_VARS
 from megablocks_cuda import extension, gmm, plugin, tuning
 
 import megablocks_core
-from megablocks_core import DeviceInfo, costs
+from megablocks_core import DeviceInfo
 from megablocks_core.descriptors import TensorMeta
+from megablocks_core.plugin import DENSE_BF16_TFLOPS
 from megablocks_core.ranking import for_call, rank
 from megablocks_core.registry import PluginRecord, Registry
 
@@ -213,7 +214,7 @@ def _call(rows_per_expert, k, n, experts, sizes_on="cuda"):
 
 
 def _dense_us(rows_per_expert, k, n, experts):
-    return 2.0 * rows_per_expert * experts * k * n / (costs.DENSE_TFLOPS["sm_90"] * 1e6)
+    return 2.0 * rows_per_expert * experts * k * n / (DENSE_BF16_TFLOPS["sm_90"] * 1e6)
 
 
 def test_costs_follow_the_measured_efficiency():
