@@ -227,8 +227,8 @@ def test_gmm_cost_hint_estimates_from_points_and_can_refuse_device_counts():
 
 @pytest.mark.parametrize(("arch", "family"), [
     ("gfx90a", "cdna2"), ("gfx942", "cdna3"), ("gfx950", "cdna4"), ("gfx942:sramecc+:xnack-", "cdna3"),
-    ("gfx1100", None), ("sm_90", None), (None, None)])
-def test_arch_family_of_amd_archs(arch, family):
+    ("gfx1100", None), ("sm_90", "hopper"), ("sm_100", "blackwell"), ("sm_120", None), (None, None)])
+def test_arch_family(arch, family):
     from megablocks_core import plugin
 
     assert plugin.arch_family(arch) == family
