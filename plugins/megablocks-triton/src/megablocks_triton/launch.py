@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import triton
-from triton.runtime.jit import JITFunction
+import triton  # type: ignore[import-untyped]
+from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 
 _INT32 = (-(2**31), 2**31 - 1)
 _Tensor = torch.Tensor
