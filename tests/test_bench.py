@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from megablocks_core import bench
 from megablocks_core.cli import main
 
 
+@pytest.mark.slow
 def test_bench_tiny_on_cpu(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = main(["bench", "--shapes", "tiny", "--device", "cpu", "--quick", "--dtype", "float32",
