@@ -37,26 +37,6 @@ import megablocks_core  # noqa: E402
 
 triton_interpreter.apply_shims()
 
-#: Tests measured at several seconds or more on 2 CPU cores ("file" or "file::function"),
-#: marked ``slow`` here rather than in their files. Everything still runs by default;
-#: ``pytest -m "not slow"`` is the quick loop.
-SLOW_TESTS = frozenset({
-    "test_bench.py::test_bench_tiny_on_cpu",
-    "test_backends_vs_reference.py::test_permutation_forward_and_backward",
-    "test_conformance.py::test_example_plugin_installed_as_a_wheel_is_listed_ranked_and_conforms",
-    "test_conformance.py::test_pytest_door_runs_from_any_directory",
-    "test_cost_choice.py::test_kit_counts_declined_shapes_as_declined_not_failed",
-    "test_expert_parallel.py::test_matches_single_process",
-    "test_wheels.py",
-})
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        name = getattr(item, "originalname", item.name)
-        if item.path.name in SLOW_TESTS or f"{item.path.name}::{name}" in SLOW_TESTS:
-            item.add_marker(pytest.mark.slow)
-
 
 @pytest.fixture
 def reference_backend():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 import torch
 
 from megablocks_core import cli
@@ -13,6 +14,7 @@ from megablocks_core.cli import main
 bench = cli.load_benchmark()  # benchmarks/bench.py of this checkout
 
 
+@pytest.mark.slow
 def test_bench_tiny_on_cpu(tmp_path, capsys):
     path = tmp_path / "bench.json"
     code = main(["bench", "--shapes", "tiny", "--device", "cpu", "--quick", "--dtype", "float32",

@@ -15,19 +15,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_plugins import ENV_VARS, permutation
+from fake_plugins import ENV_VARS, kernels_body, permutation
 from venvs import fresh_env
 
 from megablocks_core import contracts, testing, validation
 from megablocks_core.cli import main
+from megablocks_core.plugin import family_ops
 
 pytestmark = pytest.mark.usefixtures("only_reference")
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "megablocks-example-plugin"
 DISPATCHED = {c.name for c in contracts.ALL if c.dispatched}
+HOOKS = {"routing": "megablocks_routing_kernels", "permutation": "megablocks_permutation_kernels",
+         "grouped_gemm": "megablocks_grouped_gemm_kernels"}
 
 
+def every_op(fns: dict[str, str] | None = None, extra: str = "") -> str:
+    """A plugin body that provides every dispatched op on the CPU: ``recording(op)`` (the reference's
+    kernel, recorded) unless ``fns`` names another function for the op."""
+    fns = fns or {}
+    body = extra
+    for family, hook in HOOKS.items():
+        kernels = ", ".join(f"Kernel(op={op!r}, fn={fns.get(op, f'recording({op!r})')}, devices=('cpu',))"
+                            for op in family_ops(family))
+        body += kernels_body(hook, f"[{kernels}]")
+    return body
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -46,7 +59,7 @@ def test_samples_cover_every_dispatched_contract():
     assert set(testing.DISPATCHED) == DISPATCHED
 
 
-@pytest.mark.parametrize("scenario", testing.FULL, ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", testing.FULL + testing.DEVICE_SIZED, ids=lambda s: s.name)
 def test_every_sample_satisfies_its_contract_in_checked_mode(scenario):
     r = testing.routing(scenario)
     for op in testing.DISPATCHED:
@@ -68,6 +81,20 @@ def test_scenarios_cover_the_edge_cases():
         assert {torch.int16, torch.int32, torch.int64} == {s.index_dtype for s in cases}
     assert set(range(1, 9)) <= {s.top_k for s in testing.FULL}
     assert torch.float64 in {s.dtype for s in testing.FULL}
+    assert any(s.sizes_on_device for s in testing.QUICK)
+    assert any(s.block_size == 128 for s in testing.FULL)
+
+
+def test_accelerators_get_the_device_sized_scenarios_too():
+    assert testing.scenarios(quick=True, device="cuda:0") == testing.QUICK
+    assert testing.scenarios(device="cpu") == testing.FULL
+    assert testing.scenarios(device="cuda:0") == testing.FULL + testing.DEVICE_SIZED
+    sized = testing.DEVICE_SIZED
+    assert max(s.tokens for s in sized) >= 4096 and max(s.hidden for s in sized) >= 2048
+    assert {s.block_size for s in sized} == {128}
+    assert any(s.tokens == 0 for s in sized) and any(s.hidden % 2 for s in sized)
+    assert {torch.float32, torch.float16, torch.bfloat16} <= {s.dtype for s in sized}
+    assert {True, False} == {s.trans_b for s in sized} == {s.sizes_on_device for s in sized}
 
 
 def test_tolerance_table_is_the_documented_one():
@@ -83,37 +110,69 @@ def test_compare_names_the_first_mismatching_element():
     got[1, 1] = 0.5
     with pytest.raises(testing.Mismatch, match=r"out\[1, 1\] = 0\.5, the reference gives 0\.0 \(1 of 6"):
         testing.compare(got, want, "out")
-    testing.compare(want + 1e-7, want, "out")  # within fp32 tolerance
+    testing.compare(want + 1 + 1e-7, want + 1, "out")  # within fp32 tolerance
     with pytest.raises(testing.Mismatch, match="exactly"):
         testing.compare(torch.tensor([1, 2]), torch.tensor([1, 3]), "ids")
 
 
+def test_compare_holds_rows_of_zeros_to_exact_zeros():
+    # Padding rows, empty experts' weight gradients: the contract says 0, not "about 0".
+    want = torch.ones(3, 4)
+    want[1] = 0
+    got = want.clone()
+    got[1, 2] = 2.0**-20  # within any tolerance, but not 0
+    with pytest.raises(testing.Mismatch,
+                       match=r"out\[1, 2\] = 9\.5367431640625e-07 in a row that the reference gives as exact zeros"):
+        testing.compare(got, want, "out")
+    testing.compare(got.flatten(), want.flatten(), "out")  # 1-D: elements, not rows
+    want[0, 0] = 0  # a single zero among values is a value like any other
+    near = want.clone()
+    near[0] += 1e-7
+    testing.compare(near, want, "out")
+
+
 # ---------------------------------------------------------------------------
-# The command line and the pytest door, on the reference backend
+# The command line and the pytest door
 
 
-def test_reference_passes_the_quick_kit(capsys):
-    code, out, err = run_cli(capsys, "backends", "check", "reference", "--device", "cpu", "--quick", "--json")
+def test_the_oracle_is_never_compared_with_itself(capsys):
+    # Only the reference is enabled here: nothing to check, and one line that says why.
+    code, out, err = run_cli(capsys, "backends", "check", "--device", "cpu", "--quick", "--json")
     assert code == 0, out + err
     data = json.loads(out)
-    assert data["passed"] is True and data["device"] == "cpu" and data["quick"] is True
-    results = {r["op"]: r for r in data["results"]}
-    assert set(results) == DISPATCHED
-    for r in results.values():
-        assert (r["backend"], r["status"], r["message"]) == ("reference", "pass", "")
-        assert r["scenarios"] == len(testing.QUICK) and r["declined"] == 0
+    assert data["passed"] is True
+    assert {r["status"] for r in data["results"]} == {"unavailable"}  # the others are disabled
+    assert [r for r in data["results"] if r["backend"] == "reference"] == [
+        {"op": "*", "backend": "reference", "status": "unavailable", "message": testing.ORACLE_SKIPPED,
+         "scenarios": 0, "declined": 0, "seconds": 0.0}]
+    assert "independent numpy oracle" in testing.ORACLE_SKIPPED
+    code, out, err = run_cli(capsys, "backends", "check", "--quick")
+    assert code == 0 and f"reference: unavailable here: {testing.ORACLE_SKIPPED}" in out
+    # Named, it is skipped the same way; having proven nothing, the command fails.
+    code, out, err = run_cli(capsys, "backends", "check", "reference", "--quick")
+    assert code == 1 and testing.ORACLE_SKIPPED in out and "nothing of reference could be checked" in err
+    assert testing.check_op("reference", "gather").message == testing.ORACLE_SKIPPED
 
 
-def test_pytest_door_runs_from_any_directory(tmp_path):
+@pytest.mark.slow
+def test_pytest_door_runs_from_any_directory(plugins, tmp_path):
+    plugins.add("mirror", every_op())
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    env["PYTHONPATH"] = os.pathsep.join([str(plugins.site()), env.get("PYTHONPATH", "")])
+    env["MEGABLOCKS_PLUGINS"] = "reference,mirror"
+    # No --megablocks-backend: every installed backend but the oracle, i.e. mirror alone.
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
            "-p", "megablocks_core.testing.pytest_plugin", "--pyargs", "megablocks_core.testing",
-           "--megablocks-backend", "reference", "--megablocks-device", "cpu", "--megablocks-quick",
-           "-k", "histogram or scatter or loads"]
+           "--megablocks-device", "cpu", "--megablocks-quick", "-k", "histogram or scatter or loads"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # histogram, scatter, scatter_wgrad, padded_scatter(+_wgrad), binned_scatter(+_wgrad), loads
-    assert "8 passed" in proc.stdout, proc.stdout
+    passed = set(re.findall(r"::(test_\w+\[[\w-]+\]) PASSED", proc.stdout))
+    assert {t for t in passed if "mirror" in t} == {
+        "test_backend_loads[mirror]",
+        *(f"test_op_conforms[mirror-{op}]" for op in ("histogram", "scatter", "scatter_wgrad", "padded_scatter",
+                                                      "padded_scatter_wgrad", "binned_scatter",
+                                                      "binned_scatter_wgrad"))}, proc.stdout
+    assert "[reference" not in proc.stdout, proc.stdout  # the oracle is not one of the defaults
 
 
 # ---------------------------------------------------------------------------
@@ -126,26 +185,83 @@ def gather_off_by_one(x, indices, bin_ids, weights, bins, top_k):
 '''
 
 
-def test_a_wrong_gather_fails_the_kit_and_names_the_op(plugins, capsys):
-    plugins.add("offbyone", permutation(
-        '[Kernel(op="gather", fn=gather_off_by_one, devices=("cpu",), priority=10)]', OFF_BY_ONE))
+def test_a_wrong_gather_fails_gathers_check_and_no_other(plugins, capsys):
+    # Every op provided, only gather wrong: scatter's backward runs a gather, and would fail too
+    # if the kit did not keep every op but the one under test on the reference.
+    plugins.add("offbyone", every_op({"gather": "gather_off_by_one"}, OFF_BY_ONE))
     plugins.reload()
-    code, out, err = run_cli(capsys, "backends", "check", "offbyone", "--quick", "--json")
+    code, out, err = run_cli(capsys, "backends", "check", "--device", "cpu", "--quick", "--json")
     assert code == 1
     data = json.loads(out)
-    assert data["passed"] is False
-    results = {r["op"]: r for r in data["results"]}
+    assert data["passed"] is False and data["device"] == "cpu" and data["quick"] is True
+    results = {r["op"]: r for r in data["results"] if r["backend"] == "offbyone"}
     assert results["gather"]["status"] == "fail"
     assert results["gather"]["message"].startswith("gather (tokens=16 experts=4")
     assert "forward output 'out'[" in results["gather"]["message"]
-    assert {op for op, r in results.items() if r["status"] == "not provided"} == DISPATCHED - {"gather"}
+    del results["gather"]
+    assert set(results) == DISPATCHED - {"gather"}
+    for r in results.values():
+        assert (r["status"], r["message"]) == ("pass", ""), r
+        assert r["scenarios"] == len(testing.QUICK) and r["declined"] == 0
+    # The kernels checked were the plugin's own; the oracle (not named) only gave its line.
+    assert set(plugins.calls("offbyone")) == DISPATCHED - {"gather"}
+    assert [r["op"] for r in data["results"] if r["backend"] == "reference"] == ["*"]
 
     code, out, err = run_cli(capsys, "backends", "check", "offbyone", "--quick")
     assert code == 1
     assert re.search(r"^gather\s+FAIL$", out, re.MULTILINE)
-    assert re.search(r"^scatter\s+not provided$", out, re.MULTILINE)
+    assert re.search(r"^scatter\s+pass$", out, re.MULTILINE)
     assert "\nFAIL offbyone: gather (tokens=16" in out
-    assert "0 passed, 1 failed, 18 not provided" in out
+    assert f"{len(DISPATCHED) - 1} passed, 1 failed, 0 not provided" in out
+
+
+PADDING_NOT_ZERO = '''
+def padded_gather_dirty(x, indices, bin_ids, weights, bins, padded_bins, top_k):
+    out = _reference.padded_gather(x, indices, bin_ids, weights, bins, padded_bins, top_k)
+    return torch.where(out == 0, torch.full_like(out, 2.0**-24), out)  # within tolerance, not zero
+'''
+
+
+def test_padding_rows_that_are_almost_zero_fail(plugins):
+    plugins.add("dirty", permutation(
+        "[Kernel(op='padded_gather', fn=padded_gather_dirty, devices=('cpu',))]", PADDING_NOT_ZERO))
+    plugins.reload()
+    [result] = testing.check(["dirty"], quick=True, ops=["padded_gather"])
+    assert result.status == "fail" and "gives as exact zeros" in result.message, result.message
+
+
+VARIANTS = '''
+def gmm_good(a, b, batch_sizes, trans_b):
+    CALLS.append("good")
+    return _reference.gmm(a, b, batch_sizes, trans_b)
+
+def gmm_also_good(a, b, batch_sizes, trans_b):
+    CALLS.append("also_good")
+    return _reference.gmm(a, b, batch_sizes, trans_b)
+
+def gmm_bad(a, b, batch_sizes, trans_b):
+    return _reference.gmm(a, b, batch_sizes, trans_b) * 1.01
+'''
+
+
+def gmm_variants(*variants: tuple[str, str, str]) -> str:
+    kernels = ", ".join(f"Kernel(op='gmm', fn={fn}, devices=({device!r},), variant={name!r})"
+                        for name, fn, device in variants)
+    return kernels_body("megablocks_grouped_gemm_kernels", f"[{kernels}]", VARIANTS)
+
+
+def test_every_variant_of_a_backend_is_forced_in_turn(plugins):
+    plugins.add("twogood", gmm_variants(("a", "gmm_good", "cpu"), ("b", "gmm_also_good", "cpu"),
+                                        ("gpu", "gmm_good", "cuda")))
+    plugins.add("onebad", gmm_variants(("a", "gmm_good", "cpu"), ("z", "gmm_bad", "cpu")))
+    plugins.reload()
+    results = {r.backend: r for r in testing.check(["twogood", "onebad"], quick=True, ops=["gmm"])}
+    good = results["twogood"]
+    assert good.status == "pass" and good.scenarios == 2 * len(testing.QUICK)
+    assert {"good", "also_good"} <= set(plugins.calls("twogood"))
+    assert good.message.startswith("not checked here: twogood/gpu: ") and "cuda" in good.message
+    bad = results["onebad"]
+    assert bad.status == "fail" and bad.message.startswith("gmm via onebad/z (tokens=16"), bad.message
 
 
 def test_a_kernel_that_raises_or_mutates_its_input_fails(plugins):
@@ -201,6 +317,7 @@ def test_a_broken_plugin_fails_and_an_unknown_one_is_an_error(plugins, capsys):
 # The example plugin: a real wheel in a fresh environment
 
 
+@pytest.mark.slow
 def test_example_plugin_installed_as_a_wheel_is_listed_ranked_and_conforms(tmp_path):
     source = tmp_path / "src"
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))

@@ -265,6 +265,7 @@ def test_cli_explain_shows_the_per_shape_choice(two_gmms, capsys):
     assert rows["qwen3"][-3:] == ["1280.0", str(2.0 * 16384 * 8), "loop"]
 
 
+@pytest.mark.slow
 def test_kit_counts_declined_shapes_as_declined_not_failed(plugins):
     from megablocks_core import testing
 

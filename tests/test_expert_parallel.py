@@ -205,6 +205,7 @@ def _reference(case: Case, ranks: range) -> tuple[DroplessMoE, list[tuple[torch.
 ALL = [(world, case) for world, cases in CASES.items() for case in cases]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "case"), ALL, ids=[c.name for _, c in ALL])
 def test_matches_single_process(results, world, case):
     got = results(world)

@@ -21,6 +21,8 @@ import pytest
 from fake_plugins import ENV_VARS
 from venvs import fresh_env
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 IGNORE = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".ruff_cache",
                                 ".pytest_cache")

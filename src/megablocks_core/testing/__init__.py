@@ -9,6 +9,8 @@ Two doors to the same checks:
           --megablocks-backend NAME --megablocks-device cuda:0
 
 Or from Python: ``check(["foo"], device="cuda:0")`` returns one :class:`Result` per op.
+Without names, every installed backend is checked except the reference: it is the oracle the
+others are compared with, and megablocks-core's test suite checks it against numpy instead.
 Nothing here is registered with pytest automatically: installing megablocks-core adds no
 tests and no options to other projects' test runs.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 from .kit import (
     DISPATCHED,
     OPCHECK_TESTS,
+    ORACLE_SKIPPED,
     REFERENCE,
     TOLERANCES,
     Mismatch,
@@ -28,10 +31,20 @@ from .kit import (
     compare,
     passed,
 )
-from .scenarios import FULL, QUICK, SAMPLES, Routing, Scenario, routing, sample, scenarios
+from .scenarios import (
+    DEVICE_SIZED,
+    FULL,
+    QUICK,
+    SAMPLES,
+    Routing,
+    Scenario,
+    routing,
+    sample,
+    scenarios,
+)
 
 __all__ = [
-    "DISPATCHED", "FULL", "OPCHECK_TESTS", "QUICK", "REFERENCE", "SAMPLES", "TOLERANCES", "Mismatch",
-    "Result", "Routing", "Scenario", "bad_inputs", "check", "check_op", "compare", "passed", "routing",
-    "sample", "scenarios",
+    "DEVICE_SIZED", "DISPATCHED", "FULL", "OPCHECK_TESTS", "ORACLE_SKIPPED", "QUICK", "REFERENCE",
+    "SAMPLES", "TOLERANCES", "Mismatch", "Result", "Routing", "Scenario", "bad_inputs", "check",
+    "check_op", "compare", "passed", "routing", "sample", "scenarios",
 ]

@@ -1,7 +1,8 @@
 """Parametrizes the kit's pytest module over backends and ops.
 
 Options come from :mod:`megablocks_core.testing.pytest_plugin` when it is loaded with ``-p``;
-without it the defaults apply (every installed backend, on the CPU, full scenario set).
+without it the defaults apply (every installed backend but the reference, the kit's oracle, on
+the CPU, full scenario set).
 """
 
 from __future__ import annotations
@@ -9,11 +10,12 @@ from __future__ import annotations
 import pytest
 
 from megablocks_core import registry
-from megablocks_core.testing import DISPATCHED
+from megablocks_core.testing import DISPATCHED, REFERENCE
 
 
 def _backends(config: pytest.Config) -> list[str]:
-    return list(config.getoption("megablocks_backend", default=None) or registry().backend_names)
+    named = config.getoption("megablocks_backend", default=None)
+    return list(named or [b for b in registry().backend_names if b != REFERENCE])
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

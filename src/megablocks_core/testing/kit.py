@@ -4,11 +4,16 @@ For every op a backend claims, each scenario's sample (see :mod:`.scenarios`)
 is run with that backend forced for the op (every other op, e.g. those its
 backward calls, on the reference) and compared with the reference
 backend: output shapes and dtypes against the contract, values against the
-reference (tolerances in :data:`TOLERANCES`), inputs unmodified, a repeated
-call equal, gradients of every differentiable input equal. Then, on the first
-sample the backend serves: bad inputs raise the contract's error types,
-``torch.library.opcheck`` passes, and a ``torch.compile(fullgraph=True)`` call
-matches eager. The first mismatch fails the op and is reported.
+reference (tolerances in :data:`TOLERANCES`; rows the reference gives as exact
+zeros, exactly), inputs unmodified, a repeated call equal, gradients of every
+differentiable input equal. Then, on the first sample the backend serves: bad
+inputs raise the contract's error types, ``torch.library.opcheck`` passes, and
+a ``torch.compile(fullgraph=True)`` call matches eager. A backend with several
+kernels for one op (``Kernel.variant``, e.g. grouped-GEMM providers) has each
+of them forced in turn. The first mismatch fails the op and is reported.
+
+The reference backend is the oracle and is never compared with itself: the
+test suite of megablocks-core checks it against an independent numpy oracle.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from ..ranking import Policy
 from .scenarios import Routing, Scenario, routing, sample, scenarios
 
 REFERENCE = "reference"
+#: Why the oracle is skipped: comparing the reference with itself would prove nothing.
+ORACLE_SKIPPED = ("the kit's oracle, not compared with itself (megablocks-core's test suite checks it "
+                  "against an independent numpy oracle, tests/test_ops_vs_numpy.py)")
 Status = Literal["pass", "fail", "not provided", "unavailable"]
 
 #: Relative tolerance per floating-point dtype. An element passes when
@@ -60,7 +68,8 @@ class Result:
     backend: str
     status: Status
     message: str = ""
-    """The first mismatch (fail), or why nothing could run here (unavailable)."""
+    """The first mismatch (fail); why nothing could run here (unavailable); for a pass, the
+    kernels of the op (variants) that could not run here, if any."""
     scenarios: int = 0
     """Scenarios checked."""
     declined: int = 0
@@ -117,6 +126,24 @@ def compare(got: Any, want: torch.Tensor, what: str, source: str = "the referenc
         raise Mismatch(f"{what}{_describe_index(index)} = {g[index].item()!r}, {source} gives "
                        f"{w[index].item()!r} ({int(bad.sum())} of {bad.numel()} elements differ; "
                        f"must match {rule})")
+    _compare_zero_rows(g, w, what, source)
+
+
+def _compare_zero_rows(got: torch.Tensor, want: torch.Tensor, what: str, source: str) -> None:
+    """Rows (along the last dimension, at least two elements) that ``want`` gives as all zeros must
+    be exactly zero: padding rows, empty experts' weight gradients, dropped tokens. A row of random
+    values never cancels to zero by chance, so these zeros are the contract's, not rounding's."""
+    if got.dim() < 2 or got.shape[-1] < 2 or not got.numel() or not got.is_floating_point():
+        return
+    zero_rows = (want.reshape(-1, want.shape[-1]) == 0).all(dim=1)
+    nonzero = got.reshape(-1, got.shape[-1]) != 0
+    wrong = zero_rows[:, None] & nonzero
+    if bool(wrong.any()):
+        flat = int(wrong.nonzero()[0][0]) * got.shape[-1] + int(wrong.nonzero()[0][1])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(got.shape)))
+        raise Mismatch(f"{what}{_describe_index(index)} = {got[index].item()!r} in a row that {source} "
+                       f"gives as exact zeros ({int(wrong.any(dim=1).sum())} such rows are not; the "
+                       f"contract's zero rows must be exactly 0)")
 
 
 def _outputs(value: Any) -> tuple[Any, ...]:
@@ -156,13 +183,10 @@ def _check_meta(contract: OpContract, args: tuple[Any, ...], got: Any) -> None:
 def _on(backend: str, op: str) -> Iterator[None]:
     """``op`` forced onto ``backend`` and every other op (those its backward or a composite kernel
     calls) onto the reference: a failure is the op under test's own. (A backend's gather that is
-    wrong fails gather's check, not scatter's, whose backward would otherwise run it.)"""
-    if backend == REFERENCE:
-        with use_backend(REFERENCE):
-            yield
-    else:
-        with use_backend(REFERENCE, **{op: backend}):
-            yield
+    wrong fails gather's check, not scatter's, whose backward would otherwise run it.) ``backend``
+    may name one kernel, ``backend/variant``."""
+    with use_backend(REFERENCE, **{op: backend}):
+        yield
 
 
 def _cannot_serve(backend: str, contract: OpContract, device: torch.device, args: tuple[Any, ...]) -> str | None:
@@ -219,13 +243,16 @@ def _check_sample(backend: str, contract: OpContract, args: tuple[Any, ...]) -> 
     with use_backend(REFERENCE):
         want = run(*args)
     _compare_all(contract, got, want, "forward")
-    with _on(backend, op):
-        again = run(*args)
-    _compare_all(contract, again, got, "repeated call", "the first call")
     if not _with_grad_leaves(contract, args)[1]:
+        with _on(backend, op):
+            again = run(*args)
+        _compare_all(contract, again, got, "repeated call", "the first call")
         return
+    # The forward of the gradient run is the repeated call (one kernel launch fewer per sample:
+    # under Triton's interpreter that is a third of the kit's time).
     with _on(backend, op):
-        _, got_grads = _grads(run, contract, args)
+        again, got_grads = _grads(run, contract, args)
+    _compare_all(contract, again, got, "repeated call", "the first call")
     with use_backend(REFERENCE):
         _, want_grads = _grads(run, contract, args)
     for name, g in got_grads.items():
@@ -306,7 +333,8 @@ def _check_compile(backend: str, contract: OpContract, args: tuple[Any, ...]) ->
 
 def check_op(backend: str, op: str, device: torch.device | str = "cpu", quick: bool = False,
              cases: Sequence[Scenario] | None = None) -> Result:
-    """Check one op of one installed backend on ``device`` (see the module docstring)."""
+    """Check one op of one installed backend on ``device`` (see the module docstring): each of
+    its kernels for the op in turn, on ``cases`` (default: :func:`.scenarios` for the device)."""
     contract = BY_NAME[op]
     if not contract.dispatched:
         raise ValueError(f"{op!r} is not a dispatched op; dispatched ops: {', '.join(DISPATCHED)}")
@@ -314,26 +342,53 @@ def check_op(backend: str, op: str, device: torch.device | str = "cpu", quick: b
     if record is None:
         raise ValueError(f"backend {backend!r} is not installed "
                          f"(installed: {', '.join(registry().backend_names) or 'none'})")
+    if backend == REFERENCE:
+        return Result(op, backend, "unavailable", ORACLE_SKIPPED)
     if op not in record.ops:
         return Result(op, backend, "not provided")
     if record.status != "ok":
         return Result(op, backend, "unavailable", record.reason or record.status)
     device = torch.device(device)
+    todo = tuple(cases) if cases is not None else scenarios(quick, device)
+    # Forcing "backend/variant" picks that one kernel; a backend without variants is forced by name.
+    labels = sorted({k.label for k in record.kernels if k.op == op})
+    start = time.perf_counter()
+    ran = declined = 0
+    unchecked: list[str] = []
+    for label in labels:
+        outcome = _check_kernel(label, contract, device, todo)
+        ran, declined = ran + outcome.scenarios, declined + outcome.declined
+        named = f" via {label}" if len(labels) > 1 else ""
+        if outcome.status == "fail":
+            message = f"{op}{named}{outcome.message.removeprefix(op)}"
+            return Result(op, backend, "fail", message, ran, declined, time.perf_counter() - start)
+        if outcome.status == "unavailable":
+            unchecked.append(f"{label}: {outcome.message}" if named else outcome.message)
+    elapsed = time.perf_counter() - start
+    if not ran:
+        return Result(op, backend, "unavailable", "; ".join(unchecked), 0, declined, elapsed)
+    note = f"not checked here: {'; '.join(unchecked)}" if unchecked else ""
+    return Result(op, backend, "pass", note, ran, declined, elapsed)
+
+
+def _check_kernel(label: str, contract: OpContract, device: torch.device, cases: Sequence[Scenario]) -> Result:
+    """One kernel (``backend`` or ``backend/variant``) forced for its op, on every case it serves."""
+    op = contract.name
     start = time.perf_counter()
     ran, declined, reason = 0, 0, ""
     first: tuple[Any, ...] | None = None
     stage, case = "", ""
     try:
-        for scenario in cases if cases is not None else scenarios(quick):
+        for scenario in cases:
             r: Routing = routing(scenario, device)
             args = sample(op, r)
-            why_not = _cannot_serve(backend, contract, device, args)
+            why_not = _cannot_serve(label, contract, device, args)
             if why_not:
                 declined += 1
                 reason = reason or why_not
                 continue
             stage, case = "", f" ({scenario.name})"
-            _check_sample(backend, contract, args)
+            _check_sample(label, contract, args)
             ran += 1
             first = first or args
         if first is not None:
@@ -341,24 +396,26 @@ def check_op(backend: str, op: str, device: torch.device | str = "cpu", quick: b
             for name, step in (("bad inputs", _check_bad_inputs), ("opcheck", _check_opcheck),
                                ("torch.compile", _check_compile)):
                 stage = name
-                step(backend, contract, first)
+                step(label, contract, first)
     except Mismatch as exc:
         where = f" [{stage}]" if stage else ""
-        return Result(op, backend, "fail", f"{op}{where}{case}: {exc}", ran, declined,
+        return Result(op, label, "fail", f"{op}{where}{case}: {exc}", ran, declined,
                       time.perf_counter() - start)
     except Exception as exc:  # a kernel that raises fails its op, nothing more
         where = f" [{stage}]" if stage else ""
-        return Result(op, backend, "fail", f"{op}{where}{case}: raised {type(exc).__name__}: {exc}",
+        return Result(op, label, "fail", f"{op}{where}{case}: raised {type(exc).__name__}: {exc}",
                       ran, declined, time.perf_counter() - start)
     elapsed = time.perf_counter() - start
     if not ran:
-        return Result(op, backend, "unavailable", reason, 0, declined, elapsed)
-    return Result(op, backend, "pass", "", ran, declined, elapsed)
+        return Result(op, label, "unavailable", reason, 0, declined, elapsed)
+    return Result(op, label, "pass", "", ran, declined, elapsed)
 
 
 def check(backends: Sequence[str] | None = None, device: torch.device | str = "cpu", quick: bool = False,
           ops: Sequence[str] | None = None) -> list[Result]:
-    """Check every op of each backend (default: every installed backend) against the reference."""
+    """Check every op of each backend against the reference. Default: every installed backend but
+    the reference itself, the oracle (one ``"*"`` result, ``unavailable``, says so; naming it
+    gives the same)."""
     reg = registry()
     oracle = reg.plugins.get(REFERENCE)
     if oracle is None or oracle.status != "ok":
@@ -371,7 +428,9 @@ def check(backends: Sequence[str] | None = None, device: torch.device | str = "c
     results = []
     for name in backends or reg.backend_names:
         record = reg.plugins[name]
-        if record.status in ("broken", "incompatible"):
+        if name == REFERENCE:
+            results.append(Result("*", name, "unavailable", ORACLE_SKIPPED))
+        elif record.status in ("broken", "incompatible"):
             results.append(Result("*", name, "fail", f"{name} is {record.status}: {record.reason}"))
         elif record.status == "disabled":
             results.append(Result("*", name, "unavailable", record.reason or "disabled"))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-#: Padding granularity of padded_bins (small, so that padding rows really occur).
+#: Default padding granularity of padded_bins (small, so that padding rows really occur).
 BLOCK_SIZE = 4
 #: Column blocks per expert in topology samples.
 BLOCK_COLUMNS = 2
@@ -44,13 +44,26 @@ class Scenario:
     weighted: bool = True
     """Pass weights where an op accepts them (None otherwise)."""
     trans_b: bool = False
+    ffn: int | None = None
+    """gmm's output width (the expert weights' other dimension); default ``hidden + 2``."""
+    block_size: int = BLOCK_SIZE
+    """Padding granularity of padded_bins, route and topology (MegaBlocks uses 128)."""
+    sizes_on_device: bool = False
+    """gmm's batch_sizes on the device (the sync-free form) instead of MegaBlocks' CPU tensor."""
     seed: int = 0
+
+    @property
+    def ffn_size(self) -> int:
+        return self.hidden + 2 if self.ffn is None else self.ffn
 
     @property
     def name(self) -> str:
         flags = [f for f, on in (("empty experts", self.empty_experts),
                                  ("non-contiguous", self.non_contiguous),
-                                 ("unweighted", not self.weighted), ("trans_b", self.trans_b)) if on]
+                                 ("unweighted", not self.weighted), ("trans_b", self.trans_b),
+                                 (f"ffn={self.ffn}", self.ffn is not None),
+                                 (f"block={self.block_size}", self.block_size != BLOCK_SIZE),
+                                 ("sizes on device", self.sizes_on_device)) if on]
         dtypes = f"{_short(self.dtype)}/{_short(self.index_dtype)}"
         return (f"tokens={self.tokens} experts={self.experts} top_k={self.top_k} hidden={self.hidden} "
                 + " ".join([dtypes, *flags]))
@@ -90,7 +103,8 @@ class Routing:
     """gmm's b: (experts, hidden, ffn), or (experts, ffn, hidden) with trans_b."""
     gmm_grad: torch.Tensor
     batch_sizes: torch.Tensor
-    """Tokens per expert as int64 on the CPU (MegaBlocks' convention for gmm)."""
+    """Tokens per expert as int64, on the CPU (MegaBlocks' convention for gmm) unless the scenario
+    puts them on the device."""
 
     @property
     def num_rows(self) -> int:
@@ -105,10 +119,10 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
     keys = torch.randint(0, used, (rows,), generator=gen) * (2 if s.empty_experts else 1)
     bin_ids, indices = torch.sort(keys, stable=True)
     counts = torch.bincount(keys, minlength=s.experts)
-    padded_counts = (counts + BLOCK_SIZE - 1) // BLOCK_SIZE * BLOCK_SIZE
+    padded_counts = (counts + s.block_size - 1) // s.block_size * s.block_size
     padded_total = int(padded_counts.sum())
     bin_size = math.ceil(rows / s.experts)  # rows past an expert's fair share are dropped
-    ffn = s.hidden + 2
+    ffn = s.ffn_size
 
     def floats(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=s.dtype)
@@ -127,7 +141,8 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
         weights=weights if s.weighted else None, grad=floats(s.tokens, s.hidden),
         padded_x=floats(padded_total, s.hidden), binned_x=floats(s.experts, bin_size, s.hidden),
         per_bin=floats(REPLICATE_BATCH, s.experts), per_row=floats(REPLICATE_BATCH, rows),
-        expert_weights=floats(*b_shape), gmm_grad=floats(rows, ffn), batch_sizes=counts.to(torch.int64),
+        expert_weights=floats(*b_shape), gmm_grad=floats(rows, ffn),
+        batch_sizes=counts.to(device=device if s.sizes_on_device else "cpu", dtype=torch.int64),
     )
 
 
@@ -138,10 +153,11 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "histogram": lambda r: (r.top_experts, r.scenario.experts),
     "inclusive_cumsum": lambda r: (r.counts, 0),
     "exclusive_cumsum": lambda r: (r.counts, 0),
-    "topology": lambda r: (r.padded_bins, BLOCK_SIZE, r.padded_rows_total // BLOCK_SIZE, BLOCK_COLUMNS),
+    "topology": lambda r: (r.padded_bins, r.scenario.block_size, r.padded_rows_total // r.scenario.block_size,
+                           BLOCK_COLUMNS),
     "replicate": lambda r: (r.per_bin, r.bins, r.num_rows),
     "replicate_backward": lambda r: (r.per_row, r.bins),
-    "route": lambda r: (r.top_experts, r.scenario.experts, BLOCK_SIZE),
+    "route": lambda r: (r.top_experts, r.scenario.experts, r.scenario.block_size),
     "gather": lambda r: (r.x, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
     "scatter": lambda r: (r.rows, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
     "scatter_wgrad": lambda r: (r.rows, r.grad, r.indices, r.bin_ids, r.bins, r.scenario.top_k),
@@ -184,9 +200,9 @@ QUICK: tuple[Scenario, ...] = (
     Scenario(tokens=16, experts=4, top_k=2, hidden=8),
     Scenario(tokens=0, experts=4, top_k=2, hidden=8),
     Scenario(tokens=12, experts=8, top_k=2, hidden=5, dtype=_BF16, index_dtype=_I64,
-             empty_experts=True, non_contiguous=True, trans_b=True, seed=1),
+             empty_experts=True, non_contiguous=True, trans_b=True, sizes_on_device=True, seed=1),
     Scenario(tokens=9, experts=1, top_k=1, hidden=1, dtype=_F16, index_dtype=_I16, weighted=False,
-             seed=2),
+             trans_b=True, block_size=128, seed=2),
     Scenario(tokens=40, experts=256, top_k=8, hidden=3, seed=3),
 )
 
@@ -206,8 +222,36 @@ FULL: tuple[Scenario, ...] = (
     Scenario(tokens=512, experts=64, top_k=2, hidden=64, seed=44),
     Scenario(tokens=100, experts=8, top_k=2, hidden=33, dtype=_F32, index_dtype=_I16,
              non_contiguous=True, empty_experts=True, seed=45),
+    # MegaBlocks' block size: most experts are a single padded block of 128 rows, mostly padding.
+    Scenario(tokens=9, experts=32, top_k=8, hidden=33, dtype=_F16, block_size=128, seed=46),
+)
+
+#: Added to the full set on an accelerator: the shapes of real MoE layers (thousands of tokens,
+#: hidden sizes in the thousands, MegaBlocks' block size 128), where tiling, masking of odd tails
+#: and multi-block launches are exercised. Too slow for a CPU (and Triton's interpreter).
+DEVICE_SIZED: tuple[Scenario, ...] = (
+    Scenario(tokens=4096, experts=8, top_k=2, hidden=1024, ffn=768, dtype=_BF16, block_size=128, seed=50),
+    Scenario(tokens=4096, experts=8, top_k=2, hidden=1024, ffn=768, dtype=_F16, block_size=128,
+             trans_b=True, sizes_on_device=True, seed=51),
+    Scenario(tokens=2048, experts=64, top_k=8, hidden=512, ffn=384, dtype=_F32, block_size=128, seed=52),
+    Scenario(tokens=2048, experts=64, top_k=8, hidden=512, ffn=384, dtype=_BF16, index_dtype=_I64,
+             block_size=128, trans_b=True, sizes_on_device=True, seed=53),
+    Scenario(tokens=1024, experts=256, top_k=8, hidden=2048, ffn=256, dtype=_BF16, block_size=128,
+             empty_experts=True, seed=54),
+    Scenario(tokens=296, experts=16, top_k=2, hidden=72, ffn=136, dtype=_F32, block_size=128,
+             trans_b=True, seed=55),
+    # Odd sizes everywhere: masks and tails.
+    Scenario(tokens=777, experts=16, top_k=1, hidden=129, ffn=136, dtype=_F16, block_size=128,
+             non_contiguous=True, seed=56),
+    Scenario(tokens=777, experts=16, top_k=1, hidden=129, ffn=136, dtype=_F32, block_size=128,
+             sizes_on_device=True, weighted=False, seed=57),
+    Scenario(tokens=0, experts=8, top_k=2, hidden=256, dtype=_BF16, block_size=128, seed=58),
 )
 
 
-def scenarios(quick: bool = False) -> tuple[Scenario, ...]:
-    return QUICK if quick else FULL
+def scenarios(quick: bool = False, device: torch.device | str = "cpu") -> tuple[Scenario, ...]:
+    """The scenarios to check on ``device``: :data:`QUICK`, or :data:`FULL` plus, on an accelerator,
+    :data:`DEVICE_SIZED`."""
+    if quick:
+        return QUICK
+    return FULL if torch.device(device).type in ("cpu", "meta") else FULL + DEVICE_SIZED

@@ -1,0 +1,56 @@
+"""On a CUDA GPU: routing and permutation make no device→host sync, on every GPU backend.
+
+Why this is not in the conformance kit: the contracts do not say, op by op, which ops must be
+sync-free (padded_gather reads padded_bins on the host by design, gmm syncs when batch_sizes is
+on the CPU), so the kit has nothing to hold a backend to; here the sync-free sequence of an MoE
+layer's routing and permutation is named explicitly. The values of these ops on every backend
+are the kit's job (``megablocks backends check --device cuda:0``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megablocks_core as mb
+from megablocks_core import ops
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist only with a GPU")
+
+TOKENS, HIDDEN, EXPERTS, TOP_K = 4096, 512, 64, 8
+
+
+def gpu_backends(op: str, dtype: torch.dtype) -> list[str]:
+    """Installed kernels (``backend`` or ``backend/variant``) that serve ``op`` on the GPU, apart
+    from the portable reference; each is then forced in turn with ``use_backend(label)``."""
+    trace = mb.explain(op, torch.device("cuda"), {"x": dtype})
+    return sorted({c.kernel.label for c in trace.candidates if c.accepted and not c.kernel.portable})
+
+
+def route_and_permute(top: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:
+    end_bit = max((EXPERTS - 1).bit_length(), 1)
+    bin_ids, indices = ops.sort(top, end_bit)
+    ops.route(top, EXPERTS, 128)
+    counts = ops.histogram(top, EXPERTS)
+    bins = ops.inclusive_cumsum(counts, 0)
+    rows = ops.gather(x, indices, bin_ids, bins, TOP_K)
+    ops.scatter(rows, indices, bin_ids, weights, bins, TOP_K)
+
+
+def test_routing_and_permutation_do_not_sync_the_host():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(TOKENS, EXPERTS, device="cuda", generator=gen)
+    weights, top = torch.topk(logits.softmax(-1), TOP_K)
+    top, weights = top.flatten().int(), weights.flatten().bfloat16()
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    backends = gpu_backends("gather", torch.bfloat16)
+    assert backends, "no GPU backend serves gather"
+    for backend in backends:
+        with mb.use_backend(backend):
+            route_and_permute(top, x, weights)  # warm up: selection happens once per signature
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                route_and_permute(top, x, weights)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
