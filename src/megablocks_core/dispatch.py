@@ -174,14 +174,3 @@ def served() -> dict[str, list[str]]:
     """Op → labels of the kernels chosen so far in this process (from the selection cache)."""
     return {op: sorted(labels) for op, labels in _served.items() if labels}
 
-
-def __getattr__(name: str) -> Any:
-    # ENTRIES and use_backend lived here before entries.py and policy.py; testing/kit.py still
-    # imports them from this module.
-    if name == "ENTRIES":
-        from .entries import ENTRIES
-
-        return ENTRIES
-    if name == "use_backend":
-        return _policy.use_backend
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

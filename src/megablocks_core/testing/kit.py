@@ -26,12 +26,13 @@ from typing import Any, Literal
 
 import torch
 
-from ..contract import RULE_HELPERS, BoolArg, IntArg, OpContract, TensorArg
 from ..contracts import ALL, BY_NAME
 from ..devices import describe
-from ..dispatch import ENTRIES, describe_call, explain, explain_call, registry, use_backend
+from ..dispatch import describe_call, explain, explain_call, registry
+from ..entries import ENTRIES
 from ..library import output_meta
-from ..ranking import Policy
+from ..policy import Policy, use_backend
+from ..schema import RULE_HELPERS, BoolArg, IntArg, OpContract, TensorArg
 from .scenarios import Routing, Scenario, routing, sample, scenarios
 
 REFERENCE = "reference"
