@@ -72,7 +72,7 @@ class Result:
     """The first mismatch (fail); why nothing could run here (unavailable); for a pass, the
     kernels of the op (variants) that could not run here, if any."""
     scenarios: int = 0
-    """Scenarios checked."""
+    """Scenarios checked (per kernel: an op with two variants that both ran counts each scenario twice)."""
     declined: int = 0
     """Scenarios the backend does not serve (dtype restriction, capability, shape check): not failures."""
     seconds: float = 0.0
@@ -132,16 +132,16 @@ def compare(got: Any, want: torch.Tensor, what: str, source: str = "the referenc
 
 def _compare_zero_rows(got: torch.Tensor, want: torch.Tensor, what: str, source: str) -> None:
     """Rows (along the last dimension, at least two elements) that ``want`` gives as all zeros must
-    be exactly zero: padding rows, empty experts' weight gradients, dropped tokens. A row of random
-    values never cancels to zero by chance, so these zeros are the contract's, not rounding's."""
+    be exactly zero: padding rows, empty experts' weight gradients, dropped tokens. Rows of the
+    kit's random values practically never cancel to zero, so these zeros are the contract's."""
     if got.dim() < 2 or got.shape[-1] < 2 or not got.numel() or not got.is_floating_point():
         return
     zero_rows = (want.reshape(-1, want.shape[-1]) == 0).all(dim=1)
-    nonzero = got.reshape(-1, got.shape[-1]) != 0
-    wrong = zero_rows[:, None] & nonzero
+    wrong = zero_rows[:, None] & (got.reshape(-1, got.shape[-1]) != 0)
     if bool(wrong.any()):
-        flat = int(wrong.nonzero()[0][0]) * got.shape[-1] + int(wrong.nonzero()[0][1])
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(got.shape)))
+        row, column = (int(i) for i in wrong.nonzero()[0])
+        flat = torch.tensor(row * got.shape[-1] + column)
+        index = tuple(int(i) for i in torch.unravel_index(flat, tuple(got.shape)))
         raise Mismatch(f"{what}{_describe_index(index)} = {got[index].item()!r} in a row that {source} "
                        f"gives as exact zeros ({int(wrong.any(dim=1).sum())} such rows are not; the "
                        f"contract's zero rows must be exactly 0)")
