@@ -36,8 +36,13 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/megablocks backends check --device cpu --quick
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
 
+LINTED := megablocks_core plugins tests benchmarks examples
+
+# ruff (lint and format) on everything; mypy on the packages (files in pyproject.toml).
 lint: $(STAMP)
-	$(BIN)/ruff check src plugins tests benchmarks examples
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+	$(BIN)/mypy
 
 bench-dispatch: $(STAMP)
 	$(BIN)/python benchmarks/dispatch_overhead.py

@@ -54,7 +54,9 @@ def _version(pyproject: Path) -> str:
     attr = config["tool"]["setuptools"]["dynamic"]["version"]["attr"]
     package, _, name = attr.rpartition(".")
     assert name == "__version__", attr
-    return _literal_version(pyproject.parent / "src" / package.replace(".", "/") / "__init__.py")
+    module = package.replace(".", "/") + "/__init__.py"
+    source = pyproject.parent / "src" / module  # plugins keep their package under src/
+    return _literal_version(source if source.exists() else pyproject.parent / module)
 
 
 def _requirements(config: dict[str, Any]) -> list[str]:

@@ -42,7 +42,7 @@ def _build(name: str, source: Path, tmp: Path, wheels: Path) -> None:
         copy.mkdir(parents=True)
         for item in ("pyproject.toml", "README.md"):
             shutil.copy(ROOT / item, copy / item)
-        shutil.copytree(ROOT / "src", copy / "src", ignore=IGNORE)
+        shutil.copytree(ROOT / "megablocks_core", copy / "megablocks_core", ignore=IGNORE)
     else:
         shutil.copytree(source, copy, ignore=IGNORE)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",

@@ -249,7 +249,7 @@ def benchmark_path() -> Path | None:
     """``benchmarks/bench.py`` of the source checkout that holds this package, or None (an installed
     wheel has no benchmark: it needs MegaBlocks, grouped_gemm and the checkout's docs beside it)."""
     package = Path(__file__).resolve().parent
-    for root in (package.parent, package.parent.parent):  # <root>/megablocks_core, <root>/src/megablocks_core
+    for root in (package.parent, package.parent.parent):  # <root>/megablocks_core or <root>/<dir>/megablocks_core
         candidate = root / "benchmarks" / "bench.py"
         if candidate.is_file():
             return candidate
