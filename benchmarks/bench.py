@@ -44,8 +44,17 @@ from megablocks_core.layers.shapes import SHAPES
 #: The shapes a run uses when none is given: model shapes on accelerators, ``tiny`` on the CPU.
 DEFAULT_SHAPES = ("mixtral", "qwen3", "dsv3")
 CPU_DEFAULT_SHAPES = ("tiny",)
-OPS = ("routing", "gather", "scatter", "padded_gather", "padded_scatter", "scatter_wgrad", "gmm", "gmm_train",
-       "layer")
+OPS = (
+    "routing",
+    "gather",
+    "scatter",
+    "padded_gather",
+    "padded_scatter",
+    "scatter_wgrad",
+    "gmm",
+    "gmm_train",
+    "layer",
+)
 BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
 
 
@@ -58,7 +67,9 @@ class Result:
     us: float
     rate: float | None  # GB/s for memory-bound ops, TFLOP/s for gmm
     unit: str
-    vs_limit: float | None  # time / limit time (memory ops) or limit rate / rate (gmm): lower is better
+    vs_limit: (
+        float | None
+    )  # time / limit time (memory ops) or limit rate / rate (gmm): lower is better
     check: str  # "ok", "n/a" or what failed
     peak_mb: float | None = None  # the layer item: peak device memory of one step above its inputs
 
@@ -68,8 +79,17 @@ def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], f
         try:
             from triton.testing import do_bench
 
-            return lambda fn: float(do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 200,
-                                             return_mode="median")) * 1e3
+            return lambda fn: (
+                float(
+                    do_bench(
+                        fn,
+                        warmup=10 if quick else 25,
+                        rep=40 if quick else 200,
+                        return_mode="median",
+                    )
+                )
+                * 1e3
+            )
         except ImportError:
             return lambda fn: _event_time(fn, 5 if quick else 50)
 
@@ -81,6 +101,7 @@ def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], f
             fn()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples) * 1e6
+
     return cpu_time
 
 
@@ -159,8 +180,13 @@ class Case:
     """Inputs for one shape: the routing at once, everything else on first use (so ``--ops gather``
     never allocates the expert weights)."""
 
-    def __init__(self, name: str, shape: tuple[int, int, int, int, int], device: torch.device,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        name: str,
+        shape: tuple[int, int, int, int, int],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         tokens, hidden, _, experts, top_k = shape
         self.name, self.tokens, self.hidden, self.ffn, self.experts, self.top_k = name, *shape
         gen = torch.Generator(device=device).manual_seed(0)
@@ -190,20 +216,25 @@ class Case:
     @functools.cached_property
     def padded_rows(self) -> torch.Tensor:
         with use_backend("reference"):
-            return ops.padded_gather(self.x, self.indices, self.bin_ids, self.bins, self.padded_bins,
-                                     self.top_k)
+            return ops.padded_gather(
+                self.x, self.indices, self.bin_ids, self.bins, self.padded_bins, self.top_k
+            )
 
     @functools.cached_property
     def w1(self) -> torch.Tensor:
         """The experts' first weight matrices (experts, hidden, ffn), drawn in the run's dtype."""
         shape = (self.experts, self.hidden, self.ffn)
-        weights = torch.randn(shape, device=self.x.device, generator=self.generator, dtype=self.x.dtype)
+        weights = torch.randn(
+            shape, device=self.x.device, generator=self.generator, dtype=self.x.dtype
+        )
         return weights.div_(self.hidden**0.5)
 
     @property
     def permutation_bytes(self) -> int:
         """The ideal bytes of gather/scatter: every token row read once, every routed row written once."""
-        return (self.tokens * self.hidden + self.tokens * self.top_k * self.hidden) * self.x.element_size()
+        return (
+            self.tokens * self.hidden + self.tokens * self.top_k * self.hidden
+        ) * self.x.element_size()
 
     @property
     def padded_permutation_bytes(self) -> int:
@@ -222,24 +253,30 @@ def _ours(case: Case) -> dict[str, Callable[[], Any]]:
         "routing": lambda: ops.route(c.top_experts, c.experts, BLOCK),
         "gather": lambda: ops.gather(c.x, c.indices, c.bin_ids, c.bins, c.top_k),
         "scatter": lambda: ops.scatter(c.rows, c.indices, c.bin_ids, c.weights, c.bins, c.top_k),
-        "padded_gather": lambda: ops.padded_gather(c.x, c.indices, c.bin_ids, c.bins, c.padded_bins, c.top_k),
-        "padded_scatter": lambda: ops.padded_scatter(c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins,
-                                                     c.padded_bins, c.top_k),
-        "scatter_wgrad": lambda: entries.call("scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins,
-                                               c.top_k),
+        "padded_gather": lambda: ops.padded_gather(
+            c.x, c.indices, c.bin_ids, c.bins, c.padded_bins, c.top_k
+        ),
+        "padded_scatter": lambda: ops.padded_scatter(
+            c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins, c.padded_bins, c.top_k
+        ),
+        "scatter_wgrad": lambda: entries.call(
+            "scatter_wgrad", c.rows, c.x, c.indices, c.bin_ids, c.bins, c.top_k
+        ),
         "gmm": lambda: ops.gmm(c.rows, c.w1, c.counts_cpu),
         "gmm_train": lambda: _gmm_train_step(c, lambda a, b: ops.gmm(a, b, c.counts_cpu)),
         "layer": lambda: _layer_step(c),
     }
 
 
-def _gmm_train_step(case: Case, gmm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                    ) -> tuple[torch.Tensor, ...]:
+def _gmm_train_step(
+    case: Case, gmm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
     """Forward and backward (dA and the variable-K dB) of one grouped GEMM; returns out, dA, dB."""
     if case.gmm_grad is None:
         gen = torch.Generator(device=case.x.device).manual_seed(1)
-        case.gmm_grad = torch.randn(case.rows.shape[0], case.ffn, device=case.x.device,
-                                    generator=gen).to(case.x.dtype)
+        case.gmm_grad = torch.randn(
+            case.rows.shape[0], case.ffn, device=case.x.device, generator=gen
+        ).to(case.x.dtype)
     a = case.rows.detach().requires_grad_()
     b = case.w1.detach().requires_grad_()
     out = gmm(a, b)
@@ -251,8 +288,15 @@ def _gmm_train_step(case: Case, gmm: Callable[[torch.Tensor, torch.Tensor], torc
 def _layer_step(case: Case) -> torch.Tensor:
     """Forward and backward of the dMoE layer on the case's tokens (built on first use)."""
     if case.layer is None or case.layer_x is None:
-        case.layer = DroplessMoE(case.hidden, case.ffn, case.experts, case.top_k, dtype=case.x.dtype,
-                                 device=case.x.device, load_balancing_loss_coefficient=0.0)
+        case.layer = DroplessMoE(
+            case.hidden,
+            case.ffn,
+            case.experts,
+            case.top_k,
+            dtype=case.x.dtype,
+            device=case.x.device,
+            load_balancing_loss_coefficient=0.0,
+        )
         case.layer_x = case.x.detach().clone().requires_grad_()
     out, _ = case.layer(case.layer_x)
     out.float().sum().backward()
@@ -263,22 +307,39 @@ def _megablocks_layer(case: Case, mb_dmoe: Any, mb_arguments: Any) -> Callable[[
     """MegaBlocks' dMoE (grouped MLP, same shape, no bias or aux loss), forward and backward."""
     dtype = case.x.dtype
     args = mb_arguments.Arguments(
-        hidden_size=case.hidden, ffn_hidden_size=case.ffn, moe_num_experts=case.experts,
-        moe_top_k=case.top_k, mlp_impl="grouped", mlp_type="mlp", bias=False, return_bias=False,
-        moe_loss_weight=0.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        device=case.x.device)
+        hidden_size=case.hidden,
+        ffn_hidden_size=case.ffn,
+        moe_num_experts=case.experts,
+        moe_top_k=case.top_k,
+        mlp_impl="grouped",
+        mlp_type="mlp",
+        bias=False,
+        return_bias=False,
+        moe_loss_weight=0.0,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        device=case.x.device,
+    )
     layer = mb_dmoe.dMoE(args)
     x = case.x.detach().view(case.tokens, 1, case.hidden).clone().requires_grad_()
 
     def step() -> None:
         layer(x).float().sum().backward()
+
     return step
 
 
 #: The op each benchmark item dispatches.
-DISPATCHED = {"routing": "route", "gather": "gather", "scatter": "scatter", "padded_gather": "padded_gather",
-              "padded_scatter": "padded_scatter", "scatter_wgrad": "scatter_wgrad", "gmm": "gmm",
-              "gmm_train": "gmm"}
+DISPATCHED = {
+    "routing": "route",
+    "gather": "gather",
+    "scatter": "scatter",
+    "padded_gather": "padded_gather",
+    "padded_scatter": "padded_scatter",
+    "scatter_wgrad": "scatter_wgrad",
+    "gmm": "gmm",
+    "gmm_train": "gmm",
+}
 
 
 def _peers(case: Case) -> dict[str, dict[str, Callable[[], Any]]]:
@@ -304,14 +365,18 @@ def _peers(case: Case) -> dict[str, dict[str, Callable[[], Any]]]:
         offsets = c.counts.cumsum(0).int()
         peers["gmm"]["torch._grouped_mm"] = lambda: torch._grouped_mm(c.rows, c.w1, offs=offsets)
         peers["gmm_train"]["torch._grouped_mm"] = lambda: _gmm_train_step(
-            c, lambda a, b: torch._grouped_mm(a, b, offs=offsets))
+            c, lambda a, b: torch._grouped_mm(a, b, offs=offsets)
+        )
 
     def loop_gmm() -> torch.Tensor:
-        return torch.cat([a @ w for a, w in zip(c.rows.split(c.counts_cpu.tolist()), c.w1, strict=True)])
+        return torch.cat(
+            [a @ w for a, w in zip(c.rows.split(c.counts_cpu.tolist()), c.w1, strict=True)]
+        )
 
     peers["gmm"]["torch loop"] = loop_gmm
     mb = _optional("megablocks.ops")
     if mb is not None and c.x.is_cuda:
+
         def mb_routing() -> tuple[torch.Tensor, ...]:
             bin_ids, indices = mb.sort(c.top_experts, c.end_bit)
             counts = mb.histogram(c.top_experts, c.experts)
@@ -320,14 +385,22 @@ def _peers(case: Case) -> dict[str, dict[str, Callable[[], Any]]]:
             return indices, bin_ids, counts, bins, padded
 
         peers["routing"]["megablocks"] = mb_routing
-        peers["gather"]["megablocks"] = lambda: mb.gather(c.x, c.indices, c.bin_ids, c.bins, c.top_k)
-        peers["scatter"]["megablocks"] = lambda: mb.scatter(c.rows, c.indices, c.bin_ids, c.weights, c.bins,
-                                                            c.top_k)
-        peers["padded_gather"]["megablocks"] = lambda: mb.padded_gather(c.x, c.indices, c.bin_ids, c.bins,
-                                                                        c.padded_bins, c.top_k)
+        peers["gather"]["megablocks"] = lambda: mb.gather(
+            c.x, c.indices, c.bin_ids, c.bins, c.top_k
+        )
+        peers["scatter"]["megablocks"] = lambda: mb.scatter(
+            c.rows, c.indices, c.bin_ids, c.weights, c.bins, c.top_k
+        )
+        peers["padded_gather"]["megablocks"] = lambda: mb.padded_gather(
+            c.x, c.indices, c.bin_ids, c.bins, c.padded_bins, c.top_k
+        )
         peers["padded_scatter"]["megablocks"] = lambda: mb.padded_scatter(
-            c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins, c.padded_bins, c.top_k)
-    mb_dmoe, mb_arguments = _optional("megablocks.layers.dmoe"), _optional("megablocks.layers.arguments")
+            c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins, c.padded_bins, c.top_k
+        )
+    mb_dmoe, mb_arguments = (
+        _optional("megablocks.layers.dmoe"),
+        _optional("megablocks.layers.arguments"),
+    )
     if mb_dmoe is not None and mb_arguments is not None and c.x.is_cuda:
         state: dict[str, Callable[[], None]] = {}
 
@@ -340,7 +413,9 @@ def _peers(case: Case) -> dict[str, dict[str, Callable[[], Any]]]:
     gg = _optional("grouped_gemm.ops")
     if gg is not None and c.x.is_cuda and c.x.dtype == torch.bfloat16:
         peers["gmm"]["grouped_gemm"] = lambda: gg.gmm(c.rows, c.w1, c.counts_cpu)
-        peers["gmm_train"]["grouped_gemm"] = lambda: _gmm_train_step(c, lambda a, b: gg.gmm(a, b, c.counts_cpu))
+        peers["gmm_train"]["grouped_gemm"] = lambda: _gmm_train_step(
+            c, lambda a, b: gg.gmm(a, b, c.counts_cpu)
+        )
     return peers
 
 
@@ -365,27 +440,56 @@ def _default_gmm(case: Case) -> str:
     return kernel.label if kernel else "?"
 
 
-def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wanted: list[str],
-        device: torch.device, dtype: torch.dtype, quick: bool = False, peers: bool = True,
-        log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)) -> Iterator[Result]:
+def run(
+    shapes: list[str],
+    custom: list[tuple[int, int, int, int, int]],
+    ops_wanted: list[str],
+    device: torch.device,
+    dtype: torch.dtype,
+    quick: bool = False,
+    peers: bool = True,
+    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+) -> Iterator[Result]:
     timer = _timer(device, quick)
     named = [(s, SHAPES[s]) for s in shapes] + [(",".join(map(str, c)), c) for c in custom]
     for label, shape in named:
-        log(f"[{label}] building inputs T={shape[0]} H={shape[1]} F={shape[2]} E={shape[3]} K={shape[4]}")
+        log(
+            f"[{label}] building inputs T={shape[0]} H={shape[1]} F={shape[2]} E={shape[3]} K={shape[4]}"
+        )
         case = Case(label, shape, device, dtype)
         copy_src = case.rows
         copy_dst = torch.empty_like(copy_src)
         copy_us = timer(lambda src=copy_src, dst=copy_dst: dst.copy_(src))
         bandwidth = 2 * copy_src.numel() * copy_src.element_size() / (copy_us * 1e-6)  # bytes/s
         del copy_dst
-        yield Result(label, "copy", "device copy (T*K, H)", "limit", copy_us, bandwidth / 1e9, "GB/s", None, "n/a")
+        yield Result(
+            label,
+            "copy",
+            "device copy (T*K, H)",
+            "limit",
+            copy_us,
+            bandwidth / 1e9,
+            "GB/s",
+            None,
+            "n/a",
+        )
         dense_rate = math.nan
         if any(o.startswith("gmm") for o in ops_wanted):
             dense_a = torch.randn(case.tokens * case.top_k, case.hidden, device=device, dtype=dtype)
             dense_us = timer(lambda a=dense_a, w=case.w1[0]: a @ w)
             del dense_a
             dense_rate = case.gmm_flops / (dense_us * 1e-6) / 1e12
-            yield Result(label, "gmm", "dense mm, same FLOPs", "limit", dense_us, dense_rate, "TFLOP/s", None, "n/a")
+            yield Result(
+                label,
+                "gmm",
+                "dense mm, same FLOPs",
+                "limit",
+                dense_us,
+                dense_rate,
+                "TFLOP/s",
+                None,
+                "n/a",
+            )
         ours, peer_fns = _ours(case), (_peers(case) if peers else {op: {} for op in OPS})
         for op in ops_wanted:
             with use_backend("reference"):
@@ -394,12 +498,21 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
             if op == "layer":  # what a user gets: the default ranking for every op
                 entries = [("megablocks-core dMoE", "ours", ours[op], None)]
             else:
-                entries = [(b, "ours", ours[op], None if b == "default" else b) for b in _providers(op, case)]
+                entries = [
+                    (b, "ours", ours[op], None if b == "default" else b)
+                    for b in _providers(op, case)
+                ]
             entries += [(p, "peer", fn, None) for p, fn in peer_fns[op].items()]
             for provider, kind, fn, backend in entries:
-                if backend == "reference" and device.type != "cpu" and not quick and op.startswith("gmm"):
+                if (
+                    backend == "reference"
+                    and device.type != "cpu"
+                    and not quick
+                    and op.startswith("gmm")
+                ):
                     continue  # the per-expert loop is a correctness oracle, not a contender
                 log(f"[{label}] {op}: {provider}")
+
                 def forced(backend: str | None = backend) -> Any:
                     return use_backend(backend) if backend else contextlib.nullcontext()
 
@@ -408,38 +521,90 @@ def run(shapes: list[str], custom: list[tuple[int, int, int, int, int]], ops_wan
                         check = _close(fn(), want, tol)
                         us = timer(fn)
                     except Exception as exc:  # a peer that rejects the shape is reported, not fatal
-                        yield Result(label, op, provider, kind, math.nan, None, "", None,
-                                     f"error: {type(exc).__name__}: {exc}"[:200])
+                        yield Result(
+                            label,
+                            op,
+                            provider,
+                            kind,
+                            math.nan,
+                            None,
+                            "",
+                            None,
+                            f"error: {type(exc).__name__}: {exc}"[:200],
+                        )
                         continue
                 if op == "layer":
-                    rate = 6 * case.gmm_flops / (us * 1e-6) / 1e12  # two GEMMs, forward and backward
-                    yield Result(label, op, provider, kind, us, rate, "TFLOP/s", None, check,
-                                 _peak_mb(fn, device))
-                elif op.startswith("gmm"):  # gmm_train: three GEMMs of equal FLOPs (forward, dA, dB)
+                    rate = (
+                        6 * case.gmm_flops / (us * 1e-6) / 1e12
+                    )  # two GEMMs, forward and backward
+                    yield Result(
+                        label,
+                        op,
+                        provider,
+                        kind,
+                        us,
+                        rate,
+                        "TFLOP/s",
+                        None,
+                        check,
+                        _peak_mb(fn, device),
+                    )
+                elif op.startswith(
+                    "gmm"
+                ):  # gmm_train: three GEMMs of equal FLOPs (forward, dA, dB)
                     rate = (3 if op == "gmm_train" else 1) * case.gmm_flops / (us * 1e-6) / 1e12
                     if provider == "default":
                         provider = f"default: {_default_gmm(case)}"
-                    yield Result(label, op, provider, kind, us, rate, "TFLOP/s", dense_rate / rate, check)
+                    yield Result(
+                        label, op, provider, kind, us, rate, "TFLOP/s", dense_rate / rate, check
+                    )
                 elif op == "routing":
                     yield Result(label, op, provider, kind, us, None, "", None, check)
                     if device.type == "cuda":  # GPU time alone, without Python launch costs
                         with forced():
                             graph_us = _graph_time(fn, timer)
-                        yield Result(label, op, f"{provider} (CUDA graph)", kind, graph_us, None, "", None,
-                                     check if not math.isnan(graph_us) else "not capturable (host sync)")
+                        yield Result(
+                            label,
+                            op,
+                            f"{provider} (CUDA graph)",
+                            kind,
+                            graph_us,
+                            None,
+                            "",
+                            None,
+                            check if not math.isnan(graph_us) else "not capturable (host sync)",
+                        )
                 else:
-                    nbytes = case.padded_permutation_bytes if op.startswith("padded") else case.permutation_bytes
+                    nbytes = (
+                        case.padded_permutation_bytes
+                        if op.startswith("padded")
+                        else case.permutation_bytes
+                    )
                     rate = nbytes / (us * 1e-6) / 1e9
-                    yield Result(label, op, provider, kind, us, rate, "GB/s", us / (nbytes / bandwidth * 1e6), check)
+                    yield Result(
+                        label,
+                        op,
+                        provider,
+                        kind,
+                        us,
+                        rate,
+                        "GB/s",
+                        us / (nbytes / bandwidth * 1e6),
+                        check,
+                    )
 
 
 def format_table(results: list[Result]) -> str:
-    lines = [f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"]
+    lines = [
+        f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
+    ]
     for r in results:
         rate = f"{r.rate:.1f} {r.unit}" if r.rate is not None else ""
         vs = f"{r.vs_limit:.2f}x" if r.vs_limit is not None else ""
         peak = f"  peak {r.peak_mb:.0f} MiB" if r.peak_mb is not None else ""
-        lines.append(f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}  {r.check}{peak}")
+        lines.append(
+            f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}  {r.check}{peak}"
+        )
     return "\n".join(lines)
 
 
@@ -450,10 +615,17 @@ def main(args: Any) -> int:
     if any(len(c) != 5 for c in custom):
         raise ValueError("--shape takes T,H,F,E,K (five integers)")
     defaults = CPU_DEFAULT_SHAPES if device.type == "cpu" else DEFAULT_SHAPES
-    shapes = [s for s in args.shapes.split(",") if s] if args.shapes else ([] if custom else list(defaults))
+    shapes = (
+        [s for s in args.shapes.split(",") if s]
+        if args.shapes
+        else ([] if custom else list(defaults))
+    )
     if not args.shapes and not custom and device.type == "cpu":
-        print(f"megablocks bench: on the CPU the default shape is {', '.join(defaults)}; pass --shapes "
-              f"{','.join(DEFAULT_SHAPES)} or --shape T,H,F,E,K to time larger ones", file=sys.stderr)
+        print(
+            f"megablocks bench: on the CPU the default shape is {', '.join(defaults)}; pass --shapes "
+            f"{','.join(DEFAULT_SHAPES)} or --shape T,H,F,E,K to time larger ones",
+            file=sys.stderr,
+        )
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         raise ValueError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
@@ -461,11 +633,18 @@ def main(args: Any) -> int:
     bad = [o for o in wanted if o not in OPS]
     if bad:
         raise ValueError(f"unknown op(s) {bad}; known: {', '.join(OPS)}")
-    results = list(run(shapes, custom, wanted, device, dtype, quick=args.quick, peers=not args.no_peers))
+    results = list(
+        run(shapes, custom, wanted, device, dtype, quick=args.quick, peers=not args.no_peers)
+    )
     print(format_table(results))
     if args.json:
-        meta = {"device": str(describe(device)), "dtype": args.dtype, "torch": torch.__version__,
-                "quick": args.quick, "shapes": {s: SHAPES[s] for s in shapes}}
+        meta = {
+            "device": str(describe(device)),
+            "dtype": args.dtype,
+            "torch": torch.__version__,
+            "quick": args.quick,
+            "shapes": {s: SHAPES[s] for s in shapes},
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
     failed = [r for r in results if r.kind == "ours" and r.check != "ok"]

@@ -36,8 +36,9 @@ def _per_call_ns(fn: Callable[[], Any], calls: int) -> float:
     return (time.perf_counter_ns() - start) / calls
 
 
-def _paired(op: Callable[[], Any], direct: Callable[[], Any], calls: int,
-            repeats: int) -> tuple[float, float, float]:
+def _paired(
+    op: Callable[[], Any], direct: Callable[[], Any], calls: int, repeats: int
+) -> tuple[float, float, float]:
     """Median op time, direct time and overhead, timing the two alternately so that
     drifting machine load hits both alike."""
     ops_ns, direct_ns, diffs = [], [], []
@@ -60,16 +61,30 @@ def cases() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...], tuple[Any, .
     x = torch.randn(tokens, hidden)
     rows = torch.randn(tokens * top_k, hidden)
     weights = torch.rand(tokens * top_k)
-    a, b, sizes = torch.randn(tokens * top_k, hidden), torch.randn(experts, hidden, hidden), counts.long()
+    a, b, sizes = (
+        torch.randn(tokens * top_k, hidden),
+        torch.randn(experts, hidden, hidden),
+        counts.long(),
+    )
     return {
         "sort": (ops.sort, (top, 2), (top, 2)),
         "histogram": (ops.histogram, (top, experts), (top, experts)),
         "inclusive_cumsum": (ops.inclusive_cumsum, (counts, 0), (counts, 0)),
-        "gather": (ops.gather, (x, indices, bin_ids, bins, top_k), (x, indices, bin_ids, None, bins, top_k)),
-        "scatter": (ops.scatter, (rows, indices, bin_ids, weights, bins, top_k),
-                    (rows, indices, bin_ids, weights, bins, top_k)),
-        "padded_gather": (ops.padded_gather, (x, indices, bin_ids, bins, padded, top_k),
-                          (x, indices, bin_ids, None, bins, padded, top_k)),
+        "gather": (
+            ops.gather,
+            (x, indices, bin_ids, bins, top_k),
+            (x, indices, bin_ids, None, bins, top_k),
+        ),
+        "scatter": (
+            ops.scatter,
+            (rows, indices, bin_ids, weights, bins, top_k),
+            (rows, indices, bin_ids, weights, bins, top_k),
+        ),
+        "padded_gather": (
+            ops.padded_gather,
+            (x, indices, bin_ids, bins, padded, top_k),
+            (x, indices, bin_ids, None, bins, padded, top_k),
+        ),
         "gmm": (ops.gmm, (a, b, sizes), (a, b, sizes, False)),
     }
 
@@ -111,7 +126,9 @@ def install_null_backend(folder: Path) -> Any:
     (folder / "megablocks_null_bench.py").write_text(NULL_PLUGIN)
     info = folder / "megablocks_null_bench-0.0.0.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: megablocks-null-bench\nVersion: 0.0.0\n")
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: megablocks-null-bench\nVersion: 0.0.0\n"
+    )
     (info / "entry_points.txt").write_text("[megablocks.backends]\nnull = megablocks_null_bench\n")
     sys.path.insert(0, str(folder))
     importlib.invalidate_caches()
@@ -124,14 +141,28 @@ def measure(calls: int, repeats: int, backend: str) -> list[dict[str, Any]]:
     with megablocks_core.use_backend(backend):
         for name, (public, public_args, kernel_args) in cases().items():
             public(*public_args)  # ranks once and fills the cache
-            chosen = dispatch.explain(name, "cpu", dispatch._call_dtypes(
-                megablocks_core.contracts.BY_NAME[name], kernel_args)).winner
+            chosen = dispatch.explain(
+                name,
+                "cpu",
+                dispatch._call_dtypes(megablocks_core.contracts.BY_NAME[name], kernel_args),
+            ).winner
             assert chosen is not None and chosen.backend == backend
             direct = chosen.fn
-            t_op, t_direct, overhead = _paired(lambda p=public, a=public_args: p(*a),
-                                               lambda d=direct, a=kernel_args: d(*a), calls, repeats)
-            results.append({"op": name, "backend": chosen.label, "op_us": t_op / 1e3,
-                            "direct_us": t_direct / 1e3, "overhead_us": overhead / 1e3})
+            t_op, t_direct, overhead = _paired(
+                lambda p=public, a=public_args: p(*a),
+                lambda d=direct, a=kernel_args: d(*a),
+                calls,
+                repeats,
+            )
+            results.append(
+                {
+                    "op": name,
+                    "backend": chosen.label,
+                    "op_us": t_op / 1e3,
+                    "direct_us": t_direct / 1e3,
+                    "overhead_us": overhead / 1e3,
+                }
+            )
     return results
 
 
@@ -149,18 +180,29 @@ def main(argv: list[str] | None = None) -> int:
                 null.OUT[name] = public(*public_args)  # a correctly shaped result to return
         results = measure(args.calls, args.repeats, "null")
         reference = measure(max(args.calls // 10, 10), args.repeats, "reference")
-    meta = {"torch": torch.__version__, "megablocks_core": megablocks_core.__version__,
-            "python": sys.version.split()[0], "threads": 1}
+    meta = {
+        "torch": torch.__version__,
+        "megablocks_core": megablocks_core.__version__,
+        "python": sys.version.split()[0],
+        "threads": 1,
+    }
     if args.json:
-        print(json.dumps({"meta": meta, "null_kernels": results, "reference_kernels": reference},
-                         indent=2))
+        print(
+            json.dumps(
+                {"meta": meta, "null_kernels": results, "reference_kernels": reference}, indent=2
+            )
+        )
         return 0
     print(f"{'op':<18}{'backend':<12}{'ops.X µs':>10}{'kernel µs':>11}{'overhead µs':>13}")
     for r in results + reference:
-        print(f"{r['op']:<18}{r['backend']:<12}{r['op_us']:>10.2f}{r['direct_us']:>11.2f}"
-              f"{r['overhead_us']:>13.2f}")
-    print(f"median dispatch overhead (null kernels): "
-          f"{statistics.median(r['overhead_us'] for r in results):.2f} µs")
+        print(
+            f"{r['op']:<18}{r['backend']:<12}{r['op_us']:>10.2f}{r['direct_us']:>11.2f}"
+            f"{r['overhead_us']:>13.2f}"
+        )
+    print(
+        f"median dispatch overhead (null kernels): "
+        f"{statistics.median(r['overhead_us'] for r in results):.2f} µs"
+    )
     return 0
 
 

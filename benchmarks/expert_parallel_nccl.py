@@ -86,8 +86,12 @@ def main() -> None:
     out_ep, aux_ep = sharded(x_ep)
     (out_ep * grad_out).float().sum().add(aux_ep).backward()
     lo, hi = sharded.expert_offset, sharded.expert_offset + sharded.num_local_experts
-    errors = {"out": max_rel(out_ep, out_full), "x.grad": max_rel(x_ep.grad, x_full.grad),
-              "aux_loss": max_rel(aux_ep, aux_full), "router.grad": max_rel(sharded.router.grad, full.router.grad)}
+    errors = {
+        "out": max_rel(out_ep, out_full),
+        "x.grad": max_rel(x_ep.grad, x_full.grad),
+        "aux_loss": max_rel(aux_ep, aux_full),
+        "router.grad": max_rel(sharded.router.grad, full.router.grad),
+    }
     for name in ("w1", "w2"):
         want = getattr(full, name).grad.float()
         dist.all_reduce(want)  # every rank's tokens reach this rank's experts
@@ -154,13 +158,23 @@ def main() -> None:
 
     if rank == 0:
         result = {
-            "shape": args.shape, "tokens_per_rank": tokens, "hidden": hidden, "ffn": ffn,
-            "experts": experts, "top_k": top_k, "dtype": "bfloat16", "world": world,
-            "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "shape": args.shape,
+            "tokens_per_rank": tokens,
+            "hidden": hidden,
+            "ffn": ffn,
+            "experts": experts,
+            "top_k": top_k,
+            "dtype": "bfloat16",
+            "world": world,
+            "gpu": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "equality": {"max_rel_error": worst, "tolerance": tolerance, "passed": passed},
-            "step_ms": {"one_gpu_all_experts_T": one_gpu_ms, f"ep{world}_T_per_rank": ep_ms,
-                        f"one_gpu_all_experts_{world}T": one_gpu_global_ms},
+            "step_ms": {
+                "one_gpu_all_experts_T": one_gpu_ms,
+                f"ep{world}_T_per_rank": ep_ms,
+                f"one_gpu_all_experts_{world}T": one_gpu_global_ms,
+            },
             "all_to_all_ms_per_step": [s[2] for s in shares],
             "all_to_all_share_of_ep_step": [s[2] / ep_ms for s in shares],
             "rows_sent_per_rank": [s[3] for s in shares],
@@ -174,7 +188,9 @@ def main() -> None:
     dist.barrier()
     dist.destroy_process_group()
     if not passed:
-        raise SystemExit(f"rank {rank}: expert-parallel layer differs from the single-GPU layer: {worst}")
+        raise SystemExit(
+            f"rank {rank}: expert-parallel layer differs from the single-GPU layer: {worst}"
+        )
 
 
 if __name__ == "__main__":

@@ -50,13 +50,18 @@ def main() -> None:
         top = torch.topk(logits, top_k).indices.flatten()
         counts = torch.bincount(top, minlength=experts)
         a = torch.randn(tokens * top_k, hidden, device="cuda", generator=gen).bfloat16()
-        b = (torch.randn(experts, hidden, ffn, device="cuda", generator=gen) / hidden**0.5).bfloat16()
+        b = (
+            torch.randn(experts, hidden, ffn, device="cuda", generator=gen) / hidden**0.5
+        ).bfloat16()
         flops = 2.0 * tokens * top_k * hidden * ffn
         offs = counts.cumsum(0).int()
         want = torch._grouped_mm(a, b, offs=offs)
         dense_us = do_bench(lambda a=a, w=b[0]: a @ w, return_mode="median") * 1e3
         emit(shape=name, provider="dense", us=dense_us, tflops=flops / dense_us / 1e6)
-        gm_us = do_bench(lambda a=a, b=b, o=offs: torch._grouped_mm(a, b, offs=o), return_mode="median") * 1e3
+        gm_us = (
+            do_bench(lambda a=a, b=b, o=offs: torch._grouped_mm(a, b, offs=o), return_mode="median")
+            * 1e3
+        )
         emit(shape=name, provider="torch._grouped_mm", us=gm_us, tflops=flops / gm_us / 1e6)
         for cand in [None, *CANDIDATES]:
             config = None if cand is None else G.GmmConfig(*cand)
@@ -65,16 +70,35 @@ def main() -> None:
                     continue
                 if config is not None:
                     config = G.GmmConfig(*cand, use_tma=tma)
-                label = "default" if cand is None else ",".join(map(str, cand)) + (" tma" if tma else "")
+                label = (
+                    "default"
+                    if cand is None
+                    else ",".join(map(str, cand)) + (" tma" if tma else "")
+                )
                 try:
                     got = G.gmm(a, b, counts, False, config=config)
                     err = float((got.float() - want.float()).norm() / want.float().norm())
-                    us = do_bench(lambda a=a, b=b, n=counts, c=config: G.gmm(a, b, n, False, config=c),
-                                  return_mode="median") * 1e3
-                    emit(shape=name, provider=f"triton {label}", us=us, tflops=flops / us / 1e6,
-                         rel_err=err, vs_dense=dense_us / us)
+                    us = (
+                        do_bench(
+                            lambda a=a, b=b, n=counts, c=config: G.gmm(a, b, n, False, config=c),
+                            return_mode="median",
+                        )
+                        * 1e3
+                    )
+                    emit(
+                        shape=name,
+                        provider=f"triton {label}",
+                        us=us,
+                        tflops=flops / us / 1e6,
+                        rel_err=err,
+                        vs_dense=dense_us / us,
+                    )
                 except Exception as exc:  # a config the compiler rejects is data too
-                    emit(shape=name, provider=f"triton {label}", error=f"{type(exc).__name__}: {exc}"[:300])
+                    emit(
+                        shape=name,
+                        provider=f"triton {label}",
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                    )
     out.close()
 
 

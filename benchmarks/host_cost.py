@@ -91,8 +91,11 @@ def gmm_cases() -> dict[str, Callable[[], Any]]:
     (eager: a CPU count tensor must reach the GPU without stalling the stream)."""
     from megablocks_core import ops
 
-    shapes = {"mixtral": (16384, 4096, 14336, 8, 2), "qwen3": (16384, 2048, 768, 128, 8),
-              "dsv3": (16384, 7168, 2048, 256, 8)}
+    shapes = {
+        "mixtral": (16384, 4096, 14336, 8, 2),
+        "qwen3": (16384, 2048, 768, 128, 8),
+        "dsv3": (16384, 7168, 2048, 256, 8),
+    }
     cases: dict[str, Callable[[], Any]] = {}
     for name, (tokens, hidden, ffn, experts, top_k) in shapes.items():
         rows = tokens * top_k
@@ -124,7 +127,8 @@ def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Ca
         from megablocks_core.moe import dMoE  # type: ignore[no-redef]
 
     layer = dMoE(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, top_k=top_k).to(
-        device="cuda", dtype=torch.bfloat16)
+        device="cuda", dtype=torch.bfloat16
+    )
     layer.eval()
     cases = {}
     for tokens in (1, 16, 128):
@@ -147,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--layer", action="store_true", help="also the dMoE layer's forward")
-    parser.add_argument("--gmm", action="store_true",
-                        help="also ops.gmm eager time with CPU vs device counts (large shapes)")
+    parser.add_argument(
+        "--gmm",
+        action="store_true",
+        help="also ops.gmm eager time with CPU vs device counts (large shapes)",
+    )
     parser.add_argument("--json", help="append JSON lines here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -165,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     for name, fn in cases.items():
         calls = args.calls if not name.startswith("dmoe") else max(args.calls // 10, 50)
-        row = {"case": name, "host_us": round(_host_us(fn, calls), 2), "gpu_us": round(_graph_us(fn), 2)}
+        row = {
+            "case": name,
+            "host_us": round(_host_us(fn, calls), 2),
+            "gpu_us": round(_graph_us(fn), 2),
+        }
         print(f"{name:24s} host {row['host_us']:8.1f} µs   gpu {row['gpu_us']:8.1f} µs", flush=True)
         rows.append(row)
     if args.json:

@@ -61,17 +61,26 @@ def main() -> None:
         padded_bins = ops.inclusive_cumsum(ops.round_up(counts, BLOCK), 0)
         blocks = int(padded_bins[-1]) // BLOCK
 
-        def calls(o: Any, x: torch.Tensor = x, end_bit: int = end_bit, experts: int = experts,
-                  counts: torch.Tensor = counts, padded_bins: torch.Tensor = padded_bins,
-                  blocks: int = blocks) -> dict[str, Callable[[], Any]]:
+        def calls(
+            o: Any,
+            x: torch.Tensor = x,
+            end_bit: int = end_bit,
+            experts: int = experts,
+            counts: torch.Tensor = counts,
+            padded_bins: torch.Tensor = padded_bins,
+            blocks: int = blocks,
+        ) -> dict[str, Callable[[], Any]]:
             return {
                 "sort": lambda: o.sort(x, end_bit),
                 "histogram": lambda: o.histogram(x, experts),
                 "inclusive_cumsum": lambda: o.inclusive_cumsum(counts, 0),
                 "exclusive_cumsum": lambda: o.exclusive_cumsum(counts, 0),
                 "topology": lambda: o.topology(padded_bins, BLOCK, blocks, experts),
-                "sequence": lambda: (o.sort(x, end_bit), o.inclusive_cumsum(o.histogram(x, experts), 0),
-                                     o.inclusive_cumsum(o.round_up(o.histogram(x, experts), BLOCK), 0)),
+                "sequence": lambda: (
+                    o.sort(x, end_bit),
+                    o.inclusive_cumsum(o.histogram(x, experts), 0),
+                    o.inclusive_cumsum(o.round_up(o.histogram(x, experts), BLOCK), 0),
+                ),
             }
 
         # topology (E block columns here) has int16 column indices: E x E must fit (not at E=256).
@@ -95,8 +104,16 @@ def main() -> None:
                     got = fn()
                     ok = "n/a"
                     if prim in want:
-                        pairs = zip(got, want[prim], strict=True) if isinstance(got, tuple) else [(got, want[prim])]
-                        ok = "ok" if all(torch.equal(g.long(), w.long()) for g, w in pairs) else "MISMATCH"
+                        pairs = (
+                            zip(got, want[prim], strict=True)
+                            if isinstance(got, tuple)
+                            else [(got, want[prim])]
+                        )
+                        ok = (
+                            "ok"
+                            if all(torch.equal(g.long(), w.long()) for g, w in pairs)
+                            else "MISMATCH"
+                        )
                     try:
                         us = graph_us(fn)
                     except RuntimeError as exc:  # a host sync cannot be captured
@@ -106,7 +123,11 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=2)
+            json.dump(
+                {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

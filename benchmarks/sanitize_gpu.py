@@ -58,8 +58,11 @@ def _valid_calls(backend: str, device: str, ops: list[str]) -> tuple[list[str], 
                     got = ENTRIES[op](*args)
                 if torch.device(device).type == "cuda":
                     torch.cuda.synchronize(device)
-                for g, w in zip(got if isinstance(got, tuple) else (got,),
-                                want if isinstance(want, tuple) else (want,), strict=True):
+                for g, w in zip(
+                    got if isinstance(got, tuple) else (got,),
+                    want if isinstance(want, tuple) else (want,),
+                    strict=True,
+                ):
                     compare(g, w, "output")
                 calls += 1
             except NoKernelError:  # the backend does not serve this sample (dtype, shape)
@@ -74,7 +77,9 @@ def _valid_calls(backend: str, device: str, ops: list[str]) -> tuple[list[str], 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--backends", nargs="*", help="default: every installed backend serving the device")
+    parser.add_argument(
+        "--backends", nargs="*", help="default: every installed backend serving the device"
+    )
     parser.add_argument("--ops", nargs="*", help="default: every op the backend provides")
     args = parser.parse_args(argv)
     _prepare_env(args.device)
@@ -96,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         record = reg.plugins.get(name)
         if record is None or record.status != "ok":
-            print(f"{name}: skipped ({'not installed' if record is None else record.reason or record.status})")
+            print(
+                f"{name}: skipped ({'not installed' if record is None else record.reason or record.status})"
+            )
             continue
         ops = [op for op in (args.ops or DISPATCHED) if op in record.ops]
         start = time.perf_counter()
@@ -108,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ok = not failures and not valid
         failed |= not ok
-        print(f"{name}: {'PASS' if ok else 'FAIL'}  bad-data cases {ran - len(failures)}/{ran} ok, "
-              f"valid calls {calls}/{calls + len(valid)} ok, {seconds:.1f} s on {device}")
+        print(
+            f"{name}: {'PASS' if ok else 'FAIL'}  bad-data cases {ran - len(failures)}/{ran} ok, "
+            f"valid calls {calls}/{calls + len(valid)} ok, {seconds:.1f} s on {device}"
+        )
         for failure in failures:
             print(f"  bad data: {failure.case}: {failure.message}")
         for line in valid:

@@ -26,7 +26,21 @@ if _os.environ.get("MEGABLOCKS_STRICT_PLUGINS", "") not in ("", "0"):
     reload()
 
 __all__ = [
-    "BackendError", "ContractError", "ContractTypeError", "DeviceInfo", "Kernel", "NoKernelError", "PluginLoadError",
-    "Policy", "__version__", "current_policy", "explain", "hookimpl", "ops", "registry", "reload",
-    "set_backend", "use_backend",
+    "BackendError",
+    "ContractError",
+    "ContractTypeError",
+    "DeviceInfo",
+    "Kernel",
+    "NoKernelError",
+    "PluginLoadError",
+    "Policy",
+    "__version__",
+    "current_policy",
+    "explain",
+    "hookimpl",
+    "ops",
+    "registry",
+    "reload",
+    "set_backend",
+    "use_backend",
 ]

@@ -37,53 +37,99 @@ def _cast(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
     return t if t is None or like is None else t.to(like.dtype)
 
 
-def _gather(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+def _gather(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
     return {"x": call("scatter", grad, a["indices"], a["bin_ids"], None, a["bins"], a["top_k"])}
 
 
-def _scatter(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+def _scatter(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
     out: Grads = {}
     if needs["x"]:
-        out["x"] = call("gather", grad, a["indices"], a["bin_ids"], a["weights"], a["bins"], a["top_k"])
+        out["x"] = call(
+            "gather", grad, a["indices"], a["bin_ids"], a["weights"], a["bins"], a["top_k"]
+        )
     if needs["weights"]:
-        wgrad = call("scatter_wgrad", a["x"], grad, a["indices"], a["bin_ids"], a["bins"], a["top_k"])
+        wgrad = call(
+            "scatter_wgrad", a["x"], grad, a["indices"], a["bin_ids"], a["bins"], a["top_k"]
+        )
         out["weights"] = _cast(wgrad, a["weights"])
     return out
 
 
-def _padded_gather(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
-    return {"x": call("padded_scatter", grad, a["indices"], a["bin_ids"], None, a["bins"],
-                      a["padded_bins"], a["top_k"])}
+def _padded_gather(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    return {
+        "x": call(
+            "padded_scatter",
+            grad,
+            a["indices"],
+            a["bin_ids"],
+            None,
+            a["bins"],
+            a["padded_bins"],
+            a["top_k"],
+        )
+    }
 
 
-def _padded_scatter(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+def _padded_scatter(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
     out: Grads = {}
     if needs["x"]:
-        out["x"] = call("padded_gather", grad, a["indices"], a["bin_ids"], a["weights"], a["bins"],
-                        a["padded_bins"], a["top_k"])
+        out["x"] = call(
+            "padded_gather",
+            grad,
+            a["indices"],
+            a["bin_ids"],
+            a["weights"],
+            a["bins"],
+            a["padded_bins"],
+            a["top_k"],
+        )
     if needs["weights"]:
-        wgrad = call("padded_scatter_wgrad", a["x"], grad, a["indices"], a["bin_ids"], a["bins"],
-                     a["padded_bins"], a["top_k"])
+        wgrad = call(
+            "padded_scatter_wgrad",
+            a["x"],
+            grad,
+            a["indices"],
+            a["bin_ids"],
+            a["bins"],
+            a["padded_bins"],
+            a["top_k"],
+        )
         out["weights"] = _cast(wgrad, a["weights"])
     return out
 
 
-def _binned_gather(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+def _binned_gather(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
     return {"x": call("binned_scatter", grad, a["indices"], None, a["bins"], a["top_k"])}
 
 
-def _binned_scatter(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+def _binned_scatter(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
     out: Grads = {}
     if needs["x"]:
         bin_size = a["x.shape"][1]  # x itself is kept only when weights need a gradient
-        out["x"] = call("binned_gather", grad, a["indices"], a["weights"], a["bins"], bin_size, a["top_k"])
+        out["x"] = call(
+            "binned_gather", grad, a["indices"], a["weights"], a["bins"], bin_size, a["top_k"]
+        )
     if needs["weights"]:
         wgrad = call("binned_scatter_wgrad", a["x"], grad, a["indices"], a["bins"], a["top_k"])
         out["weights"] = _cast(wgrad, a["weights"])
     return out
 
 
-def _replicate(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+def _replicate(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
     return {"x": call("replicate_backward", grad, a["bins"])}
 
 
@@ -107,10 +153,13 @@ RULES: dict[str, BackwardRule] = {
     "gather": BackwardRule(_gather, ROUTING_SAVES),
     "scatter": BackwardRule(_scatter, (*ROUTING_SAVES, "weights"), {"x": "weights"}),
     "padded_gather": BackwardRule(_padded_gather, (*ROUTING_SAVES, "padded_bins")),
-    "padded_scatter": BackwardRule(_padded_scatter, (*ROUTING_SAVES, "weights", "padded_bins"),
-                                   {"x": "weights"}),
+    "padded_scatter": BackwardRule(
+        _padded_scatter, (*ROUTING_SAVES, "weights", "padded_bins"), {"x": "weights"}
+    ),
     "binned_gather": BackwardRule(_binned_gather, ("indices", "bins")),
-    "binned_scatter": BackwardRule(_binned_scatter, ("indices", "weights", "bins"), {"x": "weights"}),
+    "binned_scatter": BackwardRule(
+        _binned_scatter, ("indices", "weights", "bins"), {"x": "weights"}
+    ),
     "replicate": BackwardRule(_replicate, ("bins",)),
     "gmm": BackwardRule(_gmm, ("batch_sizes",), {"a": "b", "b": "a"}),
 }
@@ -128,8 +177,9 @@ def kept(rule: BackwardRule, name: str, needs: Mapping[str, bool]) -> bool:
 # The glue: what a forward keeps, and the autograd node of an eager call
 
 
-def pack_for_backward(contract: OpContract, args: tuple[Any, ...],
-                      needs: Mapping[str, bool]) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
+def pack_for_backward(
+    contract: OpContract, args: tuple[Any, ...], needs: Mapping[str, bool]
+) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
     """Split the forward's arguments into tensors to save and constants to keep."""
     rule = RULES[contract.name]
     tensors: list[torch.Tensor | None] = []
@@ -145,8 +195,9 @@ def pack_for_backward(contract: OpContract, args: tuple[Any, ...],
     return tensors, consts
 
 
-def unpack_for_backward(contract: OpContract, saved: tuple[torch.Tensor | None, ...],
-                        consts: Mapping[str, Any]) -> dict[str, Any]:
+def unpack_for_backward(
+    contract: OpContract, saved: tuple[torch.Tensor | None, ...], consts: Mapping[str, Any]
+) -> dict[str, Any]:
     """The forward's arguments by name, for a backward rule (see :func:`pack_for_backward`)."""
     bound = dict(consts)
     bound.update(zip((a.name for a in contract.tensor_args), saved, strict=True))
@@ -161,9 +212,18 @@ class _OpFunction(torch.autograd.Function):
     """One autograd node for any differentiable op; the backward comes from :data:`RULES`."""
 
     @staticmethod
-    def forward(ctx: Any, contract: OpContract, run: Callable[..., Any], policy: Policy,
-                call: Call, *args: Any) -> Any:
-        needs = {a.name: bool(n) for a, n in zip(contract.args, ctx.needs_input_grad[_NODE_ARGS:], strict=True)}
+    def forward(
+        ctx: Any,
+        contract: OpContract,
+        run: Callable[..., Any],
+        policy: Policy,
+        call: Call,
+        *args: Any,
+    ) -> Any:
+        needs = {
+            a.name: bool(n)
+            for a, n in zip(contract.args, ctx.needs_input_grad[_NODE_ARGS:], strict=True)
+        }
         tensors, consts = pack_for_backward(contract, args, needs)
         ctx.save_for_backward(*tensors)
         ctx.meta = (contract, policy, call, consts, needs)
@@ -175,11 +235,15 @@ class _OpFunction(torch.autograd.Function):
         bound = unpack_for_backward(contract, ctx.saved_tensors, consts)
         with policy_scope(policy):  # backward runs on the backends the forward was ranked with
             grads = RULES[contract.name].fn(call, bound, grad, needs)
-        return (*(None,) * _NODE_ARGS, *(grads.get(a.name) if needs[a.name] else None for a in contract.args))
+        return (
+            *(None,) * _NODE_ARGS,
+            *(grads.get(a.name) if needs[a.name] else None for a in contract.args),
+        )
 
 
-def apply(contract: OpContract, run: Callable[..., Any], policy: Policy, call: Call,
-          args: tuple[Any, ...]) -> Any:
+def apply(
+    contract: OpContract, run: Callable[..., Any], policy: Policy, call: Call, args: tuple[Any, ...]
+) -> Any:
     """``run(*args)`` recorded as one autograd node; its backward runs the op's rule, calling other
     ops through ``call`` under ``policy`` (the policy the forward was ranked with)."""
     return _OpFunction.apply(contract, run, policy, call, *args)

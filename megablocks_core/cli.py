@@ -28,7 +28,9 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    lines += [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -58,8 +60,11 @@ def _parse_dtypes(op: str, items: Sequence[str]) -> dict[str, torch.dtype]:
         dtype = getattr(torch, name, None)
         if not isinstance(dtype, torch.dtype):
             raise CLIError(f"unknown dtype {name!r} (try bfloat16, float16, float32, int32, int64)")
-        targets = [a for a in contract.tensor_args if (not arg or a.name == arg)
-                   and (not a.dtypes or dtype in a.dtypes)]
+        targets = [
+            a
+            for a in contract.tensor_args
+            if (not arg or a.name == arg) and (not a.dtypes or dtype in a.dtypes)
+        ]
         if not targets:
             raise CLIError(f"{op} has no tensor argument {arg or ''} that accepts {name}")
         chosen.update({a.name: dtype for a in targets})
@@ -68,30 +73,53 @@ def _parse_dtypes(op: str, items: Sequence[str]) -> dict[str, torch.dtype]:
 
 def _trace_dict(trace: Trace) -> dict[str, Any]:
     return {
-        "op": trace.op, "device": str(trace.device), "device_kind": trace.device.kind,
+        "op": trace.op,
+        "device": str(trace.device),
+        "device_kind": trace.device.kind,
         "dtypes": {k: str(v).removeprefix("torch.") for k, v in trace.dtypes.items()},
         "policy": trace.policy.describe(),
-        "winner": trace.winner.label if trace.winner else None, "why": trace.why,
-        "fallback": trace.fallback, "error": trace.error,
+        "winner": trace.winner.label if trace.winner else None,
+        "why": trace.why,
+        "fallback": trace.fallback,
+        "error": trace.error,
         "cost_tier": [k.label for k in trace.cost_tier],
-        "candidates": [{"backend": c.kernel.backend, "variant": c.kernel.variant,
-                        "priority": c.kernel.priority, "devices": list(c.kernel.devices),
-                        "accepted": c.accepted, "reason": c.reason} for c in trace.candidates],
+        "candidates": [
+            {
+                "backend": c.kernel.backend,
+                "variant": c.kernel.variant,
+                "priority": c.kernel.priority,
+                "devices": list(c.kernel.devices),
+                "accepted": c.accepted,
+                "reason": c.reason,
+            }
+            for c in trace.candidates
+        ],
     }
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     plugins = list(dispatch.registry().plugins.values())
     if args.json:
-        print(json.dumps({"core_version": __version__, "plugins": [p.as_dict() for p in plugins]}, indent=2))
+        print(
+            json.dumps(
+                {"core_version": __version__, "plugins": [p.as_dict() for p in plugins]}, indent=2
+            )
+        )
         return 0
     if not plugins:
         print("no backends installed (pip install megablocks-reference)")
         return 0
     status_text = {"ok": "ok", "unavailable": "unavailable here"}
-    rows = [[p.name, f"{p.distribution or '?'} {p.version or ''}".strip(),
-             status_text.get(p.status, p.status), ", ".join(p.device_kinds) or "-",
-             str(len(p.ops))] for p in plugins]
+    rows = [
+        [
+            p.name,
+            f"{p.distribution or '?'} {p.version or ''}".strip(),
+            status_text.get(p.status, p.status),
+            ", ".join(p.device_kinds) or "-",
+            str(len(p.ops)),
+        ]
+        for p in plugins
+    ]
     print(_table(rows, ["backend", "distribution", "status", "devices", "ops"]))
     for p in plugins:
         if p.reason:
@@ -113,9 +141,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
     dtypes = ", ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in trace.dtypes.items())
     print(f"{args.op} on {trace.device}" + (f" with {dtypes}" if dtypes else ""))
     print(f"policy: {trace.policy.describe()}\n")
-    rows = [[c.kernel.label, str(c.kernel.priority), ", ".join(c.kernel.devices),
-             "yes" if c.accepted else "no", c.reason] for c in trace.candidates]
-    print(_table(rows, ["candidate", "priority", "devices", "eligible", "reason"]) if rows else "no candidates")
+    rows = [
+        [
+            c.kernel.label,
+            str(c.kernel.priority),
+            ", ".join(c.kernel.devices),
+            "yes" if c.accepted else "no",
+            c.reason,
+        ]
+        for c in trace.candidates
+    ]
+    print(
+        _table(rows, ["candidate", "priority", "devices", "eligible", "reason"])
+        if rows
+        else "no candidates"
+    )
     if trace.winner:
         print(f"\nwinner: {trace.winner.label} ({trace.why})")
         if trace.cost_tier:
@@ -125,7 +165,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 kernel, why = dispatch.explain_call(trace, call)
                 print(f"{label}: {kernel.label if kernel else 'no kernel'} ({why})")
         if trace.fallback:
-            print("note: this is the portable fallback; no kernel specific to this device can serve it")
+            print(
+                "note: this is the portable fallback; no kernel specific to this device can serve it"
+            )
         return 0
     print(f"\nno winner: {trace.error}", file=sys.stderr)
     return 1
@@ -140,7 +182,9 @@ def _explain_calls(op: str, trace: Trace, shapes: Sequence[str]) -> dict[str, di
         if not isinstance(spec, TensorArg):
             raise KeyError(name)  # only tensors have shapes
         allowed = spec.dtypes
-        fallback = torch.bfloat16 if not allowed or torch.bfloat16 in allowed else min(allowed, key=str)
+        fallback = (
+            torch.bfloat16 if not allowed or torch.bfloat16 in allowed else min(allowed, key=str)
+        )
         return TensorMeta(shape, trace.dtypes.get(name) or fallback, trace.device.type)
 
     if shapes:
@@ -150,23 +194,34 @@ def _explain_calls(op: str, trace: Trace, shapes: Sequence[str]) -> dict[str, di
             try:
                 call[name] = meta(name, tuple(int(d) for d in dims.lower().split("x")))
             except (ValueError, KeyError) as exc:
-                raise CLIError(f"--shape {item!r}: expected ARG=DIMxDIM… for an argument of {op}") from exc
+                raise CLIError(
+                    f"--shape {item!r}: expected ARG=DIMxDIM… for an argument of {op}"
+                ) from exc
         return {" ".join(shapes): call}
     calls = {}
     for label, (tokens, hidden, ffn, experts, top_k) in SHAPES.items():
         rows = tokens * top_k
         if op == "gmm":
-            calls[label] = {"a": meta("a", (rows, hidden)), "b": meta("b", (experts, hidden, ffn)),
-                            "batch_sizes": meta("batch_sizes", (experts,)), "trans_b": False}
+            calls[label] = {
+                "a": meta("a", (rows, hidden)),
+                "b": meta("b", (experts, hidden, ffn)),
+                "batch_sizes": meta("batch_sizes", (experts,)),
+                "trans_b": False,
+            }
         elif op == "gmm_weight_grad":
-            calls[label] = {"a": meta("a", (rows, hidden)), "grad": meta("grad", (rows, ffn)),
-                            "batch_sizes": meta("batch_sizes", (experts,))}
+            calls[label] = {
+                "a": meta("a", (rows, hidden)),
+                "grad": meta("grad", (rows, ffn)),
+                "batch_sizes": meta("batch_sizes", (experts,)),
+            }
     return calls
 
 
 def _print_cost_choices(trace: Trace, calls: dict[str, dict[str, Any]]) -> None:
-    print("per call shape, the lowest cost hint (estimated µs) wins among "
-          f"{', '.join(k.label for k in trace.cost_tier)}:")
+    print(
+        "per call shape, the lowest cost hint (estimated µs) wins among "
+        f"{', '.join(k.label for k in trace.cost_tier)}:"
+    )
     if not calls:
         print("  (pass --shape ARG=DIMxDIM… to see one call's choice)")
         return
@@ -174,8 +229,13 @@ def _print_cost_choices(trace: Trace, calls: dict[str, dict[str, Any]]) -> None:
     for label, call in calls.items():
         values = [v for _, v in ranking.estimates(trace, call)]
         kernel, _ = dispatch.explain_call(trace, call)
-        rows.append([label, *(f"{v:.1f}" if v is not None else "no estimate" for v in values),
-                     kernel.label if kernel else "-"])
+        rows.append(
+            [
+                label,
+                *(f"{v:.1f}" if v is not None else "no estimate" for v in values),
+                kernel.label if kernel else "-",
+            ]
+        )
     print(_table(rows, ["shape", *(k.label for k in trace.cost_tier), "chosen"]))
 
 
@@ -187,26 +247,49 @@ def cmd_check(args: argparse.Namespace) -> int:
     ok = testing.passed(results, required=args.names)
     for name in args.names:
         if not any(r.backend == name and r.status == "pass" for r in results):
-            print(f"megablocks: nothing of {name} could be checked on {args.device}", file=sys.stderr)
+            print(
+                f"megablocks: nothing of {name} could be checked on {args.device}", file=sys.stderr
+            )
     if args.json:
-        print(json.dumps({"device": args.device, "quick": args.quick, "passed": ok,
-                          "results": [r.as_dict() for r in results]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "device": args.device,
+                    "quick": args.quick,
+                    "passed": ok,
+                    "results": [r.as_dict() for r in results],
+                },
+                indent=2,
+            )
+        )
         return 0 if ok else 1
-    labels = {"pass": "pass", "fail": "FAIL", "not provided": "not provided",
-              "unavailable": "unavailable here"}
+    labels = {
+        "pass": "pass",
+        "fail": "FAIL",
+        "not provided": "not provided",
+        "unavailable": "unavailable here",
+    }
     backends = list(dict.fromkeys(r.backend for r in results))
     cells = {(r.op, r.backend): labels[r.status] for r in results}
     ops = list(dict.fromkeys(r.op for r in results))
-    print(_table([[op, *(cells.get((op, b), "-") for b in backends)] for op in ops], ["op", *backends]))
+    print(
+        _table(
+            [[op, *(cells.get((op, b), "-") for b in backends)] for op in ops], ["op", *backends]
+        )
+    )
     for r in results:
         if r.status == "fail":
             print(f"\nFAIL {r.backend}: {r.message}")
-    for backend, reason in dict.fromkeys((r.backend, r.message) for r in results if r.status == "unavailable"):
+    for backend, reason in dict.fromkeys(
+        (r.backend, r.message) for r in results if r.status == "unavailable"
+    ):
         print(f"\n{backend}: unavailable here: {reason}")
     counts = {s: sum(r.status == s for r in results) for s in labels}
-    print(f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['not provided']} not provided, "
-          f"{counts['unavailable']} unavailable here; on {args.device}"
-          f"{' (--quick)' if args.quick else ''} in {sum(r.seconds for r in results):.1f} s")
+    print(
+        f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['not provided']} not provided, "
+        f"{counts['unavailable']} unavailable here; on {args.device}"
+        f"{' (--quick)' if args.quick else ''} in {sum(r.seconds for r in results):.1f} s"
+    )
     return 0 if ok else 1
 
 
@@ -233,12 +316,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CLIError(f"--top-k ({args.top_k}) cannot exceed --experts ({args.experts})")
     if args.backend:
         installed = dispatch.registry().plugins
-        unknown = [n for n in args.backend.split(",") if n.strip().partition("/")[0] not in installed]
+        unknown = [
+            n for n in args.backend.split(",") if n.strip().partition("/")[0] not in installed
+        ]
         if unknown:
-            raise CLIError(f"--backend: {', '.join(unknown)} not installed "
-                           f"(installed: {', '.join(sorted(installed))})")
-    return demo.run(steps=args.steps, device=args.device, dtype=args.dtype, backend=args.backend,
-                    tokens=args.tokens, experts=args.experts, top_k=args.top_k, seed=args.seed)
+            raise CLIError(
+                f"--backend: {', '.join(unknown)} not installed "
+                f"(installed: {', '.join(sorted(installed))})"
+            )
+    return demo.run(
+        steps=args.steps,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        tokens=args.tokens,
+        experts=args.experts,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
 
 
 #: The name the benchmark module is loaded under (:func:`load_benchmark`).
@@ -249,7 +344,10 @@ def benchmark_path() -> Path | None:
     """``benchmarks/bench.py`` of the source checkout that holds this package, or None (an installed
     wheel has no benchmark: it needs MegaBlocks, grouped_gemm and the checkout's docs beside it)."""
     package = Path(__file__).resolve().parent
-    for root in (package.parent, package.parent.parent):  # <root>/megablocks_core or <root>/<dir>/megablocks_core
+    for root in (
+        package.parent,
+        package.parent.parent,
+    ):  # <root>/megablocks_core or <root>/<dir>/megablocks_core
         candidate = root / "benchmarks" / "bench.py"
         if candidate.is_file():
             return candidate
@@ -263,8 +361,10 @@ def load_benchmark() -> ModuleType:
         return loaded
     path = benchmark_path()
     if path is None:
-        raise CLIError("the benchmark runs from a source checkout (benchmarks/bench.py beside the "
-                       "megablocks_core package); this installation has none")
+        raise CLIError(
+            "the benchmark runs from a source checkout (benchmarks/bench.py beside the "
+            "megablocks_core package); this installation has none"
+        )
     spec = importlib.util.spec_from_file_location(BENCHMARK_MODULE, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -286,7 +386,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megablocks",
-        description="Mixture-of-Experts ops with pluggable backends: inspect backends and run examples.")
+        description="Mixture-of-Experts ops with pluggable backends: inspect backends and run examples.",
+    )
     parser.add_argument("--version", action="version", version=f"megablocks-core {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
@@ -299,21 +400,41 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("-v", "--verbose", action="store_true", help="also list each plugin's ops")
     listing.set_defaults(func=cmd_list)
     explain = backend_commands.add_parser(
-        "explain", help="every candidate for an op on a device, why it was accepted or rejected")
+        "explain", help="every candidate for an op on a device, why it was accepted or rejected"
+    )
     explain.add_argument("op", help="op name, e.g. gather or gmm")
-    explain.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
-    explain.add_argument("--dtype", action="append", default=[], metavar="[ARG=]DTYPE",
-                         help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16")
-    explain.add_argument("--shape", action="append", default=[], metavar="ARG=DIMS",
-                         help="an argument's shape, e.g. a=32768x4096 (repeatable): shows which kernel a "
-                              "call of that shape gets when cost hints decide (default: mixtral, qwen3, dsv3, tiny)")
+    explain.add_argument(
+        "--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)"
+    )
+    explain.add_argument(
+        "--dtype",
+        action="append",
+        default=[],
+        metavar="[ARG=]DTYPE",
+        help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16",
+    )
+    explain.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="ARG=DIMS",
+        help="an argument's shape, e.g. a=32768x4096 (repeatable): shows which kernel a "
+        "call of that shape gets when cost hints decide (default: mixtral, qwen3, dsv3, tiny)",
+    )
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=cmd_explain)
     check = backend_commands.add_parser(
-        "check", help="run the conformance kit: each op a backend provides, against the reference")
-    check.add_argument("names", nargs="*", metavar="NAME", help="backends to check (default: all installed)")
-    check.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
-    check.add_argument("--quick", action="store_true", help="a few scenarios instead of the full set")
+        "check", help="run the conformance kit: each op a backend provides, against the reference"
+    )
+    check.add_argument(
+        "names", nargs="*", metavar="NAME", help="backends to check (default: all installed)"
+    )
+    check.add_argument(
+        "--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)"
+    )
+    check.add_argument(
+        "--quick", action="store_true", help="a few scenarios instead of the full set"
+    )
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=cmd_check)
 
@@ -321,12 +442,20 @@ def build_parser() -> argparse.ArgumentParser:
     contracts_cmd.set_defaults(func=cmd_contracts)
 
     demo = commands.add_parser(
-        "demo", help="train a tiny MoE model on synthetic data; show the loss falling and which backend ran each op")
+        "demo",
+        help="train a tiny MoE model on synthetic data; show the loss falling and which backend ran each op",
+    )
     demo.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    demo.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    demo.add_argument(
+        "--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)"
+    )
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    demo.add_argument("--backend", default=None, metavar="NAME[,NAME]",
-                      help="backend preference as in use_backend() (default: the normal ranking)")
+    demo.add_argument(
+        "--backend",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="backend preference as in use_backend() (default: the normal ranking)",
+    )
     demo.add_argument("--tokens", type=int, default=256, help="tokens per step (default 256)")
     demo.add_argument("--experts", type=int, default=8)
     demo.add_argument("--top-k", type=int, default=2)
@@ -334,18 +463,38 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     bench = commands.add_parser(
-        "bench", help="time every installed provider of each op against peers and the hardware limit")
-    bench.add_argument("--shapes", default="", help="comma list of named shapes: mixtral, qwen3, dsv3, tiny "
-                       "(default unless --shape is given: mixtral,qwen3,dsv3 on accelerators, tiny on the CPU)")
-    bench.add_argument("--shape", action="append", default=[], metavar="T,H,F,E,K",
-                       help="a custom shape (repeatable)")
-    bench.add_argument("--ops", default="", help="comma list of ops (default: all): routing, gather, "
-                       "scatter, padded_gather, padded_scatter, scatter_wgrad, gmm")
-    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                       help="torch device (default: cuda when torch sees one, else cpu)")
+        "bench",
+        help="time every installed provider of each op against peers and the hardware limit",
+    )
+    bench.add_argument(
+        "--shapes",
+        default="",
+        help="comma list of named shapes: mixtral, qwen3, dsv3, tiny "
+        "(default unless --shape is given: mixtral,qwen3,dsv3 on accelerators, tiny on the CPU)",
+    )
+    bench.add_argument(
+        "--shape",
+        action="append",
+        default=[],
+        metavar="T,H,F,E,K",
+        help="a custom shape (repeatable)",
+    )
+    bench.add_argument(
+        "--ops",
+        default="",
+        help="comma list of ops (default: all): routing, gather, "
+        "scatter, padded_gather, padded_scatter, scatter_wgrad, gmm",
+    )
+    bench.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="torch device (default: cuda when torch sees one, else cpu)",
+    )
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
-    bench.add_argument("--no-peers", action="store_true", help="skip torch / MegaBlocks / grouped_gemm peers")
+    bench.add_argument(
+        "--no-peers", action="store_true", help="skip torch / MegaBlocks / grouped_gemm peers"
+    )
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     bench.set_defaults(func=cmd_bench)
     return parser

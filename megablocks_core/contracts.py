@@ -33,36 +33,53 @@ ANY_DTYPE: frozenset = frozenset()  # an empty set means "any dtype"
 # Arguments shared by many ops: one definition each.
 
 INDICES = TensorArg(
-    "indices", INT_DTYPES, (1,),
+    "indices",
+    INT_DTYPES,
+    (1,),
     "flat id (token * top_k + k) of each row, in expert-sorted order; length tokens * top_k",
 )
 BIN_IDS = TensorArg("bin_ids", INT_DTYPES, (1,), "expert of each sorted row; length tokens * top_k")
 BINS = TensorArg(
-    "bins", INT_DTYPES, (1,),
+    "bins",
+    INT_DTYPES,
+    (1,),
     "inclusive cumsum of tokens per expert (end offset of each expert in sorted order); length experts",
 )
 PADDED_BINS = TensorArg(
-    "padded_bins", INT_DTYPES, (1,),
+    "padded_bins",
+    INT_DTYPES,
+    (1,),
     "inclusive cumsum of per-expert token counts rounded up to the block size; length experts",
 )
 WEIGHTS = TensorArg(
-    "weights", FLOAT_DTYPES, (1,),
+    "weights",
+    FLOAT_DTYPES,
+    (1,),
     "per-(token, k) scale indexed by flat id, length tokens * top_k; None means 1",
     optional=True,
 )
 # Gathers take weights only at kernel level: the backward of a weighted scatter
 # is a weighted gather, so kernels must support it; the public op passes None.
 GATHER_WEIGHTS = TensorArg(
-    WEIGHTS.name, WEIGHTS.dtypes, WEIGHTS.ndim,
+    WEIGHTS.name,
+    WEIGHTS.dtypes,
+    WEIGHTS.ndim,
     "optional per-row scale (kernel level only: used by scatter's backward)",
-    optional=True, public=False,
+    optional=True,
+    public=False,
 )
 TOP_K = IntArg("top_k", "experts per token", min=1)
 TOKENS = TensorArg("x", FLOAT_DTYPES, (2,), "token rows, (tokens, hidden)")
-SORTED_ROWS = TensorArg("x", FLOAT_DTYPES, (2,), "rows in expert-sorted order, (tokens * top_k, hidden)")
-PADDED_ROWS = TensorArg("x", FLOAT_DTYPES, (2,), "rows in padded expert order, (padded_bins[-1], hidden)")
+SORTED_ROWS = TensorArg(
+    "x", FLOAT_DTYPES, (2,), "rows in expert-sorted order, (tokens * top_k, hidden)"
+)
+PADDED_ROWS = TensorArg(
+    "x", FLOAT_DTYPES, (2,), "rows in padded expert order, (padded_bins[-1], hidden)"
+)
 BINNED_ROWS = TensorArg("x", FLOAT_DTYPES, (3,), "rows per expert bin, (experts, bin_size, hidden)")
-TOKEN_GRAD = TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of the scatter output, (tokens, hidden)")
+TOKEN_GRAD = TensorArg(
+    "grad", FLOAT_DTYPES, (2,), "gradient of the scatter output, (tokens, hidden)"
+)
 
 # Rules shared by the permutation ops.
 SAME_LENGTH = Rule("indices.shape[0] == bin_ids.shape[0]", "one expert id per sorted row")
@@ -78,27 +95,46 @@ def int16_fits(arg: str, why: str) -> Rule:
 
 
 INDICES_FIT = int16_fits(
-    "indices", "int16 indices cannot address more than 32768 rows (MegaBlocks would wrap silently)")
+    "indices", "int16 indices cannot address more than 32768 rows (MegaBlocks would wrap silently)"
+)
 PADDED_LENGTH = Rule("padded_bins.shape[0] == bins.shape[0]", "one padded bin per expert")
-GATHER_ROWS = Rule("x.shape[0] * top_k == indices.shape[0]", "indices has top_k entries per row of x")
-SORTED_ROWS_MATCH = Rule("x.shape[0] == indices.shape[0]", "one row of x per sorted (token, k) pair")
+GATHER_ROWS = Rule(
+    "x.shape[0] * top_k == indices.shape[0]", "indices has top_k entries per row of x"
+)
+SORTED_ROWS_MATCH = Rule(
+    "x.shape[0] == indices.shape[0]", "one row of x per sorted (token, k) pair"
+)
 GRAD_TOKENS = Rule("grad.shape[0] * top_k == indices.shape[0]", "grad has one row per token")
 GRAD_HIDDEN = Rule("grad.shape[1] == x.shape[-1]", "grad and x have the same hidden size")
 GRAD_DTYPE = Rule("grad.dtype == x.dtype", "grad and x have the same dtype", error=TypeError)
 
-IS_PERMUTATION = Rule("is_permutation(indices)", "indices is a permutation of range(tokens * top_k)", checked=True)
+IS_PERMUTATION = Rule(
+    "is_permutation(indices)", "indices is a permutation of range(tokens * top_k)", checked=True
+)
 BINS_SORTED = Rule("nondecreasing(bins)", "bins is a cumulative sum", checked=True)
 BINS_TOTAL = Rule("last(bins) == indices.shape[0]", "bins ends at the number of rows", checked=True)
 BIN_IDS_MATCH = Rule("bins_match(bin_ids, bins)", "bin_ids agrees with bins", checked=True)
 PADDED_SORTED = Rule("nondecreasing(padded_bins)", "padded_bins is a cumulative sum", checked=True)
-PADDED_FITS = Rule("fits(padded_bins, bins)", "each padded bin holds its expert's rows", checked=True)
+PADDED_FITS = Rule(
+    "fits(padded_bins, bins)", "each padded bin holds its expert's rows", checked=True
+)
 
-PERMUTATION_RULES = (SAME_LENGTH, WHOLE_TOKENS, WEIGHTS_LENGTH, INDICES_FIT,
-                     IS_PERMUTATION, BINS_SORTED, BINS_TOTAL, BIN_IDS_MATCH)
+PERMUTATION_RULES = (
+    SAME_LENGTH,
+    WHOLE_TOKENS,
+    WEIGHTS_LENGTH,
+    INDICES_FIT,
+    IS_PERMUTATION,
+    BINS_SORTED,
+    BINS_TOTAL,
+    BIN_IDS_MATCH,
+)
 PADDED_RULES = (PADDED_LENGTH, PADDED_SORTED, PADDED_FITS)
 BINNED_RULES = (WHOLE_TOKENS, WEIGHTS_LENGTH, INDICES_FIT, IS_PERMUTATION, BINS_SORTED, BINS_TOTAL)
 
-TOKENS_OUT = Output("out", "x.dtype", ("indices.shape[0] // top_k", "x.shape[-1]"), "one row per token")
+TOKENS_OUT = Output(
+    "out", "x.dtype", ("indices.shape[0] // top_k", "x.shape[-1]"), "one row per token"
+)
 WGRAD_OUT = Output("weights_grad", "x.dtype", ("indices.shape[0]",), "indexed by flat id")
 
 EMPTY_AND_ZERO = (
@@ -149,44 +185,62 @@ BINNED_BAD_LAYOUT = (
 # Routing
 
 SORT = OpContract(
-    name="sort", family="routing",
+    name="sort",
+    family="routing",
     summary="Stable ascending sort of integer keys, returning the values and their source positions.",
     args=(
         TensorArg("x", INT_DTYPES, (1,), "keys, e.g. the flattened top-k expert ids"),
-        IntArg("end_bit", "keys lie in [0, 2**end_bit); None means the dtype's full width",
-               min=0, max=64, optional=True),
+        IntArg(
+            "end_bit",
+            "keys lie in [0, 2**end_bit); None means the dtype's full width",
+            min=0,
+            max=64,
+            optional=True,
+        ),
     ),
     rules=(
-        Rule("end_bit is None or end_bit <= torch.iinfo(x.dtype).bits", "end_bit fits the key dtype"),
+        Rule(
+            "end_bit is None or end_bit <= torch.iinfo(x.dtype).bits", "end_bit fits the key dtype"
+        ),
         int16_fits("x", "int16 indices cannot address more than 32768 keys"),
-        Rule("end_bit is None or in_range(x, 0, 1 << end_bit)", "keys lie in [0, 2**end_bit)",
-             checked=True),
+        Rule(
+            "end_bit is None or in_range(x, 0, 1 << end_bit)",
+            "keys lie in [0, 2**end_bit)",
+            checked=True,
+        ),
     ),
     outputs=(
         Output("values", "x.dtype", ("x.shape[0]",), "keys in ascending order"),
         Output("indices", "x.dtype", ("x.shape[0]",), "position in x of each sorted key"),
     ),
     semantics="Equal keys keep their input order (stable), so the result is deterministic.",
-    edge_cases=("empty input: empty outputs",
-                UNCHECKED + "keys outside [0, 2**end_bit): indices is still a permutation and "
-                "values = x[indices]; their order is unspecified"),
+    edge_cases=(
+        "empty input: empty outputs",
+        UNCHECKED + "keys outside [0, 2**end_bit): indices is still a permutation and "
+        "values = x[indices]; their order is unspecified",
+    ),
     deviations=(
         "int16 keys longer than 32768 are rejected; MegaBlocks returns wrapped int16 indices.",
     ),
 )
 
 HISTOGRAM = OpContract(
-    name="histogram", family="routing",
+    name="histogram",
+    family="routing",
     summary="Count how many keys fall in each bin [i, i + 1).",
     args=(
         TensorArg("x", INT_DTYPES, (1, 2), "keys, (n,) or a batch of rows (batch, n)"),
         IntArg("num_bins", "number of bins (experts)", min=0),
     ),
     rules=(Rule("x.numel() < 2**31", "counts are int32"),),
-    outputs=(Output("counts", "torch.int32", "(*x.shape[:-1], num_bins)", "per row for 2-D input"),),
+    outputs=(
+        Output("counts", "torch.int32", "(*x.shape[:-1], num_bins)", "per row for 2-D input"),
+    ),
     semantics="Keys outside [0, num_bins) are not counted.",
     edge_cases=("empty input: all-zero counts", "num_bins = 0: empty counts"),
-    deviations=("The bin count is an int named num_bins (MegaBlocks types it as a float max_val).",),
+    deviations=(
+        "The bin count is an int named num_bins (MegaBlocks types it as a float max_val).",
+    ),
 )
 
 _CUMSUM_ARGS = (
@@ -203,9 +257,11 @@ _CUMSUM_DEVIATIONS = (
 )
 
 INCLUSIVE_CUMSUM = OpContract(
-    name="inclusive_cumsum", family="routing",
+    name="inclusive_cumsum",
+    family="routing",
     summary="Running sum including the current element, in x's dtype.",
-    args=_CUMSUM_ARGS, rules=_CUMSUM_RULES,
+    args=_CUMSUM_ARGS,
+    rules=_CUMSUM_RULES,
     outputs=(Output("out", "x.dtype", "tuple(x.shape)"),),
     semantics="out[i] = x[0] + … + x[i]. No promotion to int64 (unlike torch.cumsum).",
     edge_cases=("empty input: empty output",),
@@ -213,9 +269,11 @@ INCLUSIVE_CUMSUM = OpContract(
 )
 
 EXCLUSIVE_CUMSUM = OpContract(
-    name="exclusive_cumsum", family="routing",
+    name="exclusive_cumsum",
+    family="routing",
     summary="Running sum excluding the current element, in x's dtype.",
-    args=_CUMSUM_ARGS, rules=_CUMSUM_RULES,
+    args=_CUMSUM_ARGS,
+    rules=_CUMSUM_RULES,
     outputs=(Output("out", "x.dtype", "tuple(x.shape)"),),
     semantics="out[0] = 0, out[i] = x[0] + … + x[i - 1].",
     edge_cases=("empty input: empty output",),
@@ -223,7 +281,8 @@ EXCLUSIVE_CUMSUM = OpContract(
 )
 
 TOPOLOGY = OpContract(
-    name="topology", family="routing",
+    name="topology",
+    family="routing",
     summary="Column indices of the block-sparse expert weight matrix, one row of blocks per padded row block.",
     args=(
         PADDED_BINS,
@@ -235,21 +294,30 @@ TOPOLOGY = OpContract(
         Rule("padded_bins.shape[0] * output_block_columns <= 32768", "column indices are int16"),
         Rule("nondecreasing(padded_bins)", "padded_bins is a cumulative sum", checked=True),
         Rule("multiple_of(padded_bins, block_size)", "padded bins are whole blocks", checked=True),
-        Rule("last(padded_bins) == output_block_rows * block_size",
-             "output_block_rows covers padded_bins", checked=True),
+        Rule(
+            "last(padded_bins) == output_block_rows * block_size",
+            "output_block_rows covers padded_bins",
+            checked=True,
+        ),
     ),
-    outputs=(Output("column_indices", "torch.int16", ("output_block_rows * output_block_columns",)),),
+    outputs=(
+        Output("column_indices", "torch.int16", ("output_block_rows * output_block_columns",)),
+    ),
     semantics=(
         "Block-row r of expert e (padded_bins[e-1] <= r * block_size < padded_bins[e]) gets "
         "columns e * output_block_columns + [0, output_block_columns)."
     ),
-    edge_cases=("experts with no rows own no block-rows", "output_block_rows = 0: empty output",
-                UNCHECKED + "padded_bins not a cumulative sum of whole blocks: every entry is "
-                "e * output_block_columns + j for some e in [0, experts]"),
+    edge_cases=(
+        "experts with no rows own no block-rows",
+        "output_block_rows = 0: empty output",
+        UNCHECKED + "padded_bins not a cumulative sum of whole blocks: every entry is "
+        "e * output_block_columns + j for some e in [0, experts]",
+    ),
 )
 
 REPLICATE = OpContract(
-    name="replicate", family="routing",
+    name="replicate",
+    family="routing",
     summary="Expand one value per bin into one value per row of that bin.",
     args=(
         TensorArg("x", FLOAT_DTYPES | INT_DTYPES, (2,), "per-bin values, (batch, bins)"),
@@ -267,29 +335,41 @@ REPLICATE = OpContract(
         "out[b, j] = x[b, e] for bins[e-1] <= j < bins[e]; columns past bins[-1] are 0. "
         "The gradient is a per-bin sum."
     ),
-    edge_cases=("empty bins: no output columns", "num_outputs = 0: empty output",
-                UNCHECKED + "bins not a cumulative sum: every element is 0 or a value of its "
-                "row of x"),
-    deviations=("Any float or int dtype, forward and backward (MegaBlocks: fp16/int16/int32, fp16 backward).",),
+    edge_cases=(
+        "empty bins: no output columns",
+        "num_outputs = 0: empty output",
+        UNCHECKED + "bins not a cumulative sum: every element is 0 or a value of its row of x",
+    ),
+    deviations=(
+        "Any float or int dtype, forward and backward (MegaBlocks: fp16/int16/int32, fp16 backward).",
+    ),
 )
 
 REPLICATE_BACKWARD = OpContract(
-    name="replicate_backward", family="routing", public=False,
+    name="replicate_backward",
+    family="routing",
+    public=False,
     summary="Sum the rows of each bin (replicate's gradient).",
-    args=(TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of replicate's output, (batch, rows)"), BINS),
+    args=(
+        TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of replicate's output, (batch, rows)"),
+        BINS,
+    ),
     rules=(
         Rule("nondecreasing(bins)", "bins is a cumulative sum", checked=True),
         Rule("last(bins) <= grad.shape[1]", "bins fit in grad's rows", checked=True),
     ),
     outputs=(Output("out", "grad.dtype", ("grad.shape[0]", "bins.shape[0]")),),
     semantics="out[b, e] = sum(grad[b, bins[e-1]:bins[e]]), accumulated in float32 (float64 for float64).",
-    edge_cases=("an empty bin sums to exactly 0",
-                UNCHECKED + "bins not a cumulative sum: each bin sums some columns of grad "
-                "inside grad (which ones is unspecified)"),
+    edge_cases=(
+        "an empty bin sums to exactly 0",
+        UNCHECKED + "bins not a cumulative sum: each bin sums some columns of grad "
+        "inside grad (which ones is unspecified)",
+    ),
 )
 
 ROUTE = OpContract(
-    name="route", family="routing",
+    name="route",
+    family="routing",
     summary="All routing metadata of a dropless MoE layer from the flat top-k expert ids, in one op.",
     args=(
         TensorArg("top_experts", INT_DTYPES, (1,), "expert id of each (token, k) pair, flattened"),
@@ -298,16 +378,23 @@ ROUTE = OpContract(
     ),
     rules=(
         int16_fits("top_experts", "int16 indices cannot address more than 32768 rows"),
-        Rule("in_range(top_experts, 0, num_experts)", "expert ids lie in [0, num_experts)",
-             checked=True),
+        Rule(
+            "in_range(top_experts, 0, num_experts)",
+            "expert ids lie in [0, num_experts)",
+            checked=True,
+        ),
     ),
     outputs=(
         Output("indices", "top_experts.dtype", ("top_experts.shape[0]",), "as sort's indices"),
         Output("bin_ids", "top_experts.dtype", ("top_experts.shape[0]",), "as sort's values"),
         Output("tokens_per_expert", "torch.int32", ("num_experts",), "as histogram"),
         Output("bins", "torch.int32", ("num_experts",), "inclusive cumsum of tokens_per_expert"),
-        Output("padded_bins", "torch.int32", ("num_experts",),
-               "inclusive cumsum of tokens_per_expert rounded up to block_size"),
+        Output(
+            "padded_bins",
+            "torch.int32",
+            ("num_experts",),
+            "inclusive cumsum of tokens_per_expert rounded up to block_size",
+        ),
     ),
     semantics=(
         "Exactly sort(top_experts) (stable), histogram, inclusive_cumsum, and inclusive_cumsum of "
@@ -315,29 +402,36 @@ ROUTE = OpContract(
         "those dispatched ops, so every backend that provides them gets route for free; a backend "
         "may provide a fused kernel instead."
     ),
-    edge_cases=("zero tokens: empty indices, all-zero counts",
-                UNCHECKED + "expert ids outside [0, num_experts) are not counted and sort after "
-                "every valid id, in input order; bin_ids keeps them as given, indices stays a "
-                "permutation and bins[-1] counts only the valid ids"),
-    deviations=("Not in MegaBlocks, which makes the caller issue the five ops (and a sync in places).",),
+    edge_cases=(
+        "zero tokens: empty indices, all-zero counts",
+        UNCHECKED + "expert ids outside [0, num_experts) are not counted and sort after "
+        "every valid id, in input order; bin_ids keeps them as given, indices stays a "
+        "permutation and bins[-1] counts only the valid ids",
+    ),
+    deviations=(
+        "Not in MegaBlocks, which makes the caller issue the five ops (and a sync in places).",
+    ),
 )
 
 # ---------------------------------------------------------------------------
 # Permutation
 
 GATHER = OpContract(
-    name="gather", family="permutation",
+    name="gather",
+    family="permutation",
     summary="Copy each token's row to its top_k rows in expert-sorted order.",
     args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, TOP_K),
     rules=(GATHER_ROWS, *PERMUTATION_RULES),
     outputs=(Output("out", "x.dtype", ("indices.shape[0]", "x.shape[1]"), "expert-sorted rows"),),
     differentiable=("x",),
-    semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level). " + FP32_ACCUMULATION,
+    semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level). "
+    + FP32_ACCUMULATION,
     edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES),
 )
 
 SCATTER = OpContract(
-    name="scatter", family="permutation",
+    name="scatter",
+    family="permutation",
     summary="Sum each token's top_k expert rows back into one row, optionally weighted.",
     args=(SORTED_ROWS, INDICES, BIN_IDS, WEIGHTS, BINS, TOP_K),
     rules=(SORTED_ROWS_MATCH, *PERMUTATION_RULES),
@@ -351,58 +445,110 @@ SCATTER = OpContract(
 )
 
 SCATTER_WGRAD = OpContract(
-    name="scatter_wgrad", family="permutation", public=False,
+    name="scatter_wgrad",
+    family="permutation",
+    public=False,
     summary="Gradient of scatter with respect to its weights.",
     args=(SORTED_ROWS, TOKEN_GRAD, INDICES, BIN_IDS, BINS, TOP_K),
-    rules=(SORTED_ROWS_MATCH, GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, SAME_LENGTH, WHOLE_TOKENS, INDICES_FIT),
+    rules=(
+        SORTED_ROWS_MATCH,
+        GRAD_TOKENS,
+        GRAD_HIDDEN,
+        GRAD_DTYPE,
+        SAME_LENGTH,
+        WHOLE_TOKENS,
+        INDICES_FIT,
+    ),
     outputs=(WGRAD_OUT,),
     semantics="out[indices[i]] = dot(x[i], grad[indices[i] // top_k]), accumulated in float32.",
     edge_cases=(*EMPTY_AND_ZERO, WGRAD_BAD_INDICES),
 )
 
 PADDED_GATHER = OpContract(
-    name="padded_gather", family="permutation",
+    name="padded_gather",
+    family="permutation",
     summary="Gather into expert segments padded to padded_bins, with zero padding rows.",
     args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, PADDED_BINS, TOP_K),
     rules=(GATHER_ROWS, *PERMUTATION_RULES, *PADDED_RULES),
-    outputs=(Output("out", "x.dtype", (DataDim("last(padded_bins)"), "x.shape[1]"),
-                    "rows = padded_bins[-1], read on the host"),),
+    outputs=(
+        Output(
+            "out",
+            "x.dtype",
+            (DataDim("last(padded_bins)"), "x.shape[1]"),
+            "rows = padded_bins[-1], read on the host",
+        ),
+    ),
     differentiable=("x",),
     semantics=(
         "Sorted row i of expert e = bin_ids[i] lands at padded_bins[e-1] + (i - bins[e-1]); "
         "rows no token lands on are 0. " + LAYOUT_FROM_BINS + " " + FP32_ACCUMULATION
     ),
-    edge_cases=(*EMPTY_AND_ZERO, "no experts: empty output", GATHER_BAD_INDICES, PADDED_BAD_LAYOUT,
-                PADDED_NEGATIVE_END),
-    deviations=("The output row count is read from padded_bins on the host (a sync), as in MegaBlocks.",),
+    edge_cases=(
+        *EMPTY_AND_ZERO,
+        "no experts: empty output",
+        GATHER_BAD_INDICES,
+        PADDED_BAD_LAYOUT,
+        PADDED_NEGATIVE_END,
+    ),
+    deviations=(
+        "The output row count is read from padded_bins on the host (a sync), as in MegaBlocks.",
+    ),
 )
 
 PADDED_SCATTER = OpContract(
-    name="padded_scatter", family="permutation",
+    name="padded_scatter",
+    family="permutation",
     summary="Scatter from padded expert segments back to tokens, optionally weighted.",
     args=(PADDED_ROWS, INDICES, BIN_IDS, WEIGHTS, BINS, PADDED_BINS, TOP_K),
-    rules=(*PERMUTATION_RULES, *PADDED_RULES,
-           Rule("x.shape[0] == last(padded_bins)", "x has padded_bins[-1] rows", checked=True)),
+    rules=(
+        *PERMUTATION_RULES,
+        *PADDED_RULES,
+        Rule("x.shape[0] == last(padded_bins)", "x has padded_bins[-1] rows", checked=True),
+    ),
     outputs=(TOKENS_OUT,),
     differentiable=("x", "weights"),
-    semantics="As scatter, reading the row each (token, k) was padded_gather'ed to. " + FP32_ACCUMULATION,
-    edge_cases=(*EMPTY_AND_ZERO, "padding rows are never read", SCATTER_BAD_INDICES, LAYOUT_BAD_READS),
+    semantics="As scatter, reading the row each (token, k) was padded_gather'ed to. "
+    + FP32_ACCUMULATION,
+    edge_cases=(
+        *EMPTY_AND_ZERO,
+        "padding rows are never read",
+        SCATTER_BAD_INDICES,
+        LAYOUT_BAD_READS,
+    ),
 )
 
 PADDED_SCATTER_WGRAD = OpContract(
-    name="padded_scatter_wgrad", family="permutation", public=False,
+    name="padded_scatter_wgrad",
+    family="permutation",
+    public=False,
     summary="Gradient of padded_scatter with respect to its weights.",
     args=(PADDED_ROWS, TOKEN_GRAD, INDICES, BIN_IDS, BINS, PADDED_BINS, TOP_K),
-    rules=(GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, SAME_LENGTH, WHOLE_TOKENS, INDICES_FIT, PADDED_LENGTH),
+    rules=(
+        GRAD_TOKENS,
+        GRAD_HIDDEN,
+        GRAD_DTYPE,
+        SAME_LENGTH,
+        WHOLE_TOKENS,
+        INDICES_FIT,
+        PADDED_LENGTH,
+    ),
     outputs=(WGRAD_OUT,),
     semantics="As scatter_wgrad, reading padded rows. Accumulated in float32.",
     edge_cases=(*EMPTY_AND_ZERO, WGRAD_BAD_INDICES, LAYOUT_BAD_READS),
 )
 
 BINNED_GATHER = OpContract(
-    name="binned_gather", family="permutation",
+    name="binned_gather",
+    family="permutation",
     summary="Gather into fixed-capacity expert bins, dropping rows beyond capacity.",
-    args=(TOKENS, INDICES, GATHER_WEIGHTS, BINS, IntArg("bin_size", "capacity per expert", min=0), TOP_K),
+    args=(
+        TOKENS,
+        INDICES,
+        GATHER_WEIGHTS,
+        BINS,
+        IntArg("bin_size", "capacity per expert", min=0),
+        TOP_K,
+    ),
     rules=(GATHER_ROWS, *BINNED_RULES),
     outputs=(Output("out", "x.dtype", ("bins.shape[0]", "bin_size", "x.shape[1]"), "zero-filled"),),
     differentiable=("x",),
@@ -410,28 +556,46 @@ BINNED_GATHER = OpContract(
         "out[e, j] = x[indices[bins[e-1] + j] // top_k] for j < min(bin_size, rows of e); "
         "other rows are 0. " + FP32_ACCUMULATION
     ),
-    edge_cases=(*EMPTY_AND_ZERO, "rows beyond bin_size are dropped", "bin_size = 0: empty bins",
-                GATHER_BAD_INDICES, BINNED_BAD_LAYOUT),
+    edge_cases=(
+        *EMPTY_AND_ZERO,
+        "rows beyond bin_size are dropped",
+        "bin_size = 0: empty bins",
+        GATHER_BAD_INDICES,
+        BINNED_BAD_LAYOUT,
+    ),
 )
 
 BINNED_SCATTER = OpContract(
-    name="binned_scatter", family="permutation",
+    name="binned_scatter",
+    family="permutation",
     summary="Scatter from expert bins back to tokens, optionally weighted; dropped rows contribute 0.",
     args=(BINNED_ROWS, INDICES, WEIGHTS, BINS, TOP_K),
     rules=(Rule("x.shape[0] == bins.shape[0]", "one bin of x per expert"), *BINNED_RULES),
     outputs=(TOKENS_OUT,),
     differentiable=("x", "weights"),
     semantics="out[t] = sum over kept k of weights[t*top_k + k] * x[e, j]. " + FP32_ACCUMULATION,
-    edge_cases=(*EMPTY_AND_ZERO, "a token whose rows were all dropped gets 0", SCATTER_BAD_INDICES,
-                LAYOUT_BAD_READS),
+    edge_cases=(
+        *EMPTY_AND_ZERO,
+        "a token whose rows were all dropped gets 0",
+        SCATTER_BAD_INDICES,
+        LAYOUT_BAD_READS,
+    ),
 )
 
 BINNED_SCATTER_WGRAD = OpContract(
-    name="binned_scatter_wgrad", family="permutation", public=False,
+    name="binned_scatter_wgrad",
+    family="permutation",
+    public=False,
     summary="Gradient of binned_scatter with respect to its weights.",
     args=(BINNED_ROWS, TOKEN_GRAD, INDICES, BINS, TOP_K),
-    rules=(Rule("x.shape[0] == bins.shape[0]", "one bin of x per expert"),
-           GRAD_TOKENS, GRAD_HIDDEN, GRAD_DTYPE, WHOLE_TOKENS, INDICES_FIT),
+    rules=(
+        Rule("x.shape[0] == bins.shape[0]", "one bin of x per expert"),
+        GRAD_TOKENS,
+        GRAD_HIDDEN,
+        GRAD_DTYPE,
+        WHOLE_TOKENS,
+        INDICES_FIT,
+    ),
     outputs=(WGRAD_OUT,),
     semantics="As scatter_wgrad for kept rows; dropped rows get 0. Accumulated in float32.",
     edge_cases=(*EMPTY_AND_ZERO, "dropped rows get exactly 0", WGRAD_BAD_INDICES, LAYOUT_BAD_READS),
@@ -441,17 +605,25 @@ BINNED_SCATTER_WGRAD = OpContract(
 # Grouped GEMM
 
 BATCH_SIZES = TensorArg(
-    "batch_sizes", COUNT_DTYPES, (1,),
+    "batch_sizes",
+    COUNT_DTYPES,
+    (1,),
     "rows of a per expert; on the CPU (MegaBlocks' convention) or on a's device",
     any_device=True,
 )
 # Checked always when batch_sizes is on the CPU (no device sync), otherwise only in checked mode.
 # Each size is bounded first, so that the sum below cannot wrap around (int64 sizes
 # [2**63 - 1, 2**63 - 1, 6] must not pass for 4 rows).
-GROUPS_WITHIN_A = Rule("sizes_within(batch_sizes, a.shape[0])",
-                       "group sizes are not negative and none exceeds the rows of a", checked="batch_sizes")
-GROUPS_COVER_A = Rule("total(batch_sizes, a.shape[0]) == a.shape[0]", "the groups cover every row of a",
-                      checked="batch_sizes")
+GROUPS_WITHIN_A = Rule(
+    "sizes_within(batch_sizes, a.shape[0])",
+    "group sizes are not negative and none exceeds the rows of a",
+    checked="batch_sizes",
+)
+GROUPS_COVER_A = Rule(
+    "total(batch_sizes, a.shape[0]) == a.shape[0]",
+    "the groups cover every row of a",
+    checked="batch_sizes",
+)
 
 GMM_BAD_SIZES = (
     UNCHECKED + "device-side batch_sizes that are negative or do not sum to the rows of a: a "
@@ -460,11 +632,17 @@ GMM_BAD_SIZES = (
 )
 
 GMM = OpContract(
-    name="gmm", family="grouped_gemm",
+    name="gmm",
+    family="grouped_gemm",
     summary="Grouped matrix multiply: each expert's rows of a times that expert's matrix.",
     args=(
         TensorArg("a", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, k)"),
-        TensorArg("b", FLOAT_DTYPES, (3,), "expert matrices, (experts, k, n) or (experts, n, k) with trans_b"),
+        TensorArg(
+            "b",
+            FLOAT_DTYPES,
+            (3,),
+            "expert matrices, (experts, k, n) or (experts, n, k) with trans_b",
+        ),
         BATCH_SIZES,
         BoolArg("trans_b", "b holds (n, k) matrices", default=False),
     ),
@@ -472,7 +650,8 @@ GMM = OpContract(
         Rule("b.dtype == a.dtype", "a and b have the same dtype", error=TypeError),
         Rule("batch_sizes.shape[0] == b.shape[0]", "one group size per expert"),
         Rule("a.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
-        GROUPS_WITHIN_A, GROUPS_COVER_A,
+        GROUPS_WITHIN_A,
+        GROUPS_COVER_A,
     ),
     outputs=(Output("out", "a.dtype", ("a.shape[0]", "b.shape[1] if trans_b else b.shape[2]")),),
     differentiable=("a", "b"),
@@ -483,12 +662,17 @@ GMM = OpContract(
         "a's device it is the sync-free form: nothing reads it on the host unless MEGABLOCKS_CHECK=1, "
         "and the default ranking never picks a provider that would copy it there."
     ),
-    edge_cases=("rows = 0: empty output", "empty experts: no rows, exactly-zero weight gradient",
-                GMM_BAD_SIZES),
+    edge_cases=(
+        "rows = 0: empty output",
+        "empty experts: no rows, exactly-zero weight gradient",
+        GMM_BAD_SIZES,
+    ),
 )
 
 GMM_WEIGHT_GRAD = OpContract(
-    name="gmm_weight_grad", family="grouped_gemm", public=False,
+    name="gmm_weight_grad",
+    family="grouped_gemm",
+    public=False,
     summary="Per-expert a^T @ grad (the weight gradient of gmm, variable K).",
     args=(
         TensorArg("a", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, k)"),
@@ -498,7 +682,8 @@ GMM_WEIGHT_GRAD = OpContract(
     rules=(
         Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
         Rule("grad.shape[0] == a.shape[0]", "a and grad have the same rows"),
-        GROUPS_WITHIN_A, GROUPS_COVER_A,
+        GROUPS_WITHIN_A,
+        GROUPS_COVER_A,
     ),
     outputs=(Output("out", "a.dtype", ("batch_sizes.shape[0]", "a.shape[1]", "grad.shape[1]")),),
     semantics="out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32.",
@@ -509,7 +694,8 @@ GMM_WEIGHT_GRAD = OpContract(
 # Composite ops: plain torch, run by the core itself on every device.
 
 ROUND_UP = OpContract(
-    name="round_up", family="composite",
+    name="round_up",
+    family="composite",
     summary="Round each count up to a multiple of value.",
     args=(TensorArg("x", INT_DTYPES, (), "counts"), IntArg("value", "the multiple", min=1)),
     outputs=(Output("out", "x.dtype", "tuple(x.shape)"),),
@@ -517,7 +703,8 @@ ROUND_UP = OpContract(
 )
 
 REPEAT = OpContract(
-    name="repeat", family="composite",
+    name="repeat",
+    family="composite",
     summary="x.repeat(*tiling), returning x itself when every factor is 1.",
     args=(TensorArg("x", ANY_DTYPE, (), "any tensor"), SequenceArg("tiling", "repeat factors")),
     rules=(Rule("len(tiling) >= x.dim()", "one factor per dimension of x"),),
@@ -525,22 +712,50 @@ REPEAT = OpContract(
 )
 
 SUM = OpContract(
-    name="sum", family="composite",
+    name="sum",
+    family="composite",
     summary="Sum over dim; a dim of size 1 is squeezed instead (no copy).",
-    args=(TensorArg("x", ANY_DTYPE, (), "any tensor"), IntArg("dim", "dimension (None is not accepted)", default=0)),
-    rules=(Rule("x.dim() > 0", "x has a dimension to sum"),
-           Rule("-x.dim() <= dim < x.dim()", "dim is a dimension of x")),
-    outputs=(Output("out", "x.dtype if x.is_floating_point() or x.shape[dim] == 1 else torch.int64",
-                    "tuple(s for i, s in enumerate(x.shape) if i != dim % x.dim())",
-                    "integer and bool sums promote to int64, as torch.sum does"),),
+    args=(
+        TensorArg("x", ANY_DTYPE, (), "any tensor"),
+        IntArg("dim", "dimension (None is not accepted)", default=0),
+    ),
+    rules=(
+        Rule("x.dim() > 0", "x has a dimension to sum"),
+        Rule("-x.dim() <= dim < x.dim()", "dim is a dimension of x"),
+    ),
+    outputs=(
+        Output(
+            "out",
+            "x.dtype if x.is_floating_point() or x.shape[dim] == 1 else torch.int64",
+            "tuple(s for i, s in enumerate(x.shape) if i != dim % x.dim())",
+            "integer and bool sums promote to int64, as torch.sum does",
+        ),
+    ),
 )
 
 ALL: tuple[OpContract, ...] = (
-    SORT, HISTOGRAM, INCLUSIVE_CUMSUM, EXCLUSIVE_CUMSUM, TOPOLOGY, REPLICATE, REPLICATE_BACKWARD, ROUTE,
-    GATHER, SCATTER, SCATTER_WGRAD, PADDED_GATHER, PADDED_SCATTER, PADDED_SCATTER_WGRAD,
-    BINNED_GATHER, BINNED_SCATTER, BINNED_SCATTER_WGRAD,
-    GMM, GMM_WEIGHT_GRAD,
-    ROUND_UP, REPEAT, SUM,
+    SORT,
+    HISTOGRAM,
+    INCLUSIVE_CUMSUM,
+    EXCLUSIVE_CUMSUM,
+    TOPOLOGY,
+    REPLICATE,
+    REPLICATE_BACKWARD,
+    ROUTE,
+    GATHER,
+    SCATTER,
+    SCATTER_WGRAD,
+    PADDED_GATHER,
+    PADDED_SCATTER,
+    PADDED_SCATTER_WGRAD,
+    BINNED_GATHER,
+    BINNED_SCATTER,
+    BINNED_SCATTER_WGRAD,
+    GMM,
+    GMM_WEIGHT_GRAD,
+    ROUND_UP,
+    REPEAT,
+    SUM,
 )
 BY_NAME: dict[str, OpContract] = {c.name: c for c in ALL}
 

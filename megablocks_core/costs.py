@@ -44,8 +44,9 @@ def gmm_problem(call: CallInfo) -> tuple[int, int, int, int]:
     return tokens, k, n, experts
 
 
-def nearest_efficiency(points: Sequence[GmmPoint], rows_per_expert: float, k: float,
-                       n: float) -> float | None:
+def nearest_efficiency(
+    points: Sequence[GmmPoint], rows_per_expert: float, k: float, n: float
+) -> float | None:
     """Efficiency of the measured point nearest to the call (log-space distance)."""
     if not points:
         return None
@@ -57,9 +58,12 @@ def nearest_efficiency(points: Sequence[GmmPoint], rows_per_expert: float, k: fl
     return min(points, key=distance)[3]
 
 
-def gmm_estimate_us(device: DeviceInfo, call: CallInfo,
-                    points_by_arch: Mapping[str, Sequence[GmmPoint]],
-                    extra_us: float = 0.0) -> float | None:
+def gmm_estimate_us(
+    device: DeviceInfo,
+    call: CallInfo,
+    points_by_arch: Mapping[str, Sequence[GmmPoint]],
+    extra_us: float = 0.0,
+) -> float | None:
     """Estimated µs of a grouped GEMM call: FLOPs / (efficiency x dense rate) + ``extra_us``.
 
     ``points_by_arch`` maps a device arch (``"sm_90"``) to the provider's measured points; an arch
@@ -78,9 +82,13 @@ def gmm_estimate_us(device: DeviceInfo, call: CallInfo,
     return flops / (efficiency * dense * 1e6) + extra_us
 
 
-def gmm_cost_hint(points_by_arch: Mapping[str, Sequence[GmmPoint]], *, extra_us: float = 0.0,
-                  device_kinds: Collection[str] | None = None,
-                  host_counts_only: bool = False) -> CostEstimate:
+def gmm_cost_hint(
+    points_by_arch: Mapping[str, Sequence[GmmPoint]],
+    *,
+    extra_us: float = 0.0,
+    device_kinds: Collection[str] | None = None,
+    host_counts_only: bool = False,
+) -> CostEstimate:
     """A ``Kernel.cost`` hint for a grouped GEMM provider from its measured points (see
     :func:`gmm_estimate_us`).
 

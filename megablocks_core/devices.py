@@ -22,14 +22,25 @@ def _accelerator_info(device: torch.device) -> DeviceInfo:
     if torch.version.hip:  # ROCm builds report device.type == "cuda"
         arch = getattr(props, "gcnArchName", "").split(":")[0] or None
         return DeviceInfo(
-            kind="rocm", type="cuda", index=index, name=props.name, arch=arch,
-            runtime=str(torch.version.hip), warp_size=warp_size or 64,
+            kind="rocm",
+            type="cuda",
+            index=index,
+            name=props.name,
+            arch=arch,
+            runtime=str(torch.version.hip),
+            warp_size=warp_size or 64,
             multiprocessors=props.multi_processor_count,
         )
     return DeviceInfo(
-        kind="cuda", type="cuda", index=index, name=props.name, arch=f"sm_{props.major}{props.minor}",
-        capability=(props.major, props.minor), runtime=torch.version.cuda,
-        warp_size=warp_size or 32, multiprocessors=props.multi_processor_count,
+        kind="cuda",
+        type="cuda",
+        index=index,
+        name=props.name,
+        arch=f"sm_{props.major}{props.minor}",
+        capability=(props.major, props.minor),
+        runtime=torch.version.cuda,
+        warp_size=warp_size or 32,
+        multiprocessors=props.multi_processor_count,
     )
 
 
@@ -51,16 +62,21 @@ def describe(device: torch.device | str) -> DeviceInfo:
 DENSE_BF16_TFLOPS: Mapping[str, float] = MappingProxyType({"sm_90": 690.0})
 
 #: AMD gfx arch → its architecture family (a gfx name's feature suffix, e.g. ``:xnack-``, is ignored).
-ARCH_FAMILIES: Mapping[str, str] = MappingProxyType({
-    "sm_80": "ampere", "sm_86": "ampere", "sm_87": "ampere",
-    "sm_89": "ada",
-    "sm_90": "hopper",
-    # Data-center Blackwell (B200/GB200, B300); sm_120 (RTX 50xx) has far less shared memory.
-    "sm_100": "blackwell", "sm_103": "blackwell",
-    "gfx90a": "cdna2",  # MI200 (MI210, MI250, MI250X)
-    "gfx942": "cdna3",  # MI300 (MI300X, MI300A, MI325X)
-    "gfx950": "cdna4",  # MI350 (MI350X, MI355X)
-})
+ARCH_FAMILIES: Mapping[str, str] = MappingProxyType(
+    {
+        "sm_80": "ampere",
+        "sm_86": "ampere",
+        "sm_87": "ampere",
+        "sm_89": "ada",
+        "sm_90": "hopper",
+        # Data-center Blackwell (B200/GB200, B300); sm_120 (RTX 50xx) has far less shared memory.
+        "sm_100": "blackwell",
+        "sm_103": "blackwell",
+        "gfx90a": "cdna2",  # MI200 (MI210, MI250, MI250X)
+        "gfx942": "cdna3",  # MI300 (MI300X, MI300A, MI325X)
+        "gfx950": "cdna4",  # MI350 (MI350X, MI355X)
+    }
+)
 
 
 def base_arch(device: DeviceInfo | str | None) -> str:

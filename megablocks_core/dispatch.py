@@ -50,14 +50,22 @@ def reload(env: Mapping[str, str] | None = None) -> Registry:
     loaded = load(env)  # may raise (strict mode): then nothing below changes
     _policy.read_environment(env)
     policy = overrides.env_policy
-    names = [*policy.prefer, *([policy.force] if policy.force else []), *(b for _, b in policy.per_op)]
+    names = [
+        *policy.prefer,
+        *([policy.force] if policy.force else []),
+        *(b for _, b in policy.per_op),
+    ]
     for name in dict.fromkeys(n.partition("/")[0] for n in names):
         record = loaded.plugins.get(name)
         if record is None:
             log.warning("megablocks: MEGABLOCKS_BACKEND names %r, which is not installed", name)
         elif record.status != "ok":
-            log.warning("megablocks: MEGABLOCKS_BACKEND names %r, which is %s: %s", name,
-                        record.status, record.reason)
+            log.warning(
+                "megablocks: MEGABLOCKS_BACKEND names %r, which is %s: %s",
+                name,
+                record.status,
+                record.reason,
+            )
     _registry = loaded
     _warned.clear()
     for cache in (*_caches.values(), *_ranked.values()):
@@ -94,8 +102,12 @@ def _runner(kernel: Kernel) -> Callable[..., Any]:
 
 def describe_call(contract: OpContract, args: tuple[Any, ...]) -> dict[str, Any]:
     """A call as cost hints see it: tensors as :class:`TensorMeta`, other arguments as values."""
-    return {name: TensorMeta(tuple(v.shape), v.dtype, v.device.type) if isinstance(v, torch.Tensor) else v
-            for name, v in contract.bind(args).items()}
+    return {
+        name: TensorMeta(tuple(v.shape), v.dtype, v.device.type)
+        if isinstance(v, torch.Tensor)
+        else v
+        for name, v in contract.bind(args).items()
+    }
 
 
 def _call_dtypes(contract: OpContract, args: tuple[Any, ...]) -> dict[str, torch.dtype]:
@@ -131,9 +143,14 @@ def resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
         # A fallback the user asked for (a forced or preferred backend) is no news.
         if trace.fallback and policy.is_default and (contract.name, device.kind) not in _warned:
             _warned.add((contract.name, device.kind))
-            log.warning("megablocks: no %s implementation of %r can serve this call; using the "
-                        "portable %r kernel (see `megablocks backends explain %s`)", device.kind,
-                        contract.name, trace.winner.label, contract.name)
+            log.warning(
+                "megablocks: no %s implementation of %r can serve this call; using the "
+                "portable %r kernel (see `megablocks backends explain %s`)",
+                device.kind,
+                contract.name,
+                trace.winner.label,
+                contract.name,
+            )
         selected = ranked[signature] = Selected(trace.winner, _runner(trace.winner), trace)
     if selected.trace.per_call or selected.trace.cost_tier:  # the shapes decide (ranking step 4)
         kernel, _, error = for_call(selected.trace, describe_call(contract, args))
@@ -149,16 +166,21 @@ def resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
     return selected
 
 
-def explain(op: str, device: DeviceInfo | torch.device | str = "cpu",
-            dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy | None = None) -> Trace:
+def explain(
+    op: str,
+    device: DeviceInfo | torch.device | str = "cpu",
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    policy: Policy | None = None,
+) -> Trace:
     """Every candidate for ``op`` on ``device``, accepted or rejected with the reason, and the winner.
 
     When the trace has a ``cost_tier``, the winner shown is the priority order's; the kernel a
     call really gets depends on its shapes: see :func:`explain_call`.
     """
     if op not in BY_NAME or not BY_NAME[op].dispatched:
-        raise ValueError(f"unknown op {op!r}; dispatched ops are "
-                         f"{sorted(c.name for c in ALL if c.dispatched)}")
+        raise ValueError(
+            f"unknown op {op!r}; dispatched ops are {sorted(c.name for c in ALL if c.dispatched)}"
+        )
     info = device if isinstance(device, DeviceInfo) else describe(device)
     return rank(registry(), op, info, dtypes, policy or current_policy())
 
@@ -173,4 +195,3 @@ def explain_call(trace: Trace, call: CallInfo) -> tuple[Kernel | None, str]:
 def served() -> dict[str, list[str]]:
     """Op → labels of the kernels chosen so far in this process (from the selection cache)."""
     return {op: sorted(labels) for op, labels in _served.items() if labels}
-

@@ -82,11 +82,16 @@ def fast_check_source(op: OpContract) -> str:
 def _kernel_failed(contract: OpContract, selected: Selected, exc: Exception) -> BaseException:
     """The exception to raise for one a kernel raised: its type (or :class:`BackendError` where that
     type cannot be built from a message), naming op and backend, the original as ``__cause__``."""
-    message = (f"megablocks_core.ops.{contract.name}: the {selected.kernel.label!r} kernel raised "
-               f"{type(exc).__name__}: {exc}")
-    if isinstance(exc, ContractError | ContractTypeError | NoKernelError) and \
-            f"ops.{contract.name}:" in str(exc):
-        return exc  # the core's own error for this op (e.g. raised by the validation of a nested call)
+    message = (
+        f"megablocks_core.ops.{contract.name}: the {selected.kernel.label!r} kernel raised "
+        f"{type(exc).__name__}: {exc}"
+    )
+    if isinstance(
+        exc, ContractError | ContractTypeError | NoKernelError
+    ) and f"ops.{contract.name}:" in str(exc):
+        return (
+            exc  # the core's own error for this op (e.g. raised by the validation of a nested call)
+        )
     try:
         wrapped = type(exc)(message)
         if not isinstance(wrapped, Exception) or wrapped.args != (message,):
@@ -97,17 +102,25 @@ def _kernel_failed(contract: OpContract, selected: Selected, exc: Exception) -> 
     return wrapped
 
 
-def _apply_autograd(contract: OpContract, selected: Selected, policy: Policy, args: tuple[Any, ...]) -> Any:
+def _apply_autograd(
+    contract: OpContract, selected: Selected, policy: Policy, args: tuple[Any, ...]
+) -> Any:
     return autograd.apply(contract, selected.run, policy, call, args)
 
 
-def _run_checked(contract: OpContract, selected: Selected, policy: Policy, args: tuple[Any, ...],
-                 wants_grad: bool) -> Any:
+def _run_checked(
+    contract: OpContract,
+    selected: Selected,
+    policy: Policy,
+    args: tuple[Any, ...],
+    wants_grad: bool,
+) -> Any:
     """Checked mode: the data rules, the call, then the outputs against the contract."""
     validation.check_data(contract, args)
     try:
-        result = (_apply_autograd(contract, selected, policy, args) if wants_grad
-                  else selected.run(*args))
+        result = (
+            _apply_autograd(contract, selected, policy, args) if wants_grad else selected.run(*args)
+        )
     except Exception as exc:
         raise _kernel_failed(contract, selected, exc)  # noqa: B904 (the cause is set there)
     validation.check_outputs(contract, args, result, selected.kernel.label)
@@ -119,12 +132,15 @@ def _entry_source(contract: OpContract) -> str:
     optional = {a.name for a in contract.tensor_args if a.optional}
     grad_test = " or ".join(
         f"({n} is not None and {n}.requires_grad)" if n in optional else f"{n}.requires_grad"
-        for n in contract.differentiable)
+        for n in contract.differentiable
+    )
     wants_grad = f"(({grad_test}) and _grad_enabled())" if contract.differentiable else "False"
     autograd_branch = (
         f"        if {wants_grad}:\n"
         f"            return _apply_autograd(_contract, chosen, key[-1], ({params},))\n"
-        if contract.differentiable else "")
+        if contract.differentiable
+        else ""
+    )
     # The try around the kernel call costs nothing until a kernel raises (Python >= 3.11).
     return (
         f"def {contract.name}({params}):\n"
@@ -153,17 +169,26 @@ def _entry_source(contract: OpContract) -> str:
 def _compiled_op(name: str) -> Callable[..., Any]:
     def call_custom_op(*args: Any) -> Any:
         return getattr(torch.ops.megablocks, name)(*args)
+
     return call_custom_op
 
 
 def _build_entry(contract: OpContract) -> Callable[..., Any]:
     scope: dict[str, Any] = {
         **RULE_HELPERS,
-        "_contract": contract, "_cache": new_cache(contract.name), "_overrides": overrides,
-        "_context_policy": context_policy, "_resolve": resolve, "_validate": validation.validate,
-        "_run_checked": _run_checked, "_kernel_failed": _kernel_failed, "_current_policy": current_policy,
-        "_is_compiling": torch.compiler.is_compiling, "_grad_enabled": torch.is_grad_enabled,
-        "_apply_autograd": _apply_autograd, "_compiled": _compiled_op(contract.name),
+        "_contract": contract,
+        "_cache": new_cache(contract.name),
+        "_overrides": overrides,
+        "_context_policy": context_policy,
+        "_resolve": resolve,
+        "_validate": validation.validate,
+        "_run_checked": _run_checked,
+        "_kernel_failed": _kernel_failed,
+        "_current_policy": current_policy,
+        "_is_compiling": torch.compiler.is_compiling,
+        "_grad_enabled": torch.is_grad_enabled,
+        "_apply_autograd": _apply_autograd,
+        "_compiled": _compiled_op(contract.name),
     }
     source = _entry_source(contract)
     filename = f"<megablocks_core.entries {contract.name}>"

@@ -35,12 +35,17 @@ def schema(contract: OpContract) -> str:
             parts.append(f"bool {a.name}")
         else:  # pragma: no cover - composite-only argument kinds
             raise TypeError(f"{contract.name}: no schema for {a!r}")
-    outs = "Tensor" if len(contract.outputs) == 1 else f"({', '.join('Tensor' for _ in contract.outputs)})"
+    outs = (
+        "Tensor"
+        if len(contract.outputs) == 1
+        else f"({', '.join('Tensor' for _ in contract.outputs)})"
+    )
     return f"{contract.name}({', '.join(parts)}) -> {outs}"
 
 
-def output_meta(contract: OpContract, bound: dict[str, Any],
-                data_dim: Callable[[DataDim], Any]) -> list[tuple[tuple[Any, ...], torch.dtype]]:
+def output_meta(
+    contract: OpContract, bound: dict[str, Any], data_dim: Callable[[DataDim], Any]
+) -> list[tuple[tuple[Any, ...], torch.dtype]]:
     """Each output's (shape, dtype) from the contract; ``data_dim`` sizes data-dependent dims."""
     scope = {**RULE_HELPERS, **bound}
     result = []
@@ -48,7 +53,9 @@ def output_meta(contract: OpContract, bound: dict[str, Any],
         if isinstance(out.shape, str):
             shape = tuple(eval(out.shape, scope))
         else:
-            shape = tuple(data_dim(d) if isinstance(d, DataDim) else eval(d, scope) for d in out.shape)
+            shape = tuple(
+                data_dim(d) if isinstance(d, DataDim) else eval(d, scope) for d in out.shape
+            )
         result.append((shape, eval(out.dtype, scope)))
     return result
 
@@ -62,6 +69,7 @@ def _fake(contract: OpContract) -> Callable[..., Any]:
         metas = output_meta(contract, bound, lambda _: ctx.new_dynamic_size())
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
     return fake
 
 
@@ -69,6 +77,7 @@ def _real(entry: Callable[..., Any]) -> Callable[..., Any]:
     def real(*args: Any) -> Any:
         with torch.no_grad():  # the custom op's own autograd formula records the graph
             return entry(*args)
+
     return real
 
 
@@ -81,8 +90,10 @@ def _register_autograd(contract: OpContract) -> None:
     diff_positions = [i for i, a in enumerate(contract.args) if a.name in contract.differentiable]
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        needs = {a.name: bool(i in diff_positions and isinstance(v, torch.Tensor) and v.requires_grad)
-                 for i, (a, v) in enumerate(zip(contract.args, inputs, strict=True))}
+        needs = {
+            a.name: bool(i in diff_positions and isinstance(v, torch.Tensor) and v.requires_grad)
+            for i, (a, v) in enumerate(zip(contract.args, inputs, strict=True))
+        }
         tensors, consts = autograd.pack_for_backward(contract, inputs, needs)
         ctx.save_for_backward(*tensors)
         ctx.meta = (consts, needs)
@@ -93,7 +104,9 @@ def _register_autograd(contract: OpContract) -> None:
         grads = rule.fn(_custom_call, bound, grad, needs)
         return tuple(grads.get(a.name) if needs[a.name] else None for a in contract.args)
 
-    torch.library.register_autograd(f"{NAMESPACE}::{contract.name}", backward, setup_context=setup_context)
+    torch.library.register_autograd(
+        f"{NAMESPACE}::{contract.name}", backward, setup_context=setup_context
+    )
 
 
 def register(entries: Mapping[str, Callable[..., Any]]) -> None:
@@ -103,6 +116,8 @@ def register(entries: Mapping[str, Callable[..., Any]]) -> None:
         if contract.dispatched:
             _library.define(schema(contract))
             _library.impl(contract.name, _real(entries[contract.name]), "CompositeExplicitAutograd")
-            torch.library.register_fake(f"{NAMESPACE}::{contract.name}", _fake(contract), lib=_library)
+            torch.library.register_fake(
+                f"{NAMESPACE}::{contract.name}", _fake(contract), lib=_library
+            )
             if contract.differentiable:
                 _register_autograd(contract)

@@ -55,8 +55,9 @@ def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return _exclusive_cumsum(x, dim)
 
 
-def topology(padded_bins: Tensor, block_size: int, output_block_rows: int,
-             output_block_columns: int) -> Tensor:
+def topology(
+    padded_bins: Tensor, block_size: int, output_block_rows: int, output_block_columns: int
+) -> Tensor:
     """int16 column indices of the block-sparse expert matrix."""
     return _topology(padded_bins, block_size, output_block_rows, output_block_columns)
 
@@ -66,8 +67,9 @@ def replicate(x: Tensor, bins: Tensor, num_outputs: int) -> Tensor:
     return _replicate(x, bins, num_outputs)
 
 
-def route(top_experts: Tensor, num_experts: int,
-          block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def route(
+    top_experts: Tensor, num_experts: int, block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(indices, bin_ids, tokens_per_expert, bins, padded_bins) from the flat top-k expert ids."""
     return _route(top_experts, num_experts, block_size)
 
@@ -80,20 +82,29 @@ def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, top_k: int
     return _gather(x, indices, bin_ids, None, bins, top_k)
 
 
-def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
-            top_k: int) -> Tensor:
+def scatter(
+    x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor, top_k: int
+) -> Tensor:
     """(tokens * top_k, hidden) sorted rows → (tokens, hidden), summing each token's (weighted) rows."""
     return _scatter(x, indices, bin_ids, weights, bins, top_k)
 
 
-def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, padded_bins: Tensor,
-                  top_k: int) -> Tensor:
+def padded_gather(
+    x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, padded_bins: Tensor, top_k: int
+) -> Tensor:
     """Gather into per-expert segments padded to padded_bins (padding rows are zero)."""
     return _padded_gather(x, indices, bin_ids, None, bins, padded_bins, top_k)
 
 
-def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
-                   padded_bins: Tensor, top_k: int) -> Tensor:
+def padded_scatter(
+    x: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    padded_bins: Tensor,
+    top_k: int,
+) -> Tensor:
     """Scatter from padded expert segments back to (tokens, hidden)."""
     return _padded_scatter(x, indices, bin_ids, weights, bins, padded_bins, top_k)
 
@@ -103,7 +114,9 @@ def binned_gather(x: Tensor, indices: Tensor, bins: Tensor, bin_size: int, top_k
     return _binned_gather(x, indices, None, bins, bin_size, top_k)
 
 
-def binned_scatter(x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, top_k: int) -> Tensor:
+def binned_scatter(
+    x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, top_k: int
+) -> Tensor:
     """Scatter (experts, bin_size, hidden) bins back to (tokens, hidden); dropped rows add 0."""
     return _binned_scatter(x, indices, weights, bins, top_k)
 
@@ -152,7 +165,21 @@ def sum(x: Tensor, dim: int = 0) -> Tensor:
 
 
 __all__ = [
-    "binned_gather", "binned_scatter", "exclusive_cumsum", "gather", "gmm", "histogram",
-    "inclusive_cumsum", "padded_gather", "padded_scatter", "repeat", "replicate", "round_up",
-    "route", "scatter", "sort", "sum", "topology",
+    "binned_gather",
+    "binned_scatter",
+    "exclusive_cumsum",
+    "gather",
+    "gmm",
+    "histogram",
+    "inclusive_cumsum",
+    "padded_gather",
+    "padded_scatter",
+    "repeat",
+    "replicate",
+    "round_up",
+    "route",
+    "scatter",
+    "sort",
+    "sum",
+    "topology",
 ]

@@ -90,7 +90,8 @@ class Overrides:
 #: The one instance; the generated entry functions read ``policy`` and ``checked`` on every call.
 overrides = Overrides()
 _context_policy: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(
-    "megablocks_backend", default=None)
+    "megablocks_backend", default=None
+)
 #: The policy of the innermost :func:`use_backend` block, or None (read on every call).
 context_policy = _context_policy.get
 
@@ -108,8 +109,10 @@ def environment_policy(env: Mapping[str, str]) -> tuple[str, Policy]:
     policy = Policy.parse(spec) if spec else DEFAULT_POLICY
     unknown_ops = sorted({op for op, _ in policy.per_op} - set(BY_NAME))
     if unknown_ops:  # a typo must not silently leave an op on the default ranking
-        raise ValueError(f"MEGABLOCKS_BACKEND={spec!r} names unknown op(s) {unknown_ops}; "
-                         f"ops are {sorted(BY_NAME)}")
+        raise ValueError(
+            f"MEGABLOCKS_BACKEND={spec!r} names unknown op(s) {unknown_ops}; "
+            f"ops are {sorted(BY_NAME)}"
+        )
     return spec, policy
 
 

@@ -74,8 +74,9 @@ def _is_fallback(kernel: Kernel, device: DeviceInfo) -> bool:
     return kernel.portable and device.kind not in ("cpu", "meta")
 
 
-def _rejection(record: PluginRecord, k: Kernel, device: DeviceInfo,
-               dtypes: Mapping[str, torch.dtype]) -> str | None:
+def _rejection(
+    record: PluginRecord, k: Kernel, device: DeviceInfo, dtypes: Mapping[str, torch.dtype]
+) -> str | None:
     if record.status != "ok":
         return f"backend {record.status}: {record.reason}"
     if not k.serves_kind(device.kind):
@@ -99,8 +100,13 @@ def _order(k: Kernel) -> tuple[int, int, str, str]:
     return (-k.priority, int(k.portable), k.backend, k.variant)
 
 
-def rank(registry: Registry, op: str, device: DeviceInfo,
-         dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy = DEFAULT_POLICY) -> Trace:
+def rank(
+    registry: Registry,
+    op: str,
+    device: DeviceInfo,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    policy: Policy = DEFAULT_POLICY,
+) -> Trace:
     """Rank every candidate for ``op`` on ``device``; never raises (see :func:`choose`).
 
     Steps 1-3 of the rule; when shapes can still change the choice (step 4: shape predicates or
@@ -114,19 +120,42 @@ def rank(registry: Registry, op: str, device: DeviceInfo,
     judged.sort(key=lambda c: _order(c.kernel))
     eligible = [c.kernel for c in judged if c.accepted]
     reasons = {id(c.kernel): c.reason for c in judged}
-    known = {name: None if p.status == "ok" else f"{p.status}: {p.reason}" for name, p in registry.plugins.items()}
-    winner, why, error, tier = _select(op, device, dtypes, policy, known,
-                                       [c.kernel for c in judged], eligible, reasons, None)
-    marked = tuple(Candidate(c.kernel, c.accepted, "chosen: " + why if c.kernel is winner else c.reason)
-                   for c in judged)
-    return Trace(op, device, dtypes, policy, marked, winner, why, error, cost_tier=tier,
-                 per_call=any(k.supports is not None for k in eligible))
+    known = {
+        name: None if p.status == "ok" else f"{p.status}: {p.reason}"
+        for name, p in registry.plugins.items()
+    }
+    winner, why, error, tier = _select(
+        op, device, dtypes, policy, known, [c.kernel for c in judged], eligible, reasons, None
+    )
+    marked = tuple(
+        Candidate(c.kernel, c.accepted, "chosen: " + why if c.kernel is winner else c.reason)
+        for c in judged
+    )
+    return Trace(
+        op,
+        device,
+        dtypes,
+        policy,
+        marked,
+        winner,
+        why,
+        error,
+        cost_tier=tier,
+        per_call=any(k.supports is not None for k in eligible),
+    )
 
 
-def _select(op: str, device: DeviceInfo, dtypes: Mapping[str, torch.dtype], policy: Policy,
-            known: Mapping[str, str | None], candidates: list[Kernel], eligible: list[Kernel],
-            reasons: Mapping[int, str], call: CallInfo | None,
-            ) -> tuple[Kernel | None, str, str | None, tuple[Kernel, ...]]:
+def _select(
+    op: str,
+    device: DeviceInfo,
+    dtypes: Mapping[str, torch.dtype],
+    policy: Policy,
+    known: Mapping[str, str | None],
+    candidates: list[Kernel],
+    eligible: list[Kernel],
+    reasons: Mapping[int, str],
+    call: CallInfo | None,
+) -> tuple[Kernel | None, str, str | None, tuple[Kernel, ...]]:
     """Steps 3-4 over ``eligible`` (ranked order): (winner, why, error, cost tier).
 
     ``known``: every installed backend → None when it loaded, else why not (its status and error).
@@ -135,46 +164,92 @@ def _select(op: str, device: DeviceInfo, dtypes: Mapping[str, torch.dtype], poli
     forced = policy.forced_for(op)
     if forced is not None:  # a backend name, or "backend/variant" for one of its kernels
         if forced.partition("/")[0] not in known:
-            return None, "", (f"backend {forced!r} was forced for {op!r} on {device} by {policy.source} "
-                              f"but is not installed (installed: {', '.join(sorted(known)) or 'none'})"), ()
+            return (
+                None,
+                "",
+                (
+                    f"backend {forced!r} was forced for {op!r} on {device} by {policy.source} "
+                    f"but is not installed (installed: {', '.join(sorted(known)) or 'none'})"
+                ),
+                (),
+            )
         for k in eligible:
             if forced in (k.backend, k.label):
                 return k, f"forced by {policy.source}", None, ()
         problem = known[forced.partition("/")[0]]
         if problem is not None and problem.startswith(("broken", "incompatible", "disabled")):
-            return None, "", (f"backend {forced!r} was forced for {op!r} by {policy.source} but did not "
-                              f"load: {problem}"), ()
+            return (
+                None,
+                "",
+                (
+                    f"backend {forced!r} was forced for {op!r} by {policy.source} but did not "
+                    f"load: {problem}"
+                ),
+                (),
+            )
         why_not = "; ".join(reasons[id(k)] for k in candidates if forced in (k.backend, k.label))
-        return None, "", (f"backend {forced!r} was forced for {op!r} by {policy.source} but cannot serve "
-                          f"{device} with {what}: {why_not or 'provides no such op'}"), ()
+        return (
+            None,
+            "",
+            (
+                f"backend {forced!r} was forced for {op!r} by {policy.source} but cannot serve "
+                f"{device} with {what}: {why_not or 'provides no such op'}"
+            ),
+            (),
+        )
     for name in policy.prefer:
         for k in eligible:
             if name in (k.backend, k.label):
                 return k, f"preferred by {policy.source}", None, ()
     if not eligible:
-        why_not = "; ".join(f"{k.label}: {reasons[id(k)]}" for k in candidates) or "no backend provides it"
-        return None, "", f"no implementation of {op!r} can serve {device} with {what}: {why_not}", ()
+        why_not = (
+            "; ".join(f"{k.label}: {reasons[id(k)]}" for k in candidates)
+            or "no backend provides it"
+        )
+        return (
+            None,
+            "",
+            f"no implementation of {op!r} can serve {device} with {what}: {why_not}",
+            (),
+        )
     top = eligible[0]
     tier = tuple(k for k in eligible if k.priority == top.priority and k.cost is not None)
     if len(tier) < 2:
-        return top, "highest priority" + (" (portable fallback)" if _is_fallback(top, device) else ""), None, ()
+        return (
+            top,
+            "highest priority" + (" (portable fallback)" if _is_fallback(top, device) else ""),
+            None,
+            (),
+        )
     if call is None:  # no shapes yet: the priority order's pick, refined per call
         labels = ", ".join(k.label for k in tier)
         return top, f"highest priority; per call shape, lowest cost hint of {labels}", None, tier
-    scored = [(value, i, k) for i, (k, value) in enumerate(_estimates(tier, device, call)) if value is not None]
+    scored = [
+        (value, i, k)
+        for i, (k, value) in enumerate(_estimates(tier, device, call))
+        if value is not None
+    ]
     if not scored:
         return top, "highest priority (no cost hint had an estimate for this shape)", None, tier
     value, _, best = min(scored, key=lambda t: (t[0], t[1]))
     others = ", ".join(f"{k.label} {v:.1f}" for v, _, k in scored if k is not best)
-    return best, f"lowest cost hint for this shape: {value:.1f} µs" + (f" (vs {others})" if others else ""), None, tier
+    return (
+        best,
+        f"lowest cost hint for this shape: {value:.1f} µs" + (f" (vs {others})" if others else ""),
+        None,
+        tier,
+    )
 
 
 def _dtype_text(dtypes: Mapping[str, torch.dtype]) -> str:
-    return ", ".join(f"{a}={str(d).removeprefix('torch.')}" for a, d in dtypes.items()) or "any dtypes"
+    return (
+        ", ".join(f"{a}={str(d).removeprefix('torch.')}" for a, d in dtypes.items()) or "any dtypes"
+    )
 
 
-def _estimates(kernels: tuple[Kernel, ...], device: DeviceInfo,
-               call: CallInfo) -> list[tuple[Kernel, float | None]]:
+def _estimates(
+    kernels: tuple[Kernel, ...], device: DeviceInfo, call: CallInfo
+) -> list[tuple[Kernel, float | None]]:
     out: list[tuple[Kernel, float | None]] = []
     for k in kernels:
         try:
@@ -216,13 +291,27 @@ def for_call(trace: Trace, call: CallInfo) -> tuple[Kernel | None, str, str | No
                 reasons[id(c.kernel)] = reason
                 declined.append(f"{c.kernel.label} declined: {reason}")
     known: dict[str, str | None] = {k.backend: None for k in candidates}
-    winner, why, error, _ = _select(trace.op, trace.device, trace.dtypes, trace.policy, known,
-                                    candidates, eligible, reasons, call)
+    winner, why, error, _ = _select(
+        trace.op,
+        trace.device,
+        trace.dtypes,
+        trace.policy,
+        known,
+        candidates,
+        eligible,
+        reasons,
+        call,
+    )
     return winner, "; ".join([why, *declined]) if winner is not None else why, error
 
 
-def choose(registry: Registry, op: str, device: DeviceInfo,
-           dtypes: Mapping[str, torch.dtype] | None = None, policy: Policy = DEFAULT_POLICY) -> Trace:
+def choose(
+    registry: Registry,
+    op: str,
+    device: DeviceInfo,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    policy: Policy = DEFAULT_POLICY,
+) -> Trace:
     """Like :func:`rank`, but raise :class:`NoKernelError` when nothing can serve."""
     trace = rank(registry, op, device, dtypes, policy)
     if trace.winner is None:

@@ -58,11 +58,22 @@ class PluginRecord:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name, "distribution": self.distribution, "version": self.version,
-            "status": self.status, "reason": self.reason, "device_kinds": list(self.device_kinds),
+            "name": self.name,
+            "distribution": self.distribution,
+            "version": self.version,
+            "status": self.status,
+            "reason": self.reason,
+            "device_kinds": list(self.device_kinds),
             "ops": list(self.ops),
-            "kernels": [{"op": k.op, "variant": k.variant, "devices": list(k.devices),
-                         "priority": k.priority} for k in self.kernels],
+            "kernels": [
+                {
+                    "op": k.op,
+                    "variant": k.variant,
+                    "devices": list(k.devices),
+                    "priority": k.priority,
+                }
+                for k in self.kernels
+            ],
         }
 
 
@@ -129,8 +140,10 @@ def _arity_problem(fn: Any, contract: Any) -> str | None:
     try:
         signature.bind(*contract.arg_names)
     except TypeError as exc:
-        return (f"fn {getattr(fn, '__qualname__', fn)!s}{signature} cannot take the {len(contract.args)} "
-                f"arguments ({', '.join(contract.arg_names)}) the contract passes positionally: {exc}")
+        return (
+            f"fn {getattr(fn, '__qualname__', fn)!s}{signature} cannot take the {len(contract.args)} "
+            f"arguments ({', '.join(contract.arg_names)}) the contract passes positionally: {exc}"
+        )
     return None
 
 
@@ -154,15 +167,19 @@ def _check_kernel(item: Any, hook: str) -> Kernel:
         raise TypeError(f"{what}: {problem}")
     devices = item.devices
     if isinstance(devices, str) or not isinstance(devices, tuple | list | set | frozenset):
-        raise TypeError(f"{what}: devices must be a tuple of device kinds such as ('cpu',), "
-                        f"got {type(devices).__name__} {devices!r}")
+        raise TypeError(
+            f"{what}: devices must be a tuple of device kinds such as ('cpu',), "
+            f"got {type(devices).__name__} {devices!r}"
+        )
     if not devices or not all(isinstance(d, str) and d == d.lower() for d in devices):
         raise ValueError(f"{what}: devices must be lowercase kinds, got {devices!r}")
     unknown_kinds = sorted(d for d in devices if not _is_device_kind(d))
     if unknown_kinds:
-        raise ValueError(f"{what}: unknown device kind(s) {unknown_kinds}; a kind is one of "
-                         f"{', '.join(sorted(known_device_kinds()))} or a device type torch accepts "
-                         "(register a vendor's type before the hooks return)")
+        raise ValueError(
+            f"{what}: unknown device kind(s) {unknown_kinds}; a kind is one of "
+            f"{', '.join(sorted(known_device_kinds()))} or a device type torch accepts "
+            "(register a vendor's type before the hooks return)"
+        )
     if isinstance(item.priority, bool) or not isinstance(item.priority, int):
         raise TypeError(f"{what}: priority must be an int, got {item.priority!r}")
     if not isinstance(item.contiguous, bool):
@@ -170,19 +187,26 @@ def _check_kernel(item: Any, hook: str) -> Kernel:
     for field_name in ("capability", "supports", "cost"):
         value = getattr(item, field_name)
         if value is not None and not callable(value):
-            raise TypeError(f"{what}: {field_name} must be callable or None, got {type(value).__name__}")
+            raise TypeError(
+                f"{what}: {field_name} must be callable or None, got {type(value).__name__}"
+            )
     if not isinstance(item.dtypes, Mapping):
         raise TypeError(f"{what}: dtypes must map argument names to sets of torch dtypes")
     unknown = set(item.dtypes) - set(contract.arg_names)
     if unknown:
         raise ValueError(f"{what}: dtypes names unknown arguments {sorted(unknown)}")
-    if not all(isinstance(ds, set | frozenset | tuple | list) and all(isinstance(d, torch.dtype) for d in ds)
-               for ds in item.dtypes.values()):
+    if not all(
+        isinstance(ds, set | frozenset | tuple | list)
+        and all(isinstance(d, torch.dtype) for d in ds)
+        for ds in item.dtypes.values()
+    ):
         raise TypeError(f"{what}: dtypes must map argument names to sets of torch dtypes")
     return dataclasses.replace(item, devices=tuple(dict.fromkeys(devices)))
 
 
-def _collect(pm: pluggy.PluginManager, plugin: object, name: str) -> tuple[str | None, tuple[Kernel, ...]]:
+def _collect(
+    pm: pluggy.PluginManager, plugin: object, name: str
+) -> tuple[str | None, tuple[Kernel, ...]]:
     """Call this plugin's hooks (once) and validate what they return."""
     for caller in pm.get_hookcallers(plugin) or ():
         if caller.spec is None:
@@ -219,8 +243,11 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
 
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
         dist = ep.dist
-        record: dict[str, Any] = dict(name=ep.name, distribution=dist.metadata["Name"] if dist else None,
-                                      version=dist.version if dist else None)
+        record: dict[str, Any] = dict(
+            name=ep.name,
+            distribution=dist.metadata["Name"] if dist else None,
+            version=dist.version if dist else None,
+        )
         if ep.name in registry.plugins:
             other = registry.plugins[ep.name].distribution
             clash = f"the name {ep.name!r} is already taken by distribution {other}"
@@ -229,14 +256,19 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
             log.warning("megablocks plugin from %s skipped: %s", record["distribution"], clash)
             continue
         if (allow is not None and ep.name not in allow) or ep.name in deny:
-            registry.plugins[ep.name] = PluginRecord(**record, status="disabled",
-                                                     reason="excluded by MEGABLOCKS_PLUGINS / MEGABLOCKS_DISABLE_PLUGINS")
+            registry.plugins[ep.name] = PluginRecord(
+                **record,
+                status="disabled",
+                reason="excluded by MEGABLOCKS_PLUGINS / MEGABLOCKS_DISABLE_PLUGINS",
+            )
             continue
         problem = _incompatibility(dist)
         if problem:
             if strict:
                 raise PluginLoadError(f"plugin {ep.name!r}: {problem}")
-            registry.plugins[ep.name] = PluginRecord(**record, status="incompatible", reason=problem)
+            registry.plugins[ep.name] = PluginRecord(
+                **record, status="incompatible", reason=problem
+            )
             log.warning("megablocks plugin %r not loaded: %s", ep.name, problem)
             continue
         plugin = None
@@ -254,6 +286,7 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
             log.warning("megablocks plugin %r is broken and was skipped: %s", ep.name, reason)
             continue
         status: Status = "unavailable" if unavailable else "ok"
-        registry.plugins[ep.name] = PluginRecord(**record, status=status, reason=unavailable,
-                                                 kernels=kernels)
+        registry.plugins[ep.name] = PluginRecord(
+            **record, status=status, reason=unavailable, kernels=kernels
+        )
     return registry

@@ -208,7 +208,9 @@ class OpContract:
     def signature(self, public: bool = True) -> str:
         parts = []
         for a in self.public_args if public else self.args:
-            if (isinstance(a, IntArg) and (a.optional or a.default is not None)) or isinstance(a, BoolArg):
+            if (isinstance(a, IntArg) and (a.optional or a.default is not None)) or isinstance(
+                a, BoolArg
+            ):
                 parts.append(f"{a.name}={a.default!r}")
             else:
                 parts.append(a.name)
@@ -316,7 +318,9 @@ def _cumsum_fits(x: torch.Tensor, dim: int) -> bool:
     info = torch.iinfo(x.dtype)
     values = x.long()
     total = values.cumsum(dim)
-    before = total - values  # what the sum was before each element (the same wrap-around arithmetic)
+    before = (
+        total - values
+    )  # what the sum was before each element (the same wrap-around arithmetic)
     wrapped = ((values > 0) & (total < before)) | ((values < 0) & (total > before))
     return not bool(wrapped.any()) and bool(((total >= info.min) & (total <= info.max)).all())
 
@@ -341,4 +345,3 @@ RULE_HELPERS: Mapping[str, Any] = {
     "isinstance": isinstance,
 }
 HELPER_NAMES = frozenset(RULE_HELPERS)
-

@@ -89,22 +89,35 @@ def _check_arg(op: OpContract, spec: Any, value: Any) -> None:
         if value is None and spec.optional:
             return
         if not _is_int(value):
-            _fail(op, f"argument '{name}' must be an {spec.describe()}; got {_what(value)}", TypeError)
+            _fail(
+                op, f"argument '{name}' must be an {spec.describe()}; got {_what(value)}", TypeError
+            )
         if not INT64_MIN <= value <= INT64_MAX:
-            _fail(op, f"argument '{name}' must be an {spec.describe()} that fits int64; got {value}",
-                  ValueError)
-        if (spec.min is not None and value < spec.min) or (spec.max is not None and value > spec.max):
+            _fail(
+                op,
+                f"argument '{name}' must be an {spec.describe()} that fits int64; got {value}",
+                ValueError,
+            )
+        if (spec.min is not None and value < spec.min) or (
+            spec.max is not None and value > spec.max
+        ):
             _fail(op, f"argument '{name}' must be an {spec.describe()}; got {value}", ValueError)
     elif isinstance(spec, BoolArg) and not isinstance(value, bool):
         _fail(op, f"argument '{name}' must be a bool; got {_what(value)}", TypeError)
     elif isinstance(spec, SequenceArg) and (
-            not isinstance(value, Sequence) or not all(_is_int(v) and v >= 0 for v in value)):
-        _fail(op, f"argument '{name}' must be a sequence of non-negative ints; got {_what(value)}",
-                  TypeError)
+        not isinstance(value, Sequence) or not all(_is_int(v) and v >= 0 for v in value)
+    ):
+        _fail(
+            op,
+            f"argument '{name}' must be a sequence of non-negative ints; got {_what(value)}",
+            TypeError,
+        )
 
 
 def _check_devices(op: OpContract, bound: dict[str, Any]) -> None:
-    tensors = [(a, bound[a.name]) for a in op.tensor_args if isinstance(bound[a.name], torch.Tensor)]
+    tensors = [
+        (a, bound[a.name]) for a in op.tensor_args if isinstance(bound[a.name], torch.Tensor)
+    ]
     if not tensors:
         return
     primary_spec, primary = tensors[0]
@@ -112,8 +125,12 @@ def _check_devices(op: OpContract, bound: dict[str, Any]) -> None:
         allowed = (primary.device,) + ((torch.device("cpu"),) if spec.any_device else ())
         if t.device not in allowed:
             where = " or the CPU" if spec.any_device and primary.device.type != "cpu" else ""
-            _fail(op, f"argument '{spec.name}' must be on {primary.device}{where} like "
-                      f"'{primary_spec.name}'; got a tensor on {t.device}", ValueError)
+            _fail(
+                op,
+                f"argument '{spec.name}' must be on {primary.device}{where} like "
+                f"'{primary_spec.name}'; got a tensor on {t.device}",
+                ValueError,
+            )
 
 
 def _has_no_data(bound: dict[str, Any]) -> bool:
@@ -146,8 +163,9 @@ def _check_rule(op: OpContract, rule: Rule, bound: dict[str, Any]) -> None:
     _fail(op, f"{rule.why}: expected {rule.expr}{detail}", rule.error)
 
 
-def validate(op: OpContract, args: tuple[Any, ...], checked_mode: bool = False,
-             data_rules: bool = True) -> tuple[Any, ...]:
+def validate(
+    op: OpContract, args: tuple[Any, ...], checked_mode: bool = False, data_rules: bool = True
+) -> tuple[Any, ...]:
     """Raise a precise error if ``args`` (kernel order) break ``op``'s contract.
 
     Returns the arguments with integer-like values (numpy integers) turned into
@@ -193,10 +211,14 @@ def _bytes(n: int) -> str:
 
 
 def _names(expr: str) -> set[str]:
-    return {node.id for node in ast.walk(ast.parse(expr, mode="eval")) if isinstance(node, ast.Name)}
+    return {
+        node.id for node in ast.walk(ast.parse(expr, mode="eval")) if isinstance(node, ast.Name)
+    }
 
 
-def output_shapes(op: OpContract, bound: dict[str, Any]) -> list[tuple[tuple[int | None, ...], torch.dtype]]:
+def output_shapes(
+    op: OpContract, bound: dict[str, Any]
+) -> list[tuple[tuple[int | None, ...], torch.dtype]]:
     """Each output's (shape, dtype) from the contract, with None for a size that depends on data."""
     scope = {**RULE_HELPERS, **bound}
     result = []
@@ -229,14 +251,25 @@ def _check_output_sizes(op: OpContract, bound: dict[str, Any]) -> None:
         size = elements * (dtype.itemsize if hasattr(dtype, "itemsize") else 8)
         if elements <= INT64_MAX and size <= limit:
             continue
-        exprs = [out.shape] if isinstance(out.shape, str) else [d for d in out.shape if isinstance(d, str)]
+        exprs = (
+            [out.shape]
+            if isinstance(out.shape, str)
+            else [d for d in out.shape if isinstance(d, str)]
+        )
         used = set().union(*(_names(e) for e in exprs))
         sizing = [a.name for a in op.args if a.name in used and isinstance(a, IntArg | SequenceArg)]
-        culprit = (", ".join(f"argument '{n}' = {bound[n]!r}" for n in sizing) if sizing
-                   else "the input shapes")
+        culprit = (
+            ", ".join(f"argument '{n}' = {bound[n]!r}" for n in sizing)
+            if sizing
+            else "the input shapes"
+        )
         shown = tuple("?" if d is None else d for d in shape)
-        _fail(op, f"{culprit} would make output '{out.name}' of shape {shown} {dtype} "
-                  f"({_bytes(size)}), more than the {_bytes(limit)} of memory of device {primary.device}", ValueError)
+        _fail(
+            op,
+            f"{culprit} would make output '{out.name}' of shape {shown} {dtype} "
+            f"({_bytes(size)}), more than the {_bytes(limit)} of memory of device {primary.device}",
+            ValueError,
+        )
 
 
 def check_outputs(op: OpContract, args: tuple[Any, ...], result: Any, backend: str) -> None:
@@ -247,18 +280,25 @@ def check_outputs(op: OpContract, args: tuple[Any, ...], result: Any, backend: s
     outs = result if isinstance(result, tuple) else (result,)
     where = f"megablocks_core.ops.{op.name}: the {backend!r} kernel"
     if len(outs) != len(op.outputs):
-        raise BackendError(f"{where} returned {len(outs)} output(s); the contract says {len(op.outputs)}")
+        raise BackendError(
+            f"{where} returned {len(outs)} output(s); the contract says {len(op.outputs)}"
+        )
     for out, value, (shape, dtype) in zip(op.outputs, outs, output_shapes(op, bound), strict=True):
         if not isinstance(value, torch.Tensor):
-            raise BackendError(f"{where} returned {_what(value)} as output '{out.name}'; "
-                               "the contract says a tensor")
+            raise BackendError(
+                f"{where} returned {_what(value)} as output '{out.name}'; "
+                "the contract says a tensor"
+            )
         got_shape = tuple(value.shape)
         shape_ok = len(got_shape) == len(shape) and all(
-            want is None or want == got for want, got in zip(shape, got_shape, strict=True))
+            want is None or want == got for want, got in zip(shape, got_shape, strict=True)
+        )
         if not shape_ok or value.dtype != dtype or value.device != device:
             shown = tuple("any" if d is None else d for d in shape)
-            raise BackendError(f"{where} returned output '{out.name}' of shape {got_shape} {value.dtype} "
-                               f"on {value.device}; the contract says {shown} {dtype} on {device}")
+            raise BackendError(
+                f"{where} returned output '{out.name}' of shape {got_shape} {value.dtype} "
+                f"on {value.device}; the contract says {shown} {dtype} on {device}"
+            )
 
 
 def _plain(spec: Any, value: Any) -> Any:

@@ -28,7 +28,7 @@ import torch
 
 import megablocks_core
 
-PRELUDE = '''\
+PRELUDE = """\
 import torch
 from megablocks_core import DeviceInfo, Kernel, hookimpl
 from megablocks_reference import kernels as _reference
@@ -55,11 +55,16 @@ def counting(check):
 
     return predicate
 
-'''
+"""
 
 #: The environment variables the core reads; tests that build their own registry clear them.
-ENV_VARS = ("MEGABLOCKS_BACKEND", "MEGABLOCKS_PLUGINS", "MEGABLOCKS_DISABLE_PLUGINS",
-            "MEGABLOCKS_STRICT_PLUGINS", "MEGABLOCKS_CHECK")
+ENV_VARS = (
+    "MEGABLOCKS_BACKEND",
+    "MEGABLOCKS_PLUGINS",
+    "MEGABLOCKS_DISABLE_PLUGINS",
+    "MEGABLOCKS_STRICT_PLUGINS",
+    "MEGABLOCKS_CHECK",
+)
 #: Other installed backends (triton under TRITON_INTERPRET=1) would change what these tests expect.
 ONLY_REFERENCE = {"MEGABLOCKS_PLUGINS": "reference"}
 
@@ -84,9 +89,18 @@ class FakePlugins:
             self.sites.add(path)
         return path
 
-    def add(self, name: str, body: str = "", *, distribution: str | None = None,
-            version: str = "1.0", requires: tuple[str, ...] = (), module: str | None = None,
-            prelude: bool = True, sub: str = "site") -> str:
+    def add(
+        self,
+        name: str,
+        body: str = "",
+        *,
+        distribution: str | None = None,
+        version: str = "1.0",
+        requires: tuple[str, ...] = (),
+        module: str | None = None,
+        prelude: bool = True,
+        sub: str = "site",
+    ) -> str:
         """Write a distribution whose entry point ``name`` points at a new module; return the module name."""
         site = self.site(sub)
         module = module or f"{MODULE_PREFIX}{name}"
@@ -141,8 +155,14 @@ def permutation(kernels: str, extra: str = "") -> str:
     return kernels_body("megablocks_permutation_kernels", kernels, extra)
 
 
-def routing_inputs(tokens: int = 6, experts: int = 3, top_k: int = 2, hidden: int = 4,
-                   dtype: torch.dtype = torch.float32, seed: int = 0):
+def routing_inputs(
+    tokens: int = 6,
+    experts: int = 3,
+    top_k: int = 2,
+    hidden: int = 4,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
     """(x, indices, bin_ids, bins, weights) built the way a MoE layer builds them, with plain torch."""
     gen = torch.Generator().manual_seed(seed)
     top_experts = torch.randint(0, experts, (tokens * top_k,), generator=gen, dtype=torch.int32)

@@ -90,8 +90,9 @@ def exclusive_cumsum(x: Any, dim: int) -> Array:
     return _cumsum(x, dim, exclusive=True)
 
 
-def topology(padded_bins: Any, block_size: int, output_block_rows: int,
-             output_block_columns: int) -> Array:
+def topology(
+    padded_bins: Any, block_size: int, output_block_rows: int, output_block_columns: int
+) -> Array:
     """Block-row r of expert e gets column indices e * columns + [0, columns)."""
     padded_bins = _i64(padded_bins)
     cols = output_block_columns
@@ -129,8 +130,9 @@ def replicate_backward(grad: Any, bins: Any) -> Array:
     return out
 
 
-def route(top_experts: Any, num_experts: int, block_size: int
-          ) -> tuple[Array, Array, Array, Array, Array]:
+def route(
+    top_experts: Any, num_experts: int, block_size: int
+) -> tuple[Array, Array, Array, Array, Array]:
     """(indices, bin_ids, tokens_per_expert, bins, padded_bins) of a dropless layer."""
     bin_ids, indices = sort(top_experts)
     counts = histogram(top_experts, num_experts)
@@ -142,8 +144,7 @@ def route(top_experts: Any, num_experts: int, block_size: int
 # permutation: sorted row i holds flat id f = indices[i] = token * top_k + k
 
 
-def gather(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any,
-           top_k: int) -> Array:
+def gather(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any, top_k: int) -> Array:
     """out[i] = x[indices[i] // top_k] (times weights[indices[i]])."""
     x = _f64(x)
     w = None if weights is None else _f64(weights)
@@ -153,8 +154,9 @@ def gather(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any,
     return out
 
 
-def scatter(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any,
-            top_k: int) -> Array:
+def scatter(
+    x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any, top_k: int
+) -> Array:
     """out[t] = sum over k of weights[t*top_k + k] * x[i], where indices[i] = t*top_k + k."""
     x = _f64(x)
     w = None if weights is None else _f64(weights)
@@ -181,8 +183,9 @@ def padded_positions(bin_ids: Any, bins: Any, padded_bins: Any) -> Array:
     return pos
 
 
-def padded_gather(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any,
-                  padded_bins: Any, top_k: int) -> Array:
+def padded_gather(
+    x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any, padded_bins: Any, top_k: int
+) -> Array:
     """gather into per-expert segments starting at padded_bins[e-1]; padding rows are 0."""
     x = _f64(x)
     w = None if weights is None else _f64(weights)
@@ -194,8 +197,9 @@ def padded_gather(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins:
     return out
 
 
-def padded_scatter(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any,
-                   padded_bins: Any, top_k: int) -> Array:
+def padded_scatter(
+    x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins: Any, padded_bins: Any, top_k: int
+) -> Array:
     """scatter reading the padded row each (token, k) was gathered to; padding is never read."""
     x = _f64(x)
     w = None if weights is None else _f64(weights)
@@ -206,8 +210,9 @@ def padded_scatter(x: Any, indices: Any, bin_ids: Any, weights: Any | None, bins
     return out
 
 
-def padded_scatter_wgrad(x: Any, grad: Any, indices: Any, bin_ids: Any, bins: Any,
-                         padded_bins: Any, top_k: int) -> Array:
+def padded_scatter_wgrad(
+    x: Any, grad: Any, indices: Any, bin_ids: Any, bins: Any, padded_bins: Any, top_k: int
+) -> Array:
     """scatter_wgrad reading padded rows."""
     x, grad = _f64(x), _f64(grad)
     out = np.zeros(len(indices))
@@ -227,8 +232,9 @@ def binned_slots(bins: Any, bin_size: int) -> list[tuple[int, int, int]]:
     return slots
 
 
-def binned_gather(x: Any, indices: Any, weights: Any | None, bins: Any, bin_size: int,
-                  top_k: int) -> Array:
+def binned_gather(
+    x: Any, indices: Any, weights: Any | None, bins: Any, bin_size: int, top_k: int
+) -> Array:
     """(experts, bin_size, hidden), zero-filled; rows beyond bin_size are dropped."""
     x = _f64(x)
     w = None if weights is None else _f64(weights)
@@ -292,8 +298,9 @@ def gmm_weight_grad(a: Any, grad: Any, batch_sizes: Any) -> Array:
     return out
 
 
-def gmm_backward(a: Any, b: Any, grad: Any, batch_sizes: Any, trans_b: bool = False
-                 ) -> tuple[Array, Array]:
+def gmm_backward(
+    a: Any, b: Any, grad: Any, batch_sizes: Any, trans_b: bool = False
+) -> tuple[Array, Array]:
     """(grad of a, grad of b) of gmm for the output gradient ``grad``."""
     a, b, grad = _f64(a), _f64(b), _f64(grad)
     grad_a = np.zeros_like(a)
@@ -312,8 +319,9 @@ def gmm_backward(a: Any, b: Any, grad: Any, batch_sizes: Any, trans_b: bool = Fa
 # building inputs (numpy side)
 
 
-def make_routing(rng: np.random.Generator, T: int, K: int, E: int, block: int = 4,
-                 empty: bool = False) -> dict[str, Any]:
+def make_routing(
+    rng: np.random.Generator, T: int, K: int, E: int, block: int = 4, empty: bool = False
+) -> dict[str, Any]:
     """Realistic MoE routing metadata, in numpy.
 
     top_experts (T*K,) -> indices/bin_ids by stable argsort -> tokens_per_expert by
@@ -333,8 +341,18 @@ def make_routing(rng: np.random.Generator, T: int, K: int, E: int, block: int = 
     padded_bins = np.cumsum(padded_tpe).astype(np.int64)
     if empty and E >= 3 and T > 0:
         assert tpe[0] == 0 and tpe[-1] == 0
-    return dict(T=T, K=K, E=E, top=top, indices=indices, bin_ids=bin_ids, tpe=tpe, bins=bins,
-                padded_bins=padded_bins, block=block)
+    return dict(
+        T=T,
+        K=K,
+        E=E,
+        top=top,
+        indices=indices,
+        bin_ids=bin_ids,
+        tpe=tpe,
+        bins=bins,
+        padded_bins=padded_bins,
+        block=block,
+    )
 
 
 def bf16_round(a: Any) -> Array:

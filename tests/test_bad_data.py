@@ -44,12 +44,16 @@ def _triton_ok() -> bool:
 
 needs_triton = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET", "0") in ("", "0") or not _triton_ok(),
-    reason="the triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    reason="the triton kernels run on the CPU only under TRITON_INTERPRET=1",
+)
 
 #: The weighted twins of the padded/binned gathers take the same paths as the unweighted ones
 #: plus one multiply; under the interpreter they cost seconds each, so triton runs them once.
-TRITON_CASES = [name for name in bad_data.case_names()
-                if not (name.startswith(("padded_gather/", "binned_gather/")) and name.endswith("(weighted)"))]
+TRITON_CASES = [
+    name
+    for name in bad_data.case_names()
+    if not (name.startswith(("padded_gather/", "binned_gather/")) and name.endswith("(weighted)"))
+]
 
 _CHILD = """
 import json, sys
@@ -68,8 +72,13 @@ def _run_isolated(names: list[str]) -> dict[str, str | None]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("MEGABLOCKS_CHECK", None)
     while remaining:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(remaining)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(remaining)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         started = None
         for line in proc.stdout.splitlines():
             if line.startswith("START "):
@@ -79,9 +88,13 @@ def _run_isolated(names: list[str]) -> dict[str, str | None]:
                 results[name] = message
                 started = None
         if proc.returncode != 0:
-            culprit = started if started is not None else next(n for n in remaining if n not in results)
-            results[culprit] = (f"the process died (exit {proc.returncode}) in this case: "
-                                f"{proc.stderr.strip().splitlines()[-1:] or ''}")
+            culprit = (
+                started if started is not None else next(n for n in remaining if n not in results)
+            )
+            results[culprit] = (
+                f"the process died (exit {proc.returncode}) in this case: "
+                f"{proc.stderr.strip().splitlines()[-1:] or ''}"
+            )
         remaining = [n for n in remaining if n not in results]
     return results
 
@@ -105,8 +118,19 @@ def test_triton(name, triton_results):
 
 def test_cases_cover_every_data_dependent_op():
     covered = {case.op for case in bad_data.CASES}
-    wanted = {"route", "sort", "histogram", "topology", "replicate", "replicate_backward", "gmm",
-              "gmm_weight_grad", *bad_data.PLAIN_OPS, *bad_data.PADDED_OPS, *bad_data.BINNED_OPS}
+    wanted = {
+        "route",
+        "sort",
+        "histogram",
+        "topology",
+        "replicate",
+        "replicate_backward",
+        "gmm",
+        "gmm_weight_grad",
+        *bad_data.PLAIN_OPS,
+        *bad_data.PADDED_OPS,
+        *bad_data.BINNED_OPS,
+    }
     assert wanted <= covered
 
 
@@ -123,8 +147,13 @@ def test_the_checks_catch_wrong_results():
     top, experts, block = route.build(torch.device("cpu"))
     order = torch.sort(torch.where(top < experts, top, experts), stable=True).indices.int()
     counts = torch.bincount(top[top < experts].long(), minlength=experts).int()
-    good = (order, top[order.long()], counts, counts.cumsum(0).int(),
-            ((counts + block - 1) // block * block).cumsum(0).int())
+    good = (
+        order,
+        top[order.long()],
+        counts,
+        counts.cumsum(0).int(),
+        ((counts + block - 1) // block * block).cumsum(0).int(),
+    )
     bad_data.check_result("route", route.build(torch.device("cpu")), good)
     broken = (torch.full_like(order, 1798629576), *good[1:])
     with pytest.raises(Mismatch):
@@ -135,8 +164,9 @@ def test_the_checks_catch_wrong_results():
 # Random bad data
 
 
-def _layout_args(op: str, indices: list[int], bins: list[int], padded: list[int], top_k: int,
-                 weighted: bool) -> tuple:
+def _layout_args(
+    op: str, indices: list[int], bins: list[int], padded: list[int], top_k: int, weighted: bool
+) -> tuple:
     gen = torch.Generator().manual_seed(len(indices) + top_k)
     n = len(indices)
     tokens, hidden = n // top_k, 6
@@ -148,11 +178,25 @@ def _layout_args(op: str, indices: list[int], bins: list[int], padded: list[int]
     if op == "scatter":
         return torch.randn(n, hidden, generator=gen), idx, torch.zeros_like(idx), w, b, top_k
     if op == "scatter_wgrad":
-        return (torch.randn(n, hidden, generator=gen), torch.randn(tokens, hidden, generator=gen), idx,
-                torch.zeros_like(idx), b, top_k)
+        return (
+            torch.randn(n, hidden, generator=gen),
+            torch.randn(tokens, hidden, generator=gen),
+            idx,
+            torch.zeros_like(idx),
+            b,
+            top_k,
+        )
     if op == "padded_gather":
         p = torch.tensor(padded, dtype=torch.int32)
-        return torch.randn(tokens, hidden, generator=gen), idx, torch.zeros_like(idx), w, b, p, top_k
+        return (
+            torch.randn(tokens, hidden, generator=gen),
+            idx,
+            torch.zeros_like(idx),
+            w,
+            b,
+            p,
+            top_k,
+        )
     if op == "binned_gather":
         return torch.randn(tokens, hidden, generator=gen), idx, w, b, 2, top_k
     raise AssertionError(op)
@@ -205,7 +249,9 @@ def test_triton_random_bad_indices(case):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(-(2**40), 2**40), min_size=1, max_size=12), st.integers(1, 4))
 def test_triton_route_random_expert_ids(ids, experts):
-    problem = bad_data.check_call("triton", "route", (torch.tensor(ids, dtype=torch.int64), experts, 2))
+    problem = bad_data.check_call(
+        "triton", "route", (torch.tensor(ids, dtype=torch.int64), experts, 2)
+    )
     assert problem is None, problem
 
 
@@ -220,12 +266,18 @@ def test_triton_gmm_random_device_sizes(sizes, trans_b):
 
     gen = torch.Generator().manual_seed(len(sizes))
     a = torch.randn(20, 8, generator=gen)
-    b = torch.randn(len(sizes), 6, 8, generator=gen) if trans_b else torch.randn(len(sizes), 8, 6, generator=gen)
+    b = (
+        torch.randn(len(sizes), 6, 8, generator=gen)
+        if trans_b
+        else torch.randn(len(sizes), 8, 6, generator=gen)
+    )
     grad = torch.randn(20, 6, generator=gen)
     batch = torch.tensor(sizes, dtype=torch.int64)
     for impl in (triton_gmm, reference):
         bad_data.check_result("gmm", (a, b, batch, trans_b), impl.gmm(a, b, batch, trans_b))
-        bad_data.check_result("gmm_weight_grad", (a, grad, batch), impl.gmm_weight_grad(a, grad, batch))
+        bad_data.check_result(
+            "gmm_weight_grad", (a, grad, batch), impl.gmm_weight_grad(a, grad, batch)
+        )
 
 
 @pytest.mark.parametrize("sizes", [[6, 6, 9], [3, 2, 4], [-4, 10, 6], [2**40, 1, 1], [0, 0, 0]])
@@ -238,8 +290,13 @@ def test_cuda_grouped_mm_makes_device_sizes_safe(monkeypatch, sizes):
         pytest.skip("this torch has no grouped mm")
     monkeypatch.setattr(cuda_gmm, "_unchecked", lambda batch_sizes: True)
     gen = torch.Generator().manual_seed(9)
-    a, b, grad = torch.randn(12, 8, generator=gen), torch.randn(3, 8, 8, generator=gen), torch.randn(12, 8, generator=gen)
+    a, b, grad = (
+        torch.randn(12, 8, generator=gen),
+        torch.randn(3, 8, 8, generator=gen),
+        torch.randn(12, 8, generator=gen),
+    )
     batch = torch.tensor(sizes)
     bad_data.check_result("gmm", (a, b, batch, False), cuda_gmm.grouped_mm_gmm(a, b, batch, False))
-    bad_data.check_result("gmm_weight_grad", (a, grad, batch),
-                          cuda_gmm.grouped_mm_gmm_weight_grad(a, grad, batch))
+    bad_data.check_result(
+        "gmm_weight_grad", (a, grad, batch), cuda_gmm.grouped_mm_gmm_weight_grad(a, grad, batch)
+    )

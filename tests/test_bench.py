@@ -17,8 +17,20 @@ bench = cli.load_benchmark()  # benchmarks/bench.py of this checkout
 @pytest.mark.slow
 def test_bench_tiny_on_cpu(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    code = main(["bench", "--shapes", "tiny", "--device", "cpu", "--quick", "--dtype", "float32",
-                 "--json", str(path)])
+    code = main(
+        [
+            "bench",
+            "--shapes",
+            "tiny",
+            "--device",
+            "cpu",
+            "--quick",
+            "--dtype",
+            "float32",
+            "--json",
+            str(path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     data = json.loads(path.read_text())
@@ -27,7 +39,9 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
     ours = [r for r in rows if r["kind"] == "ours"]
     assert {r["op"] for r in ours} == set(bench.OPS)
     assert all(r["check"] == "ok" and r["us"] > 0 for r in ours), ours
-    assert any(r["provider"] == "torch" and r["op"] == "gather" and r["check"] == "ok" for r in rows)
+    assert any(
+        r["provider"] == "torch" and r["op"] == "gather" and r["check"] == "ok" for r in rows
+    )
     gather = next(r for r in ours if r["op"] == "gather")
     assert gather["unit"] == "GB/s" and gather["vs_limit"] > 0
     assert "tiny" in out and "gather" in out
@@ -54,8 +68,18 @@ def test_bench_on_the_cpu_defaults_to_the_tiny_shape_and_says_so(capsys):
 def test_a_case_builds_expert_weights_only_for_gmm():
     case = bench.Case("tiny", bench.SHAPES["tiny"], torch.device("cpu"), torch.float32)
     assert "w1" not in vars(case) and "padded_rows" not in vars(case)
-    results = list(bench.run(["tiny"], [], ["gather"], torch.device("cpu"), torch.float32, quick=True,
-                             peers=False, log=lambda _: None))
+    results = list(
+        bench.run(
+            ["tiny"],
+            [],
+            ["gather"],
+            torch.device("cpu"),
+            torch.float32,
+            quick=True,
+            peers=False,
+            log=lambda _: None,
+        )
+    )
     assert {r.op for r in results} == {"copy", "gather"}  # no gmm limit row: no weights built
     tokens, hidden, ffn, experts, _ = bench.SHAPES["tiny"]
     assert case.w1.shape == (experts, hidden, ffn) and case.w1.dtype == torch.float32

@@ -22,8 +22,6 @@ pytestmark = pytest.mark.usefixtures("only_reference")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
-
 def run(capsys, *argv):
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -41,8 +39,14 @@ def test_backends_list_table(capsys):
     assert lines[0].split() == ["backend", "distribution", "status", "devices", "ops"]
     assert set(lines[1]) <= {"-", " "}
     row = next(line.split() for line in lines if line.startswith("reference "))
-    assert row == ["reference", "megablocks-reference", metadata.version("megablocks-reference"),
-                   "ok", "any", str(sum(c.dispatched for c in contracts.ALL))]
+    assert row == [
+        "reference",
+        "megablocks-reference",
+        metadata.version("megablocks-reference"),
+        "ok",
+        "any",
+        str(sum(c.dispatched for c in contracts.ALL)),
+    ]
 
 
 def test_backends_list_verbose_lists_ops(capsys):
@@ -68,9 +72,13 @@ def test_backends_list_json(capsys):
 
 def test_backends_list_shows_a_broken_plugin_with_its_reason(capsys, plugins):
     plugins.add("bad", "raise ImportError('kaboom on import')\n", version="2.3")
-    plugins.add("nowidget", permutation(
-        "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
-        extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n"))
+    plugins.add(
+        "nowidget",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
+            extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
+        ),
+    )
     plugins.reload()
 
     code, out, _ = run(capsys, "backends", "list")
@@ -79,7 +87,9 @@ def test_backends_list_shows_a_broken_plugin_with_its_reason(capsys, plugins):
     assert bad[:4] == ["bad", "megablocks-fake-bad", "2.3", "broken"]
     assert "bad: ImportError: kaboom on import" in out
     assert "nowidget: no widget" in out
-    assert "unavailable here" in next(line for line in out.splitlines() if line.startswith("nowidget "))
+    assert "unavailable here" in next(
+        line for line in out.splitlines() if line.startswith("nowidget ")
+    )
     assert "reference" in out
 
     code, out, _ = run(capsys, "backends", "list", "--json")
@@ -96,7 +106,9 @@ def test_backends_list_shows_a_broken_plugin_with_its_reason(capsys, plugins):
 
 
 def test_explain_gather_bfloat16_on_cpu(capsys):
-    code, out, err = run(capsys, "backends", "explain", "gather", "--device", "cpu", "--dtype", "bfloat16")
+    code, out, err = run(
+        capsys, "backends", "explain", "gather", "--device", "cpu", "--dtype", "bfloat16"
+    )
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0] == "gather on cpu (CPU) with x=bfloat16, weights=bfloat16"
@@ -123,9 +135,13 @@ def test_explain_json(capsys):
 
 
 def test_explain_shows_a_fake_winner_and_the_rejection_reasons(capsys, plugins):
-    plugins.add("fast", permutation(
-        "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=50,"
-        " dtypes={'x': {torch.float32}})]"))
+    plugins.add(
+        "fast",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=50,"
+            " dtypes={'x': {torch.float32}})]"
+        ),
+    )
     plugins.reload()
     _, out, _ = run(capsys, "backends", "explain", "gather", "--dtype", "float32", "--json")
     assert json.loads(out)["winner"] == "fast"
@@ -219,8 +235,14 @@ def test_no_subcommand_is_a_usage_error(capsys):
 def test_console_script_version():
     script = Path(sys.executable).with_name("megablocks")
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    result = subprocess.run([str(script), "--version"], capture_output=True, text=True, env=env,
-                            timeout=120, check=False)
+    result = subprocess.run(
+        [str(script), "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"megablocks-core {mb.__version__}"
 
@@ -228,18 +250,25 @@ def test_console_script_version():
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 
 
-@pytest.mark.parametrize("argv, message", [
-    pytest.param(("demo", "--device", "cuda"), "device 'cuda': device cuda is not available", marks=NO_CUDA),
-    (("demo", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
-    (("demo", "--device", "gpu0"), "device 'gpu0': Invalid device string"),
-    (("demo", "--steps", "1"), "--steps must be at least 2, got 1"),
-    (("demo", "--tokens", "0"), "--tokens must be at least 1, got 0"),
-    (("demo", "--top-k", "9"), "--top-k (9) cannot exceed --experts (8)"),
-    (("demo", "--backend", "nosuch"), "--backend: nosuch not installed"),
-    (("demo", "--experts", "0"), "--experts must be at least 1, got 0"),
-    (("bench", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
-    (("backends", "check", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        pytest.param(
+            ("demo", "--device", "cuda"),
+            "device 'cuda': device cuda is not available",
+            marks=NO_CUDA,
+        ),
+        (("demo", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+        (("demo", "--device", "gpu0"), "device 'gpu0': Invalid device string"),
+        (("demo", "--steps", "1"), "--steps must be at least 2, got 1"),
+        (("demo", "--tokens", "0"), "--tokens must be at least 1, got 0"),
+        (("demo", "--top-k", "9"), "--top-k (9) cannot exceed --experts (8)"),
+        (("demo", "--backend", "nosuch"), "--backend: nosuch not installed"),
+        (("demo", "--experts", "0"), "--experts must be at least 1, got 0"),
+        (("bench", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+        (("backends", "check", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+    ],
+)
 def test_user_mistakes_are_one_line_errors_with_status_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""

@@ -76,19 +76,25 @@ def _opcheck_samples():
     binned = torch.randn(4, 2, 3, requires_grad=True)
     a, b = torch.randn(8, 3, requires_grad=True), torch.randn(4, 3, 5, requires_grad=True)
     return {
-        "sort": (top, 2), "histogram": (top, 4), "inclusive_cumsum": (counts, 0),
-        "exclusive_cumsum": (counts, 0), "topology": (padded, 4, int(padded[-1]) // 4, 2),
+        "sort": (top, 2),
+        "histogram": (top, 4),
+        "inclusive_cumsum": (counts, 0),
+        "exclusive_cumsum": (counts, 0),
+        "topology": (padded, 4, int(padded[-1]) // 4, 2),
         "replicate": (torch.randn(2, 4, requires_grad=True), bins, 8),
         "replicate_backward": (torch.randn(2, 8), bins),
         "route": (top, 4, 4),
-        "gather": (x, indices, bin_ids, None, bins, 2), "scatter": (rows, indices, bin_ids, w, bins, 2),
+        "gather": (x, indices, bin_ids, None, bins, 2),
+        "scatter": (rows, indices, bin_ids, w, bins, 2),
         "scatter_wgrad": (rows.detach(), grad, indices, bin_ids, bins, 2),
         "padded_gather": (x, indices, bin_ids, None, bins, padded, 2),
         "padded_scatter": (prows, indices, bin_ids, w, bins, padded, 2),
         "padded_scatter_wgrad": (prows.detach(), grad, indices, bin_ids, bins, padded, 2),
-        "binned_gather": (x, indices, None, bins, 2, 2), "binned_scatter": (binned, indices, w, bins, 2),
+        "binned_gather": (x, indices, None, bins, 2, 2),
+        "binned_scatter": (binned, indices, w, bins, 2),
         "binned_scatter_wgrad": (binned.detach(), grad, indices, bins, 2),
-        "gmm": (a, b, counts.long(), False), "gmm_weight_grad": (a.detach(), torch.randn(8, 5), counts),
+        "gmm": (a, b, counts.long(), False),
+        "gmm_weight_grad": (a.detach(), torch.randn(8, 5), counts),
     }
 
 
@@ -97,7 +103,20 @@ def test_opcheck(name):
     args = _opcheck_samples()[name]
     # The data-dependent padded_gather output needs dynamic sizes, which aot_dispatch tests
     # cannot fabricate; everything else runs the full opcheck suite.
-    skip = ("test_aot_dispatch_dynamic", "test_aot_dispatch_static") if name in ("padded_gather", "padded_scatter") else ()
-    tests = [t for t in ("test_schema", "test_autograd_registration", "test_faketensor",
-                         "test_aot_dispatch_static", "test_aot_dispatch_dynamic") if t not in skip]
+    skip = (
+        ("test_aot_dispatch_dynamic", "test_aot_dispatch_static")
+        if name in ("padded_gather", "padded_scatter")
+        else ()
+    )
+    tests = [
+        t
+        for t in (
+            "test_schema",
+            "test_autograd_registration",
+            "test_faketensor",
+            "test_aot_dispatch_static",
+            "test_aot_dispatch_dynamic",
+        )
+        if t not in skip
+    ]
     torch.library.opcheck(getattr(torch.ops.megablocks, name), args, test_utils=tests)

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_docs_contracts_md_is_generated_from_the_contracts():
     path = ROOT / "docs" / "contracts.md"
     assert path.read_text() == docgen.render_markdown(), (
-        "docs/contracts.md is stale: regenerate it with `megablocks contracts > docs/contracts.md`")
+        "docs/contracts.md is stale: regenerate it with `megablocks contracts > docs/contracts.md`"
+    )
 
 
 def test_public_signatures_match_the_contracts():
@@ -31,7 +32,9 @@ def test_public_signatures_match_the_contracts():
         assert list(params) == [a.name for a in contract.public_args], contract.name
         for a in contract.public_args:
             default = params[a.name].default
-            if isinstance(a, BoolArg) or (isinstance(a, IntArg) and (a.optional or a.default is not None)):
+            if isinstance(a, BoolArg) or (
+                isinstance(a, IntArg) and (a.optional or a.default is not None)
+            ):
                 assert default == a.default, (contract.name, a.name)
             else:
                 assert default is inspect.Parameter.empty, (contract.name, a.name)
@@ -42,7 +45,9 @@ def test_every_dispatched_op_has_an_entry_and_a_custom_op():
     assert set(ENTRIES) == dispatched
     for name in dispatched:
         schema = str(getattr(torch.ops.megablocks, name).default._schema)
-        assert schema.startswith(f"megablocks::{library.schema(contracts.BY_NAME[name])}".split("->")[0].strip()[:-1])
+        assert schema.startswith(
+            f"megablocks::{library.schema(contracts.BY_NAME[name])}".split("->")[0].strip()[:-1]
+        )
 
 
 def test_rule_expressions_only_name_arguments_and_helpers():
@@ -53,7 +58,9 @@ def test_rule_expressions_only_name_arguments_and_helpers():
     for contract in contracts.ALL:
         allowed = set(contract.arg_names) | HELPER_NAMES
         for rule in contract.rules:
-            names = {n.id for n in ast.walk(ast.parse(rule.expr, mode="eval")) if isinstance(n, ast.Name)}
+            names = {
+                n.id for n in ast.walk(ast.parse(rule.expr, mode="eval")) if isinstance(n, ast.Name)
+            }
             assert names <= allowed, (contract.name, rule.expr, names - allowed)
 
 

@@ -19,10 +19,12 @@ from megablocks_core import DeviceInfo, costs, dispatch, ops
 from megablocks_core.descriptors import TensorMeta
 
 CPU = DeviceInfo(kind="cpu", type="cpu", name="CPU")
-H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90", capability=(9, 0))
+H200 = DeviceInfo(
+    kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90", capability=(9, 0)
+)
 
 # Estimated µs: "loop" pays 10 µs per expert (one launch each); "persistent" pays 2 µs per row.
-COST_HINTS = '''
+COST_HINTS = """
 HINT_CALLS = []
 
 
@@ -47,13 +49,17 @@ def even_k(device, call):
 
 def broken_check(device, call):
     raise ValueError("bug in a shape check")
-'''
+"""
 
 
 def gmm_backend(plugins, name, cost, priority=50, supports=None):
-    kernel = (f"Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), priority={priority}, "
-              f"cost={cost}, supports={supports})")
-    return plugins.add(name, kernels_body("megablocks_grouped_gemm_kernels", f"[{kernel}]", COST_HINTS))
+    kernel = (
+        f"Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), priority={priority}, "
+        f"cost={cost}, supports={supports})"
+    )
+    return plugins.add(
+        name, kernels_body("megablocks_grouped_gemm_kernels", f"[{kernel}]", COST_HINTS)
+    )
 
 
 def run_gmm(tokens, experts, k=8, n=4):
@@ -114,7 +120,10 @@ def test_raising_hint_counts_as_no_estimate(plugins):
     run_gmm(tokens=8, experts=8)
     assert plugins.calls("zzz") == ["gmm"]  # the only estimate, although "aaa" sorts first
     trace = dispatch.explain("gmm", CPU)
-    call = {"a": TensorMeta((8, 8), torch.float32, "cpu"), "b": TensorMeta((8, 8, 4), torch.float32, "cpu")}
+    call = {
+        "a": TensorMeta((8, 8), torch.float32, "cpu"),
+        "b": TensorMeta((8, 8, 4), torch.float32, "cpu"),
+    }
     kernel, why = dispatch.explain_call(trace, call)
     assert kernel is not None and kernel.backend == "zzz"
     assert "16.0" in why
@@ -154,7 +163,10 @@ def test_raising_shape_check_rejects_only_its_kernel(plugins):
     plugins.reload()
     run_gmm(tokens=8, experts=2)
     assert plugins.calls("buggy") == []
-    call = {"a": TensorMeta((8, 8), torch.float32, "cpu"), "b": TensorMeta((2, 8, 4), torch.float32, "cpu")}
+    call = {
+        "a": TensorMeta((8, 8), torch.float32, "cpu"),
+        "b": TensorMeta((2, 8, 4), torch.float32, "cpu"),
+    }
     with mb.use_backend("buggy"):
         trace = dispatch.explain("gmm", CPU)
     kernel, why = dispatch.explain_call(trace, call)
@@ -164,8 +176,11 @@ def test_raising_shape_check_rejects_only_its_kernel(plugins):
 def test_explain_call_reports_estimates(two_gmms):
     trace = dispatch.explain("gmm", CPU)
     assert "per call shape" in trace.why
-    call = {"a": TensorMeta((400, 8), torch.float32, "cpu"), "b": TensorMeta((2, 8, 4), torch.float32, "cpu"),
-            "trans_b": False}
+    call = {
+        "a": TensorMeta((400, 8), torch.float32, "cpu"),
+        "b": TensorMeta((2, 8, 4), torch.float32, "cpu"),
+        "trans_b": False,
+    }
     kernel, why = dispatch.explain_call(trace, call)
     assert kernel is not None and kernel.backend == "loop"
     assert "20.0" in why and "persistent 800.0" in why
@@ -177,26 +192,36 @@ def test_explain_call_reports_estimates(two_gmms):
 
 def gmm_call(tokens, k, n, experts, trans_b=False):
     b = (experts, n, k) if trans_b else (experts, k, n)
-    return {"a": TensorMeta((tokens, k), torch.bfloat16, "cuda"),
-            "b": TensorMeta(b, torch.bfloat16, "cuda"),
-            "batch_sizes": TensorMeta((experts,), torch.int64, "cpu"), "trans_b": trans_b}
+    return {
+        "a": TensorMeta((tokens, k), torch.bfloat16, "cuda"),
+        "b": TensorMeta(b, torch.bfloat16, "cuda"),
+        "batch_sizes": TensorMeta((experts,), torch.int64, "cpu"),
+        "trans_b": trans_b,
+    }
 
 
 def test_gmm_problem_reads_both_layouts_and_weight_grad():
     assert costs.gmm_problem(gmm_call(100, 16, 32, 4)) == (100, 16, 32, 4)
     assert costs.gmm_problem(gmm_call(100, 16, 32, 4, trans_b=True)) == (100, 16, 32, 4)
-    wgrad = {"a": TensorMeta((100, 16), torch.bfloat16, "cuda"), "grad": TensorMeta((100, 32), torch.bfloat16, "cuda"),
-             "batch_sizes": TensorMeta((4,), torch.int64, "cuda")}
+    wgrad = {
+        "a": TensorMeta((100, 16), torch.bfloat16, "cuda"),
+        "grad": TensorMeta((100, 32), torch.bfloat16, "cuda"),
+        "batch_sizes": TensorMeta((4,), torch.int64, "cuda"),
+    }
     assert costs.gmm_problem(wgrad) == (100, 16, 32, 4)
 
 
 def test_nearest_efficiency_matches_brute_force():
     gen = torch.Generator().manual_seed(0)
-    points = [(*(float(v) for v in torch.randint(1, 20000, (3,), generator=gen)), i / 10)
-              for i in range(1, 9)]
+    points = [
+        (*(float(v) for v in torch.randint(1, 20000, (3,), generator=gen)), i / 10)
+        for i in range(1, 9)
+    ]
     for _ in range(50):
         q = [float(v) for v in torch.randint(1, 20000, (3,), generator=gen)]
-        want = min(points, key=lambda p: sum((math.log(p[i]) - math.log(q[i])) ** 2 for i in range(3)))[3]
+        want = min(
+            points, key=lambda p: sum((math.log(p[i]) - math.log(q[i])) ** 2 for i in range(3))
+        )[3]
         assert costs.nearest_efficiency(points, *q) == want
     assert costs.nearest_efficiency([], 1, 1, 1) is None
 
@@ -225,9 +250,20 @@ def test_gmm_cost_hint_estimates_from_points_and_can_refuse_device_counts():
     assert hint(CPU, call) is None
 
 
-@pytest.mark.parametrize(("arch", "family"), [
-    ("gfx90a", "cdna2"), ("gfx942", "cdna3"), ("gfx950", "cdna4"), ("gfx942:sramecc+:xnack-", "cdna3"),
-    ("gfx1100", None), ("sm_90", "hopper"), ("sm_100", "blackwell"), ("sm_120", None), (None, None)])
+@pytest.mark.parametrize(
+    ("arch", "family"),
+    [
+        ("gfx90a", "cdna2"),
+        ("gfx942", "cdna3"),
+        ("gfx950", "cdna4"),
+        ("gfx942:sramecc+:xnack-", "cdna3"),
+        ("gfx1100", None),
+        ("sm_90", "hopper"),
+        ("sm_100", "blackwell"),
+        ("sm_120", None),
+        (None, None),
+    ],
+)
 def test_arch_family(arch, family):
     from megablocks_core import plugin
 
@@ -253,15 +289,36 @@ def test_triton_hint_prefers_itself_only_where_measured():
 def test_cli_explain_shows_the_per_shape_choice(two_gmms, capsys):
     from megablocks_core import cli
 
-    assert cli.main(["backends", "explain", "gmm", "--device", "cpu",
-                     "--shape", "a=8x8", "--shape", "b=8x8x4"]) == 0
+    assert (
+        cli.main(
+            [
+                "backends",
+                "explain",
+                "gmm",
+                "--device",
+                "cpu",
+                "--shape",
+                "a=8x8",
+                "--shape",
+                "b=8x8x4",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "lowest cost hint" in out
     row = next(line for line in out.splitlines() if line.startswith("a=8x8"))
-    assert row.split()[-3:] == ["80.0", "16.0", "persistent"]  # loop 10 µs x 8 experts; 2 µs x 8 rows
+    assert row.split()[-3:] == [
+        "80.0",
+        "16.0",
+        "persistent",
+    ]  # loop 10 µs x 8 experts; 2 µs x 8 rows
     assert cli.main(["backends", "explain", "gmm", "--device", "cpu"]) == 0
-    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
-            if line.split() and line.split()[0] in ("mixtral", "qwen3", "dsv3")}
+    rows = {
+        line.split()[0]: line.split()
+        for line in capsys.readouterr().out.splitlines()
+        if line.split() and line.split()[0] in ("mixtral", "qwen3", "dsv3")
+    }
     assert rows["qwen3"][-3:] == ["1280.0", str(2.0 * 16384 * 8), "loop"]
 
 
@@ -283,6 +340,9 @@ def test_cli_explain_shows_a_declined_shape(plugins, capsys):
     plugins.reload()
     assert cli.main(["backends", "explain", "gmm", "--shape", "a=8x7", "--shape", "b=2x7x4"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("a=8x7 b=2x7x4: reference") and "even declined: needs an even K, got 7" in line
+    assert (
+        line.startswith("a=8x7 b=2x7x4: reference")
+        and "even declined: needs an even K, got 7" in line
+    )
     assert cli.main(["backends", "explain", "gmm", "--shape", "a=8x8", "--shape", "b=2x8x4"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("a=8x8 b=2x8x4: even")

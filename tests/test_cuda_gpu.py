@@ -10,8 +10,9 @@ import pytest
 import torch
 from megablocks_reference import kernels as reference
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or bool(torch.version.hip),
-                                reason="needs an NVIDIA CUDA GPU")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or bool(torch.version.hip), reason="needs an NVIDIA CUDA GPU"
+)
 
 DEV = "cuda"
 INTS = (torch.int16, torch.int32, torch.int64)
@@ -39,7 +40,9 @@ def _same(got, want) -> None:
 
 
 @pytest.mark.parametrize("dtype", INTS)
-@pytest.mark.parametrize("n,experts", [(0, 8), (1, 1), (1000, 1), (5000, 8), (32768, 256), (200_003, 64)])
+@pytest.mark.parametrize(
+    "n,experts", [(0, 8), (1, 1), (1000, 1), (5000, 8), (32768, 256), (200_003, 64)]
+)
 def test_sort_histogram_cumsum(ext, dtype, n, experts):
     from megablocks_cuda import routing
 
@@ -80,11 +83,15 @@ def test_topology(ext, dtype, experts, block, cols):
     counts[0] = 0  # an expert without rows owns no block-rows
     padded = (((counts + block - 1) // block) * block).cumsum(0).to(dtype)
     rows = int(padded[-1]) // block
-    _same(routing.topology(padded, block, rows, cols), reference.topology(padded, block, rows, cols))
+    _same(
+        routing.topology(padded, block, rows, cols), reference.topology(padded, block, rows, cols)
+    )
     _same(routing.topology(padded, block, 0, cols), reference.topology(padded, block, 0, cols))
 
 
-@pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, *INTS])
+@pytest.mark.parametrize(
+    "xdtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, *INTS]
+)
 @pytest.mark.parametrize("experts", [1, 8, 256])
 def test_replicate(ext, xdtype, experts):
     from megablocks_cuda import routing
@@ -108,7 +115,7 @@ def _loop_gmm(a, b, sizes, trans_b):
     out, start = [], 0
     for e, s in enumerate(sizes.tolist()):
         w = b[e].double().t() if trans_b else b[e].double()
-        out.append(a[start:start + s].double() @ w)
+        out.append(a[start : start + s].double() @ w)
         start += s
     return torch.cat(out)
 
@@ -116,7 +123,7 @@ def _loop_gmm(a, b, sizes, trans_b):
 def _loop_wgrad(a, grad, sizes):
     out, start = [], 0
     for s in sizes.tolist():
-        out.append(a[start:start + s].double().t() @ grad[start:start + s].double())
+        out.append(a[start : start + s].double().t() @ grad[start : start + s].double())
         start += s
     return torch.stack(out)
 
@@ -133,15 +140,18 @@ def _providers():
     return found
 
 
-@pytest.mark.parametrize("m,k,n,experts", [(512, 256, 384, 8), (300, 72, 40, 5), (256, 100, 36, 4), (0, 64, 64, 3)])
+@pytest.mark.parametrize(
+    "m,k,n,experts", [(512, 256, 384, 8), (300, 72, 40, 5), (256, 100, 36, 4), (0, 64, 64, 3)]
+)
 @pytest.mark.parametrize("trans_b", [False, True])
 @pytest.mark.parametrize("device_sizes", [False, True])
 def test_gmm_providers(m, k, n, experts, trans_b, device_sizes):
     g = torch.Generator().manual_seed(m + k + n)
     sizes = torch.zeros(experts, dtype=torch.int64)
     if m:
-        sizes[1:] = torch.multinomial(torch.ones(experts - 1), m, replacement=True,
-                                      generator=g).bincount(minlength=experts - 1)
+        sizes[1:] = torch.multinomial(
+            torch.ones(experts - 1), m, replacement=True, generator=g
+        ).bincount(minlength=experts - 1)
     assert int(sizes.sum()) == m and sizes[0] == 0  # expert 0 is empty
     a = torch.randn(m, k, generator=g).to(DEV, torch.bfloat16)
     b = torch.randn(experts, *((n, k) if trans_b else (k, n)), generator=g).to(DEV, torch.bfloat16)
@@ -151,13 +161,15 @@ def test_gmm_providers(m, k, n, experts, trans_b, device_sizes):
         out = fwd(a, b, bs, trans_b)
         assert out.dtype == torch.bfloat16 and out.shape == (m, n), name
         if m:
-            torch.testing.assert_close(out.double(), _loop_gmm(a, b, sizes, trans_b), rtol=2e-2, atol=5e-2 * k ** 0.5)
+            torch.testing.assert_close(
+                out.double(), _loop_gmm(a, b, sizes, trans_b), rtol=2e-2, atol=5e-2 * k**0.5
+            )
         wg = wgrad(a, grad, bs)
         assert wg.shape == (experts, k, n), name
         assert torch.equal(wg[0], torch.zeros_like(wg[0])), f"{name}: empty expert not exactly 0"
         if m:
             want = _loop_wgrad(a, grad, sizes)
-            torch.testing.assert_close(wg.double(), want, rtol=2e-2, atol=5e-2 * m ** 0.5)
+            torch.testing.assert_close(wg.double(), want, rtol=2e-2, atol=5e-2 * m**0.5)
 
 
 def test_grouped_mm_has_no_host_sync():
@@ -170,7 +182,9 @@ def test_grouped_mm_has_no_host_sync():
     torch.cuda.set_sync_debug_mode("error")
     try:
         gmm.grouped_mm_gmm(a, b, sizes, False)
-        gmm.grouped_mm_gmm_weight_grad(a, torch.randn(256, 32, device=DEV, dtype=torch.bfloat16), sizes)
+        gmm.grouped_mm_gmm_weight_grad(
+            a, torch.randn(256, 32, device=DEV, dtype=torch.bfloat16), sizes
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

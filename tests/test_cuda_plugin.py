@@ -22,16 +22,31 @@ from megablocks_core.plugin import DENSE_BF16_TFLOPS
 from megablocks_core.ranking import for_call, rank
 from megablocks_core.registry import PluginRecord, Registry
 
-A100 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA A100", arch="sm_80", capability=(8, 0))
-H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90", capability=(9, 0))
-B200 = DeviceInfo(kind="cuda", type="cuda", index=1, name="NVIDIA B200", arch="sm_100", capability=(10, 0))
-RTX = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA RTX 5090", arch="sm_120", capability=(12, 0))
+A100 = DeviceInfo(
+    kind="cuda", type="cuda", index=0, name="NVIDIA A100", arch="sm_80", capability=(8, 0)
+)
+H200 = DeviceInfo(
+    kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90", capability=(9, 0)
+)
+B200 = DeviceInfo(
+    kind="cuda", type="cuda", index=1, name="NVIDIA B200", arch="sm_100", capability=(10, 0)
+)
+RTX = DeviceInfo(
+    kind="cuda", type="cuda", index=0, name="NVIDIA RTX 5090", arch="sm_120", capability=(12, 0)
+)
 MI300 = DeviceInfo(kind="rocm", type="cuda", index=0, name="AMD Instinct MI300X", arch="gfx942")
 CPU = DeviceInfo(kind="cpu", type="cpu", name="CPU")
 BF16_GMM = {"a": torch.bfloat16, "b": torch.bfloat16}
 
-ROUTING = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology", "replicate",
-           "replicate_backward")
+ROUTING = (
+    "sort",
+    "histogram",
+    "inclusive_cumsum",
+    "exclusive_cumsum",
+    "topology",
+    "replicate",
+    "replicate_backward",
+)
 
 
 def _kernels():
@@ -109,7 +124,8 @@ def test_no_gpu_visible(monkeypatch):
 def test_every_op_is_registered_with_its_variant_and_dtypes():
     kernels = {(k.op, k.variant): k for k in _kernels()}
     expected = {(op, "") for op in ROUTING} | {
-        (op, v) for op in ("gmm", "gmm_weight_grad") for v in ("grouped_mm", "grouped_gemm")}
+        (op, v) for op in ("gmm", "gmm_weight_grad") for v in ("grouped_mm", "grouped_gemm")
+    }
     assert set(kernels) == expected
     for op in ROUTING:
         k = kernels[(op, "")]
@@ -117,8 +133,10 @@ def test_every_op_is_registered_with_its_variant_and_dtypes():
         assert k.dtypes == {} and k.contiguous  # every dtype of the contract
     for variant in ("grouped_mm", "grouped_gemm"):
         assert kernels[("gmm", variant)].dtypes == {"a": {torch.bfloat16}, "b": {torch.bfloat16}}
-        assert kernels[("gmm_weight_grad", variant)].dtypes == {"a": {torch.bfloat16},
-                                                                "grad": {torch.bfloat16}}
+        assert kernels[("gmm_weight_grad", variant)].dtypes == {
+            "a": {torch.bfloat16},
+            "grad": {torch.bfloat16},
+        }
         assert all(kernels[(op, variant)].priority == 100 for op in ("gmm", "gmm_weight_grad"))
 
 
@@ -178,10 +196,15 @@ def test_routing_capability_checks_the_build_has_code_for_the_device(monkeypatch
 
 def test_ranking_per_simulated_device(no_grouped_gemm):
     registry = _registry()
-    for op, dtypes in (("gmm", BF16_GMM), ("gmm_weight_grad", {"a": torch.bfloat16, "grad": torch.bfloat16})):
+    for op, dtypes in (
+        ("gmm", BF16_GMM),
+        ("gmm_weight_grad", {"a": torch.bfloat16, "grad": torch.bfloat16}),
+    ):
         for device in (H200, B200):
             trace = rank(registry, op, device, dtypes)
-            assert trace.winner is not None and trace.winner.variant == "grouped_mm", trace.candidates
+            assert trace.winner is not None and trace.winner.variant == "grouped_mm", (
+                trace.candidates
+            )
         for device in (A100, MI300, CPU):
             assert rank(registry, op, device, dtypes).winner is None
     fp16 = rank(registry, "gmm", H200, {"a": torch.float16, "b": torch.float16})
@@ -208,9 +231,12 @@ def _measured(provider, rows_per_expert, k, n):
 
 
 def _call(rows_per_expert, k, n, experts, sizes_on="cuda"):
-    return {"a": TensorMeta((rows_per_expert * experts, k), torch.bfloat16, "cuda"),
-            "b": TensorMeta((experts, k, n), torch.bfloat16, "cuda"),
-            "batch_sizes": TensorMeta((experts,), torch.int32, sizes_on), "trans_b": False}
+    return {
+        "a": TensorMeta((rows_per_expert * experts, k), torch.bfloat16, "cuda"),
+        "b": TensorMeta((experts, k, n), torch.bfloat16, "cuda"),
+        "batch_sizes": TensorMeta((experts,), torch.int32, sizes_on),
+        "trans_b": False,
+    }
 
 
 def _dense_us(rows_per_expert, k, n, experts):
@@ -243,8 +269,10 @@ def test_cost_picks_the_provider_per_shape_on_an_h200(fake_grouped_gemm):
     assert for_call(trace, _call(4096, 4096, 14336, 8))[0].variant == "grouped_mm"
 
 
-@pytest.mark.parametrize("k,n,accepted", [(4096, 768, True), (100, 768, False), (4096, 36, False),
-                                          (8, 8, True), (12, 8, False)])
+@pytest.mark.parametrize(
+    "k,n,accepted",
+    [(4096, 768, True), (100, 768, False), (4096, 36, False), (8, 8, True), (12, 8, False)],
+)
 def test_grouped_mm_declines_shapes_without_16_byte_rows(no_grouped_gemm, k, n, accepted):
     # (k, n) in bf16: rows of a, b and the output are 16-byte aligned only for multiples of 8.
     call = _call(64, k, n, 4)
@@ -254,7 +282,11 @@ def test_grouped_mm_declines_shapes_without_16_byte_rows(no_grouped_gemm, k, n, 
     if accepted:
         assert winner is not None and winner.variant == "grouped_mm"
     else:  # the cuda backend alone here: nothing else can take it, and the error says why
-        assert winner is None and "16-byte rows" in error and (f"K = {k}" in error or f"N = {n}" in error)
+        assert (
+            winner is None
+            and "16-byte rows" in error
+            and (f"K = {k}" in error or f"N = {n}" in error)
+        )
 
 
 # ---------------------------------------------------------------- grouped_mm kernels on the CPU
@@ -265,7 +297,7 @@ def loop_gmm(a, b, sizes, trans_b):
     start = 0
     for e, s in enumerate(sizes.tolist()):
         w = b[e].double().t() if trans_b else b[e].double()
-        out[start:start + s] = a[start:start + s].double() @ w
+        out[start : start + s] = a[start : start + s].double() @ w
         start += s
     return out
 
@@ -274,7 +306,7 @@ def loop_weight_grad(a, grad, sizes):
     out = torch.zeros(sizes.shape[0], a.shape[1], grad.shape[1], dtype=torch.float64)
     start = 0
     for e, s in enumerate(sizes.tolist()):
-        out[e] = a[start:start + s].double().t() @ grad[start:start + s].double()
+        out[e] = a[start : start + s].double().t() @ grad[start : start + s].double()
         start += s
     return out
 
@@ -305,7 +337,11 @@ def test_grouped_mm_gmm_on_cpu(dtype, trans_b, m, k, n, sizes):
     for batch_sizes in (sizes_t, sizes_t.to(torch.int32)):
         out = gmm.grouped_mm_gmm(a, b, batch_sizes, trans_b)
         assert out.dtype == dtype and out.shape == (m, n) and out.is_contiguous()
-        tol = {"rtol": 2e-2, "atol": 5e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+        tol = (
+            {"rtol": 2e-2, "atol": 5e-2}
+            if dtype == torch.bfloat16
+            else {"rtol": 1e-4, "atol": 1e-4}
+        )
         torch.testing.assert_close(out.double(), loop_gmm(a, b, sizes_t, trans_b), **tol)
 
 
@@ -343,7 +379,10 @@ def test_grouped_mm_degenerate_sizes(k, n):
     assert torch.equal(gmm.grouped_mm_gmm(a, b, sizes, False), torch.zeros(6, n))
     assert torch.equal(gmm.grouped_mm_gmm_weight_grad(a, grad, sizes), torch.zeros(2, k, n))
     empty = torch.zeros(0, 8)
-    assert gmm.grouped_mm_gmm(empty, torch.zeros(2, 8, 4), torch.tensor([0, 0]), False).shape == (0, 4)
+    assert gmm.grouped_mm_gmm(empty, torch.zeros(2, 8, 4), torch.tensor([0, 0]), False).shape == (
+        0,
+        4,
+    )
 
 
 def test_grouped_gemm_provider_passes_host_int64_sizes(fake_grouped_gemm):
@@ -352,4 +391,7 @@ def test_grouped_gemm_provider_passes_host_int64_sizes(fake_grouped_gemm):
     torch.testing.assert_close(out.double(), loop_gmm(a, b, sizes, False))
     wg = gmm.grouped_gemm_gmm_weight_grad(a, grad, sizes)
     assert torch.equal(wg[0], torch.zeros_like(wg[0]))
-    assert fake_grouped_gemm == [("cpu", torch.int64, False, False), ("cpu", torch.int64, True, False)]
+    assert fake_grouped_gemm == [
+        ("cpu", torch.int64, False, False),
+        ("cpu", torch.int64, True, False),
+    ]

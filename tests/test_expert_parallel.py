@@ -23,9 +23,10 @@ import torch.multiprocessing as mp
 import megablocks_core
 from megablocks_core.layers import DroplessMoE
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
 
 HIDDEN, FFN = 6, 5
 JOIN_TIMEOUT_S = 120.0  # whole spawn; the process group's own timeout is shorter
@@ -37,10 +38,10 @@ class Case:
     experts: int
     top_k: int
     glu: bool
-    tokens: tuple[int, ...]      # tokens per rank (its length is the world size)
-    starve: bool = False         # route every token to rank 0's experts only
+    tokens: tuple[int, ...]  # tokens per rank (its length is the world size)
+    starve: bool = False  # route every token to rank 0's experts only
     normalize: float | None = None
-    ep_size: int | None = None   # expert-parallel groups of consecutive ranks; None: the world
+    ep_size: int | None = None  # expert-parallel groups of consecutive ranks; None: the world
 
     def ep(self) -> int:
         return self.ep_size or len(self.tokens)
@@ -65,13 +66,25 @@ CASES = {
 
 
 def make_layer(case: Case, group: object | None = None) -> DroplessMoE:
-    layer = DroplessMoE(HIDDEN, FFN, case.experts, case.top_k, glu=case.glu, seed=11,
-                        normalize_expert_weights=case.normalize, dtype=torch.float64,
-                        load_balancing_loss_coefficient=0.1, expert_parallel_group=group)
+    layer = DroplessMoE(
+        HIDDEN,
+        FFN,
+        case.experts,
+        case.top_k,
+        glu=case.glu,
+        seed=11,
+        normalize_expert_weights=case.normalize,
+        dtype=torch.float64,
+        load_balancing_loss_coefficient=0.1,
+        expert_parallel_group=group,
+    )
     # A larger router than the 0.02 default: clear top-k choices, no near-ties between experts.
     with torch.no_grad():
-        layer.router.copy_(torch.randn(layer.router.shape, dtype=torch.float64,
-                                       generator=torch.Generator().manual_seed(7)))
+        layer.router.copy_(
+            torch.randn(
+                layer.router.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7)
+            )
+        )
         if case.starve:  # feature 0 is a constant 1 (see tokens): it vetoes other ranks' experts
             local = case.experts // case.ep()
             layer.router[local:, 0] = -50.0
@@ -96,8 +109,13 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)  # two busy cores are shared by every process
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         results: dict[str, object] = {}
         groups, dp_groups = {world: dist.group.WORLD}, {}
@@ -127,8 +145,11 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                         dist.all_reduce(expert_grads_dp[name], group=dp_groups[case.ep()])
                 results[case.name] = {
                     "expert_grads_dp": expert_grads_dp,
-                    "out": out.detach(), "aux": aux.detach(), "x_grad": x.grad,
-                    "router_grad": router_grad, "offset": layer.expert_offset,
+                    "out": out.detach(),
+                    "aux": aux.detach(),
+                    "x_grad": x.grad,
+                    "router_grad": router_grad,
+                    "offset": layer.expert_offset,
                     "expert_grads": {n: p.grad for n, p in expert_params(layer).items()},
                     "expert_values": {n: p.detach() for n, p in expert_params(layer).items()},
                 }
@@ -157,14 +178,20 @@ def _free_port() -> int:
 
 
 def _run(world: int, outdir: Path) -> list[dict]:
-    context = mp.start_processes(_child, args=(world, _free_port(), str(outdir)), nprocs=world,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(
+        _child,
+        args=(world, _free_port(), str(outdir)),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} expert-parallel processes did not finish in "
-                                   f"{JOIN_TIMEOUT_S:.0f} s")
+                raise TimeoutError(
+                    f"{world} expert-parallel processes did not finish in {JOIN_TIMEOUT_S:.0f} s"
+                )
     except Exception as error:
         errors = "\n".join(p.read_text() for p in sorted(outdir.glob("*.err")))
         raise AssertionError(f"{error}\n{errors}") from error
@@ -184,6 +211,7 @@ def results(tmp_path_factory):
         if world not in _results:
             _results[world] = _run(world, tmp_path_factory.mktemp(f"ep{world}"))
         return _results[world]
+
     return get
 
 
@@ -218,8 +246,12 @@ def test_matches_single_process(results, world, case):
         for rank in range(world):
             shard = slice(rank % ep * local, (rank % ep + 1) * local)
             for name, p in expert_params(layer).items():
-                torch.testing.assert_close(got[rank][case.name]["expert_grads_dp"][name],
-                                           p.grad[shard], rtol=1e-10, atol=1e-12)
+                torch.testing.assert_close(
+                    got[rank][case.name]["expert_grads_dp"][name],
+                    p.grad[shard],
+                    rtol=1e-10,
+                    atol=1e-12,
+                )
 
 
 def _check_group(case: Case, got: list[dict], ranks: range) -> None:

@@ -34,11 +34,16 @@ from megablocks_core.contracts import BY_NAME
 from megablocks_core.schema import BoolArg, IntArg, TensorArg
 
 settings.register_profile(
-    "megablocks-fuzz", deadline=None, max_examples=30, database=None, print_blob=True,
+    "megablocks-fuzz",
+    deadline=None,
+    max_examples=30,
+    database=None,
+    print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-settings.register_profile("megablocks-fuzz-ci", settings.get_profile("megablocks-fuzz"),
-                          derandomize=True)
+settings.register_profile(
+    "megablocks-fuzz-ci", settings.get_profile("megablocks-fuzz"), derandomize=True
+)
 FUZZ = settings.get_profile("megablocks-fuzz-ci" if os.environ.get("CI") else "megablocks-fuzz")
 
 MAX_TOKENS = 64
@@ -52,7 +57,6 @@ FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-
 @dataclass(frozen=True)
 class Budget:
     """How much of the input space one backend is fuzzed with, per test."""
@@ -63,8 +67,9 @@ class Budget:
     max_layout_experts: int  # experts of padded_* and binned_* calls
 
 
-NATIVE = Budget(examples=FUZZ.max_examples, max_rows=128, max_layout_rows=192,
-                max_layout_experts=256)
+NATIVE = Budget(
+    examples=FUZZ.max_examples, max_rows=128, max_layout_rows=192, max_layout_experts=256
+)
 #: Triton's interpreter runs every program in Python: about a millisecond per row, and
 #: padded_gather and binned_gather about 50 ms per expert.
 INTERPRETED = Budget(examples=15, max_rows=64, max_layout_rows=96, max_layout_experts=16)
@@ -76,9 +81,11 @@ INTERPRETED = Budget(examples=15, max_rows=64, max_layout_rows=96, max_layout_ex
 def cpu_backends() -> list[str]:
     """Installed, usable backends with at least one kernel for CPU tensors."""
     reg = megablocks_core.registry()
-    return sorted(name for name, record in reg.plugins.items()
-                  if record.status == "ok"
-                  and any({"cpu", "any"} & set(k.devices) for k in record.kernels))
+    return sorted(
+        name
+        for name, record in reg.plugins.items()
+        if record.status == "ok" and any({"cpu", "any"} & set(k.devices) for k in record.kernels)
+    )
 
 
 BACKENDS = cpu_backends()
@@ -102,12 +109,17 @@ def provides(backend: str, op: str) -> bool:
 def serves(backend: str, ops_needed: tuple[str, ...], dtypes: dict[str, torch.dtype]) -> bool:
     """Whether the forced backend has a kernel for each op on CPU tensors of these dtypes."""
     with megablocks_core.use_backend(backend):
-        return all(megablocks_core.explain(op, "cpu", dtypes).winner is not None
-                   for op in ops_needed)
+        return all(
+            megablocks_core.explain(op, "cpu", dtypes).winner is not None for op in ops_needed
+        )
 
 
-def served_dtypes(backend: str, ops_needed: tuple[str, ...], candidates: tuple[torch.dtype, ...],
-                  args: tuple[str, ...]) -> list[torch.dtype]:
+def served_dtypes(
+    backend: str,
+    ops_needed: tuple[str, ...],
+    candidates: tuple[torch.dtype, ...],
+    args: tuple[str, ...],
+) -> list[torch.dtype]:
     """The candidate dtypes (given to ``args``) the backend serves for every op in ``ops_needed``.
 
     A backend that lacks an op altogether skips the test; one that declares narrower dtypes (triton
@@ -140,8 +152,9 @@ def layout(t: torch.Tensor, how: str) -> torch.Tensor:
 LAYOUTS = st.sampled_from(["contiguous", "strided", "transposed"])
 
 
-def floats(rng: np.random.Generator, shape: tuple[int, ...], dtype: torch.dtype,
-           low: float | None = None) -> np.ndarray:
+def floats(
+    rng: np.random.Generator, shape: tuple[int, ...], dtype: torch.dtype, low: float | None = None
+) -> np.ndarray:
     """Random values that ``dtype`` stores exactly (standard normal, or uniform in [low, 1))."""
     values = rng.standard_normal(shape) if low is None else rng.uniform(low, 1.0, shape)
     return oracle.representable(values, dtype)
@@ -173,8 +186,13 @@ def assert_copy(got: torch.Tensor, want: np.ndarray, dtype: torch.dtype) -> None
     np.testing.assert_array_equal(to64(got), want)
 
 
-def assert_close(got: torch.Tensor, want: np.ndarray, bound: np.ndarray, dtype: torch.dtype,
-                 rtol_dtype: torch.dtype | None = None) -> None:
+def assert_close(
+    got: torch.Tensor,
+    want: np.ndarray,
+    bound: np.ndarray,
+    dtype: torch.dtype,
+    rtol_dtype: torch.dtype | None = None,
+) -> None:
     """got equals the float64 oracle up to fp32 accumulation and one rounding to ``dtype``."""
     assert got.dtype == dtype, (got.dtype, dtype)
     assert tuple(got.shape) == want.shape, (tuple(got.shape), want.shape)
@@ -199,17 +217,21 @@ class Routing:
             allowed = np.arange(E)
         self.T, self.K, self.E, self.block = T, K, E, block
         self.top = rng.choice(allowed, size=T * K).astype(np.int64)
-        (self.indices, self.bin_ids, self.counts, self.bins,
-         self.padded_bins) = oracle.route(self.top, E, block)
+        (self.indices, self.bin_ids, self.counts, self.bins, self.padded_bins) = oracle.route(
+            self.top, E, block
+        )
 
     def tensors(self, dtype: torch.dtype, how: str) -> dict[str, torch.Tensor]:
-        return {name: tensor(getattr(self, name), dtype, how if how != "transposed" else "strided")
-                for name in ("indices", "bin_ids", "bins", "padded_bins")}
+        return {
+            name: tensor(getattr(self, name), dtype, how if how != "transposed" else "strided")
+            for name in ("indices", "bin_ids", "bins", "padded_bins")
+        }
 
 
 @st.composite
-def routings(draw: st.DrawFn, limits: Budget = NATIVE, block: int | None = None,
-             layout: bool = False) -> Routing:
+def routings(
+    draw: st.DrawFn, limits: Budget = NATIVE, block: int | None = None, layout: bool = False
+) -> Routing:
     K = draw(st.integers(1, 8))
     T = draw(st.integers(0, min(MAX_TOKENS, limits.max_rows // K)))
     experts = [e for e in EXPERT_COUNTS if not layout or e <= limits.max_layout_experts]
@@ -241,8 +263,10 @@ def leaf(values: np.ndarray, dtype: torch.dtype, how: str) -> torch.Tensor:
 
 backend_param = pytest.mark.parametrize("backend", BACKENDS)
 #: For the permutation ops and gmm, the interpreter takes seconds per test: those are marked slow.
-heavy_backend_param = pytest.mark.parametrize("backend", [
-    pytest.param(b, marks=pytest.mark.slow) if budget(b) is INTERPRETED else b for b in BACKENDS])
+heavy_backend_param = pytest.mark.parametrize(
+    "backend",
+    [pytest.param(b, marks=pytest.mark.slow) if budget(b) is INTERPRETED else b for b in BACKENDS],
+)
 
 
 @backend_param
@@ -277,11 +301,16 @@ def test_histogram(backend: str) -> None:
     dtypes = served_dtypes(backend, ("histogram",), INDEX_DTYPES, ("x",))
 
     @fuzz(backend)
-    @given(dtype=st.sampled_from(dtypes), shape=st.sampled_from([(0,), (1,), (37,), (200,), (3, 40),
-                                                                 (2, 0), (1, 1)]),
-           num_bins=st.integers(0, 300), seed=st.integers(0, 2**32 - 1), how=LAYOUTS)
-    def check(dtype: torch.dtype, shape: tuple[int, ...], num_bins: int, seed: int,
-              how: str) -> None:
+    @given(
+        dtype=st.sampled_from(dtypes),
+        shape=st.sampled_from([(0,), (1,), (37,), (200,), (3, 40), (2, 0), (1, 1)]),
+        num_bins=st.integers(0, 300),
+        seed=st.integers(0, 2**32 - 1),
+        how=LAYOUTS,
+    )
+    def check(
+        dtype: torch.dtype, shape: tuple[int, ...], num_bins: int, seed: int, how: str
+    ) -> None:
         keys = np.random.default_rng(seed).integers(-3, num_bins + 3, shape)  # some out of range
         with megablocks_core.use_backend(backend):
             counts = ops.histogram(tensor(keys, dtype, how), num_bins)
@@ -296,9 +325,12 @@ def test_cumsum(backend: str, op: str) -> None:
     dtypes = served_dtypes(backend, (op,), INDEX_DTYPES, ("x",))
 
     @fuzz(backend)
-    @given(dtype=st.sampled_from(dtypes), shape=st.sampled_from([(0,), (1,), (9,), (300,), (1, 1),
-                                                                 (4, 7), (7, 1), (3, 0)]),
-           data=st.data(), how=LAYOUTS)
+    @given(
+        dtype=st.sampled_from(dtypes),
+        shape=st.sampled_from([(0,), (1,), (9,), (300,), (1, 1), (4, 7), (7, 1), (3, 0)]),
+        data=st.data(),
+        how=LAYOUTS,
+    )
     def check(dtype: torch.dtype, shape: tuple[int, ...], data: st.DataObject, how: str) -> None:
         dim = data.draw(st.integers(-len(shape), len(shape) - 1), label="dim")
         rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="seed"))
@@ -316,8 +348,13 @@ def test_topology(backend: str) -> None:
     limits = budget(backend)
 
     @fuzz(backend)
-    @given(dtype=st.sampled_from(dtypes), block=st.sampled_from([1, 2, 4, 16]), data=st.data(),
-           cols=st.integers(1, 4), how=LAYOUTS)
+    @given(
+        dtype=st.sampled_from(dtypes),
+        block=st.sampled_from([1, 2, 4, 16]),
+        data=st.data(),
+        cols=st.integers(1, 4),
+        how=LAYOUTS,
+    )
     def check(dtype: torch.dtype, block: int, data: st.DataObject, cols: int, how: str) -> None:
         r = data.draw(routings(limits, block=block), label="routing")
         rows = int(r.padded_bins[-1]) // block
@@ -350,17 +387,24 @@ def test_route(backend: str) -> None:
 
 @backend_param
 def test_replicate(backend: str) -> None:
-    floats_served = served_dtypes(backend, ("replicate", "replicate_backward"), FLOAT_DTYPES,
-                                  ("x", "grad"))
+    floats_served = served_dtypes(
+        backend, ("replicate", "replicate_backward"), FLOAT_DTYPES, ("x", "grad")
+    )
     ints_served = [d for d in INDEX_DTYPES if serves(backend, ("replicate",), {"x": d})]
     limits = budget(backend)
 
     @fuzz(backend)
-    @given(dtype=st.sampled_from(floats_served + ints_served), r=routings(limits),
-           batch=st.integers(1, 3), extra=st.integers(0, 3),
-           index_dtype=st.sampled_from(INDEX_DTYPES), how=LAYOUTS)
-    def check(dtype: torch.dtype, r: Routing, batch: int, extra: int, index_dtype: torch.dtype,
-              how: str) -> None:
+    @given(
+        dtype=st.sampled_from(floats_served + ints_served),
+        r=routings(limits),
+        batch=st.integers(1, 3),
+        extra=st.integers(0, 3),
+        index_dtype=st.sampled_from(INDEX_DTYPES),
+        how=LAYOUTS,
+    )
+    def check(
+        dtype: torch.dtype, r: Routing, batch: int, extra: int, index_dtype: torch.dtype, how: str
+    ) -> None:
         num_outputs = int(r.bins[-1]) + extra  # columns past bins[-1] are 0
         bins = tensor(r.bins, index_dtype, "strided" if how != "contiguous" else how)
         if dtype.is_floating_point:
@@ -378,8 +422,12 @@ def test_replicate(backend: str) -> None:
             assert_copy(out, want, dtype)
             grad = floats(r.rng, (batch, num_outputs), dtype)
             out.backward(tensor(grad, dtype, how))
-        assert_close(x.grad, oracle.replicate_backward(grad, r.bins),
-                     oracle.replicate_backward(np.abs(grad), r.bins), dtype)
+        assert_close(
+            x.grad,
+            oracle.replicate_backward(grad, r.bins),
+            oracle.replicate_backward(np.abs(grad), r.bins),
+            dtype,
+        )
         assert (to64(x.grad)[:, r.counts == 0] == 0).all()  # an empty bin's gradient is exactly 0
 
     check()
@@ -406,11 +454,22 @@ def test_gathers(backend: str, op: str) -> None:
     limits = budget(backend)
 
     @fuzz(backend)
-    @given(dtype=st.sampled_from(dtypes), index_dtype=st.sampled_from(INDEX_DTYPES),
-           r=routings(limits, layout=op != "gather"), hidden=st.integers(1, MAX_HIDDEN),
-           how=LAYOUTS, data=st.data())
-    def check(dtype: torch.dtype, index_dtype: torch.dtype, r: Routing, hidden: int, how: str,
-              data: st.DataObject) -> None:
+    @given(
+        dtype=st.sampled_from(dtypes),
+        index_dtype=st.sampled_from(INDEX_DTYPES),
+        r=routings(limits, layout=op != "gather"),
+        hidden=st.integers(1, MAX_HIDDEN),
+        how=LAYOUTS,
+        data=st.data(),
+    )
+    def check(
+        dtype: torch.dtype,
+        index_dtype: torch.dtype,
+        r: Routing,
+        hidden: int,
+        how: str,
+        data: st.DataObject,
+    ) -> None:
         t = r.tensors(index_dtype, how)
         xv = floats(r.rng, (r.T, hidden), dtype)
         x = leaf(xv, dtype, how)
@@ -419,8 +478,10 @@ def test_gathers(backend: str, op: str) -> None:
             fwd = (oracle.gather, (r.indices, r.bin_ids, None, r.bins, r.K))
             bwd = (oracle.scatter, (r.indices, r.bin_ids, None, r.bins, r.K))
         elif op == "padded_gather":
-            call = (ops.padded_gather,
-                    (x, t["indices"], t["bin_ids"], t["bins"], t["padded_bins"], r.K))
+            call = (
+                ops.padded_gather,
+                (x, t["indices"], t["bin_ids"], t["bins"], t["padded_bins"], r.K),
+            )
             fwd = (oracle.padded_gather, (r.indices, r.bin_ids, None, r.bins, r.padded_bins, r.K))
             bwd = (oracle.padded_scatter, (r.indices, r.bin_ids, None, r.bins, r.padded_bins, r.K))
         else:
@@ -470,12 +531,26 @@ def test_scatters(backend: str, op: str) -> None:
     limits = budget(backend)
 
     @fuzz(backend)
-    @given(dtype=st.sampled_from(dtypes), index_dtype=st.sampled_from(INDEX_DTYPES),
-           r=routings(limits, layout=op != "scatter"), hidden=st.integers(1, MAX_HIDDEN),
-           weights_dtype=st.one_of(st.none(), st.sampled_from(FLOAT_DTYPES)),
-           grads=st.sampled_from(["x", "weights", "both"]), how=LAYOUTS, data=st.data())
-    def check(dtype: torch.dtype, index_dtype: torch.dtype, r: Routing, hidden: int,
-              weights_dtype: torch.dtype | None, grads: str, how: str, data: st.DataObject) -> None:
+    @given(
+        dtype=st.sampled_from(dtypes),
+        index_dtype=st.sampled_from(INDEX_DTYPES),
+        r=routings(limits, layout=op != "scatter"),
+        hidden=st.integers(1, MAX_HIDDEN),
+        weights_dtype=st.one_of(st.none(), st.sampled_from(FLOAT_DTYPES)),
+        grads=st.sampled_from(["x", "weights", "both"]),
+        how=LAYOUTS,
+        data=st.data(),
+    )
+    def check(
+        dtype: torch.dtype,
+        index_dtype: torch.dtype,
+        r: Routing,
+        hidden: int,
+        weights_dtype: torch.dtype | None,
+        grads: str,
+        how: str,
+        data: st.DataObject,
+    ) -> None:
         t = r.tensors(index_dtype, how)
         n = r.T * r.K
         if op == "scatter":
@@ -491,8 +566,10 @@ def test_scatters(backend: str, op: str) -> None:
         if op == "scatter":
             call = (ops.scatter, (x, t["indices"], t["bin_ids"], w, t["bins"], r.K))
         elif op == "padded_scatter":
-            call = (ops.padded_scatter,
-                    (x, t["indices"], t["bin_ids"], w, t["bins"], t["padded_bins"], r.K))
+            call = (
+                ops.padded_scatter,
+                (x, t["indices"], t["bin_ids"], w, t["bins"], t["padded_bins"], r.K),
+            )
         else:
             call = (ops.binned_scatter, (x, t["indices"], w, t["bins"], r.K))
         fwd, back, wgrad = scatter_oracles(op, r, rows[-1])
@@ -505,8 +582,9 @@ def test_scatters(backend: str, op: str) -> None:
         if x.requires_grad:
             assert_close(x.grad, back(grad, wv), back(np.abs(grad), absw), dtype, weights_dtype)
         if w is not None and w.requires_grad:
-            assert_close(w.grad, wgrad(xv, grad), wgrad(np.abs(xv), np.abs(grad)), weights_dtype,
-                         dtype)
+            assert_close(
+                w.grad, wgrad(xv, grad), wgrad(np.abs(xv), np.abs(grad)), weights_dtype, dtype
+            )
 
     check()
 
@@ -517,11 +595,26 @@ def test_gmm(backend: str) -> None:
     limits = budget(backend)
 
     @fuzz(backend)
-    @given(dtype=st.sampled_from(dtypes), sizes_dtype=st.sampled_from([torch.int32, torch.int64]),
-           r=routings(limits), k=st.integers(1, MAX_HIDDEN), n=st.integers(1, MAX_HIDDEN),
-           trans_b=st.booleans(), how=LAYOUTS, grads=st.sampled_from(["a", "b", "both"]))
-    def check(dtype: torch.dtype, sizes_dtype: torch.dtype, r: Routing, k: int, n: int,
-              trans_b: bool, how: str, grads: str) -> None:
+    @given(
+        dtype=st.sampled_from(dtypes),
+        sizes_dtype=st.sampled_from([torch.int32, torch.int64]),
+        r=routings(limits),
+        k=st.integers(1, MAX_HIDDEN),
+        n=st.integers(1, MAX_HIDDEN),
+        trans_b=st.booleans(),
+        how=LAYOUTS,
+        grads=st.sampled_from(["a", "b", "both"]),
+    )
+    def check(
+        dtype: torch.dtype,
+        sizes_dtype: torch.dtype,
+        r: Routing,
+        k: int,
+        n: int,
+        trans_b: bool,
+        how: str,
+        grads: str,
+    ) -> None:
         rows = int(r.counts.sum())
         av = floats(r.rng, (rows, k), dtype)
         bv = floats(r.rng, (r.E, n, k) if trans_b else (r.E, k, n), dtype)
@@ -530,13 +623,18 @@ def test_gmm(backend: str) -> None:
         sizes = tensor(r.counts, sizes_dtype)
         with megablocks_core.use_backend(backend):
             out = ops.gmm(a, b, sizes, trans_b)
-            assert_close(out, oracle.gmm(av, bv, r.counts, trans_b),
-                         oracle.gmm(np.abs(av), np.abs(bv), r.counts, trans_b), dtype)
+            assert_close(
+                out,
+                oracle.gmm(av, bv, r.counts, trans_b),
+                oracle.gmm(np.abs(av), np.abs(bv), r.counts, trans_b),
+                dtype,
+            )
             grad = floats(r.rng, (rows, n), dtype)
             out.backward(tensor(grad, dtype, how))
         want_a, want_b = oracle.gmm_backward(av, bv, grad, r.counts, trans_b)
-        bound_a, bound_b = oracle.gmm_backward(np.abs(av), np.abs(bv), np.abs(grad), r.counts,
-                                               trans_b)
+        bound_a, bound_b = oracle.gmm_backward(
+            np.abs(av), np.abs(bv), np.abs(grad), r.counts, trans_b
+        )
         if a.requires_grad:
             assert_close(a.grad, want_a, bound_a, dtype)
         if b.requires_grad:
@@ -567,14 +665,24 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
     if op in ("inclusive_cumsum", "exclusive_cumsum"):
         return {"x": tensor(r.counts, index_dtype), "dim": 0}
     if op == "topology":
-        return {"padded_bins": t["padded_bins"], "block_size": r.block,
-                "output_block_rows": int(r.padded_bins[-1]) // r.block, "output_block_columns": 2}
+        return {
+            "padded_bins": t["padded_bins"],
+            "block_size": r.block,
+            "output_block_rows": int(r.padded_bins[-1]) // r.block,
+            "output_block_columns": 2,
+        }
     if op == "replicate":
-        return {"x": torch.ones(2, r.E, dtype=dtype), "bins": t["bins"],
-                "num_outputs": int(r.bins[-1])}
+        return {
+            "x": torch.ones(2, r.E, dtype=dtype),
+            "bins": t["bins"],
+            "num_outputs": int(r.bins[-1]),
+        }
     if op == "route":
-        return {"top_experts": tensor(r.top, index_dtype), "num_experts": r.E,
-                "block_size": r.block}
+        return {
+            "top_experts": tensor(r.top, index_dtype),
+            "num_experts": r.E,
+            "block_size": r.block,
+        }
     routing = {"indices": t["indices"], "bin_ids": t["bin_ids"], "bins": t["bins"], "top_k": r.K}
     if op == "gather":
         return {"x": x_tokens, **routing}
@@ -583,26 +691,65 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
     if op == "padded_gather":
         return {"x": x_tokens, **routing, "padded_bins": t["padded_bins"]}
     if op == "padded_scatter":
-        return {"x": torch.ones(int(r.padded_bins[-1]), hidden, dtype=dtype), **routing,
-                "weights": weights, "padded_bins": t["padded_bins"]}
+        return {
+            "x": torch.ones(int(r.padded_bins[-1]), hidden, dtype=dtype),
+            **routing,
+            "weights": weights,
+            "padded_bins": t["padded_bins"],
+        }
     if op == "binned_gather":
-        return {"x": x_tokens, "indices": t["indices"], "bins": t["bins"], "bin_size": most,
-                "top_k": r.K}
+        return {
+            "x": x_tokens,
+            "indices": t["indices"],
+            "bins": t["bins"],
+            "bin_size": most,
+            "top_k": r.K,
+        }
     if op == "binned_scatter":
-        return {"x": torch.ones(r.E, most, hidden, dtype=dtype), "indices": t["indices"],
-                "weights": weights, "bins": t["bins"], "top_k": r.K}
+        return {
+            "x": torch.ones(r.E, most, hidden, dtype=dtype),
+            "indices": t["indices"],
+            "weights": weights,
+            "bins": t["bins"],
+            "top_k": r.K,
+        }
     if op == "gmm":
-        return {"a": torch.ones(int(r.counts.sum()), 4, dtype=dtype),
-                "b": torch.ones(r.E, 4, 5, dtype=dtype),
-                "batch_sizes": tensor(r.counts, torch.int64), "trans_b": False}
+        return {
+            "a": torch.ones(int(r.counts.sum()), 4, dtype=dtype),
+            "b": torch.ones(r.E, 4, 5, dtype=dtype),
+            "batch_sizes": tensor(r.counts, torch.int64),
+            "trans_b": False,
+        }
     raise AssertionError(op)
 
 
-PUBLIC_DISPATCHED = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology",
-                     "replicate", "route", "gather", "scatter", "padded_gather", "padded_scatter",
-                     "binned_gather", "binned_scatter", "gmm")
-WRONG_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                torch.float16, torch.float32, torch.complex64)
+PUBLIC_DISPATCHED = (
+    "sort",
+    "histogram",
+    "inclusive_cumsum",
+    "exclusive_cumsum",
+    "topology",
+    "replicate",
+    "route",
+    "gather",
+    "scatter",
+    "padded_gather",
+    "padded_scatter",
+    "binned_gather",
+    "binned_scatter",
+    "gmm",
+)
+WRONG_DTYPES = (
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.complex64,
+)
 Mutation = Callable[[dict[str, Any]], None]
 
 
@@ -619,27 +766,41 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
         name = spec.name
         for dtype in WRONG_DTYPES:
             if spec.dtypes and dtype not in spec.dtypes:
-                yield (f"{name} as {dtype}", ContractTypeError,
-                       lambda a, n=name, d=dtype: a.__setitem__(n, torch.zeros(3, dtype=d)))
+                yield (
+                    f"{name} as {dtype}",
+                    ContractTypeError,
+                    lambda a, n=name, d=dtype: a.__setitem__(n, torch.zeros(3, dtype=d)),
+                )
         for rank in {0, 1, 2, 3, 4} - set(spec.ndim or {0, 1, 2, 3, 4}):
-            yield (f"{name} of rank {rank}", ContractError,
-                   lambda a, n=name, k=rank: a.__setitem__(n, torch.zeros((2,) * k,
-                                                                         dtype=a[n].dtype)))
+            yield (
+                f"{name} of rank {rank}",
+                ContractError,
+                lambda a, n=name, k=rank: a.__setitem__(n, torch.zeros((2,) * k, dtype=a[n].dtype)),
+            )
         yield (f"{name} as a list", ContractTypeError, lambda a, n=name: a.__setitem__(n, [0, 1]))
         if spec is not tensors[0] and not spec.any_device:  # off the first tensor's device
-            yield (f"{name} on meta", ContractError,
-                   lambda a, n=name: a.__setitem__(n, a[n].to("meta")))
+            yield (
+                f"{name} on meta",
+                ContractError,
+                lambda a, n=name: a.__setitem__(n, a[n].to("meta")),
+            )
     for spec in contract.public_args:
         name = spec.name
         if isinstance(spec, IntArg):
             yield f"{name} as a float", ContractTypeError, lambda a, n=name: a.__setitem__(n, 2.0)
             yield f"{name} as a bool", ContractTypeError, lambda a, n=name: a.__setitem__(n, True)
             if spec.min is not None:
-                yield (f"{name} below its minimum", ContractError,
-                       lambda a, n=name, m=spec.min: a.__setitem__(n, m - 1))
+                yield (
+                    f"{name} below its minimum",
+                    ContractError,
+                    lambda a, n=name, m=spec.min: a.__setitem__(n, m - 1),
+                )
             if spec.max is not None:
-                yield (f"{name} above its maximum", ContractError,
-                       lambda a, n=name, m=spec.max: a.__setitem__(n, m + 1))
+                yield (
+                    f"{name} above its maximum",
+                    ContractError,
+                    lambda a, n=name, m=spec.max: a.__setitem__(n, m + 1),
+                )
         if isinstance(spec, BoolArg):
             yield f"{name} as an int", ContractTypeError, lambda a, n=name: a.__setitem__(n, 1)
 
@@ -647,43 +808,77 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
         return lambda a: a.__setitem__(name, value(a))
 
     if "bin_ids" in args:
-        yield ("bin_ids one longer than indices", ContractError,
-               put("bin_ids", lambda a: extend(a["bin_ids"])))
+        yield (
+            "bin_ids one longer than indices",
+            ContractError,
+            put("bin_ids", lambda a: extend(a["bin_ids"])),
+        )
     if args.get("weights") is not None:
         yield "weights one too long", ContractError, put("weights", lambda a: extend(a["weights"]))
     if "padded_bins" in args and op != "topology":
-        yield ("padded_bins one longer than bins", ContractError,
-               put("padded_bins", lambda a: extend(a["padded_bins"])))
+        yield (
+            "padded_bins one longer than bins",
+            ContractError,
+            put("padded_bins", lambda a: extend(a["padded_bins"])),
+        )
     if op in ("gather", "scatter", "padded_gather", "binned_gather", "binned_scatter"):
         yield "x with one row too many", ContractError, put("x", lambda a: extend(a["x"]))
     if op == "replicate":
-        yield ("bins one longer than x's columns", ContractError,
-               put("bins", lambda a: extend(a["bins"])))
+        yield (
+            "bins one longer than x's columns",
+            ContractError,
+            put("bins", lambda a: extend(a["bins"])),
+        )
     if op == "sort" and args["x"].dtype != torch.int64:
-        yield ("end_bit wider than the keys", ContractError,
-               put("end_bit", lambda a: torch.iinfo(a["x"].dtype).bits + 1))
+        yield (
+            "end_bit wider than the keys",
+            ContractError,
+            put("end_bit", lambda a: torch.iinfo(a["x"].dtype).bits + 1),
+        )
     if op in ("sort", "route"):
         key = "x" if op == "sort" else "top_experts"
-        yield ("int16 keys past 32768", ContractError,
-               put(key, lambda a: torch.zeros(32769, dtype=torch.int16)))
+        yield (
+            "int16 keys past 32768",
+            ContractError,
+            put(key, lambda a: torch.zeros(32769, dtype=torch.int16)),
+        )
     if op in ("inclusive_cumsum", "exclusive_cumsum"):
         yield "dim past x's dimensions", ContractError, put("dim", lambda a: a["x"].dim())
         yield "dim below -x.dim()", ContractError, put("dim", lambda a: -a["x"].dim() - 1)
     if op == "topology":
-        yield ("more than 32768 column indices", ContractError,
-               put("output_block_columns", lambda a: 32768 // a["padded_bins"].shape[0] + 1))
+        yield (
+            "more than 32768 column indices",
+            ContractError,
+            put("output_block_columns", lambda a: 32768 // a["padded_bins"].shape[0] + 1),
+        )
     if op == "gmm":
-        def first_size(change: Callable[[torch.Tensor], torch.Tensor]) -> Mutation:
-            return put("batch_sizes", lambda a: torch.cat([change(a["batch_sizes"][:1]),
-                                                           a["batch_sizes"][1:]]))
 
-        yield ("batch_sizes one too long", ContractError,
-               put("batch_sizes", lambda a: extend(a["batch_sizes"])))
-        yield ("inner dimensions differ", ContractError,
-               put("a", lambda a: torch.ones(a["a"].shape[0], 5, dtype=a["a"].dtype)))
-        yield ("b of another dtype", ContractTypeError,
-               put("b", lambda a: a["b"].to(torch.float16 if a["a"].dtype != torch.float16
-                                            else torch.float32)))
+        def first_size(change: Callable[[torch.Tensor], torch.Tensor]) -> Mutation:
+            return put(
+                "batch_sizes",
+                lambda a: torch.cat([change(a["batch_sizes"][:1]), a["batch_sizes"][1:]]),
+            )
+
+        yield (
+            "batch_sizes one too long",
+            ContractError,
+            put("batch_sizes", lambda a: extend(a["batch_sizes"])),
+        )
+        yield (
+            "inner dimensions differ",
+            ContractError,
+            put("a", lambda a: torch.ones(a["a"].shape[0], 5, dtype=a["a"].dtype)),
+        )
+        yield (
+            "b of another dtype",
+            ContractTypeError,
+            put(
+                "b",
+                lambda a: a["b"].to(
+                    torch.float16 if a["a"].dtype != torch.float16 else torch.float32
+                ),
+            ),
+        )
         yield "batch_sizes not summing to a's rows", ContractError, first_size(lambda s: s + 1)
         yield "a negative group size", ContractError, first_size(lambda s: s * 0 - 1)
 
@@ -693,11 +888,16 @@ def call_public(op: str, args: dict[str, Any]) -> Any:
 
 
 @settings(FUZZ, max_examples=150)
-@given(op=st.sampled_from(PUBLIC_DISPATCHED), r=routings(SMALL),
-       index_dtype=st.sampled_from(INDEX_DTYPES), dtype=st.sampled_from(FLOAT_DTYPES),
-       data=st.data())
-def test_invalid_inputs_raise_contract_errors(op: str, r: Routing, index_dtype: torch.dtype,
-                                              dtype: torch.dtype, data: st.DataObject) -> None:
+@given(
+    op=st.sampled_from(PUBLIC_DISPATCHED),
+    r=routings(SMALL),
+    index_dtype=st.sampled_from(INDEX_DTYPES),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    data=st.data(),
+)
+def test_invalid_inputs_raise_contract_errors(
+    op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype, data: st.DataObject
+) -> None:
     args = valid_call(op, r, index_dtype, dtype)
     what, error, mutate = data.draw(st.sampled_from(list(mutations(op, args))), label="mutation")
     mutate(args)
@@ -743,6 +943,7 @@ def data_mutations(op: str, args: dict[str, Any], r: Routing) -> Iterator[tuple[
         def mutate(a: dict[str, Any]) -> None:
             a[name] = a[name].clone()
             change(a[name])
+
         return mutate
 
     if "indices" in args and n >= 2:
@@ -754,24 +955,32 @@ def data_mutations(op: str, args: dict[str, Any], r: Routing) -> Iterator[tuple[
     if "bins" in args and op != "replicate":
         yield "bins ending past the rows", edit("bins", lambda t: t.__setitem__(-1, int(t[-1]) + 1))
     if "bin_ids" in args and r.E >= 2 and n >= 1:
-        yield ("bin_ids disagreeing with bins",
-               edit("bin_ids", lambda t: t.__setitem__(0, (int(t[0]) + 1) % r.E)))
+        yield (
+            "bin_ids disagreeing with bins",
+            edit("bin_ids", lambda t: t.__setitem__(0, (int(t[0]) + 1) % r.E)),
+        )
     if "padded_bins" in args and op != "topology" and n >= 1:
         yield "padded bins too small", edit("padded_bins", lambda t: t.zero_())
     if "padded_bins" in args and op != "topology" and r.E >= 2 and int(r.padded_bins[-1]) >= 1:
-        yield ("padded_bins not cumulative",
-               edit("padded_bins", lambda t: t.__setitem__(0, int(t[-1]) + 1)))
+        yield (
+            "padded_bins not cumulative",
+            edit("padded_bins", lambda t: t.__setitem__(0, int(t[-1]) + 1)),
+        )
     if op == "sort" and n >= 1:
         yield "a key past 2**end_bit", edit("x", lambda t: t.__setitem__(0, 1 << args["end_bit"]))
     if op == "route" and n >= 1:
         yield "an expert id past num_experts", edit("top_experts", lambda t: t.__setitem__(0, r.E))
         yield "a negative expert id", edit("top_experts", lambda t: t.__setitem__(-1, -1))
     if op == "topology" and r.block >= 2 and int(r.padded_bins[-1]) >= 1:
-        yield ("padded bins not whole blocks",
-               edit("padded_bins", lambda t: t.__setitem__(-1, int(t[-1]) - 1)))
+        yield (
+            "padded bins not whole blocks",
+            edit("padded_bins", lambda t: t.__setitem__(-1, int(t[-1]) - 1)),
+        )
     if op == "topology" and r.E >= 2 and int(r.padded_bins[-1]) >= 1:
-        yield ("padded_bins not cumulative",
-               edit("padded_bins", lambda t: t.__setitem__(0, int(t[-1]) + r.block)))
+        yield (
+            "padded_bins not cumulative",
+            edit("padded_bins", lambda t: t.__setitem__(0, int(t[-1]) + r.block)),
+        )
     if op == "replicate" and int(r.bins[-1]) >= 1:
         yield "bins past num_outputs", lambda a: a.__setitem__("num_outputs", int(r.bins[-1]) - 1)
     if op == "replicate" and r.E >= 2 and int(r.bins[-1]) >= 1:
@@ -779,8 +988,10 @@ def data_mutations(op: str, args: dict[str, Any], r: Routing) -> Iterator[tuple[
     # int64 overflow goes undetected: test_checked_mode_int64_cumsum_overflow below.
     cumsum = op in ("inclusive_cumsum", "exclusive_cumsum")
     if cumsum and r.E >= 2 and args["x"].dtype != torch.int64:
+
         def overflow(a: dict[str, Any]) -> None:
             a["x"] = torch.full((r.E,), torch.iinfo(a["x"].dtype).max, dtype=a["x"].dtype)
+
         yield "running sums overflowing x's dtype", overflow
 
 
@@ -789,10 +1000,15 @@ CHECKED_OPS = tuple(op for op in PUBLIC_DISPATCHED if op not in ("histogram", "g
 
 
 @settings(FUZZ, max_examples=100)
-@given(op=st.sampled_from(CHECKED_OPS), r=routings(SMALL),
-       index_dtype=st.sampled_from(INDEX_DTYPES), data=st.data())
-def test_checked_mode_rejects_bad_data(checked_mode: None, op: str, r: Routing,
-                                       index_dtype: torch.dtype, data: st.DataObject) -> None:
+@given(
+    op=st.sampled_from(CHECKED_OPS),
+    r=routings(SMALL),
+    index_dtype=st.sampled_from(INDEX_DTYPES),
+    data=st.data(),
+)
+def test_checked_mode_rejects_bad_data(
+    checked_mode: None, op: str, r: Routing, index_dtype: torch.dtype, data: st.DataObject
+) -> None:
     args = valid_call(op, r, index_dtype, torch.float32)
     with megablocks_core.use_backend("reference"):
         call_public(op, args)  # the unbroken call passes the checks

@@ -15,7 +15,9 @@ import torch
 import megablocks_core as mb
 from megablocks_core import ops
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist only with a GPU")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="host syncs exist only with a GPU"
+)
 
 TOKENS, HIDDEN, EXPERTS, TOP_K = 4096, 512, 64, 8
 
@@ -24,7 +26,9 @@ def gpu_backends(op: str, dtype: torch.dtype) -> list[str]:
     """Installed kernels (``backend`` or ``backend/variant``) that serve ``op`` on the GPU, apart
     from the portable reference; each is then forced in turn with ``use_backend(label)``."""
     trace = mb.explain(op, torch.device("cuda"), {"x": dtype})
-    return sorted({c.kernel.label for c in trace.candidates if c.accepted and not c.kernel.portable})
+    return sorted(
+        {c.kernel.label for c in trace.candidates if c.accepted and not c.kernel.portable}
+    )
 
 
 def route_and_permute(top: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:

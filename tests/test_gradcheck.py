@@ -38,14 +38,26 @@ def test_permutation_ops(top_k):
     capacity = 2  # smaller than expert 0's rows: binned ops drop some
     cases = {
         "gather": (lambda x: ops.gather(x, indices, bin_ids, bins, top_k), (f64(tokens, hidden),)),
-        "scatter": (lambda x, w: ops.scatter(x, indices, bin_ids, w, bins, top_k), (f64(n, hidden), w64(n))),
-        "padded_gather": (lambda x: ops.padded_gather(x, indices, bin_ids, bins, padded_bins, top_k),
-                          (f64(tokens, hidden),)),
-        "padded_scatter": (lambda x, w: ops.padded_scatter(x, indices, bin_ids, w, bins, padded_bins, top_k),
-                           (f64(int(padded_bins[-1]), hidden), w64(n))),
-        "binned_gather": (lambda x: ops.binned_gather(x, indices, bins, capacity, top_k), (f64(tokens, hidden),)),
-        "binned_scatter": (lambda x, w: ops.binned_scatter(x, indices, w, bins, top_k),
-                           (f64(experts, capacity, hidden), w64(n))),
+        "scatter": (
+            lambda x, w: ops.scatter(x, indices, bin_ids, w, bins, top_k),
+            (f64(n, hidden), w64(n)),
+        ),
+        "padded_gather": (
+            lambda x: ops.padded_gather(x, indices, bin_ids, bins, padded_bins, top_k),
+            (f64(tokens, hidden),),
+        ),
+        "padded_scatter": (
+            lambda x, w: ops.padded_scatter(x, indices, bin_ids, w, bins, padded_bins, top_k),
+            (f64(int(padded_bins[-1]), hidden), w64(n)),
+        ),
+        "binned_gather": (
+            lambda x: ops.binned_gather(x, indices, bins, capacity, top_k),
+            (f64(tokens, hidden),),
+        ),
+        "binned_scatter": (
+            lambda x, w: ops.binned_scatter(x, indices, w, bins, top_k),
+            (f64(experts, capacity, hidden), w64(n)),
+        ),
     }
     for name, (fn, inputs) in cases.items():
         assert torch.autograd.gradcheck(fn, inputs), name
@@ -56,7 +68,9 @@ def test_scatter_without_weights_and_weights_only():
     x = f64(8, 2)
     assert torch.autograd.gradcheck(lambda x: ops.scatter(x, indices, bin_ids, None, bins, 2), (x,))
     frozen = torch.randn(8, 2, dtype=torch.float64)
-    assert torch.autograd.gradcheck(lambda w: ops.scatter(frozen, indices, bin_ids, w, bins, 2), (w64(8),))
+    assert torch.autograd.gradcheck(
+        lambda w: ops.scatter(frozen, indices, bin_ids, w, bins, 2), (w64(8),)
+    )
 
 
 def test_replicate():
@@ -83,7 +97,9 @@ def test_gmm_empty_expert_gets_exactly_zero_weight_grad():
 def test_second_order_through_the_registry():
     indices, bin_ids, bins, _, _ = routing(3, 2, 2)
     x = f64(6, 2)
-    assert torch.autograd.gradgradcheck(lambda x: ops.scatter(x, indices, bin_ids, None, bins, 2), (x,))
+    assert torch.autograd.gradgradcheck(
+        lambda x: ops.scatter(x, indices, bin_ids, None, bins, 2), (x,)
+    )
 
 
 def test_every_differentiable_op_has_a_backward_rule():

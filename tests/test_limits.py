@@ -92,8 +92,13 @@ def test_int16_indices_address_exactly_32768_rows(checked):
     back = ops.scatter(out, indices, bin_ids, None, bins, top_k)
     np.testing.assert_allclose(back.numpy(), top_k * x.numpy(), rtol=1e-6)
     with raises(ValueError, "ops.gather", "int16 indices cannot address more than 32768 rows"):
-        ops.gather(torch.randn(tokens + 1, 3), torch.arange(rows + 2).to(torch.int16),
-                   torch.zeros(rows + 2, dtype=torch.int16), torch.tensor([rows + 2]), top_k)
+        ops.gather(
+            torch.randn(tokens + 1, 3),
+            torch.arange(rows + 2).to(torch.int16),
+            torch.zeros(rows + 2, dtype=torch.int16),
+            torch.tensor([rows + 2]),
+            top_k,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
@@ -103,7 +108,10 @@ def test_cumsum_overflow_is_caught_at_every_width(checked, dtype):
         ops.inclusive_cumsum(torch.tensor([top, 1], dtype=dtype), 0)
     with raises(ValueError, "ops.exclusive_cumsum", "running sums fit"):
         ops.exclusive_cumsum(torch.tensor([top, top, 0], dtype=dtype), 0)
-    assert ops.inclusive_cumsum(torch.tensor([top - 1, 1], dtype=dtype), 0).tolist() == [top - 1, top]
+    assert ops.inclusive_cumsum(torch.tensor([top - 1, 1], dtype=dtype), 0).tolist() == [
+        top - 1,
+        top,
+    ]
     low = torch.iinfo(dtype).min
     assert ops.inclusive_cumsum(torch.tensor([low, top], dtype=dtype), 0).tolist() == [low, -1]
 
@@ -113,17 +121,22 @@ def test_topology_block_size_beyond_the_dtype(checked):
     assert ops.topology(padded, 40000, 0, 1).shape == (0,)
 
 
-@pytest.mark.parametrize("sizes", [[2**63 - 1, 2**63 - 1, 6], [2**62, 2**62, 2**62, 2**62 + 4], [-2, 3, 3],
-                                   [5, -1, 0]])
+@pytest.mark.parametrize(
+    "sizes", [[2**63 - 1, 2**63 - 1, 6], [2**62, 2**62, 2**62, 2**62 + 4], [-2, 3, 3], [5, -1, 0]]
+)
 def test_gmm_batch_sizes_that_sum_to_the_rows_only_modulo_2_64_are_rejected(checked, sizes):
     a, b = torch.randn(4, 2), torch.randn(len(sizes), 2, 3)
     assert (sum(sizes) - 4) % 2**64 == 0  # an int64 sum gives 4, the row count
-    with raises(ValueError, "ops.gmm", "group sizes are not negative and none exceeds the rows of a"):
+    with raises(
+        ValueError, "ops.gmm", "group sizes are not negative and none exceeds the rows of a"
+    ):
         ops.gmm(a, b, torch.tensor(sizes, dtype=torch.int64))
 
 
 def test_gmm_wrapping_sizes_rejected_without_checked_mode_on_the_cpu(only_reference):
-    with raises(ValueError, "ops.gmm", "group sizes are not negative and none exceeds the rows of a"):
+    with raises(
+        ValueError, "ops.gmm", "group sizes are not negative and none exceeds the rows of a"
+    ):
         ops.gmm(torch.randn(4, 2), torch.randn(3, 2, 3), torch.tensor([2**63 - 1, 2**63 - 1, 6]))
     big = 300  # more groups than the list fast path: the torch reductions
     sizes = torch.zeros(big, dtype=torch.int64)
@@ -143,15 +156,37 @@ def test_sum_with_dim_none_is_a_clean_type_error(only_reference):
     assert ops.sum(torch.ones(3, 2)).tolist() == [3.0, 3.0]  # the default dim is 0
 
 
-@pytest.mark.parametrize("call, argument", [
-    (lambda: ops.binned_gather(torch.randn(2, 4), torch.arange(4, dtype=torch.int32),
-                               torch.tensor([2, 4], dtype=torch.int32), 2**45, 2), "'bin_size' = 35184372088832"),
-    (lambda: ops.histogram(torch.tensor([1], dtype=torch.int32), 2**40), "'num_bins' = 1099511627776"),
-    (lambda: ops.replicate(torch.randn(1, 1), torch.tensor([1], dtype=torch.int32), 2**50), "'num_outputs'"),
-    (lambda: ops.topology(torch.tensor([4], dtype=torch.int32), 4, 2**62, 1), "'output_block_rows'"),
-    (lambda: ops.repeat(torch.ones(2), (2**40, 2**40)), "'tiling'"),
-])
-def test_outputs_that_cannot_be_allocated_are_rejected_naming_the_argument(only_reference, call, argument):
+@pytest.mark.parametrize(
+    "call, argument",
+    [
+        (
+            lambda: ops.binned_gather(
+                torch.randn(2, 4),
+                torch.arange(4, dtype=torch.int32),
+                torch.tensor([2, 4], dtype=torch.int32),
+                2**45,
+                2,
+            ),
+            "'bin_size' = 35184372088832",
+        ),
+        (
+            lambda: ops.histogram(torch.tensor([1], dtype=torch.int32), 2**40),
+            "'num_bins' = 1099511627776",
+        ),
+        (
+            lambda: ops.replicate(torch.randn(1, 1), torch.tensor([1], dtype=torch.int32), 2**50),
+            "'num_outputs'",
+        ),
+        (
+            lambda: ops.topology(torch.tensor([4], dtype=torch.int32), 4, 2**62, 1),
+            "'output_block_rows'",
+        ),
+        (lambda: ops.repeat(torch.ones(2), (2**40, 2**40)), "'tiling'"),
+    ],
+)
+def test_outputs_that_cannot_be_allocated_are_rejected_naming_the_argument(
+    only_reference, call, argument
+):
     with raises(ValueError, "megablocks_core.ops.", argument, "of memory of device cpu"):
         call()
 
@@ -170,14 +205,24 @@ def test_memory_limit_is_the_host_memory_on_the_cpu():
 def test_checked_mode_skips_data_rules_on_meta_tensors(checked):
     values, indices = ops.sort(torch.empty(4, dtype=torch.int32, device="meta"), 4)
     assert values.device.type == "meta" and values.shape == (4,)
-    out = ops.gather(torch.empty(3, 2, device="meta"), torch.empty(6, dtype=torch.int32, device="meta"),
-                     torch.empty(6, dtype=torch.int32, device="meta"),
-                     torch.empty(2, dtype=torch.int32, device="meta"), 2)
+    out = ops.gather(
+        torch.empty(3, 2, device="meta"),
+        torch.empty(6, dtype=torch.int32, device="meta"),
+        torch.empty(6, dtype=torch.int32, device="meta"),
+        torch.empty(2, dtype=torch.int32, device="meta"),
+        2,
+    )
     assert out.shape == (6, 2) and out.is_meta
-    with raises(ValueError, "ops.gather", "indices has top_k entries per row of x"):  # shape rules still run
-        ops.gather(torch.empty(3, 2, device="meta"), torch.empty(5, dtype=torch.int32, device="meta"),
-                   torch.empty(5, dtype=torch.int32, device="meta"),
-                   torch.empty(2, dtype=torch.int32, device="meta"), 2)
+    with raises(
+        ValueError, "ops.gather", "indices has top_k entries per row of x"
+    ):  # shape rules still run
+        ops.gather(
+            torch.empty(3, 2, device="meta"),
+            torch.empty(5, dtype=torch.int32, device="meta"),
+            torch.empty(5, dtype=torch.int32, device="meta"),
+            torch.empty(2, dtype=torch.int32, device="meta"),
+            2,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -186,8 +231,13 @@ def test_checked_mode_skips_data_rules_on_meta_tensors(checked):
 
 def _fresh(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MEGABLOCKS_")}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          env={**clean, "MEGABLOCKS_PLUGINS": "reference", **env}, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**clean, "MEGABLOCKS_PLUGINS": "reference", **env},
+        timeout=300,
+    )
 
 
 FIRST_CALL = """
@@ -226,4 +276,7 @@ def test_checked_mode_holds_from_the_first_call():
 def test_a_bad_backend_variable_is_reported_on_the_first_call_not_at_import():
     result = _fresh(FIRST_CALL, MEGABLOCKS_BACKEND="gatherz=reference")
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 and all("names unknown op(s) ['gatherz']" in line for line in lines), (lines, result.stderr)
+    assert len(lines) == 2 and all("names unknown op(s) ['gatherz']" in line for line in lines), (
+        lines,
+        result.stderr,
+    )

@@ -21,7 +21,9 @@ def make(hidden=8, ffn=12, experts=8, top_k=2, glu=False, dtype=torch.float64, d
     model = DroplessMoE(hidden, ffn, experts, top_k, glu=glu, dtype=dtype, device=device, **kw)
     # Larger router weights than the 0.02 default: clear top-k choices, no near-ties between experts.
     with torch.no_grad():
-        model.router.copy_(torch.randn(model.router.shape, generator=torch.Generator().manual_seed(7)))
+        model.router.copy_(
+            torch.randn(model.router.shape, generator=torch.Generator().manual_seed(7))
+        )
     return model
 
 
@@ -77,7 +79,9 @@ def test_forward_and_gradients_match_loop(experts, top_k, glu):
     got = torch.autograd.grad((out * grad).sum() + aux, [x, *params(model)])
 
     want_out, want_aux = loop_reference(model, x)
-    want = torch.autograd.grad((want_out.reshape(x.shape) * grad).sum() + want_aux, [x, *params(model)])
+    want = torch.autograd.grad(
+        (want_out.reshape(x.shape) * grad).sum() + want_aux, [x, *params(model)]
+    )
     torch.testing.assert_close(out, want_out.reshape(x.shape))
     torch.testing.assert_close(aux, want_aux)
     for g, w in zip(got, want, strict=True):
@@ -86,7 +90,9 @@ def test_forward_and_gradients_match_loop(experts, top_k, glu):
 
 def test_empty_experts_and_normalized_weights():
     model = make(experts=16, top_k=2, glu=True, normalize_expert_weights=1.0)
-    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)  # 6 rows: at least 10 experts empty
+    x = torch.randn(
+        3, 8, dtype=torch.float64, requires_grad=True
+    )  # 6 rows: at least 10 experts empty
     out, aux = model(x)
     want_out, want_aux = loop_reference(model, x)
     torch.testing.assert_close(out, want_out)
@@ -94,7 +100,9 @@ def test_empty_experts_and_normalized_weights():
     out.sum().backward()
     used = set(torch.topk(x.detach() @ model.router.detach().T, 2).indices.flatten().tolist())
     for e in set(range(16)) - used:  # an expert with no tokens gets exactly zero gradient
-        assert not model.w1.grad[e].any() and not model.w2.grad[e].any() and not model.v1.grad[e].any()
+        assert (
+            not model.w1.grad[e].any() and not model.w2.grad[e].any() and not model.v1.grad[e].any()
+        )
 
 
 def test_zero_tokens():
@@ -114,15 +122,18 @@ def test_bf16_close_to_fp32():
     got, got_aux = bf16(x)
     want, want_aux = fp32(x.float())
     assert got.dtype == torch.bfloat16 and got_aux.dtype == torch.float32
-    assert float((got.detach().float() - want).norm() / want.norm()) < 2e-2, "bf16 output far from fp32"
+    assert float((got.detach().float() - want).norm() / want.norm()) < 2e-2, (
+        "bf16 output far from fp32"
+    )
     torch.testing.assert_close(got_aux, want_aux)
 
 
 def test_load_balancing_loss_formula():
     # Perfect balance with uniform probabilities gives exactly the coefficient (Switch Transformer).
     probs = torch.full((8, 4), 0.25)
-    assert float(load_balancing_loss(torch.tensor([4, 4, 4, 4], dtype=torch.int32), probs, 2, 0.1)) == \
-        pytest.approx(0.1)
+    assert float(
+        load_balancing_loss(torch.tensor([4, 4, 4, 4], dtype=torch.int32), probs, 2, 0.1)
+    ) == pytest.approx(0.1)
     # MegaBlocks: scale = E * w / (layers * tokens * top_k); loss = scale * dot(counts, mean(scores)).
     probs = torch.softmax(torch.randn(6, 3), dim=-1)
     counts = torch.tensor([5, 0, 7], dtype=torch.int32)
@@ -155,8 +166,16 @@ def test_initialisation_is_seeded_and_scaled():
 
 
 def _compile_inputs(device="cpu", dtype=torch.float32):
-    model = make(hidden=16, ffn=24, experts=4, top_k=2, glu=True, dtype=dtype, device=device,
-                 load_balancing_loss_coefficient=0.1)
+    model = make(
+        hidden=16,
+        ffn=24,
+        experts=4,
+        top_k=2,
+        glu=True,
+        dtype=dtype,
+        device=device,
+        load_balancing_loss_coefficient=0.1,
+    )
     x = torch.randn(24, 16, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     return model, x
 
@@ -208,7 +227,9 @@ def _hand_composed_loop(x, router, w1, w2, top_k):
     return out
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(16, 4, 2), (64, 8, 2), (33, 5, 3), (8, 1, 1)])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(16, 4, 2), (64, 8, 2), (33, 5, 3), (8, 1, 1)]
+)
 def test_ops_composed_by_hand_match_a_float64_loop(tokens, experts, top_k):
     gen = torch.Generator().manual_seed(tokens * 31 + experts)
     hidden, ffn = 32, 48
@@ -226,8 +247,12 @@ def test_ops_composed_by_hand_match_a_float64_loop(tokens, experts, top_k):
     def relative_error(got, expected):
         return float((got.double() - expected).norm() / expected.norm().clamp_min(1e-30))
 
-    for name, got, expected in [("output", out.detach(), want.detach()), ("grad x", x.grad, x64.grad),
-                                ("grad w1", w1.grad, w1_64.grad), ("grad w2", w2.grad, w2_64.grad)]:
+    for name, got, expected in [
+        ("output", out.detach(), want.detach()),
+        ("grad x", x.grad, x64.grad),
+        ("grad w1", w1.grad, w1_64.grad),
+        ("grad w2", w2.grad, w2_64.grad),
+    ]:
         assert relative_error(got, expected) <= 1e-5, name
 
 
@@ -243,7 +268,9 @@ def test_demo_trains(capsys):
 
 
 def _gpu_model(dtype=torch.bfloat16):
-    model = DroplessMoE(256, 512, 8, 2, glu=True, dtype=dtype, device="cuda", load_balancing_loss_coefficient=0.01)
+    model = DroplessMoE(
+        256, 512, 8, 2, glu=True, dtype=dtype, device="cuda", load_balancing_loss_coefficient=0.01
+    )
     x = torch.randn(1024, 256, device="cuda", dtype=dtype)
     return model, x
 
@@ -255,7 +282,9 @@ def _loss(model, x):
 
 @cuda
 def test_cuda_forward_backward_is_sync_free():
-    with megablocks_core.use_backend():  # the normal ranking (the reference gmm reads counts on the host)
+    with (
+        megablocks_core.use_backend()
+    ):  # the normal ranking (the reference gmm reads counts on the host)
         model, x = _gpu_model()
         x.requires_grad_()
         _loss(model, x).backward()  # first calls rank and cache the kernels
@@ -297,8 +326,12 @@ def test_cuda_graph_replays_a_training_step():
             static_loss = step(model, static_x)
 
         for i in range(2):
-            data = torch.randn(static_x.shape, device="cuda", dtype=static_x.dtype,
-                               generator=torch.Generator("cuda").manual_seed(i))
+            data = torch.randn(
+                static_x.shape,
+                device="cuda",
+                dtype=static_x.dtype,
+                generator=torch.Generator("cuda").manual_seed(i),
+            )
             static_x.copy_(data)
             graph.replay()
             reference.zero_grad(set_to_none=True)

@@ -84,7 +84,9 @@ def check_int(got: torch.Tensor, exp: np.ndarray, dtype: torch.dtype) -> None:
     assert isinstance(got, torch.Tensor)
     assert got.dtype == dtype, (got.dtype, dtype)
     assert tuple(got.shape) == tuple(np.shape(exp)), (tuple(got.shape), np.shape(exp))
-    np.testing.assert_array_equal(got.contiguous().numpy().astype(np.int64), np.asarray(exp, dtype=np.int64))
+    np.testing.assert_array_equal(
+        got.contiguous().numpy().astype(np.int64), np.asarray(exp, dtype=np.int64)
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -148,7 +150,9 @@ def test_gather(name):
     xv = rand(rng, (T, H), fdt)
     x = leaf(xv, fdt, nc)
     out = ops.gather(x, t["indices"], t["bin_ids"], t["bins"], K)
-    check(out, oracle.gather(xv, r["indices"], r["bin_ids"], None, r["bins"], r["K"]), fdt, exact=True)
+    check(
+        out, oracle.gather(xv, r["indices"], r["bin_ids"], None, r["bins"], r["K"]), fdt, exact=True
+    )
 
     g = rand(rng, (T * K, H), fdt)
     out.backward(ft(g, fdt, nc))
@@ -175,7 +179,9 @@ def test_scatter(name, with_weights):
     check(x.grad, oracle.gather(g, r["indices"], r["bin_ids"], wv, r["bins"], r["K"]), fdt)
     if with_weights:
         assert w.grad is not None
-        check(w.grad, oracle.scatter_wgrad(xv, g, r["indices"], r["bin_ids"], r["bins"], r["K"]), fdt)
+        check(
+            w.grad, oracle.scatter_wgrad(xv, g, r["indices"], r["bin_ids"], r["bins"], r["K"]), fdt
+        )
 
 
 @pytest.mark.parametrize("name", ["basic", "top4_bf16", "top6_i16"])
@@ -212,8 +218,9 @@ def test_padded_gather(name):
     g = rand(rng, exp.shape, fdt)
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
-    exp_grad = oracle.padded_scatter(g, r["indices"], r["bin_ids"], None, r["bins"],
-                                     r["padded_bins"], K)
+    exp_grad = oracle.padded_scatter(
+        g, r["indices"], r["bin_ids"], None, r["bins"], r["padded_bins"], K
+    )
     check(x.grad, exp_grad, fdt)
 
 
@@ -236,15 +243,18 @@ def test_padded_scatter(name, with_weights):
     out.backward(ft(g, fdt, nc))
     assert x.grad is not None
     # padding rows must receive exactly zero gradient
-    exp_grad = oracle.padded_gather(g, r["indices"], r["bin_ids"], wv, r["bins"], r["padded_bins"], K)
+    exp_grad = oracle.padded_gather(
+        g, r["indices"], r["bin_ids"], wv, r["bins"], r["padded_bins"], K
+    )
     check(x.grad, exp_grad, fdt)
     pad = np.ones(rows, dtype=bool)
     pad[oracle.padded_positions(r["bin_ids"], r["bins"], r["padded_bins"])] = False
     assert (to64(x.grad)[pad] == 0).all()
     if with_weights:
         assert w.grad is not None
-        exp_wgrad = oracle.padded_scatter_wgrad(xv, g, r["indices"], r["bin_ids"], r["bins"],
-                                                r["padded_bins"], K)
+        exp_wgrad = oracle.padded_scatter_wgrad(
+            xv, g, r["indices"], r["bin_ids"], r["bins"], r["padded_bins"], K
+        )
         check(w.grad, exp_wgrad, fdt)
 
 
@@ -446,7 +456,9 @@ def test_cumsum(dtype, shape, dim, nc, seed, exclusive):
     x = it(xv, dtype, nc)
     fn = ops.exclusive_cumsum if exclusive else ops.inclusive_cumsum
     out = fn(x, dim)
-    check_int(out, (oracle.exclusive_cumsum if exclusive else oracle.inclusive_cumsum)(xv, dim), dtype)
+    check_int(
+        out, (oracle.exclusive_cumsum if exclusive else oracle.inclusive_cumsum)(xv, dim), dtype
+    )
 
 
 def test_cumsum_of_routing_counts():
@@ -521,7 +533,7 @@ def test_replicate_trailing_columns_are_zero():
     xv = rand(rng, (2, 5), torch.float32)
     out = ops.replicate(ft(xv, torch.float32), it(bins, torch.int32), num_outputs)
     exp = oracle.replicate(xv, bins, num_outputs)
-    assert (exp[:, int(bins[-1]):] == 0).all()
+    assert (exp[:, int(bins[-1]) :] == 0).all()
     check(out, exp, torch.float32, exact=True)
 
 
@@ -709,10 +721,16 @@ def test_gmm_default_trans_b_and_same_device_sizes():
     check(out, oracle.gmm(av, bv, sizes, False), torch.float32)
 
 
-@pytest.mark.parametrize("T,K,E,block,empty,dtype", [
-    (0, 2, 8, 4, False, torch.int32), (5, 1, 1, 4, False, torch.int64), (33, 8, 256, 128, False, torch.int32),
-    (17, 3, 9, 4, True, torch.int16), (64, 2, 8, 128, False, torch.int64),
-])
+@pytest.mark.parametrize(
+    "T,K,E,block,empty,dtype",
+    [
+        (0, 2, 8, 4, False, torch.int32),
+        (5, 1, 1, 4, False, torch.int64),
+        (33, 8, 256, 128, False, torch.int32),
+        (17, 3, 9, 4, True, torch.int16),
+        (64, 2, 8, 128, False, torch.int64),
+    ],
+)
 def test_route(T, K, E, block, empty, dtype):
     r = oracle.make_routing(np.random.default_rng(T + E), T, K, E, block=block, empty=empty)
     indices, bin_ids, counts, bins, padded_bins = ops.route(it(r["top"], dtype), E, block)

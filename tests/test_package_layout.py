@@ -9,21 +9,31 @@ import sys
 
 def _modules_after(statement: str) -> set[str]:
     code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
     assert result.returncode == 0, result.stderr
     return set(json.loads(result.stdout.splitlines()[-1]))
 
 
 def test_importing_the_ops_imports_no_layer_benchmark_demo_or_cli():
     loaded = _modules_after("import megablocks_core.ops")
-    assert "megablocks_core.ops" in loaded and "megablocks_core.dispatch" in loaded  # the check can fail
-    applications = {m for m in loaded if m.startswith(("megablocks_core.layers", "megablocks_core.cli",
-                                                       "megablocks_bench", "bench"))}
+    assert (
+        "megablocks_core.ops" in loaded and "megablocks_core.dispatch" in loaded
+    )  # the check can fail
+    applications = {
+        m
+        for m in loaded
+        if m.startswith(
+            ("megablocks_core.layers", "megablocks_core.cli", "megablocks_bench", "bench")
+        )
+    }
     assert applications == set()
 
 
 def test_the_layer_package_exports_the_layer():
-    loaded = _modules_after("from megablocks_core.layers import DroplessMoE, dMoE\nassert dMoE is DroplessMoE")
+    loaded = _modules_after(
+        "from megablocks_core.layers import DroplessMoE, dMoE\nassert dMoE is DroplessMoE"
+    )
     assert "megablocks_core.layers.moe" in loaded
     assert "megablocks_core.layers.demo" not in loaded and "megablocks_bench" not in loaded

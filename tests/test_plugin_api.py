@@ -22,8 +22,12 @@ ALLOWED = frozenset({"megablocks_core.plugin", "megablocks_core.ops"})
 
 
 def backend_modules() -> list[Path]:
-    found = sorted(p for tree in ("plugins", "examples") for p in (ROOT / tree).rglob("*.py")
-                   if "build" not in p.relative_to(ROOT).parts)
+    found = sorted(
+        p
+        for tree in ("plugins", "examples")
+        for p in (ROOT / tree).rglob("*.py")
+        if "build" not in p.relative_to(ROOT).parts
+    )
     assert len(found) >= 20, found  # every package of the four plugins and the example
     return found
 
@@ -33,10 +37,17 @@ def core_imports(source: str) -> list[tuple[int, str, str]]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name, "") for alias in node.names
-                      if alias.name.split(".")[0] == "megablocks_core"]
-        elif (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
-              and node.module.split(".")[0] == "megablocks_core"):
+            found += [
+                (node.lineno, alias.name, "")
+                for alias in node.names
+                if alias.name.split(".")[0] == "megablocks_core"
+            ]
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "megablocks_core"
+        ):
             found += [(node.lineno, node.module, alias.name) for alias in node.names]
     return found
 
@@ -49,7 +60,11 @@ def violations(source: str) -> list[str]:
         target = f"{module}.{name}" if module == "megablocks_core" and name else module
         if target not in ALLOWED:
             bad.append(f"line {line}: {target if module == 'megablocks_core' else module}")
-        elif target == "megablocks_core.plugin" and module == target and name not in plugin_api.__all__:
+        elif (
+            target == "megablocks_core.plugin"
+            and module == target
+            and name not in plugin_api.__all__
+        ):
             bad.append(f"line {line}: megablocks_core.plugin has no declared name {name!r}")
     return bad
 
@@ -60,17 +75,19 @@ def test_backend_imports_only_the_plugin_api(path: Path) -> None:
 
 
 def test_the_check_catches_private_imports() -> None:
-    source = "\n".join([
-        "import megablocks_core",
-        "import megablocks_core.devices",
-        "from megablocks_core import Kernel, ops, plugin",
-        "from megablocks_core.descriptors import DeviceInfo",
-        "from megablocks_core.plugin import Kernel, not_declared",
-        "from megablocks_core.ops import gmm",
-        "def f():",
-        "    from megablocks_core.costs import gmm_problem",
-        "from .plugin import something",
-    ])
+    source = "\n".join(
+        [
+            "import megablocks_core",
+            "import megablocks_core.devices",
+            "from megablocks_core import Kernel, ops, plugin",
+            "from megablocks_core.descriptors import DeviceInfo",
+            "from megablocks_core.plugin import Kernel, not_declared",
+            "from megablocks_core.ops import gmm",
+            "def f():",
+            "    from megablocks_core.costs import gmm_problem",
+            "from .plugin import something",
+        ]
+    )
     assert violations(source) == [
         "line 1: megablocks_core",
         "line 2: megablocks_core.devices",
@@ -90,22 +107,39 @@ def test_every_declared_name_exists() -> None:
 # helpers the API declares for backends
 
 
-@pytest.mark.parametrize(("arch", "family"), [
-    ("gfx90a", "cdna2"), ("gfx942", "cdna3"), ("gfx950", "cdna4"), ("gfx942:sramecc+:xnack-", "cdna3"),
-    ("sm_80", "ampere"), ("sm_89", "ada"), ("sm_90", "hopper"), ("sm_100", "blackwell"),
-    ("sm_120", None), ("gfx1100", None), ("gfx908", None), ("", None), (None, None),
-])
+@pytest.mark.parametrize(
+    ("arch", "family"),
+    [
+        ("gfx90a", "cdna2"),
+        ("gfx942", "cdna3"),
+        ("gfx950", "cdna4"),
+        ("gfx942:sramecc+:xnack-", "cdna3"),
+        ("sm_80", "ampere"),
+        ("sm_89", "ada"),
+        ("sm_90", "hopper"),
+        ("sm_100", "blackwell"),
+        ("sm_120", None),
+        ("gfx1100", None),
+        ("gfx908", None),
+        ("", None),
+        (None, None),
+    ],
+)
 def test_arch_family(arch: str | None, family: str | None) -> None:
     assert plugin_api.arch_family(arch) == family
-    device = plugin_api.DeviceInfo(kind="rocm" if (arch or "").startswith("gfx") else "cuda",
-                                   type="cuda", arch=arch)
+    device = plugin_api.DeviceInfo(
+        kind="rocm" if (arch or "").startswith("gfx") else "cuda", type="cuda", arch=arch
+    )
     assert plugin_api.arch_family(device) == family
 
 
 def _gmm_call(tokens: int, k: int, n: int, experts: int, counts_on: str) -> dict[str, object]:
-    return {"a": plugin_api.TensorMeta((tokens, k), torch.bfloat16, "cuda"),
-            "b": plugin_api.TensorMeta((experts, k, n), torch.bfloat16, "cuda"),
-            "batch_sizes": plugin_api.TensorMeta((experts,), torch.int64, counts_on), "trans_b": False}
+    return {
+        "a": plugin_api.TensorMeta((tokens, k), torch.bfloat16, "cuda"),
+        "b": plugin_api.TensorMeta((experts, k, n), torch.bfloat16, "cuda"),
+        "batch_sizes": plugin_api.TensorMeta((experts,), torch.int64, counts_on),
+        "trans_b": False,
+    }
 
 
 def test_gmm_cost_hint() -> None:

@@ -30,54 +30,96 @@ def broken_reason(plugins, body: str) -> str:
     return record.reason
 
 
-@pytest.mark.parametrize("devices, expected", [
-    ('"cpu"', "kernel for 'gather': devices must be a tuple of device kinds such as ('cpu',), got str 'cpu'"),
-    ('("gpu",)', "kernel for 'gather': unknown device kind(s) ['gpu']"),
-    ('("cpu", "cdua")', "unknown device kind(s) ['cdua']"),
-    ("()", "devices must be lowercase kinds"),
-])
+@pytest.mark.parametrize(
+    "devices, expected",
+    [
+        (
+            '"cpu"',
+            "kernel for 'gather': devices must be a tuple of device kinds such as ('cpu',), got str 'cpu'",
+        ),
+        ('("gpu",)', "kernel for 'gather': unknown device kind(s) ['gpu']"),
+        ('("cpu", "cdua")', "unknown device kind(s) ['cdua']"),
+        ("()", "devices must be lowercase kinds"),
+    ],
+)
 def test_bad_device_kinds_break_the_plugin_at_load(plugins, devices, expected):
-    reason = broken_reason(plugins, permutation(
-        f"[Kernel(op='gather', fn=recording('gather'), devices={devices}, variant='v1')]"))
+    reason = broken_reason(
+        plugins,
+        permutation(
+            f"[Kernel(op='gather', fn=recording('gather'), devices={devices}, variant='v1')]"
+        ),
+    )
     assert expected.replace("'gather'", "'gather' (variant 'v1')") in reason
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cuda", "rocm", "xpu", "npu", "mps", "hpu", "any", "privateuseone",
-                                  "mtia", "xla"])
+@pytest.mark.parametrize(
+    "kind",
+    ["cpu", "cuda", "rocm", "xpu", "npu", "mps", "hpu", "any", "privateuseone", "mtia", "xla"],
+)
 def test_known_and_torch_device_kinds_are_accepted(plugins, kind):
-    plugins.add("fine", permutation(f"[Kernel(op='gather', fn=recording('gather'), devices=[{kind!r}])]"))
+    plugins.add(
+        "fine", permutation(f"[Kernel(op='gather', fn=recording('gather'), devices=[{kind!r}])]")
+    )
     record = plugins.reload().plugins["fine"]
     assert record.status == "ok", record.reason
     assert record.kernels[0].devices == (kind,)  # a list is accepted and stored as a tuple
 
 
-@pytest.mark.parametrize("fn, expected", [
-    ("lambda x, indices: x", "cannot take the 6 arguments (x, indices, bin_ids, weights, bins, top_k)"),
-    ("lambda x, indices, bin_ids, weights, bins, top_k, extra: x", "missing a required argument: 'extra'"),
-    ("lambda *, x: x", "cannot take the 6 arguments"),
-])
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (
+            "lambda x, indices: x",
+            "cannot take the 6 arguments (x, indices, bin_ids, weights, bins, top_k)",
+        ),
+        (
+            "lambda x, indices, bin_ids, weights, bins, top_k, extra: x",
+            "missing a required argument: 'extra'",
+        ),
+        ("lambda *, x: x", "cannot take the 6 arguments"),
+    ],
+)
 def test_a_kernel_of_the_wrong_arity_breaks_the_plugin_at_load(plugins, fn, expected):
-    reason = broken_reason(plugins, permutation(f"[Kernel(op='gather', fn={fn}, devices=('cpu',))]"))
+    reason = broken_reason(
+        plugins, permutation(f"[Kernel(op='gather', fn={fn}, devices=('cpu',))]")
+    )
     assert reason.startswith("TypeError: kernel for 'gather': fn ") and expected in reason, reason
 
 
-@pytest.mark.parametrize("fn", ["lambda *args: None", "lambda x, indices, *rest: None",
-                                "lambda x, indices, bin_ids, weights, bins, top_k, extra=1: None"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        "lambda *args: None",
+        "lambda x, indices, *rest: None",
+        "lambda x, indices, bin_ids, weights, bins, top_k, extra=1: None",
+    ],
+)
 def test_kernels_that_can_take_the_arguments_load(plugins, fn):
     plugins.add("fine", permutation(f"[Kernel(op='gather', fn={fn}, devices=('cpu',))]"))
     assert plugins.reload().plugins["fine"].status == "ok"
 
 
-@pytest.mark.parametrize("field, value, expected", [
-    ("priority", "'high'", "priority must be an int"),
-    ("contiguous", "1", "contiguous must be a bool"),
-    ("capability", "'sm_90'", "capability must be callable or None"),
-    ("dtypes", "{'x': torch.float32}", "dtypes must map argument names to sets of torch dtypes"),
-    ("variant", "3", "variant must be a str"),
-])
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("priority", "'high'", "priority must be an int"),
+        ("contiguous", "1", "contiguous must be a bool"),
+        ("capability", "'sm_90'", "capability must be callable or None"),
+        (
+            "dtypes",
+            "{'x': torch.float32}",
+            "dtypes must map argument names to sets of torch dtypes",
+        ),
+        ("variant", "3", "variant must be a str"),
+    ],
+)
 def test_descriptor_fields_of_the_wrong_type_break_the_plugin(plugins, field, value, expected):
-    reason = broken_reason(plugins, permutation(
-        f"[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), {field}={value})]"))
+    reason = broken_reason(
+        plugins,
+        permutation(
+            f"[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), {field}={value})]"
+        ),
+    )
     assert expected in reason, reason
 
 
@@ -88,8 +130,10 @@ def test_a_forced_broken_plugin_says_why_it_did_not_load(plugins):
         with pytest.raises(NoKernelError) as info:
             ops.gather(*gather_args())
         message = str(info.value)
-        assert "backend 'broken' was forced for 'gather' by MEGABLOCKS_BACKEND but did not load: broken: " \
-               "ImportError: libvendor.so: cannot open shared object file" in message
+        assert (
+            "backend 'broken' was forced for 'gather' by MEGABLOCKS_BACKEND but did not load: broken: "
+            "ImportError: libvendor.so: cannot open shared object file" in message
+        )
         assert "provides no such op" not in message
     finally:
         plugins.reload()
@@ -97,7 +141,10 @@ def test_a_forced_broken_plugin_says_why_it_did_not_load(plugins):
 
 def test_a_forced_disabled_plugin_says_it_was_disabled(plugins):
     plugins.reload({"MEGABLOCKS_DISABLE_PLUGINS": "reference"})
-    with mb.use_backend("reference"), pytest.raises(NoKernelError, match="did not load: disabled: excluded"):
+    with (
+        mb.use_backend("reference"),
+        pytest.raises(NoKernelError, match="did not load: disabled: excluded"),
+    ):
         ops.gather(*gather_args())
 
 
@@ -113,13 +160,25 @@ def test_strict_mode_raises_at_import(plugins):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGABLOCKS_")}
     env["PYTHONPATH"] = os.pathsep.join([str(plugins.site()), env.get("PYTHONPATH", "")])
     code = "import megablocks_core\nprint('imported')"
-    strict = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={**env, "MEGABLOCKS_STRICT_PLUGINS": "1"})
+    strict = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "MEGABLOCKS_STRICT_PLUGINS": "1"},
+    )
     assert strict.returncode != 0 and "imported" not in strict.stdout
-    assert "PluginLoadError: plugin 'bad' failed to load: ImportError: kaboom on import" in strict.stderr
+    assert (
+        "PluginLoadError: plugin 'bad' failed to load: ImportError: kaboom on import"
+        in strict.stderr
+    )
     assert "skipped" not in strict.stderr
-    lenient = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert lenient.returncode == 0 and "imported" in lenient.stdout  # nothing loads at import otherwise
+    lenient = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert (
+        lenient.returncode == 0 and "imported" in lenient.stdout
+    )  # nothing loads at import otherwise
 
 
 VENDOR_DEVICE = """
@@ -143,17 +202,34 @@ def test_a_vendor_registered_device_kind_is_declarable_and_named_on_the_cli(plug
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEGABLOCKS_")}
     env["PYTHONPATH"] = os.pathsep.join([str(plugins.site()), env.get("PYTHONPATH", "")])
     env["MEGABLOCKS_PLUGINS"] = "reference,vendor"
-    result = subprocess.run([sys.executable, "-m", "megablocks_core.cli", "backends", "explain", "gather",
-                             "--device", f"{kind}:0"], capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megablocks_core.cli",
+            "backends",
+            "explain",
+            "gather",
+            "--device",
+            f"{kind}:0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
-    assert f"gather on {kind}:0" in result.stdout and "winner: vendor (highest priority)" in result.stdout
+    assert (
+        f"gather on {kind}:0" in result.stdout
+        and "winner: vendor (highest priority)" in result.stdout
+    )
 
 
 # ---------------------------------------------------------------------------
 # Kernels that raise, and (checked mode) kernels whose outputs break the contract
 
 
-RAISING = '''
+RAISING = """
 class VendorError(Exception):
     def __init__(self, code, detail):
         super().__init__(f"status {code}: {detail}")
@@ -163,31 +239,45 @@ def gather_value_error(x, indices, bin_ids, weights, bins, top_k):
 
 def scatter_vendor_error(x, indices, bin_ids, weights, bins, top_k):
     raise VendorError(7, "device lost")
-'''
+"""
 
 
 def test_a_kernel_exception_names_backend_and_op_and_keeps_type_and_cause(plugins):
-    plugins.add("raiser", permutation(
-        "[Kernel(op='gather', fn=gather_value_error, devices=('cpu',), priority=50),"
-        " Kernel(op='scatter', fn=scatter_vendor_error, devices=('cpu',), priority=50)]", RAISING))
+    plugins.add(
+        "raiser",
+        permutation(
+            "[Kernel(op='gather', fn=gather_value_error, devices=('cpu',), priority=50),"
+            " Kernel(op='scatter', fn=scatter_vendor_error, devices=('cpu',), priority=50)]",
+            RAISING,
+        ),
+    )
     plugins.reload()
     x, indices, bin_ids, bins, weights = routing_inputs()
     with pytest.raises(ValueError) as info:
         ops.gather(x, indices, bin_ids, bins, 2)
-    assert str(info.value) == ("megablocks_core.ops.gather: the 'raiser' kernel raised ValueError: "
-                               "bad launch config")
-    assert isinstance(info.value.__cause__, ValueError) and str(info.value.__cause__) == "bad launch config"
+    assert str(info.value) == (
+        "megablocks_core.ops.gather: the 'raiser' kernel raised ValueError: bad launch config"
+    )
+    assert (
+        isinstance(info.value.__cause__, ValueError)
+        and str(info.value.__cause__) == "bad launch config"
+    )
     rows = reference.gather(x, indices, bin_ids, None, bins, 2)
     # An exception type that cannot be rebuilt from a message becomes BackendError (a RuntimeError).
-    with pytest.raises(BackendError, match=r"ops\.scatter: the 'raiser' kernel raised VendorError: "
-                                           r"status 7: device lost") as info:
+    with pytest.raises(
+        BackendError,
+        match=r"ops\.scatter: the 'raiser' kernel raised VendorError: "
+        r"status 7: device lost",
+    ) as info:
         ops.scatter(rows, indices, bin_ids, weights, bins, 2)
     assert type(info.value.__cause__).__name__ == "VendorError"
-    with pytest.raises(ValueError, match=r"ops\.gather: the 'raiser' kernel raised"):  # also with autograd
+    with pytest.raises(
+        ValueError, match=r"ops\.gather: the 'raiser' kernel raised"
+    ):  # also with autograd
         ops.gather(x.requires_grad_(), indices, bin_ids, bins, 2)
 
 
-WRONG_OUTPUTS = '''
+WRONG_OUTPUTS = """
 def gather_short(x, indices, bin_ids, weights, bins, top_k):
     return _reference.gather(x, indices, bin_ids, weights, bins, top_k)[1:]
 
@@ -196,26 +286,40 @@ def scatter_float64(x, indices, bin_ids, weights, bins, top_k):
 
 def sort_one_output(x, end_bit):
     return _reference.sort(x, end_bit)[0]
-'''
+"""
 
 
 def test_checked_mode_compares_kernel_outputs_with_the_contract(plugins):
-    plugins.add("sloppy", permutation(
-        "[Kernel(op='gather', fn=gather_short, devices=('cpu',), priority=50),"
-        " Kernel(op='scatter', fn=scatter_float64, devices=('cpu',), priority=50)]", WRONG_OUTPUTS)
+    plugins.add(
+        "sloppy",
+        permutation(
+            "[Kernel(op='gather', fn=gather_short, devices=('cpu',), priority=50),"
+            " Kernel(op='scatter', fn=scatter_float64, devices=('cpu',), priority=50)]",
+            WRONG_OUTPUTS,
+        )
         + "\n@hookimpl\ndef megablocks_routing_kernels():\n"
-          "    return [Kernel(op='sort', fn=sort_one_output, devices=('cpu',), priority=50)]\n")
+        "    return [Kernel(op='sort', fn=sort_one_output, devices=('cpu',), priority=50)]\n",
+    )
     plugins.reload({"MEGABLOCKS_CHECK": "1"})
     x, indices, bin_ids, bins, weights = routing_inputs()
-    with pytest.raises(BackendError, match=r"ops\.gather: the 'sloppy' kernel returned output 'out' of shape "
-                                           r"\(11, 4\) torch.float32 on cpu; the contract says \(12, 4\)"):
+    with pytest.raises(
+        BackendError,
+        match=r"ops\.gather: the 'sloppy' kernel returned output 'out' of shape "
+        r"\(11, 4\) torch.float32 on cpu; the contract says \(12, 4\)",
+    ):
         ops.gather(x, indices, bin_ids, bins, 2)
     rows = reference.gather(x, indices, bin_ids, None, bins, 2)
-    with pytest.raises(BackendError, match=r"ops\.scatter: the 'sloppy' kernel .* torch.float64 .* "
-                                           r"the contract says \(6, 4\) torch.float32"):
+    with pytest.raises(
+        BackendError,
+        match=r"ops\.scatter: the 'sloppy' kernel .* torch.float64 .* "
+        r"the contract says \(6, 4\) torch.float32",
+    ):
         ops.scatter(rows, indices, bin_ids, weights, bins, 2)
-    with pytest.raises(BackendError, match=r"ops\.sort: the 'sloppy' kernel returned 1 output\(s\); "
-                                           r"the contract says 2"):
+    with pytest.raises(
+        BackendError,
+        match=r"ops\.sort: the 'sloppy' kernel returned 1 output\(s\); "
+        r"the contract says 2",
+    ):
         ops.sort(indices, 4)
     plugins.reload()  # unchecked: the wrong shape goes through (no cost on the hot path)
     assert ops.gather(x, indices, bin_ids, bins, 2).shape == (11, 4)
@@ -224,8 +328,9 @@ def test_checked_mode_compares_kernel_outputs_with_the_contract(plugins):
 def test_checked_mode_passes_correct_kernels_with_data_dependent_sizes(only_reference):
     mb.reload({"MEGABLOCKS_CHECK": "1", "MEGABLOCKS_PLUGINS": "reference"})
     x, indices, bin_ids, bins, _ = routing_inputs()
-    padded = torch.cumsum(torch.diff(bins, prepend=bins.new_zeros(1)).add(3).div(4, rounding_mode="floor")
-                          .mul(4), 0).int()
+    padded = torch.cumsum(
+        torch.diff(bins, prepend=bins.new_zeros(1)).add(3).div(4, rounding_mode="floor").mul(4), 0
+    ).int()
     out = ops.padded_gather(x, indices, bin_ids, bins, padded, 2)
     assert out.shape == (int(padded[-1]), 4)
 
@@ -234,19 +339,26 @@ def test_checked_mode_passes_correct_kernels_with_data_dependent_sizes(only_refe
 # The conformance kit blames the op whose kernel is wrong
 
 
-WRONG_GATHER = '''
+WRONG_GATHER = """
 def gather_wrong(x, indices, bin_ids, weights, bins, top_k):
     out = _reference.gather(x, indices, bin_ids, weights, bins, top_k)
     return out * 2  # wrong; the backward of scatter is a (weighted) gather
-'''
+"""
 
 
 def test_the_kit_blames_gather_not_scatter_whose_backward_calls_it(plugins):
-    plugins.add("halfright", permutation(
-        "[Kernel(op='gather', fn=gather_wrong, devices=('cpu',)),"
-        " Kernel(op='scatter', fn=recording('scatter'), devices=('cpu',))]", WRONG_GATHER))
+    plugins.add(
+        "halfright",
+        permutation(
+            "[Kernel(op='gather', fn=gather_wrong, devices=('cpu',)),"
+            " Kernel(op='scatter', fn=recording('scatter'), devices=('cpu',))]",
+            WRONG_GATHER,
+        ),
+    )
     plugins.reload()
     results = {r.op: r for r in testing.check(["halfright"], quick=True, ops=["gather", "scatter"])}
-    assert results["gather"].status == "fail" and "forward output 'out'" in results["gather"].message
+    assert (
+        results["gather"].status == "fail" and "forward output 'out'" in results["gather"].message
+    )
     assert results["scatter"].status == "pass", results["scatter"].message
     assert "scatter" in plugins.calls("halfright")  # scatter's own kernel was the one checked

@@ -24,12 +24,20 @@ F32 = {"x": torch.float32}
 BF16 = {"x": torch.bfloat16}
 
 
-
-def fast_plugin(plugins, name="fast", ops_=("gather",), devices=("cpu",), priority=50, extra="",
-                kernel_args="", **add_kwargs):
+def fast_plugin(
+    plugins,
+    name="fast",
+    ops_=("gather",),
+    devices=("cpu",),
+    priority=50,
+    extra="",
+    kernel_args="",
+    **add_kwargs,
+):
     kernels = ", ".join(
         f"Kernel(op={op!r}, fn=recording({op!r}), devices={devices!r}, priority={priority}{kernel_args})"
-        for op in ops_)
+        for op in ops_
+    )
     return plugins.add(name, permutation(f"[{kernels}]", extra), **add_kwargs)
 
 
@@ -49,7 +57,9 @@ def run_scatter(dtype=torch.float32):
 
 
 def candidate(trace, backend, variant=""):
-    found = [c for c in trace.candidates if c.kernel.backend == backend and c.kernel.variant == variant]
+    found = [
+        c for c in trace.candidates if c.kernel.backend == backend and c.kernel.variant == variant
+    ]
     assert len(found) == 1, trace.candidates
     return found[0]
 
@@ -63,7 +73,12 @@ def test_fast_plugin_is_discovered_and_wins_on_cpu(plugins):
     registry = plugins.reload()
     record = registry.plugins["fast"]
     assert (record.name, record.distribution, record.version, record.status, record.reason) == (
-        "fast", "megablocks-fake-fast", "1.0", "ok", None)
+        "fast",
+        "megablocks-fake-fast",
+        "1.0",
+        "ok",
+        None,
+    )
     assert record.ops == ("gather",) and record.device_kinds == ("cpu",)
     assert all(k.backend == "fast" for k in record.kernels)  # the core fills in the backend name
     assert registry.plugins["reference"].status == "ok"
@@ -134,16 +149,23 @@ def test_capability_predicate_reason_rejects(plugins):
 
 
 def test_capability_predicate_that_raises_rejects_only_its_own_kernel(plugins):
-    plugins.add("fast", permutation(
-        "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=50, capability=boom),"
-        " Kernel(op='scatter', fn=recording('scatter'), devices=('cpu',), priority=50,"
-        "        capability=lambda dev: None)]",
-        extra="def boom(device):\n    raise ZeroDivisionError('bad predicate')\n"))
+    plugins.add(
+        "fast",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=50, capability=boom),"
+            " Kernel(op='scatter', fn=recording('scatter'), devices=('cpu',), priority=50,"
+            "        capability=lambda dev: None)]",
+            extra="def boom(device):\n    raise ZeroDivisionError('bad predicate')\n",
+        ),
+    )
     registry = plugins.reload()
     assert registry.plugins["fast"].status == "ok"
     gather = mb.explain("gather", "cpu")
     assert gather.winner.backend == "reference"
-    assert candidate(gather, "fast").reason == "capability check raised ZeroDivisionError: bad predicate"
+    assert (
+        candidate(gather, "fast").reason
+        == "capability check raised ZeroDivisionError: bad predicate"
+    )
     assert mb.explain("scatter", "cpu").winner.backend == "fast"
     run_gather()
     run_scatter()
@@ -155,19 +177,41 @@ GPU_PLUGIN = permutation(
     "        capability=lambda d: None if (d.arch or '').startswith('gfx9') else f'needs gfx9, got {d.arch}'),"
     " Kernel(op='gather', fn=recording('gather'), devices=('cuda',), priority=100, variant='sm90',"
     "        capability=lambda d: None if d.capability and d.capability >= (9, 0)"
-    "                   else f'needs compute capability >= 9.0, device has {d.capability}')]")
+    "                   else f'needs compute capability >= 9.0, device has {d.capability}')]"
+)
 
 
-@pytest.mark.parametrize(("device", "winner", "fallback", "rejected"), [
-    (DeviceInfo(kind="rocm", type="cuda", arch="gfx942"), "gpu/hip", False, None),
-    (DeviceInfo(kind="rocm", type="cuda", arch="gfx1100"), "reference", True,
-     ("hip", "needs gfx9, got gfx1100")),
-    (DeviceInfo(kind="cuda", type="cuda", capability=(9, 0), arch="sm_90"), "gpu/sm90", False, None),
-    (DeviceInfo(kind="cuda", type="cuda", capability=(10, 0), arch="sm_100"), "gpu/sm90", False, None),
-    (DeviceInfo(kind="cuda", type="cuda", capability=(8, 0), arch="sm_80"), "reference", True,
-     ("sm90", "needs compute capability >= 9.0, device has (8, 0)")),
-    (CPU, "reference", False, ("hip", "serves rocm, not cpu")),
-])
+@pytest.mark.parametrize(
+    ("device", "winner", "fallback", "rejected"),
+    [
+        (DeviceInfo(kind="rocm", type="cuda", arch="gfx942"), "gpu/hip", False, None),
+        (
+            DeviceInfo(kind="rocm", type="cuda", arch="gfx1100"),
+            "reference",
+            True,
+            ("hip", "needs gfx9, got gfx1100"),
+        ),
+        (
+            DeviceInfo(kind="cuda", type="cuda", capability=(9, 0), arch="sm_90"),
+            "gpu/sm90",
+            False,
+            None,
+        ),
+        (
+            DeviceInfo(kind="cuda", type="cuda", capability=(10, 0), arch="sm_100"),
+            "gpu/sm90",
+            False,
+            None,
+        ),
+        (
+            DeviceInfo(kind="cuda", type="cuda", capability=(8, 0), arch="sm_80"),
+            "reference",
+            True,
+            ("sm90", "needs compute capability >= 9.0, device has (8, 0)"),
+        ),
+        (CPU, "reference", False, ("hip", "serves rocm, not cpu")),
+    ],
+)
 def test_simulated_devices(plugins, device, winner, fallback, rejected):
     plugins.add("gpu", GPU_PLUGIN)
     plugins.reload()
@@ -225,14 +269,17 @@ def test_ranking_runs_once_per_signature_and_policy(plugins):
 
 
 def test_hooks_are_called_once_per_load(plugins):
-    plugins.add("fast", """
+    plugins.add(
+        "fast",
+        """
         HOOK_CALLS = [0]
 
         @hookimpl
         def megablocks_permutation_kernels():
             HOOK_CALLS[0] += 1
             return [Kernel(op="gather", fn=recording("gather"), devices=("cpu",), priority=50)]
-    """)
+    """,
+    )
     plugins.reload()
     module = plugins.module("fast")
     assert module.HOOK_CALLS == [1]
@@ -264,7 +311,11 @@ def winners(*op_names):
 def test_default_ranking_without_overrides(fast_and_slow):
     fast_and_slow.reload()
     assert winners("gather", "scatter", "scatter_wgrad", "gmm") == {
-        "gather": "fast", "scatter": "fast", "scatter_wgrad": "reference", "gmm": "reference"}
+        "gather": "fast",
+        "scatter": "fast",
+        "scatter_wgrad": "reference",
+        "gmm": "reference",
+    }
 
 
 def test_env_backend_forces_every_op(fast_and_slow):
@@ -282,10 +333,16 @@ def test_env_backend_forces_every_op(fast_and_slow):
 CANNOT_SERVE = {
     # name: (plugin kernel args, op runner, expected fragments)
     "wrong device": (dict(devices=("cuda",)), run_gather, ["serves cuda, not cpu"]),
-    "dtype rejected": (dict(kernel_args=", dtypes={'x': {torch.float32}}"),
-                       lambda: run_gather(torch.bfloat16), ["x must be float32, got bfloat16", "bfloat16"]),
-    "capability": (dict(kernel_args=", capability=lambda d: 'needs a widget'"), run_gather,
-                   ["needs a widget"]),
+    "dtype rejected": (
+        dict(kernel_args=", dtypes={'x': {torch.float32}}"),
+        lambda: run_gather(torch.bfloat16),
+        ["x must be float32, got bfloat16", "bfloat16"],
+    ),
+    "capability": (
+        dict(kernel_args=", capability=lambda d: 'needs a widget'"),
+        run_gather,
+        ["needs a widget"],
+    ),
 }
 
 
@@ -329,9 +386,13 @@ def test_forced_backend_not_installed_error_names_the_device(plugins):
 
 
 def test_forced_unavailable_backend_raises_with_its_reason(plugins):
-    plugins.add("nowidget", permutation(
-        "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
-        extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n"))
+    plugins.add(
+        "nowidget",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
+            extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
+        ),
+    )
     plugins.reload({"MEGABLOCKS_BACKEND": "gather=nowidget"})
     with pytest.raises(NoKernelError, match="no widget"):
         run_gather()
@@ -463,9 +524,12 @@ def test_backward_runs_on_the_backend_forced_for_the_forward(fast_and_slow):
     out.backward(grad)
     assert fast_and_slow.calls("slow")[2:] == ["scatter", "gather", "scatter_wgrad"]
     assert fast_and_slow.calls("fast") == []
-    torch.testing.assert_close(rows.grad, reference.gather(grad, indices, bin_ids, weights.detach(), bins, 2))
     torch.testing.assert_close(
-        weights.grad, reference.scatter_wgrad(rows.detach(), grad, indices, bin_ids, bins, 2))
+        rows.grad, reference.gather(grad, indices, bin_ids, weights.detach(), bins, 2)
+    )
+    torch.testing.assert_close(
+        weights.grad, reference.scatter_wgrad(rows.detach(), grad, indices, bin_ids, bins, 2)
+    )
 
     # control: without the override, forward and backward both rank normally (fast)
     out = ops.gather(x, indices, bin_ids, bins, 2)
@@ -492,24 +556,44 @@ KERNEL = "Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority
 BROKEN = {
     "import error": ("raise ImportError('kaboom on import')\n", "ImportError: kaboom on import"),
     "unknown hook": (
-        "@hookimpl\ndef megablocks_routing_kernelz():\n    return []\n\n" + permutation(f"[{KERNEL}]"),
-        "ValueError: implements unknown hook 'megablocks_routing_kernelz'"),
-    "non-kernel": (permutation(f"[{KERNEL}, 'histogram']"),
-                   "TypeError: megablocks_permutation_kernels returned str, expected megablocks_core.Kernel"),
-    "unknown op": (permutation(f"[{KERNEL}, Kernel(op='gatherz', fn=recording('gather'), devices=('cpu',))]"),
-                   "ValueError: megablocks_permutation_kernels returned a kernel for unknown op 'gatherz'"),
-    "wrong family": (permutation(f"[{KERNEL}, Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',))]"),
-                     "ValueError: megablocks_permutation_kernels returned a kernel for 'gmm', a grouped_gemm op"),
-    "hook raises": ("@hookimpl\ndef megablocks_permutation_kernels():\n    raise OSError('no lib')\n",
-                    "OSError: no lib"),
-    "uppercase device": (permutation("[Kernel(op='gather', fn=recording('gather'), devices=('CPU',))]"),
-                         "devices must be lowercase kinds"),
-    "unknown dtype arg": (permutation(
-        "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), dtypes={'y': {torch.float32}})]"),
-        "dtypes names unknown arguments ['y']"),
-    "fn not callable": (permutation("[Kernel(op='gather', fn=42, devices=('cpu',))]"), "fn is not callable"),
-    "same variant twice": (permutation(f"[{KERNEL}, {KERNEL}]"),
-                           "two kernels for 'gather' with the same variant ''"),
+        "@hookimpl\ndef megablocks_routing_kernelz():\n    return []\n\n"
+        + permutation(f"[{KERNEL}]"),
+        "ValueError: implements unknown hook 'megablocks_routing_kernelz'",
+    ),
+    "non-kernel": (
+        permutation(f"[{KERNEL}, 'histogram']"),
+        "TypeError: megablocks_permutation_kernels returned str, expected megablocks_core.Kernel",
+    ),
+    "unknown op": (
+        permutation(f"[{KERNEL}, Kernel(op='gatherz', fn=recording('gather'), devices=('cpu',))]"),
+        "ValueError: megablocks_permutation_kernels returned a kernel for unknown op 'gatherz'",
+    ),
+    "wrong family": (
+        permutation(f"[{KERNEL}, Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',))]"),
+        "ValueError: megablocks_permutation_kernels returned a kernel for 'gmm', a grouped_gemm op",
+    ),
+    "hook raises": (
+        "@hookimpl\ndef megablocks_permutation_kernels():\n    raise OSError('no lib')\n",
+        "OSError: no lib",
+    ),
+    "uppercase device": (
+        permutation("[Kernel(op='gather', fn=recording('gather'), devices=('CPU',))]"),
+        "devices must be lowercase kinds",
+    ),
+    "unknown dtype arg": (
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), dtypes={'y': {torch.float32}})]"
+        ),
+        "dtypes names unknown arguments ['y']",
+    ),
+    "fn not callable": (
+        permutation("[Kernel(op='gather', fn=42, devices=('cpu',))]"),
+        "fn is not callable",
+    ),
+    "same variant twice": (
+        permutation(f"[{KERNEL}, {KERNEL}]"),
+        "two kernels for 'gather' with the same variant ''",
+    ),
 }
 
 
@@ -520,7 +604,11 @@ def test_broken_plugin_is_recorded_and_others_keep_working(plugins, case):
     registry = plugins.reload()
     record = registry.plugins["bad"]
     assert record.status == "broken"
-    assert (record.name, record.distribution, record.version) == ("bad", "megablocks-fake-bad", "2.3")
+    assert (record.name, record.distribution, record.version) == (
+        "bad",
+        "megablocks-fake-bad",
+        "2.3",
+    )
     assert reason in record.reason
     assert record.kernels == ()  # nothing of a broken plugin takes part, not even its valid kernels
     assert record.as_dict()["status"] == "broken" and reason in record.as_dict()["reason"]
@@ -557,8 +645,9 @@ raise RuntimeError("an incompatible plugin must not be imported")
 """
 
 
-@pytest.mark.parametrize("requirement", ["megablocks-core<0.1", "Megablocks_Core>=0.2,<1",
-                                         "megablocks-core==0.0.9"])
+@pytest.mark.parametrize(
+    "requirement", ["megablocks-core<0.1", "Megablocks_Core>=0.2,<1", "megablocks-core==0.0.9"]
+)
 def test_incompatible_plugin_is_not_imported(plugins, requirement):
     module = plugins.add("old", INCOMPATIBLE_BODY, requires=("numpy", requirement), prelude=False)
     registry = plugins.reload()
@@ -574,18 +663,29 @@ def test_incompatible_plugin_is_not_imported(plugins, requirement):
     assert module not in sys.modules
 
 
-@pytest.mark.parametrize("requirement", [
-    "megablocks-core>=0.1", "megablocks-core>=0.1,<0.2", 'megablocks-core<0.1; extra == "old"',
-    "other-package<0.1"])
+@pytest.mark.parametrize(
+    "requirement",
+    [
+        "megablocks-core>=0.1",
+        "megablocks-core>=0.1,<0.2",
+        'megablocks-core<0.1; extra == "old"',
+        "other-package<0.1",
+    ],
+)
 def test_compatible_requirements_load(plugins, requirement):
     fast_plugin(plugins, requires=(requirement,))
     assert plugins.reload().plugins["fast"].status == "ok"
 
 
-@pytest.mark.parametrize("env", [{"MEGABLOCKS_PLUGINS": "reference"},
-                                 {"MEGABLOCKS_PLUGINS": " reference , other"},
-                                 {"MEGABLOCKS_DISABLE_PLUGINS": "fast"},
-                                 {"MEGABLOCKS_DISABLE_PLUGINS": "other,fast"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"MEGABLOCKS_PLUGINS": "reference"},
+        {"MEGABLOCKS_PLUGINS": " reference , other"},
+        {"MEGABLOCKS_DISABLE_PLUGINS": "fast"},
+        {"MEGABLOCKS_DISABLE_PLUGINS": "other,fast"},
+    ],
+)
 def test_allow_and_deny_lists_disable_plugins(plugins, env):
     module = fast_plugin(plugins)
     registry = plugins.reload(env)
@@ -612,12 +712,20 @@ def test_allow_list_that_includes_the_plugin(plugins):
 
 
 def test_unavailable_plugin_never_wins(plugins):
-    plugins.add("nowidget", permutation(
-        "[Kernel(op='gather', fn=recording('gather'), devices=('cpu', 'any'), priority=1000)]",
-        extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n"))
-    plugins.add("widget", permutation(
-        "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=10)]",
-        extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return None\n"))
+    plugins.add(
+        "nowidget",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu', 'any'), priority=1000)]",
+            extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
+        ),
+    )
+    plugins.add(
+        "widget",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=10)]",
+            extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return None\n",
+        ),
+    )
     registry = plugins.reload()
     record = registry.plugins["nowidget"]
     assert (record.status, record.reason) == ("unavailable", "no widget")
@@ -634,10 +742,20 @@ def test_unavailable_plugin_never_wins(plugins):
 
 
 def test_duplicate_entry_point_names(plugins):
-    plugins.add("dup", permutation(f"[{KERNEL}]"), distribution="megablocks-fake-dup-a",
-                module="mbfake_dup_a", sub="a")
-    plugins.add("dup", permutation(f"[{KERNEL}]"), distribution="megablocks-fake-dup-b",
-                module="mbfake_dup_b", sub="b")  # prepended last: first on sys.path
+    plugins.add(
+        "dup",
+        permutation(f"[{KERNEL}]"),
+        distribution="megablocks-fake-dup-a",
+        module="mbfake_dup_a",
+        sub="a",
+    )
+    plugins.add(
+        "dup",
+        permutation(f"[{KERNEL}]"),
+        distribution="megablocks-fake-dup-b",
+        module="mbfake_dup_b",
+        sub="b",
+    )  # prepended last: first on sys.path
     registry = plugins.reload()
     assert registry.plugins["dup"].distribution == "megablocks-fake-dup-b"
     assert registry.plugins["dup"].status == "ok"

@@ -31,17 +31,42 @@ from megablocks_triton import gmm as tgmm  # noqa: E402
 
 
 def amd(arch_name: str, cus: int, name: str) -> DeviceInfo:
-    return DeviceInfo(kind="rocm", type="cuda", index=0, name=name, arch=arch_name,
-                      runtime="6.4.43482", warp_size=64, multiprocessors=cus)
+    return DeviceInfo(
+        kind="rocm",
+        type="cuda",
+        index=0,
+        name=name,
+        arch=arch_name,
+        runtime="6.4.43482",
+        warp_size=64,
+        multiprocessors=cus,
+    )
 
 
 MI250X = amd("gfx90a", 110, "AMD Instinct MI250X")  # one GCD
 MI300X = amd("gfx942", 304, "AMD Instinct MI300X")
 MI355X = amd("gfx950", 256, "AMD Instinct MI355X")
-RX7900 = DeviceInfo(kind="rocm", type="cuda", index=0, name="Radeon RX 7900 XTX", arch="gfx1100",
-                    runtime="6.4.43482", warp_size=32, multiprocessors=48)
-H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90",
-                  capability=(9, 0), runtime="13.0", warp_size=32, multiprocessors=132)
+RX7900 = DeviceInfo(
+    kind="rocm",
+    type="cuda",
+    index=0,
+    name="Radeon RX 7900 XTX",
+    arch="gfx1100",
+    runtime="6.4.43482",
+    warp_size=32,
+    multiprocessors=48,
+)
+H200 = DeviceInfo(
+    kind="cuda",
+    type="cuda",
+    index=0,
+    name="NVIDIA H200",
+    arch="sm_90",
+    capability=(9, 0),
+    runtime="13.0",
+    warp_size=32,
+    multiprocessors=132,
+)
 TUNED = [MI250X, MI300X, MI355X]
 KINDS = tconfig.KERNEL_KINDS
 #: Every keyword the rocm policy may pass to a launch: options of Triton's HIP backend only
@@ -63,10 +88,18 @@ def _fields(options_cls) -> set[str]:
 # detection: arch -> family
 
 
-@pytest.mark.parametrize(("gfx", "family"), [
-    ("gfx90a", "cdna2"), ("gfx942", "cdna3"), ("gfx950", "cdna4"),
-    ("gfx942:sramecc+:xnack-", "cdna3"), ("gfx1100", "generic"), ("gfx908", "generic"), (None, "generic"),
-])
+@pytest.mark.parametrize(
+    ("gfx", "family"),
+    [
+        ("gfx90a", "cdna2"),
+        ("gfx942", "cdna3"),
+        ("gfx950", "cdna4"),
+        ("gfx942:sramecc+:xnack-", "cdna3"),
+        ("gfx1100", "generic"),
+        ("gfx908", "generic"),
+        (None, "generic"),
+    ],
+)
 def test_arch_family(gfx, family):
     assert arch.family(gfx).name == family
 
@@ -167,7 +200,9 @@ def test_no_cuda_only_kernel_is_ever_chosen_on_rocm(on_rocm_host, device):
         assert trace.winner.backend not in ("cuda", "cudaonly"), (op, trace.winner)
     # The fake's kernels outrank everything, but are rejected for their device kind.
     for op in ("gather", "gmm"):
-        [fake] = [c for c in mb.dispatch.explain(op, device).candidates if c.kernel.backend == "cudaonly"]
+        [fake] = [
+            c for c in mb.dispatch.explain(op, device).candidates if c.kernel.backend == "cudaonly"
+        ]
         assert not fake.accepted and fake.reason == "serves cuda, not rocm"
 
 
@@ -222,8 +257,13 @@ def test_permutation_and_routing_shapes_per_arch():
 
 
 GMM_SHAPES = [  # (tokens, n, k, experts): training steps, many small experts, decode, odd sizes
-    (32768, 14336, 4096, 8), (16384, 768, 2048, 128), (8192, 2048, 7168, 256), (64, 4096, 4096, 8),
-    (1, 24, 40, 1), (1000, 100, 36, 3), (0, 64, 64, 4),
+    (32768, 14336, 4096, 8),
+    (16384, 768, 2048, 128),
+    (8192, 2048, 7168, 256),
+    (64, 4096, 4096, 8),
+    (1, 24, 40, 1),
+    (1000, 100, 36, 3),
+    (0, 64, 64, 4),
 ]
 
 
@@ -253,13 +293,18 @@ def test_gmm_tiles_fit_a_cdna_cu(device):
                 assert (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize <= lds, cfg
                 # Never larger than the problem (power-of-two rounded, >= 16 for tl.dot).
                 assert cfg.block_m <= _pow2_at_least_16(out_rows), cfg
-                assert cfg.block_n <= _pow2_at_least_16(n) and cfg.block_k <= _pow2_at_least_16(depth)
+                assert cfg.block_n <= _pow2_at_least_16(n) and cfg.block_k <= _pow2_at_least_16(
+                    depth
+                )
 
 
 def test_gmm_tiles_per_family():
     big = (32768, 14336, 4096, 8)
-    for device, tile in ((MI250X, (128, 128, 64, 8)), (MI300X, (256, 256, 64, 8)),
-                         (MI355X, (256, 256, 64, 8))):
+    for device, tile in (
+        (MI250X, (128, 128, 64, 8)),
+        (MI300X, (256, 256, 64, 8)),
+        (MI355X, (256, 256, 64, 8)),
+    ):
         cfg = RocmLaunchConfigs(device).gmm(device, *big, torch.bfloat16)
         assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == tile, device.arch
     # Many small experts (64 rows each): 64-row tiles; a smaller tile gets fewer wavefronts
@@ -271,10 +316,12 @@ def test_gmm_tiles_per_family():
     # Not a CDNA part (or not AMD at all): the triton backend's portable defaults.
     for device in (RX7900, H200):
         for shape in ((32768, 14336, 4096, 8), (1000, 100, 36, 3)):
-            assert RocmLaunchConfigs(device).gmm(device, *shape, torch.bfloat16) == \
-                tconfig.LaunchConfigs().gmm(device, *shape, torch.bfloat16)
-            assert RocmLaunchConfigs(device).gmm_wgrad(device, *shape, torch.float32) == \
-                tconfig.LaunchConfigs().gmm_wgrad(device, *shape, torch.float32)
+            assert RocmLaunchConfigs(device).gmm(
+                device, *shape, torch.bfloat16
+            ) == tconfig.LaunchConfigs().gmm(device, *shape, torch.bfloat16)
+            assert RocmLaunchConfigs(device).gmm_wgrad(
+                device, *shape, torch.float32
+            ) == tconfig.LaunchConfigs().gmm_wgrad(device, *shape, torch.float32)
 
 
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
@@ -283,13 +330,17 @@ def test_gmm_tiles_reach_choose_config_under_the_rocm_policy(device, monkeypatch
     monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG", raising=False)
     policy = RocmLaunchConfigs(device)
     with tconfig.use_launch_configs(policy):
-        assert tgmm.choose_config("gmm", 8192, 4096, 4096, 8, torch.bfloat16, device) == \
-            policy.gmm(device, 8192, 4096, 4096, 8, torch.bfloat16)
-        assert tgmm.choose_config("wgrad", 4096, 2048, 8192, 8, torch.bfloat16, device) == \
-            policy.gmm_wgrad(device, 4096, 2048, 8192, 8, torch.bfloat16)
+        assert tgmm.choose_config("gmm", 8192, 4096, 4096, 8, torch.bfloat16, device) == policy.gmm(
+            device, 8192, 4096, 4096, 8, torch.bfloat16
+        )
+        assert tgmm.choose_config(
+            "wgrad", 4096, 2048, 8192, 8, torch.bfloat16, device
+        ) == policy.gmm_wgrad(device, 4096, 2048, 8192, 8, torch.bfloat16)
     # Without it (the triton backend alone), every AMD GPU gets the portable AMD tiles.
-    assert tgmm.choose_config("gmm", 8192, 4096, 4096, 8, torch.bfloat16, device) == \
-        tconfig.GMM_TILES[("gmm", "amd", "16bit")]
+    assert (
+        tgmm.choose_config("gmm", 8192, 4096, 4096, 8, torch.bfloat16, device)
+        == tconfig.GMM_TILES[("gmm", "amd", "16bit")]
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -306,7 +357,9 @@ def test_options_are_hip_options_and_never_nvidia_ones(device):
     for kind in KINDS:
         opts = dict(cfgs.launch_options(kind))
         assert set(opts) <= HIP_ONLY_OPTIONS
-        assert not {"maxnreg", "num_ctas", "launch_pdl", "ptx_options", "enable_reflect_ftz"} & set(opts)
+        assert not {"maxnreg", "num_ctas", "launch_pdl", "ptx_options", "enable_reflect_ftz"} & set(
+            opts
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # e.g. kpack != 1 on gfx950 warns
             built = HIPOptions(arch=device.arch, num_warps=8, **opts)
@@ -318,14 +371,18 @@ def test_options_are_hip_options_and_never_nvidia_ones(device):
 @pytest.mark.skipif(HIPOptions is None, reason="triton without the AMD and NVIDIA backends")
 def test_default_policy_passes_nothing_to_cuda():
     for kind in KINDS:
-        assert set(tconfig.LaunchConfigs().launch_options(kind)) <= _fields(CUDAOptions) - _fields(HIPOptions)
+        assert set(tconfig.LaunchConfigs().launch_options(kind)) <= _fields(CUDAOptions) - _fields(
+            HIPOptions
+        )
 
 
 # ---------------------------------------------------------------------------
 # the policy reaches the launches (interpreter, device description simulated)
 
-interpret = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                               reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+interpret = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1",
+)
 
 
 @pytest.fixture
@@ -370,11 +427,17 @@ def test_rocm_kernels_launch_with_the_arch_policy(device, monkeypatch, launches)
     gmm = _rocm_fn(plugin.megablocks_grouped_gemm_kernels, "gmm")
     torch.testing.assert_close(gmm(a, b, sizes, False), reference.gmm(a, b, sizes, False))
     [(_, kw)] = launches
-    assert {k: kw[k] for k in ("matrix_instr_nonkdim", "waves_per_eu")} == \
-        {"matrix_instr_nonkdim": 16, "waves_per_eu": 2}
+    assert {k: kw[k] for k in ("matrix_instr_nonkdim", "waves_per_eu")} == {
+        "matrix_instr_nonkdim": 16,
+        "waves_per_eu": 2,
+    }
     tiles = RocmLaunchConfigs(device).gmm(device, 12, 24, 16, 3, torch.float32)
-    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == \
-        (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_warps)
+    assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"]) == (
+        tiles.block_m,
+        tiles.block_n,
+        tiles.block_k,
+        tiles.num_warps,
+    )
     assert kw.get("kpack", 1) == arch.family(device).kpack
 
     launches.clear()

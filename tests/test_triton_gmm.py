@@ -20,8 +20,9 @@ triton = pytest.importorskip("triton")
 from megablocks_triton import gmm as G  # noqa: E402
 
 # The kernels get CPU tensors: only the interpreter runs them (choose_config tests need neither).
-needs_interpreter = pytest.mark.skipif(not interpreting(),
-                                       reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1")
+needs_interpreter = pytest.mark.skipif(
+    not interpreting(), reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1"
+)
 from megablocks_triton.config import GMM_TILES, LaunchConfigs, use_launch_configs  # noqa: E402
 
 from megablocks_core.plugin import DeviceInfo  # noqa: E402
@@ -177,12 +178,27 @@ def test_non_unit_inner_stride() -> None:
 # choose_config: pure function of the shapes / dtype / device description.
 # ---------------------------------------------------------------------------------------------
 
-H200 = DeviceInfo(kind="cuda", type="cuda", index=0, name="NVIDIA H200", arch="sm_90",
-                  capability=(9, 0), warp_size=32, multiprocessors=132)
+H200 = DeviceInfo(
+    kind="cuda",
+    type="cuda",
+    index=0,
+    name="NVIDIA H200",
+    arch="sm_90",
+    capability=(9, 0),
+    warp_size=32,
+    multiprocessors=132,
+)
 B200 = dataclasses.replace(H200, name="NVIDIA B200", arch="sm_100", capability=(10, 0))
 RTX5090 = dataclasses.replace(H200, name="NVIDIA RTX 5090", arch="sm_120", capability=(12, 0))
-MI300 = DeviceInfo(kind="rocm", type="cuda", index=0, name="AMD Instinct MI300X", arch="gfx942",
-                   warp_size=64, multiprocessors=304)
+MI300 = DeviceInfo(
+    kind="rocm",
+    type="cuda",
+    index=0,
+    name="AMD Instinct MI300X",
+    arch="gfx942",
+    warp_size=64,
+    multiprocessors=304,
+)
 RX7900 = dataclasses.replace(MI300, name="Radeon RX 7900 XTX", arch="gfx1100", warp_size=32)
 
 
@@ -190,7 +206,13 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_CONFIG", raising=False)
     monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG", raising=False)
     big = G.choose_config("gmm", 32768, 14336, 4096, 8, torch.bfloat16, H200)
-    assert (big.block_m, big.block_n, big.block_k, big.num_stages, big.use_tma) == (128, 256, 64, 3, True)
+    assert (big.block_m, big.block_n, big.block_k, big.num_stages, big.use_tma) == (
+        128,
+        256,
+        64,
+        3,
+        True,
+    )
     # Many small experts (~64 rows each): BLOCK_M shrinks, not below 64.
     small = G.choose_config("gmm", 128 * 64, 768, 2048, 128, torch.bfloat16, H200)
     assert small.block_m == 64 and small.num_stages == 4  # few output columns: one more stage
@@ -226,8 +248,11 @@ def test_choose_config_asks_the_launch_policy() -> None:
         sizes, k, n = [3, 0, 40], 24, 20
         a = _rand(43, k, dtype=torch.float32, seed=21)
         b = _rand(3, k, n, dtype=torch.float32, seed=22)
-        _close(G.gmm(a, b, torch.tensor(sizes), False), oracle.gmm(_np(a), _np(b), sizes, False),
-               torch.float32)
+        _close(
+            G.gmm(a, b, torch.tensor(sizes), False),
+            oracle.gmm(_np(a), _np(b), sizes, False),
+            torch.float32,
+        )
     assert G.choose_config("gmm", 4096, 4096, 4096, 8, torch.bfloat16, H200).block_m == 128
 
 
@@ -244,8 +269,11 @@ def test_choose_config_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = [3, 0, 40]
     a = _rand(43, 24, dtype=torch.float32, seed=15)
     b = _rand(3, 24, 20, dtype=torch.float32, seed=16)
-    _close(G.gmm(a, b, torch.tensor(sizes), False), oracle.gmm(_np(a), _np(b), sizes, False),
-           torch.float32)
+    _close(
+        G.gmm(a, b, torch.tensor(sizes), False),
+        oracle.gmm(_np(a), _np(b), sizes, False),
+        torch.float32,
+    )
 
 
 @needs_interpreter

@@ -26,11 +26,14 @@ from megablocks_triton import routing as R  # noqa: E402
 #: Where the kernels run: the CPU under the interpreter, else the GPU. On a GPU machine
 #: ``TRITON_INTERPRET=0 pytest tests/test_triton_kernels.py`` (the default there) checks the
 #: compiled kernels with the same cases; MEGABLOCKS_TRITON_TEST_DEVICE overrides the choice.
-DEVICE = torch.device(os.environ.get("MEGABLOCKS_TRITON_TEST_DEVICE",
-                                     "cpu" if interpreting() else "cuda"))
+DEVICE = torch.device(
+    os.environ.get("MEGABLOCKS_TRITON_TEST_DEVICE", "cpu" if interpreting() else "cuda")
+)
 _RUNNABLE = interpreting() if DEVICE.type == "cpu" else torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not _RUNNABLE, reason=f"kernels on {DEVICE}: CPU tensors need "
-                                                      "TRITON_INTERPRET=1, GPU tensors a GPU")
+pytestmark = pytest.mark.skipif(
+    not _RUNNABLE,
+    reason=f"kernels on {DEVICE}: CPU tensors need TRITON_INTERPRET=1, GPU tensors a GPU",
+)
 
 
 class _OnDevice:
@@ -82,7 +85,13 @@ def _close(got: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> None:
         (500, 7, 4, torch.int16, 3),  # most experts empty
         (3000, 256, 128, torch.int32, 256),  # E=256, several tiles
         (2000, 64, 16, torch.int64, 20),
-        (9000, 64, 128, torch.int32, 64),  # > 4096 keys, >= 64 experts: the prescanned 3-launch path
+        (
+            9000,
+            64,
+            128,
+            torch.int32,
+            64,
+        ),  # > 4096 keys, >= 64 experts: the prescanned 3-launch path
         (20000, 256, 128, torch.int64, 200),
     ],
 )
@@ -91,7 +100,9 @@ def test_route(n: int, num_experts: int, block_size: int, dtype: torch.dtype, us
     pool = torch.randperm(num_experts, generator=g)[:used]
     keys = pool[torch.randint(0, used, (n,), generator=g)].to(dtype)
     indices, bin_ids, tpe, bins, padded = mt.route(keys, num_experts, block_size)
-    order, sorted_keys, counts, ends, padded_ends = oracle.route(keys.numpy(), num_experts, block_size)
+    order, sorted_keys, counts, ends, padded_ends = oracle.route(
+        keys.numpy(), num_experts, block_size
+    )
     assert indices.dtype == dtype and bin_ids.dtype == dtype
     assert tpe.dtype == bins.dtype == padded.dtype == torch.int32
     np.testing.assert_array_equal(indices.numpy(), order)
@@ -117,9 +128,13 @@ def test_sort(end_bit: int | None, dtype: torch.dtype) -> None:
     g = _gen(end_bit or 0)
     if end_bit is None:  # full width: negative keys too
         info = torch.iinfo(dtype)
-        x = torch.randint(max(info.min, -(2**20)), min(info.max, 2**20), (n,), generator=g, dtype=dtype)
+        x = torch.randint(
+            max(info.min, -(2**20)), min(info.max, 2**20), (n,), generator=g, dtype=dtype
+        )
     else:
-        x = torch.randint(0, min(2**end_bit, torch.iinfo(dtype).max), (n,), generator=g, dtype=dtype)
+        x = torch.randint(
+            0, min(2**end_bit, torch.iinfo(dtype).max), (n,), generator=g, dtype=dtype
+        )
     values, indices = mt.sort(x, end_bit)
     ref_values, ref_indices = oracle.sort(x.numpy(), end_bit)
     assert values.dtype == indices.dtype == dtype
@@ -136,8 +151,10 @@ def test_sort_tiny(n: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", INTS)
-@pytest.mark.parametrize(("shape", "num_bins"), [((0,), 5), ((1,), 1), ((777,), 9), ((3, 400), 256),
-                                                  ((2, 300), 5000), ((4,), 0)])
+@pytest.mark.parametrize(
+    ("shape", "num_bins"),
+    [((0,), 5), ((1,), 1), ((777,), 9), ((3, 400), 256), ((2, 300), 5000), ((4,), 0)],
+)
 def test_histogram(shape: tuple[int, ...], num_bins: int, dtype: torch.dtype) -> None:
     hi = max(num_bins, 1) + 3
     x = torch.randint(-3, hi, shape, generator=_gen(num_bins), dtype=torch.int64)
@@ -150,14 +167,18 @@ def test_histogram(shape: tuple[int, ...], num_bins: int, dtype: torch.dtype) ->
 
 
 @pytest.mark.parametrize("dtype", INTS)
-@pytest.mark.parametrize(("shape", "dim"), [((1,), 0), ((9,), 0), ((3000,), -1), ((4, 7), 0),
-                                            ((4, 7), 1), ((5, 3), -1), ((0,), 0)])
+@pytest.mark.parametrize(
+    ("shape", "dim"),
+    [((1,), 0), ((9,), 0), ((3000,), -1), ((4, 7), 0), ((4, 7), 1), ((5, 3), -1), ((0,), 0)],
+)
 def test_cumsum(shape: tuple[int, ...], dim: int, dtype: torch.dtype) -> None:
     x = torch.randint(0, 20, shape, generator=_gen(len(shape)), dtype=dtype)
     inc = mt.inclusive_cumsum(x, dim)
     exc = mt.exclusive_cumsum(x, dim)
-    for got, want in ((inc, oracle.inclusive_cumsum(x.numpy(), dim)),
-                      (exc, oracle.exclusive_cumsum(x.numpy(), dim))):
+    for got, want in (
+        (inc, oracle.inclusive_cumsum(x.numpy(), dim)),
+        (exc, oracle.exclusive_cumsum(x.numpy(), dim)),
+    ):
         assert got.dtype == dtype and got.shape == x.shape
         np.testing.assert_array_equal(got.numpy(), want)
 
@@ -169,7 +190,9 @@ def test_topology(counts: list[int]) -> None:
     rows = int(padded[-1]) // bs
     out = mt.topology(torch.tensor(padded, dtype=torch.int32), bs, rows, cols)
     assert out.dtype == torch.int16
-    np.testing.assert_array_equal(out.numpy(), oracle.topology(padded, bs, rows, cols).astype(np.int16))
+    np.testing.assert_array_equal(
+        out.numpy(), oracle.topology(padded, bs, rows, cols).astype(np.int16)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.int16])
@@ -179,8 +202,9 @@ def test_replicate(dtype: torch.dtype) -> None:
     x = (torch.randn(3, len(counts), generator=_gen(0)) * 10).to(dtype)
     out = mt.replicate(x, torch.tensor(bins, dtype=torch.int64), int(bins[-1]))
     assert out.dtype == dtype
-    np.testing.assert_array_equal(out.double().numpy(),
-                                  oracle.replicate(x.double().numpy(), bins, int(bins[-1])))
+    np.testing.assert_array_equal(
+        out.double().numpy(), oracle.replicate(x.double().numpy(), bins, int(bins[-1]))
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -199,8 +223,18 @@ def test_replicate_backward(dtype: torch.dtype) -> None:
 class Routed:
     """One routing of T tokens (top_k each) over E experts, as tensors and as numpy arrays."""
 
-    def __init__(self, T: int, K: int, E: int, H: int, dtype: torch.dtype, idx_dtype: torch.dtype,
-                 w_dtype: torch.dtype | None, seed: int, block: int = 4) -> None:
+    def __init__(
+        self,
+        T: int,
+        K: int,
+        E: int,
+        H: int,
+        dtype: torch.dtype,
+        idx_dtype: torch.dtype,
+        w_dtype: torch.dtype | None,
+        seed: int,
+        block: int = 4,
+    ) -> None:
         g = _gen(seed)
         self.T, self.K, self.E, self.H, self.dtype = T, K, E, H, dtype
         used = torch.randperm(E, generator=g)[: max(1, (E + 1) // 2)]  # leave experts empty
@@ -272,7 +306,9 @@ def test_scatter(routed: Routed) -> None:
 def _close_wgrad(got: torch.Tensor, ref: np.ndarray, r: Routed) -> None:
     """A weight gradient is a dot product over hidden: its error grows with sqrt(hidden)."""
     atol, rtol = TOL[r.dtype]
-    np.testing.assert_allclose(got.float().numpy(), ref, atol=atol * max(r.H, 1) ** 0.5 * 4, rtol=rtol)
+    np.testing.assert_allclose(
+        got.float().numpy(), ref, atol=atol * max(r.H, 1) ** 0.5 * 4, rtol=rtol
+    )
 
 
 def test_scatter_wgrad(routed: Routed) -> None:
@@ -280,8 +316,9 @@ def test_scatter_wgrad(routed: Routed) -> None:
     rows = torch.randn(r.T * r.K, r.H, generator=_gen(6)).to(r.dtype)
     out = mt.scatter_wgrad(rows, r.grad, r.indices, r.bin_ids, r.bins, r.K)
     assert out.shape == (r.T * r.K,)
-    _close_wgrad(out, oracle.scatter_wgrad(r.np64(rows), r.np64(r.grad), *r.sorted_args, r.bins_np,
-                                           r.K), r)
+    _close_wgrad(
+        out, oracle.scatter_wgrad(r.np64(rows), r.np64(r.grad), *r.sorted_args, r.bins_np, r.K), r
+    )
 
 
 def test_padded(routed: Routed) -> None:
@@ -290,18 +327,29 @@ def test_padded(routed: Routed) -> None:
     rows = int(r.padded_bins[-1])
     assert out.shape == (rows, r.H)
     # padding rows stay exactly zero (the oracle leaves them 0)
-    ref = oracle.padded_gather(r.np64(r.x), *r.sorted_args, r.np64(r.w), r.bins_np,
-                               r.padded_bins_np, r.K)
+    ref = oracle.padded_gather(
+        r.np64(r.x), *r.sorted_args, r.np64(r.w), r.bins_np, r.padded_bins_np, r.K
+    )
     _close(out, ref, r.dtype)
 
     prow = torch.randn(rows, r.H, generator=_gen(7)).to(r.dtype)
     back = mt.padded_scatter(prow, r.indices, r.bin_ids, r.w, r.bins, r.padded_bins, r.K)
-    _close(back, oracle.padded_scatter(r.np64(prow), *r.sorted_args, r.np64(r.w), r.bins_np,
-                                       r.padded_bins_np, r.K), r.dtype)
+    _close(
+        back,
+        oracle.padded_scatter(
+            r.np64(prow), *r.sorted_args, r.np64(r.w), r.bins_np, r.padded_bins_np, r.K
+        ),
+        r.dtype,
+    )
 
     wg = mt.padded_scatter_wgrad(prow, r.grad, r.indices, r.bin_ids, r.bins, r.padded_bins, r.K)
-    _close_wgrad(wg, oracle.padded_scatter_wgrad(r.np64(prow), r.np64(r.grad), *r.sorted_args,
-                                                 r.bins_np, r.padded_bins_np, r.K), r)
+    _close_wgrad(
+        wg,
+        oracle.padded_scatter_wgrad(
+            r.np64(prow), r.np64(r.grad), *r.sorted_args, r.bins_np, r.padded_bins_np, r.K
+        ),
+        r,
+    )
 
 
 @pytest.mark.parametrize("cap", [0, 2, 64])  # no room, dropping most, room for all
@@ -314,11 +362,14 @@ def test_binned(routed: Routed, cap: int) -> None:
 
     binned = torch.randn(r.E, cap, r.H, generator=_gen(8)).to(r.dtype)
     back = mt.binned_scatter(binned, r.indices, r.w, r.bins, r.K)
-    _close(back, oracle.binned_scatter(r.np64(binned), r.flat, r.np64(r.w), r.bins_np, r.K), r.dtype)
+    _close(
+        back, oracle.binned_scatter(r.np64(binned), r.flat, r.np64(r.w), r.bins_np, r.K), r.dtype
+    )
 
     wg = mt.binned_scatter_wgrad(binned, r.grad, r.indices, r.bins, r.K)
-    _close_wgrad(wg, oracle.binned_scatter_wgrad(r.np64(binned), r.np64(r.grad), r.flat, r.bins_np,
-                                                 r.K), r)
+    _close_wgrad(
+        wg, oracle.binned_scatter_wgrad(r.np64(binned), r.np64(r.grad), r.flat, r.bins_np, r.K), r
+    )
     kept = {int(r.flat[i]) for _, _, i in oracle.binned_slots(r.bins_np, cap)}
     dropped = [f for f in range(r.T * r.K) if f not in kept]
     assert wg[dropped].eq(0).all()  # dropped copies: exactly 0
@@ -326,11 +377,18 @@ def test_binned(routed: Routed, cap: int) -> None:
 
 def test_weights_any_float_dtype() -> None:
     r = Routed(4, 2, 3, 5, torch.float32, torch.int32, torch.float64, seed=11)
-    out = mt.scatter(mt.gather(r.x, r.indices, r.bin_ids, None, r.bins, r.K),
-                     r.indices, r.bin_ids, r.w, r.bins, r.K)
+    out = mt.scatter(
+        mt.gather(r.x, r.indices, r.bin_ids, None, r.bins, r.K),
+        r.indices,
+        r.bin_ids,
+        r.w,
+        r.bins,
+        r.K,
+    )
     w = r.np64(r.w)
-    ref = np.stack([sum(w[t * r.K + k] for k in range(r.K)) * r.x[t].double().numpy()
-                    for t in range(r.T)])
+    ref = np.stack(
+        [sum(w[t * r.K + k] for k in range(r.K)) * r.x[t].double().numpy() for t in range(r.T)]
+    )
     _close(out, ref, torch.float32)
 
 
@@ -386,5 +444,6 @@ def test_numpy_integer_arguments() -> None:
     r = Routed(3, 2, 3, 4, torch.float32, torch.int32, None, seed=13)
     out = mt.binned_gather(r.x, r.indices, None, r.bins, np.int64(2), np.int64(r.K))
     assert out.shape == (3, 2, 4)
-    assert mt.topology(torch.tensor([2, 4], dtype=torch.int32), np.int64(2), np.int64(2),
-                       np.int64(1)).tolist() == [0, 1]
+    assert mt.topology(
+        torch.tensor([2, 4], dtype=torch.int32), np.int64(2), np.int64(2), np.int64(1)
+    ).tolist() == [0, 1]

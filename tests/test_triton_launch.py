@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (compiled Triton)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU (compiled Triton)"
+)
 
 
 @pytest.fixture(scope="module")

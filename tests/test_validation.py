@@ -56,7 +56,9 @@ def test_top_k_inconsistent_with_indices():
 
 def test_wrong_lengths():
     x, indices, bin_ids, bins, padded_bins, _ = routing()
-    with raises(ValueError, "ops.gather", "indices.shape[0] == bin_ids.shape[0]", "bin_ids.shape[0]=11"):
+    with raises(
+        ValueError, "ops.gather", "indices.shape[0] == bin_ids.shape[0]", "bin_ids.shape[0]=11"
+    ):
         ops.gather(x, indices, bin_ids[:-1], bins, 2)
     rows = torch.randn(indices.shape[0], x.shape[1])
     with raises(ValueError, "ops.scatter", "weights.shape[0] == indices.shape[0]"):
@@ -118,7 +120,9 @@ def test_dtype_mismatch_in_gmm():
 
 def test_gmm_shape_errors():
     a, b = torch.randn(5, 3), torch.randn(2, 3, 4)
-    with raises(ValueError, "ops.gmm", "one group size per expert", "batch_sizes.shape[0]=3", "b.shape[0]=2"):
+    with raises(
+        ValueError, "ops.gmm", "one group size per expert", "batch_sizes.shape[0]=3", "b.shape[0]=2"
+    ):
         ops.gmm(a, b, torch.tensor([2, 2, 1]))
     with raises(ValueError, "ops.gmm", "inner dimensions agree", "a.shape[1]=3"):
         ops.gmm(a, b, torch.tensor([2, 3]), trans_b=True)

@@ -27,8 +27,13 @@ else:  # pragma: no cover - Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[1]
-PYPROJECTS = sorted([ROOT / "pyproject.toml", *ROOT.glob("plugins/*/pyproject.toml"),
-                     *ROOT.glob("examples/*/pyproject.toml")])
+PYPROJECTS = sorted(
+    [
+        ROOT / "pyproject.toml",
+        *ROOT.glob("plugins/*/pyproject.toml"),
+        *ROOT.glob("examples/*/pyproject.toml"),
+    ]
+)
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -39,8 +44,12 @@ def _load(path: Path) -> dict[str, Any]:
 def _literal_version(module_file: Path) -> str:
     """The string assigned to ``__version__`` at module level (what setuptools reads statically)."""
     for node in ast.parse(module_file.read_text()).body:
-        if (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
-                and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["__version__"]
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             return node.value.value
     raise AssertionError(f"{module_file} assigns no plain string to __version__")
 
@@ -50,7 +59,8 @@ def _version(pyproject: Path) -> str:
     config = _load(pyproject)
     project = config["project"]
     assert "version" not in project and "version" in project.get("dynamic", []), (
-        f"{pyproject}: the version is written in the package (dynamic), not here")
+        f"{pyproject}: the version is written in the package (dynamic), not here"
+    )
     attr = config["tool"]["setuptools"]["dynamic"]["version"]["attr"]
     package, _, name = attr.rpartition(".")
     assert name == "__version__", attr
@@ -73,18 +83,30 @@ def _package(pyproject: Path) -> str:
 
 def left_behind(config: dict[str, Any], versions: dict[str, str]) -> list[str]:
     """The requirements of one pyproject.toml on our distributions that exclude their version."""
-    ours = [Requirement(r) for r in _requirements(config)
-            if canonicalize_name(Requirement(r).name) in versions]
-    return [f"{r} does not admit {versions[canonicalize_name(r.name)]}" for r in ours
-            if not r.specifier.contains(versions[canonicalize_name(r.name)], prereleases=True)]
+    ours = [
+        Requirement(r)
+        for r in _requirements(config)
+        if canonicalize_name(Requirement(r).name) in versions
+    ]
+    return [
+        f"{r} does not admit {versions[canonicalize_name(r.name)]}"
+        for r in ours
+        if not r.specifier.contains(versions[canonicalize_name(r.name)], prereleases=True)
+    ]
 
 
 VERSIONS = {canonicalize_name(_load(p)["project"]["name"]): _version(p) for p in PYPROJECTS}
 
 
 def test_every_distribution_has_one_version() -> None:
-    assert set(VERSIONS) == {"megablocks-core", "megablocks-reference", "megablocks-triton",
-                             "megablocks-cuda", "megablocks-rocm", "megablocks-example-plugin"}
+    assert set(VERSIONS) == {
+        "megablocks-core",
+        "megablocks-reference",
+        "megablocks-triton",
+        "megablocks-cuda",
+        "megablocks-rocm",
+        "megablocks-example-plugin",
+    }
     for version in VERSIONS.values():
         Version(version)  # raises for an invalid one
 
@@ -108,6 +130,13 @@ def test_pins_admit_the_current_versions(pyproject: Path) -> None:
 def test_a_bump_that_leaves_a_pin_behind_is_caught() -> None:
     config = _load(ROOT / "plugins/megablocks-rocm/pyproject.toml")  # pins core and triton
     assert left_behind(config, {**VERSIONS, "megablocks-core": "0.2.0"}) == [
-        "megablocks-core<0.2,>=0.1 does not admit 0.2.0"]
-    assert len(left_behind(config, {**VERSIONS, "megablocks-core": "0.2.0",
-                                    "megablocks-triton": "1.0.0"})) == 2
+        "megablocks-core<0.2,>=0.1 does not admit 0.2.0"
+    ]
+    assert (
+        len(
+            left_behind(
+                config, {**VERSIONS, "megablocks-core": "0.2.0", "megablocks-triton": "1.0.0"}
+            )
+        )
+        == 2
+    )

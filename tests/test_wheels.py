@@ -24,8 +24,9 @@ from venvs import fresh_env
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-IGNORE = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".ruff_cache",
-                                ".pytest_cache")
+IGNORE = shutil.ignore_patterns(
+    "build", "dist", "*.egg-info", "__pycache__", ".ruff_cache", ".pytest_cache"
+)
 
 
 def _sources() -> dict[str, Path]:
@@ -45,9 +46,23 @@ def _build(name: str, source: Path, tmp: Path, wheels: Path) -> None:
         shutil.copytree(ROOT / "megablocks_core", copy / "megablocks_core", ignore=IGNORE)
     else:
         shutil.copytree(source, copy, ignore=IGNORE)
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                           "--no-index", "-q", "-w", str(wheels), str(copy)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(wheels),
+            str(copy),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, f"building {name} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
@@ -64,9 +79,22 @@ def wheels(tmp_path_factory) -> Path:
 
 def _install(tmp_path: Path, wheels: Path, requirement: str) -> Path:
     python = fresh_env(tmp_path, hide=("megablocks",))
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-index", "--find-links", str(wheels),
-                           "--disable-pip-version-check", "-q", requirement],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--disable-pip-version-check",
+            "-q",
+            requirement,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, f"pip install {requirement} failed:\n{proc.stdout}\n{proc.stderr}"
     return python
 
@@ -74,17 +102,27 @@ def _install(tmp_path: Path, wheels: Path, requirement: str) -> Path:
 def _listing(python: Path, cwd: Path) -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS and k != "TRITON_INTERPRET"}
     script = python.parent / ("megablocks.exe" if os.name == "nt" else "megablocks")
-    proc = subprocess.run([str(script), "backends", "list", "--json"], env=env, cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(script), "backends", "list", "--json"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     return {p["name"]: p for p in json.loads(proc.stdout)["plugins"]}
 
 
 def _locations(python: Path) -> dict[str, str]:
-    code = ("import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
-            "str(d.locate_file('')) for d in m.distributions() "
-            "if d.metadata['Name'].startswith('megablocks')}))")
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout
+    code = (
+        "import json, importlib.metadata as m; print(json.dumps({d.metadata['Name']: "
+        "str(d.locate_file('')) for d in m.distributions() "
+        "if d.metadata['Name'].startswith('megablocks')}))"
+    )
+    out = subprocess.run(
+        [str(python), "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out)
 
 

@@ -27,6 +27,7 @@ def apply_shims() -> None:
         return
     import triton.language as tl
     from triton.runtime import interpreter as ti
+
     if getattr(ti.InterpreterBuilder.create_dot, "_megablocks_shim", False):
         return
     create_dot = ti.InterpreterBuilder.create_dot
@@ -44,5 +45,3 @@ def apply_shims() -> None:
     _create_dot._megablocks_shim = True  # type: ignore[attr-defined]
     ti.InterpreterBuilder.create_dot = _create_dot
     ti.interpreter_builder.create_dot = _create_dot.__get__(ti.interpreter_builder)
-
-

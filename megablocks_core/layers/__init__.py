@@ -14,4 +14,11 @@ from __future__ import annotations
 from .moe import DroplessMoE, dMoE, gelu_tanh, load_balancing_loss
 from .parallel import all_to_all, expert_parallel_apply
 
-__all__ = ["DroplessMoE", "all_to_all", "dMoE", "expert_parallel_apply", "gelu_tanh", "load_balancing_loss"]
+__all__ = [
+    "DroplessMoE",
+    "all_to_all",
+    "dMoE",
+    "expert_parallel_apply",
+    "gelu_tanh",
+    "load_balancing_loss",
+]

@@ -37,15 +37,28 @@ def required_fraction(steps: int) -> float:
 class TinyMoEModel(torch.nn.Module):
     """Input projection → dropless MoE with a residual connection → output head."""
 
-    def __init__(self, features: int, hidden: int, ffn: int, experts: int, top_k: int,
-                 dtype: torch.dtype, device: torch.device, seed: int) -> None:
+    def __init__(
+        self,
+        features: int,
+        hidden: int,
+        ffn: int,
+        experts: int,
+        top_k: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int,
+    ) -> None:
         super().__init__()
-        with torch.random.fork_rng(devices=[]):  # seed the two Linear layers, leave the caller's RNG alone
+        with torch.random.fork_rng(
+            devices=[]
+        ):  # seed the two Linear layers, leave the caller's RNG alone
             torch.manual_seed(seed)
             self.proj = torch.nn.Linear(features, hidden, dtype=dtype, device=device)
             self.head = torch.nn.Linear(hidden, features, dtype=dtype, device=device)
         # The MoE seeds its own generator.
-        self.moe = DroplessMoE(hidden, ffn, experts, top_k, glu=True, seed=seed, dtype=dtype, device=device)
+        self.moe = DroplessMoE(
+            hidden, ffn, experts, top_k, glu=True, seed=seed, dtype=dtype, device=device
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.proj(x)
@@ -59,11 +72,15 @@ class ClusterTask:
     def __init__(self, features: int, clusters: int, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self.centres = 2.0 * torch.randn(clusters, features, generator=self.generator)
-        self.maps = torch.randn(clusters, features, features, generator=self.generator) / features**0.5
+        self.maps = (
+            torch.randn(clusters, features, features, generator=self.generator) / features**0.5
+        )
 
     def batch(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         cluster = torch.randint(0, len(self.centres), (tokens,), generator=self.generator)
-        x = self.centres[cluster] + 0.5 * torch.randn(tokens, self.centres.shape[1], generator=self.generator)
+        x = self.centres[cluster] + 0.5 * torch.randn(
+            tokens, self.centres.shape[1], generator=self.generator
+        )
         return x, torch.einsum("tf,tfg->tg", x, self.maps[cluster])
 
 
@@ -78,9 +95,21 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def run(steps: int = 40, device: str = "cpu", dtype: str = "float32", backend: str | None = None,
-        tokens: int = 256, features: int = 16, hidden: int = 32, ffn: int = 64, experts: int = 8,
-        top_k: int = 2, lr: float = 1e-2, seed: int = 0, log_every: int = 5) -> int:
+def run(
+    steps: int = 40,
+    device: str = "cpu",
+    dtype: str = "float32",
+    backend: str | None = None,
+    tokens: int = 256,
+    features: int = 16,
+    hidden: int = 32,
+    ffn: int = 64,
+    experts: int = 8,
+    top_k: int = 2,
+    lr: float = 1e-2,
+    seed: int = 0,
+    log_every: int = 5,
+) -> int:
     """Train and report; 0 if the loss fell below ``REQUIRED_DROP`` of its first value, else 1."""
     if steps < 2:
         raise ValueError(f"demo: --steps must be at least 2, got {steps}")
@@ -89,12 +118,20 @@ def run(steps: int = 40, device: str = "cpu", dtype: str = "float32", backend: s
     task = ClusterTask(features, clusters=experts, seed=seed + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     print("megablocks-core demo: training a tiny dropless-MoE model on synthetic clustered data")
-    print(f"tokens/step={tokens} features={features} hidden={hidden} ffn={ffn} experts={experts} "
-          f"top_k={top_k} glu=yes dtype={dtype} device={dev} backend={backend or 'ranked'} steps={steps}")
-    if (dev.type == "cpu" and not backend and current_policy().is_default
-            and os.environ.get("TRITON_INTERPRET") == "1"):
-        print("note: TRITON_INTERPRET=1 lets the Triton interpreter serve the CPU ops: about 20 s a "
-              "step; `--backend reference` is fast")
+    print(
+        f"tokens/step={tokens} features={features} hidden={hidden} ffn={ffn} experts={experts} "
+        f"top_k={top_k} glu=yes dtype={dtype} device={dev} backend={backend or 'ranked'} steps={steps}"
+    )
+    if (
+        dev.type == "cpu"
+        and not backend
+        and current_policy().is_default
+        and os.environ.get("TRITON_INTERPRET") == "1"
+    ):
+        print(
+            "note: TRITON_INTERPRET=1 lets the Triton interpreter serve the CPU ops: about 20 s a "
+            "step; `--backend reference` is fast"
+        )
     print()
 
     losses: list[float] = []
@@ -115,20 +152,30 @@ def run(steps: int = 40, device: str = "cpu", dtype: str = "float32", backend: s
             losses.append(loss.item())  # host reads, for the log
             if step == 1 or step % log_every == 0 or step == steps:
                 rate = tokens / (time.perf_counter() - tick)
-                print(f"step {step:4d}/{steps}  loss {losses[-1]:8.4f}  aux {aux_loss.item():.4f}  "
-                      f"{rate:9.0f} tokens/s")
+                print(
+                    f"step {step:4d}/{steps}  loss {losses[-1]:8.4f}  aux {aux_loss.item():.4f}  "
+                    f"{rate:9.0f} tokens/s"
+                )
     elapsed = time.perf_counter() - started
 
     tail = losses[1:][-3:]  # smooth the end a little, never counting the first step
     first, last = losses[0], sum(tail) / len(tail)
     required = required_fraction(steps)
     ok = last <= required * first
-    print(f"\nloss: {first:.4f} at step 1 → {last:.4f} (mean of the last {len(tail)} steps), "
-          f"{last / first:.1%} of the start; {elapsed:.1f} s, {steps * tokens / elapsed:.0f} tokens/s overall")
+    print(
+        f"\nloss: {first:.4f} at step 1 → {last:.4f} (mean of the last {len(tail)} steps), "
+        f"{last / first:.1%} of the start; {elapsed:.1f} s, {steps * tokens / elapsed:.0f} tokens/s overall"
+    )
     print("\nbackends that served each op:")
     for op, labels in sorted(served().items()):
         print(f"  {op:<18} {', '.join(labels)}")
-    print("\nresult: " + ("ok, the loss fell" if ok else
-                          f"FAILED: the loss did not fall below {required:.0%} of its start "
-                          f"(expected of {steps} steps)"))
+    print(
+        "\nresult: "
+        + (
+            "ok, the loss fell"
+            if ok
+            else f"FAILED: the loss did not fall below {required:.0%} of its start "
+            f"(expected of {steps} steps)"
+        )
+    )
     return 0 if ok else 1

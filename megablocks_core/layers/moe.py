@@ -71,11 +71,15 @@ class _WideLogits(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         x, router = ctx.saved_tensors
         grad_x = (grad @ router.to(grad.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_router = (grad.t() @ x.to(grad.dtype)).to(router.dtype) if ctx.needs_input_grad[1] else None
+        grad_router = (
+            (grad.t() @ x.to(grad.dtype)).to(router.dtype) if ctx.needs_input_grad[1] else None
+        )
         return grad_x, grad_router
 
 
-def load_balancing_loss(tokens_per_expert: Tensor, probs: Tensor, top_k: int, coefficient: float) -> Tensor:
+def load_balancing_loss(
+    tokens_per_expert: Tensor, probs: Tensor, top_k: int, coefficient: float
+) -> Tensor:
     """MegaBlocks' ``batched_load_balancing_loss`` for one layer (Switch Transformer's aux loss).
 
     ``loss = coefficient * E / (T * top_k) * sum_e tokens_per_expert[e] * mean_t probs[t, e]``
@@ -127,16 +131,29 @@ class DroplessMoE(torch.nn.Module):
     while the router's gradient covers this rank's tokens only (all-reduce it with the data).
     """
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 1, *,
-                 glu: bool = False, activation: Callable[[Tensor], Tensor] = gelu_tanh,
-                 normalize_expert_weights: float | None = None,
-                 load_balancing_loss_coefficient: float = 0.01, block_size: int = 128,
-                 init_std: float = 0.02, seed: int = 0, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None,
-                 expert_parallel_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int = 1,
+        *,
+        glu: bool = False,
+        activation: Callable[[Tensor], Tensor] = gelu_tanh,
+        normalize_expert_weights: float | None = None,
+        load_balancing_loss_coefficient: float = 0.01,
+        block_size: int = 128,
+        init_std: float = 0.02,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        expert_parallel_group: dist.ProcessGroup | None = None,
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"DroplessMoE: top_k must lie in [1, num_experts={num_experts}], got {top_k}")
+            raise ValueError(
+                f"DroplessMoE: top_k must lie in [1, num_experts={num_experts}], got {top_k}"
+            )
         # This rank's experts: [expert_offset, expert_offset + num_local_experts).
         self.expert_parallel_group = expert_parallel_group
         self.num_local_experts, self.expert_offset = num_experts, 0
@@ -145,8 +162,10 @@ class DroplessMoE(torch.nn.Module):
 
             world = dist.get_world_size(expert_parallel_group)
             if num_experts % world:
-                raise ValueError(f"DroplessMoE: num_experts={num_experts} is not divisible by the "
-                                 f"expert-parallel world size {world}")
+                raise ValueError(
+                    f"DroplessMoE: num_experts={num_experts} is not divisible by the "
+                    f"expert-parallel world size {world}"
+                )
             self.num_local_experts = num_experts // world
             self.expert_offset = dist.get_rank(expert_parallel_group) * self.num_local_experts
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
@@ -181,7 +200,9 @@ class DroplessMoE(torch.nn.Module):
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
             else:  # every expert's values are drawn, in order; keep this rank's
                 full = (self.num_experts, *p.shape[1:])
-                p.copy_((torch.randn(full, generator=generator, dtype=torch.float32) * std)[start:stop])
+                p.copy_(
+                    (torch.randn(full, generator=generator, dtype=torch.float32) * std)[start:stop]
+                )
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: (probs (T, E), top-k weights (T, K) in x's dtype, top-k expert ids (T, K) int32)."""
@@ -205,29 +226,37 @@ class DroplessMoE(torch.nn.Module):
         # Routing metadata carries no gradient; counts stay on the device (sync-free gmm).
         with torch.no_grad():
             indices, bin_ids, tokens_per_expert, bins, _ = ops.route(
-                top_experts.flatten(), self.num_experts, self.block_size)
+                top_experts.flatten(), self.num_experts, self.block_size
+            )
         rows = ops.gather(x, indices, bin_ids, bins, self.top_k)
         if self.expert_parallel_group is None:
             rows = self.experts(rows, tokens_per_expert)
         else:
             from .parallel import expert_parallel_apply
 
-            rows = expert_parallel_apply(rows, tokens_per_expert, self.experts,
-                                         self.expert_parallel_group)
+            rows = expert_parallel_apply(
+                rows, tokens_per_expert, self.experts, self.expert_parallel_group
+            )
         out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
         if self.training and self.load_balancing_loss_coefficient > 0:
-            aux = load_balancing_loss(tokens_per_expert, probs, self.top_k,
-                                      self.load_balancing_loss_coefficient)
+            aux = load_balancing_loss(
+                tokens_per_expert, probs, self.top_k, self.load_balancing_loss_coefficient
+            )
         else:
             aux = probs.new_zeros(())
         return out.reshape(shape), aux
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
-                f"num_experts={self.num_experts}, top_k={self.top_k}, glu={self.glu}"
-                + (f", local_experts=[{self.expert_offset}, "
-                   f"{self.expert_offset + self.num_local_experts})"
-                   if self.expert_parallel_group is not None else ""))
+        return (
+            f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+            f"num_experts={self.num_experts}, top_k={self.top_k}, glu={self.glu}"
+            + (
+                f", local_experts=[{self.expert_offset}, "
+                f"{self.expert_offset + self.num_local_experts})"
+                if self.expert_parallel_group is not None
+                else ""
+            )
+        )
 
 
 dMoE = DroplessMoE  # MegaBlocks' name

@@ -38,8 +38,13 @@ class _AllToAll(torch.autograd.Function):
     """``dist.all_to_all_single`` with uneven splits; backward is the same exchange reversed."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, send_splits: list[int], recv_splits: list[int],
-                group: dist.ProcessGroup) -> Tensor:
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        send_splits: list[int],
+        recv_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> Tensor:
         ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
         out = x.new_empty((sum(recv_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
@@ -49,21 +54,26 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         # Every rank must take part even when it needs no input gradient, so always exchange.
         out = grad.new_empty((sum(ctx.send_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits,
-                               group=ctx.group)
+        dist.all_to_all_single(
+            out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group
+        )
         return out, None, None, None
 
 
-def all_to_all(x: Tensor, send_splits: list[int], recv_splits: list[int],
-               group: dist.ProcessGroup) -> Tensor:
+def all_to_all(
+    x: Tensor, send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
+) -> Tensor:
     """Differentiable ``all_to_all_single`` along dim 0: ``send_splits[r]`` rows go to rank r,
     ``recv_splits[r]`` rows come from rank r (concatenated in rank order)."""
     return _AllToAll.apply(x, send_splits, recv_splits, group)
 
 
-def expert_parallel_apply(rows: Tensor, tokens_per_expert: Tensor,
-                          experts: Callable[[Tensor, Tensor], Tensor],
-                          group: dist.ProcessGroup) -> Tensor:
+def expert_parallel_apply(
+    rows: Tensor,
+    tokens_per_expert: Tensor,
+    experts: Callable[[Tensor, Tensor], Tensor],
+    group: dist.ProcessGroup,
+) -> Tensor:
     """Run each row through its expert when the experts are sharded over ``group``.
 
     Args:
@@ -81,7 +91,9 @@ def expert_parallel_apply(rows: Tensor, tokens_per_expert: Tensor,
     world = dist.get_world_size(group)
     num_experts = tokens_per_expert.shape[0]
     if num_experts % world:
-        raise ValueError(f"expert parallelism: {num_experts} experts do not divide over {world} ranks")
+        raise ValueError(
+            f"expert parallelism: {num_experts} experts do not divide over {world} ranks"
+        )
     local = num_experts // world
 
     # send_counts[r, e]: my rows for rank r's local expert e; recv_counts[r, e]: rank r's rows for mine.
@@ -98,8 +110,9 @@ def expert_parallel_apply(rows: Tensor, tokens_per_expert: Tensor,
     # (a stable sort keeps each expert's rows in source-rank order). output_size avoids a sync.
     with torch.no_grad():
         ids = torch.arange(local, dtype=torch.int64, device=rows.device).repeat(world)
-        local_ids = torch.repeat_interleave(ids, recv_counts.flatten(),
-                                            output_size=received.shape[0]).int()
+        local_ids = torch.repeat_interleave(
+            ids, recv_counts.flatten(), output_size=received.shape[0]
+        ).int()
         bin_ids, order = ops.sort(local_ids, max(local - 1, 1).bit_length())
         local_counts = recv_counts.sum(0)  # stays on the device for ops.gmm
         bins = ops.inclusive_cumsum(local_counts.int(), 0)

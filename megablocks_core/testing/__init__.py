@@ -44,7 +44,25 @@ from .scenarios import (
 )
 
 __all__ = [
-    "DEVICE_SIZED", "DISPATCHED", "FULL", "OPCHECK_TESTS", "ORACLE_SKIPPED", "QUICK", "REFERENCE",
-    "SAMPLES", "TOLERANCES", "Mismatch", "Result", "Routing", "Scenario", "bad_inputs", "check",
-    "check_op", "compare", "passed", "routing", "sample", "scenarios",
+    "DEVICE_SIZED",
+    "DISPATCHED",
+    "FULL",
+    "OPCHECK_TESTS",
+    "ORACLE_SKIPPED",
+    "QUICK",
+    "REFERENCE",
+    "SAMPLES",
+    "TOLERANCES",
+    "Mismatch",
+    "Result",
+    "Routing",
+    "Scenario",
+    "bad_inputs",
+    "check",
+    "check_op",
+    "compare",
+    "passed",
+    "routing",
+    "sample",
+    "scenarios",
 ]

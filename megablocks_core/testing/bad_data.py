@@ -39,7 +39,17 @@ from ..schema import RULE_HELPERS, DataDim
 from ..validation import ContractError, ContractTypeError
 from .kit import REFERENCE, TOLERANCES, Mismatch, compare
 
-__all__ = ["CASES", "BadCase", "Declined", "Failure", "case_names", "check_call", "check_result", "run", "run_case"]
+__all__ = [
+    "CASES",
+    "BadCase",
+    "Declined",
+    "Failure",
+    "case_names",
+    "check_call",
+    "check_result",
+    "run",
+    "run_case",
+]
 
 Args = tuple[Any, ...]
 
@@ -91,9 +101,16 @@ class _Routing:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _routing(device: torch.device, tokens: int = 5, top_k: int = 2, experts: int = 3,
-             hidden: int = 8, seed: int = 0, dtype: torch.dtype = torch.int32,
-             block: int = 4) -> _Routing:
+def _routing(
+    device: torch.device,
+    tokens: int = 5,
+    top_k: int = 2,
+    experts: int = 3,
+    hidden: int = 8,
+    seed: int = 0,
+    dtype: torch.dtype = torch.int32,
+    block: int = 4,
+) -> _Routing:
     gen = torch.Generator().manual_seed(seed)
     n = tokens * top_k
     top_experts = torch.randint(0, experts, (n,), generator=gen)
@@ -107,8 +124,17 @@ def _routing(device: torch.device, tokens: int = 5, top_k: int = 2, experts: int
     def dev(t: torch.Tensor, dt: torch.dtype = dtype) -> torch.Tensor:
         return t.to(device=device, dtype=dt)
 
-    return _Routing(dev(x, torch.float32), dev(top_experts), dev(order), dev(top_experts[order]),
-                    dev(bins), dev(padded), dev(weights, torch.float32), top_k, experts)
+    return _Routing(
+        dev(x, torch.float32),
+        dev(top_experts),
+        dev(order),
+        dev(top_experts[order]),
+        dev(bins),
+        dev(padded),
+        dev(weights, torch.float32),
+        top_k,
+        experts,
+    )
 
 
 def _set(t: torch.Tensor, i: int, value: int) -> torch.Tensor:
@@ -190,7 +216,14 @@ def _permutation_args(op: str, r: _Routing, mut: _Mut, weighted: bool) -> Args:
 PLAIN_OPS = ("gather", "scatter", "scatter_wgrad")
 PADDED_OPS = ("padded_gather", "padded_scatter", "padded_scatter_wgrad")
 BINNED_OPS = ("binned_gather", "binned_scatter", "binned_scatter_wgrad")
-_WEIGHTED = {"gather", "scatter", "padded_gather", "padded_scatter", "binned_gather", "binned_scatter"}
+_WEIGHTED = {
+    "gather",
+    "scatter",
+    "padded_gather",
+    "padded_scatter",
+    "binned_gather",
+    "binned_scatter",
+}
 
 
 def _permutation_cases() -> list[BadCase]:
@@ -207,29 +240,58 @@ def _permutation_cases() -> list[BadCase]:
             for weighted in (False, True) if op in _WEIGHTED else (False,):
                 name = f"{op}/{what}" + (" (weighted)" if weighted else "")
 
-                def build(device: torch.device, op: str = op, mut: _Mut = mut, weighted: bool = weighted,
-                          top_k: int = top_k) -> Args:
+                def build(
+                    device: torch.device,
+                    op: str = op,
+                    mut: _Mut = mut,
+                    weighted: bool = weighted,
+                    top_k: int = top_k,
+                ) -> Args:
                     return _permutation_args(op, _routing(device, top_k=top_k), mut, weighted)
 
                 cases.append(BadCase(name, op, build))
         if op in PADDED_OPS:
+
             def shorter(device: torch.device, op: str = op, top_k: int = top_k) -> Args:
-                args = _permutation_args(op, _routing(device, top_k=top_k), lambda r: (r.indices, r.bins, r.padded_bins), False)
+                args = _permutation_args(
+                    op,
+                    _routing(device, top_k=top_k),
+                    lambda r: (r.indices, r.bins, r.padded_bins),
+                    False,
+                )
                 return (args[0][:2], *args[1:]) if op != "padded_gather" else args
+
             if op != "padded_gather":
                 cases.append(BadCase(f"{op}/x shorter than padded_bins[-1]", op, shorter))
-    cases.append(BadCase(
-        "padded_gather/padded_bins ending negative", "padded_gather", must_raise=True,
-        build=lambda d: _permutation_args("padded_gather", _routing(d), _padded(lambda r: [4, 8, -2]), False)))
-    cases.append(BadCase(
-        "gather/int64 index wrapping to a valid int32", "gather",
-        build=lambda d: _permutation_args("gather", _routing(d, dtype=torch.int64),
-                                          _idx(lambda r: _set(r.indices, 4, 2**32 + 1)), True)))
+    cases.append(
+        BadCase(
+            "padded_gather/padded_bins ending negative",
+            "padded_gather",
+            must_raise=True,
+            build=lambda d: _permutation_args(
+                "padded_gather", _routing(d), _padded(lambda r: [4, 8, -2]), False
+            ),
+        )
+    )
+    cases.append(
+        BadCase(
+            "gather/int64 index wrapping to a valid int32",
+            "gather",
+            build=lambda d: _permutation_args(
+                "gather",
+                _routing(d, dtype=torch.int64),
+                _idx(lambda r: _set(r.indices, 4, 2**32 + 1)),
+                True,
+            ),
+        )
+    )
     return cases
 
 
 def _routing_cases() -> list[BadCase]:
-    def top(device: torch.device, values: Sequence[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    def top(
+        device: torch.device, values: Sequence[int], dtype: torch.dtype = torch.int32
+    ) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
     def grad_of(device: torch.device) -> torch.Tensor:
@@ -237,18 +299,36 @@ def _routing_cases() -> list[BadCase]:
 
     bins_cases = {"decreasing": [9, 3, 12], "past the columns": [4, 8, 40], "negative": [-5, 2, 12]}
     cases = [
-        BadCase("route/expert id too large", "route", lambda d: (top(d, [0, 2, 7, 1, 1, 3, 0, 2]), 3, 4)),
-        BadCase("route/negative expert id", "route", lambda d: (top(d, [0, -1, 2, 1, -5, 0]), 3, 4)),
-        BadCase("route/huge int64 expert id", "route",
-                lambda d: (top(d, [1, 2**33 + 1, 0, 2, -(2**40)], torch.int64), 3, 2)),
+        BadCase(
+            "route/expert id too large", "route", lambda d: (top(d, [0, 2, 7, 1, 1, 3, 0, 2]), 3, 4)
+        ),
+        BadCase(
+            "route/negative expert id", "route", lambda d: (top(d, [0, -1, 2, 1, -5, 0]), 3, 4)
+        ),
+        BadCase(
+            "route/huge int64 expert id",
+            "route",
+            lambda d: (top(d, [1, 2**33 + 1, 0, 2, -(2**40)], torch.int64), 3, 2),
+        ),
         BadCase("route/all ids out of range", "route", lambda d: (top(d, [5, 6, -1, 9]), 3, 4)),
         BadCase("sort/keys past end_bit", "sort", lambda d: (top(d, [3, 17, 1, 40, 2, 0]), 2)),
         BadCase("sort/negative keys", "sort", lambda d: (top(d, [3, -4, 1, -1, 2, 0]), 2)),
-        BadCase("histogram/keys out of range", "histogram", lambda d: (top(d, [0, 5, -1, 2, 2**20]), 3)),
-        BadCase("topology/padded_bins not whole blocks", "topology", lambda d: (top(d, [3, 9, 16]), 4, 4, 2)),
-        BadCase("topology/padded_bins decreasing", "topology", lambda d: (top(d, [12, 4, 16]), 4, 4, 2)),
-        BadCase("topology/rows past padded_bins", "topology", lambda d: (top(d, [4, 8, 8]), 4, 5, 3)),
+        BadCase(
+            "histogram/keys out of range", "histogram", lambda d: (top(d, [0, 5, -1, 2, 2**20]), 3)
+        ),
+        BadCase(
+            "topology/padded_bins not whole blocks",
+            "topology",
+            lambda d: (top(d, [3, 9, 16]), 4, 4, 2),
+        ),
+        BadCase(
+            "topology/padded_bins decreasing", "topology", lambda d: (top(d, [12, 4, 16]), 4, 4, 2)
+        ),
+        BadCase(
+            "topology/rows past padded_bins", "topology", lambda d: (top(d, [4, 8, 8]), 4, 5, 3)
+        ),
     ]
+
     def replicate_args(device: torch.device, bins: Sequence[int]) -> Args:
         return grad_of(device)[:, :3].contiguous(), top(device, bins), 12
 
@@ -256,10 +336,20 @@ def _routing_cases() -> list[BadCase]:
         return grad_of(device), top(device, bins)
 
     for what, values in bins_cases.items():
-        cases.append(BadCase(f"replicate/bins {what}", "replicate",
-                             functools.partial(replicate_args, bins=values)))
-        cases.append(BadCase(f"replicate_backward/bins {what}", "replicate_backward",
-                             functools.partial(replicate_backward_args, bins=values)))
+        cases.append(
+            BadCase(
+                f"replicate/bins {what}",
+                "replicate",
+                functools.partial(replicate_args, bins=values),
+            )
+        )
+        cases.append(
+            BadCase(
+                f"replicate_backward/bins {what}",
+                "replicate_backward",
+                functools.partial(replicate_backward_args, bins=values),
+            )
+        )
     return cases
 
 
@@ -272,10 +362,17 @@ def _gmm_cases() -> list[BadCase]:
             return a, torch.randn(3, 8, 5, generator=gen).to(device), batch, False
         return a, torch.randn(12, 5, generator=gen).to(device), batch
 
-    sizes = {"sizes summing past the rows": [6, 6, 9], "sizes summing short": [3, 2, 4],
-             "negative size": [-4, 10, 6], "huge size": [2**40, 1, 1]}
-    return [BadCase(f"{op}/{what}", op, functools.partial(gmm_args, sizes=s, op=op))
-            for op in ("gmm", "gmm_weight_grad") for what, s in sizes.items()]
+    sizes = {
+        "sizes summing past the rows": [6, 6, 9],
+        "sizes summing short": [3, 2, 4],
+        "negative size": [-4, 10, 6],
+        "huge size": [2**40, 1, 1],
+    }
+    return [
+        BadCase(f"{op}/{what}", op, functools.partial(gmm_args, sizes=s, op=op))
+        for op in ("gmm", "gmm_weight_grad")
+        for what, s in sizes.items()
+    ]
 
 
 CASES: tuple[BadCase, ...] = (*_routing_cases(), *_permutation_cases(), *_gmm_cases())
@@ -308,8 +405,11 @@ def _placements(op: str, args: dict[str, Any], n: int) -> tuple[list[int | None]
         padded = [int(v) for v in args["padded_bins"].tolist()]
         pstarts = [0, *padded[:-1]]
         rows = args["x"].shape[0] if op != "padded_gather" else max(padded[-1] if padded else 0, 0)
-        sane = sane and _cumulative(args["padded_bins"]) and all(
-            padded[e] - pstarts[e] >= min(bins[e], n) - starts[e] for e in range(len(bins)))
+        sane = (
+            sane
+            and _cumulative(args["padded_bins"])
+            and all(padded[e] - pstarts[e] >= min(bins[e], n) - starts[e] for e in range(len(bins)))
+        )
     for p in range(n):
         e = sum(1 for b in bins if b <= p) if sane else len(bins)
         if e >= len(bins):
@@ -352,7 +452,9 @@ def _check_gather(op: str, args: dict[str, Any], out: torch.Tensor, tol: float) 
         for p, dest in enumerate(places):
             if dest is not None:
                 want[dest] = _row_value(args, indices[p], n, k)
-        compare(out.cpu().reshape(got.shape), want.to(out.dtype), "output", "the documented safe result")
+        compare(
+            out.cpu().reshape(got.shape), want.to(out.dtype), "output", "the documented safe result"
+        )
         return
     rows = [_row_value(args, f, n, k) for f in range(n)]
     candidates = torch.stack([torch.zeros(got.shape[1], dtype=torch.float64), *rows])
@@ -388,15 +490,20 @@ def _check_scatter(op: str, args: dict[str, Any], out: torch.Tensor, tol: float)
     cands = _copy_candidates(op, args)
     got = out.double().cpu()
     for t in range(got.shape[0]):
-        options = [[c * (float(w[t * k + j]) if w is not None else 1.0) for c in cands[t * k + j]]
-                   for j in range(k)]
+        options = [
+            [c * (float(w[t * k + j]) if w is not None else 1.0) for c in cands[t * k + j]]
+            for j in range(k)
+        ]
         if torch.tensor([len(o) for o in options]).prod() > MAX_COMBINATIONS:
             continue
         sums = torch.stack([torch.stack(combo).sum(0) for combo in itertools.product(*options)])
-        if not _members(got[t:t + 1], sums, tol) or not any(
-                torch.allclose(got[t], s, rtol=tol, atol=tol * (1 + s.abs().max().item())) for s in sums):
-            raise Mismatch(f"row {t} is not the sum of its copies' rows (one row naming each flat id, "
-                           "0 for an id no row names)")
+        if not _members(got[t : t + 1], sums, tol) or not any(
+            torch.allclose(got[t], s, rtol=tol, atol=tol * (1 + s.abs().max().item())) for s in sums
+        ):
+            raise Mismatch(
+                f"row {t} is not the sum of its copies' rows (one row naming each flat id, "
+                "0 for an id no row names)"
+            )
 
 
 def _check_wgrad(op: str, args: dict[str, Any], out: torch.Tensor, tol: float) -> None:
@@ -407,8 +514,10 @@ def _check_wgrad(op: str, args: dict[str, Any], out: torch.Tensor, tol: float) -
         dots = torch.stack([r @ grad[f // k] for r in rows])
         scale = tol * (1 + dots.abs().max().item())
         if not bool(((dots - got[f]).abs() <= scale).any()):
-            raise Mismatch(f"weights_grad[{f}] = {got[f].item()} is not the dot of grad with a row "
-                           "naming that flat id (or 0)")
+            raise Mismatch(
+                f"weights_grad[{f}] = {got[f].item()} is not the dot of grad with a row "
+                "naming that flat id (or 0)"
+            )
 
 
 def _check_route(args: dict[str, Any], out: tuple[torch.Tensor, ...]) -> None:
@@ -417,10 +526,22 @@ def _check_route(args: dict[str, Any], out: tuple[torch.Tensor, ...]) -> None:
     order = sorted(range(len(keys)), key=lambda i: (keys[i], i))
     counts = torch.tensor([keys.count(e) for e in range(experts)], dtype=torch.int32)
     padded = torch.cumsum((counts + block - 1) // block * block, 0).int()
-    wants = (torch.tensor(order, dtype=top.dtype), top[order], counts, torch.cumsum(counts, 0).int(), padded)
-    for name, got, want in zip(("indices", "bin_ids", "tokens_per_expert", "bins", "padded_bins"), out,
-                               wants, strict=True):
-        compare(got.cpu(), want, f"output '{name}'", "the documented safe result (ids out of range last)")
+    wants = (
+        torch.tensor(order, dtype=top.dtype),
+        top[order],
+        counts,
+        torch.cumsum(counts, 0).int(),
+        padded,
+    )
+    for name, got, want in zip(
+        ("indices", "bin_ids", "tokens_per_expert", "bins", "padded_bins"), out, wants, strict=True
+    ):
+        compare(
+            got.cpu(),
+            want,
+            f"output '{name}'",
+            "the documented safe result (ids out of range last)",
+        )
 
 
 def _check_routing(op: str, args: dict[str, Any], out: Any) -> None:
@@ -441,7 +562,8 @@ def _check_routing(op: str, args: dict[str, Any], out: Any) -> None:
         experts = args["padded_bins"].shape[0]
         got = out.cpu().long().view(-1, cols)
         if bool(((got < 0) | (got >= (experts + 1) * cols)).any()) or bool(
-                (got % cols != torch.arange(cols)).any()):
+            (got % cols != torch.arange(cols)).any()
+        ):
             raise Mismatch("a column index is not e * columns + j for an expert e in [0, experts]")
     elif op == "replicate":
         x = args["x"].double().cpu()
@@ -465,12 +587,16 @@ def _check_gmm(op: str, args: dict[str, Any], out: torch.Tensor) -> None:
         b = args["b"].double().cpu()
         want = torch.zeros(rows, b.shape[1] if args["trans_b"] else b.shape[2], dtype=torch.float64)
         for e, (s, size) in enumerate(groups):
-            want[s:s + size] = a[s:s + size] @ (b[e].t() if args["trans_b"] else b[e])
+            want[s : s + size] = a[s : s + size] @ (b[e].t() if args["trans_b"] else b[e])
     else:
         g = args["grad"].double().cpu()
-        want = torch.stack([a[s:s + size].t() @ g[s:s + size] for s, size in groups])
-    compare(out.cpu(), want.to(out.dtype), "output",
-            "the documented safe result (negative sizes 0, groups cut at the last row)")
+        want = torch.stack([a[s : s + size].t() @ g[s : s + size] for s, size in groups])
+    compare(
+        out.cpu(),
+        want.to(out.dtype),
+        "output",
+        "the documented safe result (negative sizes 0, groups cut at the last row)",
+    )
 
 
 def check_result(op: str, args: Args, out: Any) -> None:
@@ -479,7 +605,9 @@ def check_result(op: str, args: Args, out: Any) -> None:
     contract = BY_NAME[op]
     bound = contract.bind(args)
     scope = {**RULE_HELPERS, **bound}
-    metas = output_meta(contract, bound, lambda d: max(eval(d.expr, scope), 0) if isinstance(d, DataDim) else d)
+    metas = output_meta(
+        contract, bound, lambda d: max(eval(d.expr, scope), 0) if isinstance(d, DataDim) else d
+    )
     outs = out if isinstance(out, tuple) else (out,)
     device = bound[contract.primary.name].device
     if len(outs) != len(metas):
@@ -488,8 +616,10 @@ def check_result(op: str, args: Args, out: Any) -> None:
         if not isinstance(value, torch.Tensor):
             raise Mismatch(f"output '{spec.name}' is a {type(value).__name__}")
         if tuple(value.shape) != tuple(shape) or value.dtype != dtype or value.device != device:
-            raise Mismatch(f"output '{spec.name}' is {tuple(value.shape)} {value.dtype} on {value.device}; "
-                           f"the contract says {tuple(shape)} {dtype} on {device}")
+            raise Mismatch(
+                f"output '{spec.name}' is {tuple(value.shape)} {value.dtype} on {value.device}; "
+                f"the contract says {tuple(shape)} {dtype} on {device}"
+            )
     tol = TOLERANCES.get(outs[0].dtype, 0.0)
     if op in ("gather", "padded_gather", "binned_gather"):
         _check_gather(op, bound, out, tol)
@@ -510,24 +640,35 @@ def check_result(op: str, args: Args, out: Any) -> None:
 def _valid_args(op: str, device: torch.device) -> Args:
     """A valid call of ``op`` of the same kind, run after each bad one."""
     if op in BY_NAME and any(op in group for group in (PLAIN_OPS, PADDED_OPS, BINNED_OPS)):
-        return _permutation_args(op, _routing(device, seed=5),
-                                 lambda r: (r.indices, r.bins, r.padded_bins), op in _WEIGHTED)
+        return _permutation_args(
+            op,
+            _routing(device, seed=5),
+            lambda r: (r.indices, r.bins, r.padded_bins),
+            op in _WEIGHTED,
+        )
     gen = torch.Generator().manual_seed(6)
     top = torch.randint(0, 3, (10,), generator=gen).to(device=device, dtype=torch.int32)
     counts = torch.bincount(top.long().cpu(), minlength=3)
     bins = torch.cumsum(counts, 0).to(device=device, dtype=torch.int32)
     a = torch.randn(10, 8, generator=gen).to(device)
     return {
-        "route": (top, 3, 4), "sort": (top, 2), "histogram": (top, 3),
+        "route": (top, 3, 4),
+        "sort": (top, 2),
+        "histogram": (top, 3),
         "topology": (torch.tensor([4, 8, 16], dtype=torch.int32, device=device), 4, 4, 2),
-        "replicate": (a[:2, :3].contiguous(), bins, 10), "replicate_backward": (a[:2].contiguous(), bins),
+        "replicate": (a[:2, :3].contiguous(), bins, 10),
+        "replicate_backward": (a[:2].contiguous(), bins),
         "gmm": (a, torch.randn(3, 8, 5, generator=gen).to(device), counts.to(device), False),
         "gmm_weight_grad": (a, torch.randn(10, 5, generator=gen).to(device), counts.to(device)),
     }[op]
 
 
 def _force(backend: str, op: str) -> Any:
-    return use_backend(REFERENCE) if backend == REFERENCE else use_backend(backend, REFERENCE, **{op: backend})
+    return (
+        use_backend(REFERENCE)
+        if backend == REFERENCE
+        else use_backend(backend, REFERENCE, **{op: backend})
+    )
 
 
 def check_call(backend: str, op: str, args: Args, must_raise: bool = False) -> str | None:
@@ -540,10 +681,14 @@ def check_call(backend: str, op: str, args: Args, must_raise: bool = False) -> s
     except NoKernelError as exc:
         raise Declined(str(exc)) from None
     except (ContractError, ContractTypeError) as exc:
-        return None if f"ops.{op}" in str(exc) else f"{type(exc).__name__} does not name the op: {exc}"
+        return (
+            None if f"ops.{op}" in str(exc) else f"{type(exc).__name__} does not name the op: {exc}"
+        )
     except Exception as exc:
-        return (f"raised {type(exc).__name__} (only the core's ContractError/ContractTypeError may be "
-                f"raised): {str(exc)[:300]}")
+        return (
+            f"raised {type(exc).__name__} (only the core's ContractError/ContractTypeError may be "
+            f"raised): {str(exc)[:300]}"
+        )
     if must_raise:
         return "returned; no safe result exists, a ContractError is required"
     try:
@@ -570,11 +715,16 @@ def run_case(backend: str, name: str, device: torch.device | str = "cpu") -> Fai
             torch.cuda.synchronize(device)  # a device fault surfaces here, named by this case
         with _force(backend, case.op):
             again = call(*valid)
-        for got, w in zip(again if isinstance(again, tuple) else (again,),
-                          want if isinstance(want, tuple) else (want,), strict=True):
+        for got, w in zip(
+            again if isinstance(again, tuple) else (again,),
+            want if isinstance(want, tuple) else (want,),
+            strict=True,
+        ):
             compare(got, w, "the valid call after it")
     except Exception as exc:
-        return Failure(name, backend, f"a valid call after it failed: {type(exc).__name__}: {str(exc)[:300]}")
+        return Failure(
+            name, backend, f"a valid call after it failed: {type(exc).__name__}: {str(exc)[:300]}"
+        )
     return None
 
 
@@ -583,15 +733,21 @@ def _serves(backend: str, op: str) -> bool:
     return record is not None and record.status == "ok" and op in record.ops
 
 
-def run(backend: str, device: torch.device | str = "cpu", ops: Sequence[str] | None = None,
-        names: Sequence[str] | None = None) -> tuple[list[Failure], int]:
+def run(
+    backend: str,
+    device: torch.device | str = "cpu",
+    ops: Sequence[str] | None = None,
+    names: Sequence[str] | None = None,
+) -> tuple[list[Failure], int]:
     """Run the bad-data cases of every op ``backend`` provides (or of ``ops`` / the cases
     ``names``) on ``device``. Returns (failures, cases run)."""
     if backend not in registry().plugins:
         raise ValueError(f"backend {backend!r} is not installed")
     failures, ran = [], 0
     for case in CASES:
-        if (names is not None and case.name not in names) or (ops is not None and case.op not in ops):
+        if (names is not None and case.name not in names) or (
+            ops is not None and case.op not in ops
+        ):
             continue
         if not _serves(backend, case.op):
             continue

@@ -37,8 +37,10 @@ from .scenarios import Routing, Scenario, routing, sample, scenarios
 
 REFERENCE = "reference"
 #: Why the oracle is skipped: comparing the reference with itself would prove nothing.
-ORACLE_SKIPPED = ("the kit's oracle, not compared with itself (megablocks-core's test suite checks it "
-                  "against an independent numpy oracle, tests/test_ops_vs_numpy.py)")
+ORACLE_SKIPPED = (
+    "the kit's oracle, not compared with itself (megablocks-core's test suite checks it "
+    "against an independent numpy oracle, tests/test_ops_vs_numpy.py)"
+)
 Status = Literal["pass", "fail", "not provided", "unavailable"]
 
 #: Relative tolerance per floating-point dtype. An element passes when
@@ -124,9 +126,11 @@ def compare(got: Any, want: torch.Tensor, what: str, source: str = "the referenc
         rule = f"within {tol:g} relative ({want.dtype})"
     if bool(bad.any()):
         index = tuple(int(i) for i in bad.nonzero()[0])
-        raise Mismatch(f"{what}{_describe_index(index)} = {g[index].item()!r}, {source} gives "
-                       f"{w[index].item()!r} ({int(bad.sum())} of {bad.numel()} elements differ; "
-                       f"must match {rule})")
+        raise Mismatch(
+            f"{what}{_describe_index(index)} = {g[index].item()!r}, {source} gives "
+            f"{w[index].item()!r} ({int(bad.sum())} of {bad.numel()} elements differ; "
+            f"must match {rule})"
+        )
     _compare_zero_rows(g, w, what, source)
 
 
@@ -142,16 +146,20 @@ def _compare_zero_rows(got: torch.Tensor, want: torch.Tensor, what: str, source:
         row, column = (int(i) for i in wrong.nonzero()[0])
         flat = torch.tensor(row * got.shape[-1] + column)
         index = tuple(int(i) for i in torch.unravel_index(flat, tuple(got.shape)))
-        raise Mismatch(f"{what}{_describe_index(index)} = {got[index].item()!r} in a row that {source} "
-                       f"gives as exact zeros ({int(wrong.any(dim=1).sum())} such rows are not; the "
-                       f"contract's zero rows must be exactly 0)")
+        raise Mismatch(
+            f"{what}{_describe_index(index)} = {got[index].item()!r} in a row that {source} "
+            f"gives as exact zeros ({int(wrong.any(dim=1).sum())} such rows are not; the "
+            f"contract's zero rows must be exactly 0)"
+        )
 
 
 def _outputs(value: Any) -> tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
-def _compare_all(contract: OpContract, got: Any, want: Any, what: str, source: str = "the reference") -> None:
+def _compare_all(
+    contract: OpContract, got: Any, want: Any, what: str, source: str = "the reference"
+) -> None:
     got_t, want_t = _outputs(got), _outputs(want)
     if len(got_t) != len(want_t):
         raise Mismatch(f"{what} returned {len(got_t)} outputs, the contract says {len(want_t)}")
@@ -172,8 +180,10 @@ def _check_meta(contract: OpContract, args: tuple[Any, ...], got: Any) -> None:
         if not isinstance(value, torch.Tensor):
             raise Mismatch(f"output '{out.name}' is a {type(value).__name__}, expected a tensor")
         if tuple(value.shape) != tuple(shape) or value.dtype != dtype or value.device != device:
-            raise Mismatch(f"output '{out.name}' is {tuple(value.shape)} {value.dtype} on {value.device}; "
-                           f"the contract says {tuple(shape)} {dtype} on {device}")
+            raise Mismatch(
+                f"output '{out.name}' is {tuple(value.shape)} {value.dtype} on {value.device}; "
+                f"the contract says {tuple(shape)} {dtype} on {device}"
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -190,9 +200,17 @@ def _on(backend: str, op: str) -> Iterator[None]:
         yield
 
 
-def _cannot_serve(backend: str, contract: OpContract, device: torch.device, args: tuple[Any, ...]) -> str | None:
-    dtypes = {a.name: v.dtype for a, v in zip(contract.args, args, strict=True) if isinstance(v, torch.Tensor)}
-    trace = explain(contract.name, describe(device), dtypes, Policy(force=backend, source="the kit"))
+def _cannot_serve(
+    backend: str, contract: OpContract, device: torch.device, args: tuple[Any, ...]
+) -> str | None:
+    dtypes = {
+        a.name: v.dtype
+        for a, v in zip(contract.args, args, strict=True)
+        if isinstance(v, torch.Tensor)
+    }
+    trace = explain(
+        contract.name, describe(device), dtypes, Policy(force=backend, source="the kit")
+    )
     if trace.winner is None:
         return trace.error
     # A kernel may decline some shapes (Kernel.supports, e.g. alignment): those samples are the
@@ -201,16 +219,27 @@ def _cannot_serve(backend: str, contract: OpContract, device: torch.device, args
     return None if kernel is not None else why
 
 
-def _with_grad_leaves(contract: OpContract, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[str]]:
+def _with_grad_leaves(
+    contract: OpContract, args: tuple[Any, ...]
+) -> tuple[tuple[Any, ...], list[str]]:
     """``args`` with fresh leaves requiring grad for every floating-point differentiable input."""
-    names = [a.name for a, v in zip(contract.args, args, strict=True) if a.name in contract.differentiable
-             and isinstance(v, torch.Tensor) and v.is_floating_point()]
-    new = tuple(v.detach().requires_grad_() if a.name in names else v
-                for a, v in zip(contract.args, args, strict=True))
+    names = [
+        a.name
+        for a, v in zip(contract.args, args, strict=True)
+        if a.name in contract.differentiable
+        and isinstance(v, torch.Tensor)
+        and v.is_floating_point()
+    ]
+    new = tuple(
+        v.detach().requires_grad_() if a.name in names else v
+        for a, v in zip(contract.args, args, strict=True)
+    )
     return new, names
 
 
-def _grads(fn: Callable[..., Any], contract: OpContract, args: tuple[Any, ...]) -> tuple[Any, dict[str, torch.Tensor]]:
+def _grads(
+    fn: Callable[..., Any], contract: OpContract, args: tuple[Any, ...]
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Run ``fn`` and return (output, gradient of each differentiable input) for a fixed cotangent."""
     leaves, names = _with_grad_leaves(contract, args)
     with torch.enable_grad():
@@ -218,7 +247,9 @@ def _grads(fn: Callable[..., Any], contract: OpContract, args: tuple[Any, ...]) 
         gen = torch.Generator().manual_seed(7)
         cotangent = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
         inputs = [leaves[contract.arg_names.index(n)] for n in names]
-        grads = torch.autograd.grad(out, inputs, cotangent, allow_unused=True, materialize_grads=True)
+        grads = torch.autograd.grad(
+            out, inputs, cotangent, allow_unused=True, materialize_grads=True
+        )
     return out.detach(), dict(zip(names, grads, strict=True))
 
 
@@ -260,21 +291,31 @@ def _check_sample(backend: str, contract: OpContract, args: tuple[Any, ...]) -> 
         compare(g, want_grads[name], f"gradient of '{name}'")
 
 
-def bad_inputs(contract: OpContract, args: tuple[Any, ...]) -> Iterator[tuple[str, str, tuple[Any, ...], type[Exception]]]:
+def bad_inputs(
+    contract: OpContract, args: tuple[Any, ...]
+) -> Iterator[tuple[str, str, tuple[Any, ...], type[Exception]]]:
     """Mutations of a valid sample that break one argument's spec in the contract:
     (argument, what was done, the mutated arguments, the error type the contract promises)."""
     primary = contract.primary.name
     for i, (spec, value) in enumerate(zip(contract.args, args, strict=True)):
+
         def swap(new: Any, i: int = i) -> tuple[Any, ...]:
-            return (*args[:i], new, *args[i + 1:])
+            return (*args[:i], new, *args[i + 1 :])
 
         if isinstance(spec, TensorArg) and isinstance(value, torch.Tensor):
-            wrong = next((d for d in (torch.float32, torch.int32, torch.bool) if d not in spec.dtypes), None)
+            wrong = next(
+                (d for d in (torch.float32, torch.int32, torch.bool) if d not in spec.dtypes), None
+            )
             if spec.dtypes and wrong is not None:
                 yield spec.name, f"dtype {wrong}", swap(value.to(wrong)), TypeError
             if spec.ndim:
                 extra = max(spec.ndim) + 1 - value.dim()
-                yield spec.name, f"{value.dim() + extra}-D", swap(value[(None,) * extra]), ValueError
+                yield (
+                    spec.name,
+                    f"{value.dim() + extra}-D",
+                    swap(value[(None,) * extra]),
+                    ValueError,
+                )
             if spec.name != primary and not spec.any_device and value.device.type != "cpu":
                 yield spec.name, "on the CPU", swap(value.cpu()), ValueError
         elif isinstance(spec, IntArg) and value is not None:
@@ -293,12 +334,16 @@ def _check_bad_inputs(backend: str, contract: OpContract, args: tuple[Any, ...])
                 run(*bad)
         except error as exc:
             if f"ops.{contract.name}" not in str(exc) or f"'{name}'" not in str(exc):
-                raise Mismatch(f"'{name}' as {what} raised {type(exc).__name__} without naming the op "
-                               f"and the argument: {exc}") from None
+                raise Mismatch(
+                    f"'{name}' as {what} raised {type(exc).__name__} without naming the op "
+                    f"and the argument: {exc}"
+                ) from None
             continue
         except Exception as exc:
-            raise Mismatch(f"'{name}' as {what} raised {type(exc).__name__}, the contract says "
-                           f"{error.__name__}: {exc}") from None
+            raise Mismatch(
+                f"'{name}' as {what} raised {type(exc).__name__}, the contract says "
+                f"{error.__name__}: {exc}"
+            ) from None
         raise Mismatch(f"'{name}' as {what} was accepted; the contract says {error.__name__}")
 
 
@@ -306,8 +351,9 @@ def _check_opcheck(backend: str, contract: OpContract, args: tuple[Any, ...]) ->
     leaves, _ = _with_grad_leaves(contract, args)
     with _on(backend, contract.name):
         try:
-            torch.library.opcheck(getattr(torch.ops.megablocks, contract.name), leaves,
-                                  test_utils=OPCHECK_TESTS)
+            torch.library.opcheck(
+                getattr(torch.ops.megablocks, contract.name), leaves, test_utils=OPCHECK_TESTS
+            )
         except Exception as exc:
             raise Mismatch(f"torch.library.opcheck: {str(exc).splitlines()[0]}") from None
 
@@ -332,8 +378,13 @@ def _check_compile(backend: str, contract: OpContract, args: tuple[Any, ...]) ->
 # Entry points
 
 
-def check_op(backend: str, op: str, device: torch.device | str = "cpu", quick: bool = False,
-             cases: Sequence[Scenario] | None = None) -> Result:
+def check_op(
+    backend: str,
+    op: str,
+    device: torch.device | str = "cpu",
+    quick: bool = False,
+    cases: Sequence[Scenario] | None = None,
+) -> Result:
     """Check one op of one installed backend on ``device`` (see the module docstring): each of
     its kernels for the op in turn, on ``cases`` (default: :func:`.scenarios` for the device)."""
     contract = BY_NAME[op]
@@ -341,8 +392,10 @@ def check_op(backend: str, op: str, device: torch.device | str = "cpu", quick: b
         raise ValueError(f"{op!r} is not a dispatched op; dispatched ops: {', '.join(DISPATCHED)}")
     record = registry().plugins.get(backend)
     if record is None:
-        raise ValueError(f"backend {backend!r} is not installed "
-                         f"(installed: {', '.join(registry().backend_names) or 'none'})")
+        raise ValueError(
+            f"backend {backend!r} is not installed "
+            f"(installed: {', '.join(registry().backend_names) or 'none'})"
+        )
     if backend == REFERENCE:
         return Result(op, backend, "unavailable", ORACLE_SKIPPED)
     if op not in record.ops:
@@ -372,7 +425,9 @@ def check_op(backend: str, op: str, device: torch.device | str = "cpu", quick: b
     return Result(op, backend, "pass", note, ran, declined, elapsed)
 
 
-def _check_kernel(label: str, contract: OpContract, device: torch.device, cases: Sequence[Scenario]) -> Result:
+def _check_kernel(
+    label: str, contract: OpContract, device: torch.device, cases: Sequence[Scenario]
+) -> Result:
     """One kernel (``backend`` or ``backend/variant``) forced for its op, on every case it serves."""
     op = contract.name
     start = time.perf_counter()
@@ -394,38 +449,63 @@ def _check_kernel(label: str, contract: OpContract, device: torch.device, cases:
             first = first or args
         if first is not None:
             case = ""
-            for name, step in (("bad inputs", _check_bad_inputs), ("opcheck", _check_opcheck),
-                               ("torch.compile", _check_compile)):
+            for name, step in (
+                ("bad inputs", _check_bad_inputs),
+                ("opcheck", _check_opcheck),
+                ("torch.compile", _check_compile),
+            ):
                 stage = name
                 step(label, contract, first)
     except Mismatch as exc:
         where = f" [{stage}]" if stage else ""
-        return Result(op, label, "fail", f"{op}{where}{case}: {exc}", ran, declined,
-                      time.perf_counter() - start)
+        return Result(
+            op,
+            label,
+            "fail",
+            f"{op}{where}{case}: {exc}",
+            ran,
+            declined,
+            time.perf_counter() - start,
+        )
     except Exception as exc:  # a kernel that raises fails its op, nothing more
         where = f" [{stage}]" if stage else ""
-        return Result(op, label, "fail", f"{op}{where}{case}: raised {type(exc).__name__}: {exc}",
-                      ran, declined, time.perf_counter() - start)
+        return Result(
+            op,
+            label,
+            "fail",
+            f"{op}{where}{case}: raised {type(exc).__name__}: {exc}",
+            ran,
+            declined,
+            time.perf_counter() - start,
+        )
     elapsed = time.perf_counter() - start
     if not ran:
         return Result(op, label, "unavailable", reason, 0, declined, elapsed)
     return Result(op, label, "pass", "", ran, declined, elapsed)
 
 
-def check(backends: Sequence[str] | None = None, device: torch.device | str = "cpu", quick: bool = False,
-          ops: Sequence[str] | None = None) -> list[Result]:
+def check(
+    backends: Sequence[str] | None = None,
+    device: torch.device | str = "cpu",
+    quick: bool = False,
+    ops: Sequence[str] | None = None,
+) -> list[Result]:
     """Check every op of each backend against the reference. Default: every installed backend but
     the reference itself, the oracle (one ``"*"`` result, ``unavailable``, says so; naming it
     gives the same)."""
     reg = registry()
     oracle = reg.plugins.get(REFERENCE)
     if oracle is None or oracle.status != "ok":
-        raise RuntimeError("the reference backend is the oracle of the conformance kit: install "
-                           "megablocks-reference (and do not disable it)")
+        raise RuntimeError(
+            "the reference backend is the oracle of the conformance kit: install "
+            "megablocks-reference (and do not disable it)"
+        )
     unknown = [b for b in backends or () if b not in reg.plugins]
     if unknown:
-        raise ValueError(f"backend(s) {', '.join(unknown)} not installed "
-                         f"(installed: {', '.join(reg.backend_names)})")
+        raise ValueError(
+            f"backend(s) {', '.join(unknown)} not installed "
+            f"(installed: {', '.join(reg.backend_names)})"
+        )
     results = []
     for name in backends or reg.backend_names:
         record = reg.plugins[name]
@@ -436,5 +516,7 @@ def check(backends: Sequence[str] | None = None, device: torch.device | str = "c
         elif record.status == "disabled":
             results.append(Result("*", name, "unavailable", record.reason or "disabled"))
         else:
-            results += [check_op(name, op, device, quick) for op in (DISPATCHED if ops is None else ops)]
+            results += [
+                check_op(name, op, device, quick) for op in (DISPATCHED if ops is None else ops)
+            ]
     return results

@@ -13,10 +13,20 @@ import pytest
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("megablocks", "megablocks conformance kit")
-    group.addoption("--megablocks-backend", action="append", default=[], metavar="NAME",
-                    help="backend to check (repeatable; default: every installed backend but the "
-                         "reference, which is the oracle)")
-    group.addoption("--megablocks-device", default="cpu", metavar="DEVICE",
-                    help="torch device to check on, e.g. cpu or cuda:0 (default cpu)")
-    group.addoption("--megablocks-quick", action="store_true",
-                    help="a few scenarios instead of the full set")
+    group.addoption(
+        "--megablocks-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="backend to check (repeatable; default: every installed backend but the "
+        "reference, which is the oracle)",
+    )
+    group.addoption(
+        "--megablocks-device",
+        default="cpu",
+        metavar="DEVICE",
+        help="torch device to check on, e.g. cpu or cuda:0 (default cpu)",
+    )
+    group.addoption(
+        "--megablocks-quick", action="store_true", help="a few scenarios instead of the full set"
+    )

@@ -58,15 +58,24 @@ class Scenario:
 
     @property
     def name(self) -> str:
-        flags = [f for f, on in (("empty experts", self.empty_experts),
-                                 ("non-contiguous", self.non_contiguous),
-                                 ("unweighted", not self.weighted), ("trans_b", self.trans_b),
-                                 (f"ffn={self.ffn}", self.ffn is not None),
-                                 (f"block={self.block_size}", self.block_size != BLOCK_SIZE),
-                                 ("sizes on device", self.sizes_on_device)) if on]
+        flags = [
+            f
+            for f, on in (
+                ("empty experts", self.empty_experts),
+                ("non-contiguous", self.non_contiguous),
+                ("unweighted", not self.weighted),
+                ("trans_b", self.trans_b),
+                (f"ffn={self.ffn}", self.ffn is not None),
+                (f"block={self.block_size}", self.block_size != BLOCK_SIZE),
+                ("sizes on device", self.sizes_on_device),
+            )
+            if on
+        ]
         dtypes = f"{_short(self.dtype)}/{_short(self.index_dtype)}"
-        return (f"tokens={self.tokens} experts={self.experts} top_k={self.top_k} hidden={self.hidden} "
-                + " ".join([dtypes, *flags]))
+        return (
+            f"tokens={self.tokens} experts={self.experts} top_k={self.top_k} hidden={self.hidden} "
+            + " ".join([dtypes, *flags])
+        )
 
 
 def _short(dtype: torch.dtype) -> str:
@@ -133,15 +142,26 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
     b_shape = (s.experts, ffn, s.hidden) if s.trans_b else (s.experts, s.hidden, ffn)
     weights = torch.rand(rows, generator=gen).to(device=device, dtype=s.dtype)
     return Routing(
-        scenario=s, top_experts=index(keys), end_bit=max((s.experts - 1).bit_length(), 1),
-        indices=index(indices), bin_ids=index(bin_ids), counts=index(counts),
-        bins=index(counts.cumsum(0)), padded_bins=index(padded_counts.cumsum(0)),
-        padded_rows_total=padded_total, bin_size=bin_size,
-        x=floats(s.tokens, s.hidden), rows=floats(rows, s.hidden),
-        weights=weights if s.weighted else None, grad=floats(s.tokens, s.hidden),
-        padded_x=floats(padded_total, s.hidden), binned_x=floats(s.experts, bin_size, s.hidden),
-        per_bin=floats(REPLICATE_BATCH, s.experts), per_row=floats(REPLICATE_BATCH, rows),
-        expert_weights=floats(*b_shape), gmm_grad=floats(rows, ffn),
+        scenario=s,
+        top_experts=index(keys),
+        end_bit=max((s.experts - 1).bit_length(), 1),
+        indices=index(indices),
+        bin_ids=index(bin_ids),
+        counts=index(counts),
+        bins=index(counts.cumsum(0)),
+        padded_bins=index(padded_counts.cumsum(0)),
+        padded_rows_total=padded_total,
+        bin_size=bin_size,
+        x=floats(s.tokens, s.hidden),
+        rows=floats(rows, s.hidden),
+        weights=weights if s.weighted else None,
+        grad=floats(s.tokens, s.hidden),
+        padded_x=floats(padded_total, s.hidden),
+        binned_x=floats(s.experts, bin_size, s.hidden),
+        per_bin=floats(REPLICATE_BATCH, s.experts),
+        per_row=floats(REPLICATE_BATCH, rows),
+        expert_weights=floats(*b_shape),
+        gmm_grad=floats(rows, ffn),
         batch_sizes=counts.to(device=device if s.sizes_on_device else "cpu", dtype=torch.int64),
     )
 
@@ -153,20 +173,45 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "histogram": lambda r: (r.top_experts, r.scenario.experts),
     "inclusive_cumsum": lambda r: (r.counts, 0),
     "exclusive_cumsum": lambda r: (r.counts, 0),
-    "topology": lambda r: (r.padded_bins, r.scenario.block_size, r.padded_rows_total // r.scenario.block_size,
-                           BLOCK_COLUMNS),
+    "topology": lambda r: (
+        r.padded_bins,
+        r.scenario.block_size,
+        r.padded_rows_total // r.scenario.block_size,
+        BLOCK_COLUMNS,
+    ),
     "replicate": lambda r: (r.per_bin, r.bins, r.num_rows),
     "replicate_backward": lambda r: (r.per_row, r.bins),
     "route": lambda r: (r.top_experts, r.scenario.experts, r.scenario.block_size),
     "gather": lambda r: (r.x, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
     "scatter": lambda r: (r.rows, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
     "scatter_wgrad": lambda r: (r.rows, r.grad, r.indices, r.bin_ids, r.bins, r.scenario.top_k),
-    "padded_gather": lambda r: (r.x, r.indices, r.bin_ids, r.weights, r.bins, r.padded_bins,
-                                r.scenario.top_k),
-    "padded_scatter": lambda r: (r.padded_x, r.indices, r.bin_ids, r.weights, r.bins, r.padded_bins,
-                                 r.scenario.top_k),
-    "padded_scatter_wgrad": lambda r: (r.padded_x, r.grad, r.indices, r.bin_ids, r.bins, r.padded_bins,
-                                       r.scenario.top_k),
+    "padded_gather": lambda r: (
+        r.x,
+        r.indices,
+        r.bin_ids,
+        r.weights,
+        r.bins,
+        r.padded_bins,
+        r.scenario.top_k,
+    ),
+    "padded_scatter": lambda r: (
+        r.padded_x,
+        r.indices,
+        r.bin_ids,
+        r.weights,
+        r.bins,
+        r.padded_bins,
+        r.scenario.top_k,
+    ),
+    "padded_scatter_wgrad": lambda r: (
+        r.padded_x,
+        r.grad,
+        r.indices,
+        r.bin_ids,
+        r.bins,
+        r.padded_bins,
+        r.scenario.top_k,
+    ),
     "binned_gather": lambda r: (r.x, r.indices, r.weights, r.bins, r.bin_size, r.scenario.top_k),
     "binned_scatter": lambda r: (r.binned_x, r.indices, r.weights, r.bins, r.scenario.top_k),
     "binned_scatter_wgrad": lambda r: (r.binned_x, r.grad, r.indices, r.bins, r.scenario.top_k),
@@ -199,29 +244,81 @@ _F32, _F16, _BF16, _F64 = torch.float32, torch.float16, torch.bfloat16, torch.fl
 QUICK: tuple[Scenario, ...] = (
     Scenario(tokens=16, experts=4, top_k=2, hidden=8),
     Scenario(tokens=0, experts=4, top_k=2, hidden=8),
-    Scenario(tokens=12, experts=8, top_k=2, hidden=5, dtype=_BF16, index_dtype=_I64,
-             empty_experts=True, non_contiguous=True, trans_b=True, sizes_on_device=True, seed=1),
-    Scenario(tokens=9, experts=1, top_k=1, hidden=1, dtype=_F16, index_dtype=_I16, weighted=False,
-             trans_b=True, block_size=128, seed=2),
+    Scenario(
+        tokens=12,
+        experts=8,
+        top_k=2,
+        hidden=5,
+        dtype=_BF16,
+        index_dtype=_I64,
+        empty_experts=True,
+        non_contiguous=True,
+        trans_b=True,
+        sizes_on_device=True,
+        seed=1,
+    ),
+    Scenario(
+        tokens=9,
+        experts=1,
+        top_k=1,
+        hidden=1,
+        dtype=_F16,
+        index_dtype=_I16,
+        weighted=False,
+        trans_b=True,
+        block_size=128,
+        seed=2,
+    ),
     Scenario(tokens=40, experts=256, top_k=8, hidden=3, seed=3),
 )
 
 #: The full suite: the quick set, every float × index dtype pair, top_k 1…8, larger shapes.
 FULL: tuple[Scenario, ...] = (
     *QUICK,
-    *(Scenario(tokens=24, experts=6, top_k=2, hidden=16, dtype=f, index_dtype=i, seed=10 + n)
-      for n, (f, i) in enumerate((f, i) for f in (_F32, _F16, _BF16, _F64) for i in (_I16, _I32, _I64))),
-    *(Scenario(tokens=13, experts=8, top_k=k, hidden=7, seed=30 + k, trans_b=k % 2 == 0,
-               weighted=k != 3) for k in range(1, 9)),
+    *(
+        Scenario(tokens=24, experts=6, top_k=2, hidden=16, dtype=f, index_dtype=i, seed=10 + n)
+        for n, (f, i) in enumerate(
+            (f, i) for f in (_F32, _F16, _BF16, _F64) for i in (_I16, _I32, _I64)
+        )
+    ),
+    *(
+        Scenario(
+            tokens=13,
+            experts=8,
+            top_k=k,
+            hidden=7,
+            seed=30 + k,
+            trans_b=k % 2 == 0,
+            weighted=k != 3,
+        )
+        for k in range(1, 9)
+    ),
     Scenario(tokens=0, experts=1, top_k=1, hidden=1, dtype=_BF16, index_dtype=_I64),
     Scenario(tokens=1, experts=16, top_k=4, hidden=1, dtype=_F16, empty_experts=True, seed=40),
     Scenario(tokens=64, experts=256, top_k=8, hidden=32, dtype=_BF16, empty_experts=True, seed=41),
     Scenario(tokens=300, experts=8, top_k=2, hidden=128, dtype=_BF16, non_contiguous=True, seed=42),
-    Scenario(tokens=257, experts=32, top_k=4, hidden=96, dtype=_F16, index_dtype=_I64, trans_b=True,
-             seed=43),
+    Scenario(
+        tokens=257,
+        experts=32,
+        top_k=4,
+        hidden=96,
+        dtype=_F16,
+        index_dtype=_I64,
+        trans_b=True,
+        seed=43,
+    ),
     Scenario(tokens=512, experts=64, top_k=2, hidden=64, seed=44),
-    Scenario(tokens=100, experts=8, top_k=2, hidden=33, dtype=_F32, index_dtype=_I16,
-             non_contiguous=True, empty_experts=True, seed=45),
+    Scenario(
+        tokens=100,
+        experts=8,
+        top_k=2,
+        hidden=33,
+        dtype=_F32,
+        index_dtype=_I16,
+        non_contiguous=True,
+        empty_experts=True,
+        seed=45,
+    ),
     # MegaBlocks' block size: most experts are a single padded block of 128 rows, mostly padding.
     Scenario(tokens=9, experts=32, top_k=8, hidden=33, dtype=_F16, block_size=128, seed=46),
 )
@@ -230,21 +327,83 @@ FULL: tuple[Scenario, ...] = (
 #: hidden sizes in the thousands, MegaBlocks' block size 128), where tiling, masking of odd tails
 #: and multi-block launches are exercised. Too slow for a CPU (and Triton's interpreter).
 DEVICE_SIZED: tuple[Scenario, ...] = (
-    Scenario(tokens=4096, experts=8, top_k=2, hidden=1024, ffn=768, dtype=_BF16, block_size=128, seed=50),
-    Scenario(tokens=4096, experts=8, top_k=2, hidden=1024, ffn=768, dtype=_F16, block_size=128,
-             trans_b=True, sizes_on_device=True, seed=51),
-    Scenario(tokens=2048, experts=64, top_k=8, hidden=512, ffn=384, dtype=_F32, block_size=128, seed=52),
-    Scenario(tokens=2048, experts=64, top_k=8, hidden=512, ffn=384, dtype=_BF16, index_dtype=_I64,
-             block_size=128, trans_b=True, sizes_on_device=True, seed=53),
-    Scenario(tokens=1024, experts=256, top_k=8, hidden=2048, ffn=256, dtype=_BF16, block_size=128,
-             empty_experts=True, seed=54),
-    Scenario(tokens=296, experts=16, top_k=2, hidden=72, ffn=136, dtype=_F32, block_size=128,
-             trans_b=True, seed=55),
+    Scenario(
+        tokens=4096, experts=8, top_k=2, hidden=1024, ffn=768, dtype=_BF16, block_size=128, seed=50
+    ),
+    Scenario(
+        tokens=4096,
+        experts=8,
+        top_k=2,
+        hidden=1024,
+        ffn=768,
+        dtype=_F16,
+        block_size=128,
+        trans_b=True,
+        sizes_on_device=True,
+        seed=51,
+    ),
+    Scenario(
+        tokens=2048, experts=64, top_k=8, hidden=512, ffn=384, dtype=_F32, block_size=128, seed=52
+    ),
+    Scenario(
+        tokens=2048,
+        experts=64,
+        top_k=8,
+        hidden=512,
+        ffn=384,
+        dtype=_BF16,
+        index_dtype=_I64,
+        block_size=128,
+        trans_b=True,
+        sizes_on_device=True,
+        seed=53,
+    ),
+    Scenario(
+        tokens=1024,
+        experts=256,
+        top_k=8,
+        hidden=2048,
+        ffn=256,
+        dtype=_BF16,
+        block_size=128,
+        empty_experts=True,
+        seed=54,
+    ),
+    Scenario(
+        tokens=296,
+        experts=16,
+        top_k=2,
+        hidden=72,
+        ffn=136,
+        dtype=_F32,
+        block_size=128,
+        trans_b=True,
+        seed=55,
+    ),
     # Odd sizes everywhere: masks and tails.
-    Scenario(tokens=777, experts=16, top_k=1, hidden=129, ffn=136, dtype=_F16, block_size=128,
-             non_contiguous=True, seed=56),
-    Scenario(tokens=777, experts=16, top_k=1, hidden=129, ffn=136, dtype=_F32, block_size=128,
-             sizes_on_device=True, weighted=False, seed=57),
+    Scenario(
+        tokens=777,
+        experts=16,
+        top_k=1,
+        hidden=129,
+        ffn=136,
+        dtype=_F16,
+        block_size=128,
+        non_contiguous=True,
+        seed=56,
+    ),
+    Scenario(
+        tokens=777,
+        experts=16,
+        top_k=1,
+        hidden=129,
+        ffn=136,
+        dtype=_F32,
+        block_size=128,
+        sizes_on_device=True,
+        weighted=False,
+        seed=57,
+    ),
     Scenario(tokens=0, experts=8, top_k=2, hidden=256, dtype=_BF16, block_size=128, seed=58),
 )
 

@@ -11,7 +11,9 @@ import pytest
 from megablocks_core.testing import REFERENCE, check, check_op
 
 
-def test_op_conforms(megablocks_backend: str, op: str, megablocks_device: str, megablocks_quick: bool) -> None:
+def test_op_conforms(
+    megablocks_backend: str, op: str, megablocks_device: str, megablocks_quick: bool
+) -> None:
     result = check_op(megablocks_backend, op, megablocks_device, megablocks_quick)
     if megablocks_backend == REFERENCE:
         pytest.skip(f"{REFERENCE}: {result.message}")

@@ -27,12 +27,18 @@ def _extension() -> dict[str, Any]:
     except ImportError:  # build isolation, or no torch yet: the JIT path covers it later
         return {}
     if torch.version.cuda is None or CUDA_HOME is None:
-        print("megablocks-cuda: no CUDA torch or no CUDA toolkit; installing without the "
-              "ahead-of-time extension (it compiles on first use)", file=sys.stderr)
+        print(
+            "megablocks-cuda: no CUDA torch or no CUDA toolkit; installing without the "
+            "ahead-of-time extension (it compiles on first use)",
+            file=sys.stderr,
+        )
         return {}
     flags = ["-O3", "-std=c++17"]
-    ext = CUDAExtension("megablocks_cuda._C", SOURCES,
-                        extra_compile_args={"cxx": flags, "nvcc": [*flags, "--expt-relaxed-constexpr"]})
+    ext = CUDAExtension(
+        "megablocks_cuda._C",
+        SOURCES,
+        extra_compile_args={"cxx": flags, "nvcc": [*flags, "--expt-relaxed-constexpr"]},
+    )
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
 
 

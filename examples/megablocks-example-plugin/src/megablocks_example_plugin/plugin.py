@@ -27,10 +27,22 @@ def cpu_only(device: DeviceInfo) -> str | None:
 @hookimpl
 def megablocks_routing_kernels() -> list[Kernel]:
     return [
-        Kernel(op="histogram", fn=kernels.histogram, devices=("cpu",), priority=PRIORITY,
-               capability=cpu_only, dtypes={"x": KEYS}),
-        Kernel(op="inclusive_cumsum", fn=kernels.inclusive_cumsum, devices=("cpu",), priority=PRIORITY,
-               capability=cpu_only, dtypes={"x": KEYS}),
+        Kernel(
+            op="histogram",
+            fn=kernels.histogram,
+            devices=("cpu",),
+            priority=PRIORITY,
+            capability=cpu_only,
+            dtypes={"x": KEYS},
+        ),
+        Kernel(
+            op="inclusive_cumsum",
+            fn=kernels.inclusive_cumsum,
+            devices=("cpu",),
+            priority=PRIORITY,
+            capability=cpu_only,
+            dtypes={"x": KEYS},
+        ),
     ]
 
 

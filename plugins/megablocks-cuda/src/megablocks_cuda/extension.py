@@ -40,18 +40,28 @@ def _jit_build() -> ModuleType:
     from torch.utils import cpp_extension
 
     if cpp_extension.CUDA_HOME is None:
-        raise ExtensionUnavailable("no ahead-of-time build and no CUDA toolkit to compile it "
-                                   "(set CUDA_HOME, or reinstall megablocks-cuda where nvcc exists)")
+        raise ExtensionUnavailable(
+            "no ahead-of-time build and no CUDA toolkit to compile it "
+            "(set CUDA_HOME, or reinstall megablocks-cuda where nvcc exists)"
+        )
     name = _jit_name()
     build_dir = Path(cpp_extension.get_default_build_root()) / name
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob(f"{name}*.so")):
-        print(f"megablocks-cuda: compiling the CUDA routing extension into {build_dir} "
-              "(first use only; takes about a minute)", file=sys.stderr, flush=True)
+        print(
+            f"megablocks-cuda: compiling the CUDA routing extension into {build_dir} "
+            "(first use only; takes about a minute)",
+            file=sys.stderr,
+            flush=True,
+        )
     flags = ["-O3", "-std=c++17"]
     return cpp_extension.load(
-        name=name, sources=[str(CSRC / s) for s in SOURCES], build_directory=str(build_dir),
-        extra_cflags=flags, extra_cuda_cflags=[*flags, "--expt-relaxed-constexpr"], verbose=False,
+        name=name,
+        sources=[str(CSRC / s) for s in SOURCES],
+        build_directory=str(build_dir),
+        extra_cflags=flags,
+        extra_cuda_cflags=[*flags, "--expt-relaxed-constexpr"],
+        verbose=False,
     )
 
 
@@ -62,7 +72,11 @@ def _load() -> ModuleType:
         return importlib.import_module(AOT_MODULE)
     except ImportError as exc:
         # No ahead-of-time build (or one made for another torch): compile the shipped sources.
-        aot = "" if isinstance(exc, ModuleNotFoundError) else f" (ahead-of-time build unusable: {exc})"
+        aot = (
+            ""
+            if isinstance(exc, ModuleNotFoundError)
+            else f" (ahead-of-time build unusable: {exc})"
+        )
     if os.environ.get("MEGABLOCKS_CUDA_NO_JIT", "") not in ("", "0"):
         raise ExtensionUnavailable(f"no ahead-of-time build and MEGABLOCKS_CUDA_NO_JIT is set{aot}")
     try:
@@ -71,8 +85,10 @@ def _load() -> ModuleType:
         raise
     except Exception as exc:  # compiler missing or failing, ninja missing, version mismatch …
         lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-        raise ExtensionUnavailable(f"building the CUDA extension failed{aot}: "
-                                   f"{type(exc).__name__}: {lines[-1] if lines else ''}") from exc
+        raise ExtensionUnavailable(
+            f"building the CUDA extension failed{aot}: "
+            f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        ) from exc
 
 
 def load() -> ModuleType:

@@ -37,7 +37,9 @@ def grouped_mm_function() -> Callable[..., Tensor] | None:
 def _grouped_mm() -> Callable[..., Tensor]:
     found = grouped_mm_function()
     if found is None:  # the capability predicate keeps such calls away; a direct call says why
-        raise RuntimeError(f"torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm")
+        raise RuntimeError(
+            f"torch {torch.__version__} has neither F.grouped_mm nor torch._grouped_mm"
+        )
     return found
 
 
@@ -80,11 +82,18 @@ def _zero_uncovered_rows(out: Tensor, offs: Tensor, batch_sizes: Tensor) -> Tens
     if not _unchecked(batch_sizes) or out.numel() == 0:
         return out  # checked on the host: the groups cover every row
     ext = extension.load() if extension.problem() is None else None
-    if out.is_cuda and out.is_contiguous() and ext is not None and hasattr(ext, "zero_uncovered_rows"):
+    if (
+        out.is_cuda
+        and out.is_contiguous()
+        and ext is not None
+        and hasattr(ext, "zero_uncovered_rows")
+    ):
         ext.zero_uncovered_rows(out, offs)
         return out
     rows = torch.arange(out.shape[0], device=out.device)
-    return out.masked_fill_((rows >= offs[-1:].long()).view(-1, 1), 0)  # a pass, without the extension
+    return out.masked_fill_(
+        (rows >= offs[-1:].long()).view(-1, 1), 0
+    )  # a pass, without the extension
 
 
 def _round_up(size: int, element_size: int) -> int:

@@ -46,8 +46,15 @@ PRIORITY: dict[str, int] = {
     "gmm_weight_grad": 100,
 }
 
-ROUTING_OPS = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology",
-               "replicate", "replicate_backward")
+ROUTING_OPS = (
+    "sort",
+    "histogram",
+    "inclusive_cumsum",
+    "exclusive_cumsum",
+    "topology",
+    "replicate",
+    "replicate_backward",
+)
 
 BF16 = frozenset({torch.bfloat16})
 GMM_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
@@ -73,8 +80,10 @@ def routing_capability(device: DeviceInfo) -> str | None:
     if problem:
         return f"CUDA extension unavailable: {problem}" if device.kind == "cuda" else problem
     if device.index is not None and not extension.load().has_kernel_image(device.index):
-        return (f"the CUDA extension has no code for {device.arch}: rebuild with "
-                f"TORCH_CUDA_ARCH_LIST including {'.'.join(map(str, device.capability or ()))}")
+        return (
+            f"the CUDA extension has no code for {device.arch}: rebuild with "
+            f"TORCH_CUDA_ARCH_LIST including {'.'.join(map(str, device.capability or ()))}"
+        )
     return None
 
 
@@ -83,8 +92,10 @@ def grouped_mm_capability(device: DeviceInfo) -> str | None:
         return _nvidia(device)
     major, minor = device.capability
     if major not in GROUPED_MM_MAJORS:
-        return (f"torch._grouped_mm is sync-free only on compute capability 9.x/10.x; "
-                f"{device.name or device} is {major}.{minor}")
+        return (
+            f"torch._grouped_mm is sync-free only on compute capability 9.x/10.x; "
+            f"{device.name or device} is {major}.{minor}"
+        )
     if gmm.grouped_mm_function() is None:
         return f"torch {torch.__version__} has no grouped_mm"
     return None
@@ -113,7 +124,9 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
     multiple = gmm.ALIGN_BYTES // call["a"].dtype.itemsize
     bad = [f"{name} = {size}" for name, size in (("K", k), ("N", n)) if size % multiple]
     if bad:
-        return f"torch._grouped_mm needs 16-byte rows: {', '.join(bad)} not a multiple of {multiple}"
+        return (
+            f"torch._grouped_mm needs 16-byte rows: {', '.join(bad)} not a multiple of {multiple}"
+        )
     return None
 
 
@@ -133,9 +146,17 @@ def megablocks_unavailable_reason() -> str | None:
 
 @hookimpl
 def megablocks_routing_kernels() -> list[Kernel]:
-    return [Kernel(op=op, fn=getattr(routing, op), devices=("cuda",), priority=PRIORITY[op],
-                    capability=routing_capability, contiguous=True)
-            for op in ROUTING_OPS]
+    return [
+        Kernel(
+            op=op,
+            fn=getattr(routing, op),
+            devices=("cuda",),
+            priority=PRIORITY[op],
+            capability=routing_capability,
+            contiguous=True,
+        )
+        for op in ROUTING_OPS
+    ]
 
 
 @hookimpl
@@ -143,15 +164,39 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     # (variant, capability, shape check, reads batch_sizes on the host, functions). A provider
     # that reads them on the host gives no estimate for device-side counts (it would sync), so
     # the cost choice avoids it there; it still serves when forced or alone.
-    providers: tuple[tuple[str, CapabilityCheck, ShapeCheck | None, bool,
-                           dict[str, Callable[..., Any]]], ...] = (
-        ("grouped_mm", grouped_mm_capability, grouped_mm_supports, False,
-         {"gmm": gmm.grouped_mm_gmm, "gmm_weight_grad": gmm.grouped_mm_gmm_weight_grad}),
-        ("grouped_gemm", grouped_gemm_capability, None, True,
-         {"gmm": gmm.grouped_gemm_gmm, "gmm_weight_grad": gmm.grouped_gemm_gmm_weight_grad}),
+    providers: tuple[
+        tuple[str, CapabilityCheck, ShapeCheck | None, bool, dict[str, Callable[..., Any]]], ...
+    ] = (
+        (
+            "grouped_mm",
+            grouped_mm_capability,
+            grouped_mm_supports,
+            False,
+            {"gmm": gmm.grouped_mm_gmm, "gmm_weight_grad": gmm.grouped_mm_gmm_weight_grad},
+        ),
+        (
+            "grouped_gemm",
+            grouped_gemm_capability,
+            None,
+            True,
+            {"gmm": gmm.grouped_gemm_gmm, "gmm_weight_grad": gmm.grouped_gemm_gmm_weight_grad},
+        ),
     )
-    return [Kernel(op=op, fn=fn, devices=("cuda",), priority=PRIORITY[op], capability=check,
-                    supports=supports, dtypes=GMM_DTYPES[op], contiguous=True, variant=variant,
-                    cost=gmm_cost_hint(tuning.MEASURED[variant], device_kinds=("cuda",),
-                                       host_counts_only=host_only))
-            for variant, check, supports, host_only, fns in providers for op, fn in fns.items()]
+    return [
+        Kernel(
+            op=op,
+            fn=fn,
+            devices=("cuda",),
+            priority=PRIORITY[op],
+            capability=check,
+            supports=supports,
+            dtypes=GMM_DTYPES[op],
+            contiguous=True,
+            variant=variant,
+            cost=gmm_cost_hint(
+                tuning.MEASURED[variant], device_kinds=("cuda",), host_counts_only=host_only
+            ),
+        )
+        for variant, check, supports, host_only, fns in providers
+        for op, fn in fns.items()
+    ]

@@ -11,8 +11,15 @@ from torch import Tensor
 
 from .extension import load
 
-__all__ = ["exclusive_cumsum", "histogram", "inclusive_cumsum", "replicate", "replicate_backward",
-           "sort", "topology"]
+__all__ = [
+    "exclusive_cumsum",
+    "histogram",
+    "inclusive_cumsum",
+    "replicate",
+    "replicate_backward",
+    "sort",
+    "topology",
+]
 
 
 def sort(x: Tensor, end_bit: int | None) -> tuple[Tensor, Tensor]:
@@ -44,8 +51,9 @@ def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return _cumsum(x, dim, False)
 
 
-def topology(padded_bins: Tensor, block_size: int, output_block_rows: int,
-             output_block_columns: int) -> Tensor:
+def topology(
+    padded_bins: Tensor, block_size: int, output_block_rows: int, output_block_columns: int
+) -> Tensor:
     return load().topology(padded_bins, block_size, output_block_rows, output_block_columns)
 
 

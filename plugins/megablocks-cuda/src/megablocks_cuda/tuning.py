@@ -25,4 +25,3 @@ MEASURED: Mapping[str, Mapping[str, Sequence[GmmPoint]]] = {
         "sm_90": ((4096, 4096, 14336, 0.98), (1024, 2048, 768, 0.33), (512, 7168, 2048, 0.79)),
     },
 }
-

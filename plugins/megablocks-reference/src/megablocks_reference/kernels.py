@@ -63,8 +63,9 @@ def exclusive_cumsum(x: Tensor, dim: int) -> Tensor:
     return (wide.cumsum(dim) - wide).to(x.dtype)
 
 
-def topology(padded_bins: Tensor, block_size: int, output_block_rows: int,
-             output_block_columns: int) -> Tensor:
+def topology(
+    padded_bins: Tensor, block_size: int, output_block_rows: int, output_block_columns: int
+) -> Tensor:
     expert = _segment_of(padded_bins.long() // block_size, output_block_rows)
     columns = torch.arange(output_block_columns, device=padded_bins.device)
     return (expert[:, None] * output_block_columns + columns).to(torch.int16).reshape(-1)
@@ -86,8 +87,9 @@ def replicate_backward(grad: Tensor, bins: Tensor) -> Tensor:
     return sums[:, :num_bins].to(grad.dtype).contiguous()
 
 
-def route(top_experts: Tensor, num_experts: int,
-          block_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def route(
+    top_experts: Tensor, num_experts: int, block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # Composed from the *dispatched* primitives, so on a device whose backend provides sort,
     # histogram and cumsum (but no fused route) those kernels do the work.
     from megablocks_core import ops
@@ -97,7 +99,9 @@ def route(top_experts: Tensor, num_experts: int,
     # Compared as int64: num_experts may not fit the ids' dtype (torch would wrap the bound).
     wide = top_experts.long()
     valid = (wide >= 0) & (wide < num_experts)
-    key_dtype = top_experts.dtype if num_experts <= torch.iinfo(top_experts.dtype).max else torch.int32
+    key_dtype = (
+        top_experts.dtype if num_experts <= torch.iinfo(top_experts.dtype).max else torch.int32
+    )
     keys = torch.where(valid, wide, num_experts).to(key_dtype)
     _, order = ops.sort(keys, max(num_experts.bit_length(), 1))
     indices = order.to(top_experts.dtype)
@@ -131,12 +135,17 @@ def _inverse(indices: Tensor) -> Tensor:
 
 def _select_rows(x: Tensor, rows: Tensor, keep: Tensor) -> Tensor:
     """x[rows] where keep, zero rows elsewhere (rows need only be valid where keep)."""
-    picked = x.index_select(0, torch.where(keep, rows, 0)) if x.shape[0] else x.new_zeros(rows.shape[0], *x.shape[1:])
+    picked = (
+        x.index_select(0, torch.where(keep, rows, 0))
+        if x.shape[0]
+        else x.new_zeros(rows.shape[0], *x.shape[1:])
+    )
     return torch.where(keep.view(-1, *([1] * (x.dim() - 1))), picked, 0)
 
 
-def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
-           top_k: int) -> Tensor:
+def gather(
+    x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor, top_k: int
+) -> Tensor:
     return _gather_rows(x, indices, weights, top_k)
 
 
@@ -156,8 +165,9 @@ def _token_major(x: Tensor, indices: Tensor) -> Tensor:
     return _select_rows(x, inv, inv >= 0).to(_acc(x.dtype))
 
 
-def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
-            top_k: int) -> Tensor:
+def scatter(
+    x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor, top_k: int
+) -> Tensor:
     rows, hidden = x.shape
     # Token-major order: row f is the (token, k) pair f = token * top_k + k.
     by_token = _token_major(x, indices)
@@ -166,14 +176,17 @@ def scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None,
     return by_token.view(rows // top_k, top_k, hidden).sum(1).to(x.dtype)
 
 
-def scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
-                  top_k: int) -> Tensor:
+def scatter_wgrad(
+    x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, top_k: int
+) -> Tensor:
     by_token = _token_major(x, indices)
     tokens = torch.arange(by_token.shape[0], device=x.device) // top_k
     return (by_token * grad.index_select(0, tokens).to(by_token.dtype)).sum(1).to(x.dtype)
 
 
-def _padded_rows(bins: Tensor, padded_bins: Tensor, count: int, total: int) -> tuple[Tensor, Tensor]:
+def _padded_rows(
+    bins: Tensor, padded_bins: Tensor, count: int, total: int
+) -> tuple[Tensor, Tensor]:
     """Row in the padded layout of each sorted row, and whether it lies inside the layout.
 
     The expert of a sorted row comes from bins (bin_ids must agree with bins)."""
@@ -188,13 +201,22 @@ def _padded_rows(bins: Tensor, padded_bins: Tensor, count: int, total: int) -> t
 def _padded_total(padded_bins: Tensor) -> int:
     total = int(padded_bins[-1]) if padded_bins.numel() else 0  # output size: a host read
     if total < 0:
-        raise ContractError(f"megablocks_core.ops.padded_gather: argument 'padded_bins' ends at {total}, "
-                            "but its last entry is the output's row count (expected >= 0)")
+        raise ContractError(
+            f"megablocks_core.ops.padded_gather: argument 'padded_bins' ends at {total}, "
+            "but its last entry is the output's row count (expected >= 0)"
+        )
     return total
 
 
-def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
-                  padded_bins: Tensor, top_k: int) -> Tensor:
+def padded_gather(
+    x: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    padded_bins: Tensor,
+    top_k: int,
+) -> Tensor:
     total = _padded_total(padded_bins)
     out = x.new_zeros(total, x.shape[1])
     rows = gather(x, indices, bin_ids, weights, bins, top_k)
@@ -202,14 +224,28 @@ def padded_gather(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor |
     return out.index_copy_(0, dest[keep], rows[keep])
 
 
-def padded_scatter(x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor,
-                   padded_bins: Tensor, top_k: int) -> Tensor:
+def padded_scatter(
+    x: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    padded_bins: Tensor,
+    top_k: int,
+) -> Tensor:
     rows = _select_rows(x, *_padded_rows(bins, padded_bins, indices.shape[0], x.shape[0]))
     return scatter(rows, indices, bin_ids, weights, bins, top_k)
 
 
-def padded_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor,
-                         padded_bins: Tensor, top_k: int) -> Tensor:
+def padded_scatter_wgrad(
+    x: Tensor,
+    grad: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    padded_bins: Tensor,
+    top_k: int,
+) -> Tensor:
     rows = _select_rows(x, *_padded_rows(bins, padded_bins, indices.shape[0], x.shape[0]))
     return scatter_wgrad(rows, grad, indices, bin_ids, bins, top_k)
 
@@ -221,13 +257,17 @@ def _binned_rows(indices: Tensor, bins: Tensor, bin_size: int) -> Tensor:
     experts = bins.shape[0]
     expert = _segment_of(bins, indices.shape[0])
     in_bins = expert < experts
-    slot = torch.arange(indices.shape[0], device=indices.device) - _starts(bins)[expert.clamp(max=max(experts - 1, 0))]
+    slot = (
+        torch.arange(indices.shape[0], device=indices.device)
+        - _starts(bins)[expert.clamp(max=max(experts - 1, 0))]
+    )
     keep = in_bins & (slot >= 0) & (slot < bin_size)
     return torch.where(keep, expert * bin_size + slot, experts * bin_size)
 
 
-def binned_gather(x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, bin_size: int,
-                  top_k: int) -> Tensor:
+def binned_gather(
+    x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, bin_size: int, top_k: int
+) -> Tensor:
     experts = bins.shape[0]
     out = x.new_zeros(experts * bin_size + 1, x.shape[1])  # the last row absorbs dropped rows
     if indices.numel():
@@ -245,11 +285,15 @@ def _binned_sorted_rows(x: Tensor, indices: Tensor, bins: Tensor) -> Tensor:
     return flat.index_select(0, _binned_rows(indices, bins, bin_size))
 
 
-def binned_scatter(x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, top_k: int) -> Tensor:
+def binned_scatter(
+    x: Tensor, indices: Tensor, weights: Tensor | None, bins: Tensor, top_k: int
+) -> Tensor:
     return scatter(_binned_sorted_rows(x, indices, bins), indices, indices, weights, bins, top_k)
 
 
-def binned_scatter_wgrad(x: Tensor, grad: Tensor, indices: Tensor, bins: Tensor, top_k: int) -> Tensor:
+def binned_scatter_wgrad(
+    x: Tensor, grad: Tensor, indices: Tensor, bins: Tensor, top_k: int
+) -> Tensor:
     return scatter_wgrad(_binned_sorted_rows(x, indices, bins), grad, indices, indices, bins, top_k)
 
 
@@ -272,7 +316,7 @@ def gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool) -> Tensor:
     out = a.new_zeros(a.shape[0], b.shape[1] if trans_b else b.shape[2])  # rows no group covers: 0
     for expert, (start, size) in enumerate(_groups(batch_sizes, a.shape[0])):
         weight = b[expert].t() if trans_b else b[expert]
-        out[start:start + size] = (a[start:start + size].to(acc) @ weight.to(acc)).to(a.dtype)
+        out[start : start + size] = (a[start : start + size].to(acc) @ weight.to(acc)).to(a.dtype)
     return out
 
 

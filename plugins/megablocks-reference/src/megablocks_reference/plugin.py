@@ -15,8 +15,10 @@ PRIORITY = 0
 
 def _kernels(family: str) -> list[Kernel]:
     # Every op of the family: kernels.py has one function per op, named after it.
-    return [Kernel(op=op, fn=getattr(kernels, op), devices=("any",), priority=PRIORITY)
-            for op in family_ops(family)]
+    return [
+        Kernel(op=op, fn=getattr(kernels, op), devices=("any",), priority=PRIORITY)
+        for op in family_ops(family)
+    ]
 
 
 @hookimpl

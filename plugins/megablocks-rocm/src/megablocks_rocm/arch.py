@@ -34,12 +34,14 @@ class Family:
 
 
 #: Family name (the core's :data:`~megablocks_core.plugin.ARCH_FAMILIES`) -> what we know of it.
-FAMILIES: Mapping[str, Family] = MappingProxyType({
-    "cdna2": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=64),
-    # AMD's MI300X Triton tuning guide pairs 16x16 MFMA with kpack=2 for GEMMs.
-    "cdna3": Family("cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=64, kpack=2),
-    "cdna4": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=160),
-})
+FAMILIES: Mapping[str, Family] = MappingProxyType(
+    {
+        "cdna2": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=64),
+        # AMD's MI300X Triton tuning guide pairs 16x16 MFMA with kpack=2 for GEMMs.
+        "cdna3": Family("cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=64, kpack=2),
+        "cdna4": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=160),
+    }
+)
 
 #: Anything else with a gfx name (RDNA's wave32 parts, older CDNA): no tuning of ours.
 GENERIC = Family("generic", "other AMD GPUs", lds_kib=64)
@@ -58,10 +60,15 @@ def unsupported(device: DeviceInfo) -> str | None:
     """
     fam = family(device)
     if fam is GENERIC:
-        known = ", ".join(f"{gfx} ({FAMILIES[name].products.split(' (')[0]})"
-                          for gfx, name in ARCH_FAMILIES.items() if name in FAMILIES)
-        return (f"no ROCm launch configuration for {device.arch or 'an unknown arch'} "
-                f"(tuned: {known}); the triton backend's defaults serve it")
+        known = ", ".join(
+            f"{gfx} ({FAMILIES[name].products.split(' (')[0]})"
+            for gfx, name in ARCH_FAMILIES.items()
+            if name in FAMILIES
+        )
+        return (
+            f"no ROCm launch configuration for {device.arch or 'an unknown arch'} "
+            f"(tuned: {known}); the triton backend's defaults serve it"
+        )
     if device.warp_size not in (None, fam.wavefront):
         return f"expects {fam.wavefront}-wide wavefronts on {device.arch}, device reports {device.warp_size}"
     return None

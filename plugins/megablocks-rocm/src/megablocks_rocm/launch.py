@@ -82,14 +82,16 @@ class RocmLaunchConfigs(LaunchConfigs):
         # MI250X GCD) instead of the H200's 128; 4 wavefronts = 256 lanes hold the 64x64
         # in-tile compare at 16 elements per lane.
         tile = min(max(_pow2(n // _pow2_floor(self.cus)), 256), 8192)
-        return RoutingConfig(tile=tile, chunk=base.chunk, tile_rows=base.tile_rows, num_warps=4,
-                             prescan=False)
+        return RoutingConfig(
+            tile=tile, chunk=base.chunk, tile_rows=base.tile_rows, num_warps=4, prescan=False
+        )
 
     def histogram_block(self, n: int) -> int:
         return min(max(_pow2(n // _pow2_floor(self.cus)), 256), 4096)
 
-    def permutation(self, num_tokens: int, hidden: int, top_k: int,
-                    element_size: int) -> PermutationConfig:
+    def permutation(
+        self, num_tokens: int, hidden: int, top_k: int, element_size: int
+    ) -> PermutationConfig:
         # Rows up to 8K elements per block (not 16K): waves_per_eu=4 caps VGPRs at 128, and the
         # fp32 top-k accumulator must stay <= 32 elements per lane.
         block_h = min(_pow2(hidden), 8192)
@@ -102,30 +104,48 @@ class RocmLaunchConfigs(LaunchConfigs):
         # and enough lanes that each holds <= 32 accumulator elements.
         per_lane_cap = block_h // (32 * self.wave)
         num_warps = min(8, max(2, block_h * element_size // (4 * 16 * self.wave), per_lane_cap))
-        return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16,
-                                 num_warps=num_warps)
+        return PermutationConfig(
+            block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps
+        )
 
-    def wgrad(self, num_tokens: int, hidden: int, top_k: int,
-              element_size: int) -> PermutationConfig:
+    def wgrad(
+        self, num_tokens: int, hidden: int, top_k: int, element_size: int
+    ) -> PermutationConfig:
         # (top_k x block_h) fp32 partial dots per program: <= 4K elements, i.e. <= 16 per lane
         # over 4 wavefronts (half the NVIDIA tile: wave64 doubles the lanes per warp); few
         # tokens: >= 2 programs per CU.
-        return permutation_wgrad_shape(num_tokens, hidden, top_k, tile_elements=4096,
-                                       min_block_h=256, min_programs=2 * self.cus,
-                                       num_warps=(2, 4), more_warps_from=2048)
+        return permutation_wgrad_shape(
+            num_tokens,
+            hidden,
+            top_k,
+            tile_elements=4096,
+            min_block_h=256,
+            min_programs=2 * self.cus,
+            num_warps=(2, 4),
+            more_warps_from=2048,
+        )
 
-    def gmm(self, device: DeviceInfo, tokens: int, n: int, k: int, num_experts: int,
-            dtype: torch.dtype) -> GmmConfig:
+    def gmm(
+        self, device: DeviceInfo, tokens: int, n: int, k: int, num_experts: int, dtype: torch.dtype
+    ) -> GmmConfig:
         tiles = _gmm_tiles(device, dtype)
         if tiles is None:  # not a CDNA part: the portable defaults
             return super().gmm(device, tokens, n, k, num_experts, dtype)
         experts = max(num_experts, 1)
-        fitted = fit_gmm_tiles(tiles, max(tokens // experts, 1), n, k,
-                               rows_per_expert=tokens / experts)
+        fitted = fit_gmm_tiles(
+            tiles, max(tokens // experts, 1), n, k, rows_per_expert=tokens / experts
+        )
         return _fewer_waves_for_small_tiles(fitted, device)
 
-    def gmm_wgrad(self, device: DeviceInfo, rows: int, cols: int, tokens: int, num_experts: int,
-                  dtype: torch.dtype) -> GmmConfig:
+    def gmm_wgrad(
+        self,
+        device: DeviceInfo,
+        rows: int,
+        cols: int,
+        tokens: int,
+        num_experts: int,
+        dtype: torch.dtype,
+    ) -> GmmConfig:
         tiles = _gmm_tiles(device, dtype)
         if tiles is None:
             return super().gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)

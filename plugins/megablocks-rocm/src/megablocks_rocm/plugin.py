@@ -38,16 +38,26 @@ def _rocm_kernels(triton_kernels: list[Kernel]) -> list[Kernel]:
     """Re-declare the triton backend's kernels for ROCm with this backend's policy and predicate."""
     from .kernels import wrap  # imports triton
 
-    return [dataclasses.replace(k, fn=wrap(k.fn), devices=DEVICES, priority=PRIORITY,
-                                capability=_capability(k.capability), backend="")
-            for k in triton_kernels]
+    return [
+        dataclasses.replace(
+            k,
+            fn=wrap(k.fn),
+            devices=DEVICES,
+            priority=PRIORITY,
+            capability=_capability(k.capability),
+            backend="",
+        )
+        for k in triton_kernels
+    ]
 
 
 @hookimpl
 def megablocks_unavailable_reason() -> str | None:
     if not torch.version.hip:
-        return (f"torch {torch.__version__} is not a ROCm build (torch.version.hip is None); "
-                "install a ROCm build of torch to use AMD GPUs")
+        return (
+            f"torch {torch.__version__} is not a ROCm build (torch.version.hip is None); "
+            "install a ROCm build of torch to use AMD GPUs"
+        )
     try:
         import megablocks_triton.config  # noqa: F401  (imports triton)
     except ImportError as exc:

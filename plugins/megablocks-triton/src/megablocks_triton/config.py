@@ -96,35 +96,43 @@ def dtype_class(dtype: torch.dtype) -> str:
 #: (any other NVIDIA), "amd" (any AMD GPU: portable defaults; the ROCm plugin tunes CDNA) and
 #: "cpu" (TRITON_INTERPRET runs). Starting points only (Triton persistent-matmul defaults per
 #: arch); the H200 numbers are expected to be tuned.
-GMM_TILES: Mapping[tuple[str, str, str], GmmConfig] = MappingProxyType({
-    # Hopper: wgmma likes 128xN with 8 warps (2 warpgroups); 128x256x64 bf16 x 3 stages = 144 KiB smem.
-    # TMA loads: 0.95/0.87/0.89 of dense vs 0.81/0.80/0.76 with plain loads (docs/performance.md).
-    ("gmm", "hopper", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3,
-                                          use_tma=True),
-    ("gmm", "hopper", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    ("wgrad", "hopper", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
-    ("wgrad", "hopper", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    ("gmm", "blackwell", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4,
-                                             use_tma=True),
-    ("gmm", "blackwell", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    ("wgrad", "blackwell", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=4),
-    ("wgrad", "blackwell", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
-    # Ampere/Ada and unknown NVIDIA: mma.sync, ~100-160 KiB smem.
-    ("gmm", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
-    ("gmm", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
-    ("wgrad", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
-    ("wgrad", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
-    # AMD: 64 KiB LDS on most parts, the stream pipeliner wants num_stages=2.
-    ("gmm", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
-    ("gmm", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
-    ("wgrad", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
-    ("wgrad", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
-    # Interpreter: numpy-backed, small tiles keep the tiny test shapes multi-tile.
-    ("gmm", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-    ("gmm", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-    ("wgrad", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-    ("wgrad", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
-})
+GMM_TILES: Mapping[tuple[str, str, str], GmmConfig] = MappingProxyType(
+    {
+        # Hopper: wgmma likes 128xN with 8 warps (2 warpgroups); 128x256x64 bf16 x 3 stages = 144 KiB smem.
+        # TMA loads: 0.95/0.87/0.89 of dense vs 0.81/0.80/0.76 with plain loads (docs/performance.md).
+        ("gmm", "hopper", "16bit"): GmmConfig(
+            128, 256, 64, group_m=8, num_warps=8, num_stages=3, use_tma=True
+        ),
+        ("gmm", "hopper", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+        ("wgrad", "hopper", "16bit"): GmmConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3),
+        ("wgrad", "hopper", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+        ("gmm", "blackwell", "16bit"): GmmConfig(
+            128, 256, 64, group_m=8, num_warps=8, num_stages=4, use_tma=True
+        ),
+        ("gmm", "blackwell", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+        ("wgrad", "blackwell", "16bit"): GmmConfig(
+            128, 256, 64, group_m=8, num_warps=8, num_stages=4
+        ),
+        ("wgrad", "blackwell", "fp32"): GmmConfig(
+            128, 128, 32, group_m=8, num_warps=8, num_stages=3
+        ),
+        # Ampere/Ada and unknown NVIDIA: mma.sync, ~100-160 KiB smem.
+        ("gmm", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
+        ("gmm", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
+        ("wgrad", "cuda", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
+        ("wgrad", "cuda", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
+        # AMD: 64 KiB LDS on most parts, the stream pipeliner wants num_stages=2.
+        ("gmm", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
+        ("gmm", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+        ("wgrad", "amd", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
+        ("wgrad", "amd", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+        # Interpreter: numpy-backed, small tiles keep the tiny test shapes multi-tile.
+        ("gmm", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+        ("gmm", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+        ("wgrad", "cpu", "16bit"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+        ("wgrad", "cpu", "fp32"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1),
+    }
+)
 
 
 def gmm_tile_family(device: DeviceInfo) -> str:
@@ -145,8 +153,9 @@ def _pow2_at_least(x: int, floor: int) -> int:
     return max(floor, _pow2(x))
 
 
-def fit_gmm_tiles(cfg: GmmConfig, rows: int, cols: int, depth: int,
-                  rows_per_expert: float | None = None) -> GmmConfig:
+def fit_gmm_tiles(
+    cfg: GmmConfig, rows: int, cols: int, depth: int, rows_per_expert: float | None = None
+) -> GmmConfig:
     """``cfg`` with blocks that never exceed the problem (rounded up to a power of two, >= 16
     for ``tl.dot``): ``rows`` x ``cols`` output per expert, ``depth`` the reduction per expert.
 
@@ -158,14 +167,25 @@ def fit_gmm_tiles(cfg: GmmConfig, rows: int, cols: int, depth: int,
     if rows_per_expert is not None:
         while block_m > 64 and rows_per_expert < block_m / 2:
             block_m //= 2
-    return replace(cfg, block_m=min(block_m, _pow2_at_least(rows, 16)),
-                   block_n=min(cfg.block_n, _pow2_at_least(cols, 16)),
-                   block_k=min(cfg.block_k, _pow2_at_least(depth, 16)))
+    return replace(
+        cfg,
+        block_m=min(block_m, _pow2_at_least(rows, 16)),
+        block_n=min(cfg.block_n, _pow2_at_least(cols, 16)),
+        block_k=min(cfg.block_k, _pow2_at_least(depth, 16)),
+    )
 
 
-def permutation_wgrad_shape(num_tokens: int, hidden: int, top_k: int, *, tile_elements: int,
-                            min_block_h: int, min_programs: int, num_warps: tuple[int, int],
-                            more_warps_from: int) -> PermutationConfig:
+def permutation_wgrad_shape(
+    num_tokens: int,
+    hidden: int,
+    top_k: int,
+    *,
+    tile_elements: int,
+    min_block_h: int,
+    min_programs: int,
+    num_warps: tuple[int, int],
+    more_warps_from: int,
+) -> PermutationConfig:
     """scatter_wgrad's launch shape: each program keeps a (top_k, block_h) fp32 tile of partial
     dots in registers.
 
@@ -202,7 +222,9 @@ class LaunchConfigs:
         prescan = num_bins_pow2 >= 64 and n > 4096
         if prescan:
             tile = 256
-        return RoutingConfig(tile=tile, chunk=chunk, tile_rows=tile_rows, num_warps=4, prescan=prescan)
+        return RoutingConfig(
+            tile=tile, chunk=chunk, tile_rows=tile_rows, num_warps=4, prescan=prescan
+        )
 
     def histogram_block(self, n: int) -> int:
         return min(max(_pow2(n // 128), 256), 4096)
@@ -229,7 +251,9 @@ class LaunchConfigs:
             split_h = cdiv(hidden, block_h)
         # ~16 bytes per thread per load: 8 warps for an 8K-element bf16 row.
         num_warps = max(4, min(16, block_h * element_size // 2048))
-        return PermutationConfig(block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps)
+        return PermutationConfig(
+            block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps
+        )
 
     def wgrad(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int
@@ -237,12 +261,20 @@ class LaunchConfigs:
         """scatter_wgrad: each program keeps a (top_k, block_h) fp32 tile of partial dots."""
         # A tile near 8K elements (32 per thread at 8 warps), rows >= 512 elements; few tokens:
         # >= ~4 programs per SM of the H200.
-        return permutation_wgrad_shape(num_tokens, hidden, top_k, tile_elements=8192,
-                                       min_block_h=512, min_programs=512, num_warps=(4, 8),
-                                       more_warps_from=8192)
+        return permutation_wgrad_shape(
+            num_tokens,
+            hidden,
+            top_k,
+            tile_elements=8192,
+            min_block_h=512,
+            min_programs=512,
+            num_warps=(4, 8),
+            more_warps_from=8192,
+        )
 
-    def gmm(self, device: DeviceInfo, tokens: int, n: int, k: int, num_experts: int,
-            dtype: torch.dtype) -> GmmConfig:
+    def gmm(
+        self, device: DeviceInfo, tokens: int, n: int, k: int, num_experts: int, dtype: torch.dtype
+    ) -> GmmConfig:
         """Tiles of the grouped GEMM ``gmm``: a (tokens, k) times b (E, k, n) on ``device``.
 
         The :data:`GMM_TILES` entry of the device's family, fitted to the problem
@@ -253,14 +285,26 @@ class LaunchConfigs:
         family = gmm_tile_family(device)
         dclass = dtype_class(dtype)
         experts = max(num_experts, 1)
-        cfg = fit_gmm_tiles(GMM_TILES[("gmm", family, dclass)], max(tokens // experts, 1), n, k,
-                            rows_per_expert=None if family == "cpu" else tokens / experts)
+        cfg = fit_gmm_tiles(
+            GMM_TILES[("gmm", family, dclass)],
+            max(tokens // experts, 1),
+            n,
+            k,
+            rows_per_expert=None if family == "cpu" else tokens / experts,
+        )
         if family == "hopper" and dclass == "16bit" and n <= 1024:
             cfg = replace(cfg, num_stages=4)
         return cfg
 
-    def gmm_wgrad(self, device: DeviceInfo, rows: int, cols: int, tokens: int, num_experts: int,
-                  dtype: torch.dtype) -> GmmConfig:
+    def gmm_wgrad(
+        self,
+        device: DeviceInfo,
+        rows: int,
+        cols: int,
+        tokens: int,
+        num_experts: int,
+        dtype: torch.dtype,
+    ) -> GmmConfig:
         """Tiles of ``gmm_weight_grad``: per expert a (rows x cols) output (a's and grad's
         columns) reduced over the expert's share of ``tokens``."""
         cfg = GMM_TILES[("wgrad", gmm_tile_family(device), dtype_class(dtype))]
@@ -280,8 +324,9 @@ class LaunchConfigs:
 _CONFIGS: LaunchConfigs = LaunchConfigs()
 # A scoped policy (use_launch_configs) wins over the process-wide one; context-local so that a
 # backend wrapping these kernels for one device never changes another thread's launches.
-_SCOPED: ContextVar[LaunchConfigs | None] = ContextVar("megablocks_triton_launch_configs",
-                                                       default=None)
+_SCOPED: ContextVar[LaunchConfigs | None] = ContextVar(
+    "megablocks_triton_launch_configs", default=None
+)
 
 
 def launch_configs() -> LaunchConfigs:
@@ -316,4 +361,3 @@ def set_launch_configs(configs: LaunchConfigs) -> None:
     """Install another policy (e.g. a ROCm plugin's wavefront-64 tuning)."""
     global _CONFIGS
     _CONFIGS = configs
-

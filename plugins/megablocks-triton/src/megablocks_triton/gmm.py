@@ -91,9 +91,16 @@ def _parse_env_config(text: str) -> GmmConfig:
     block_m, block_n, block_k, *rest = fields
     cfg = GmmConfig(block_m, block_n, block_k)
     defaults = (cfg.group_m, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm)
-    group_m, num_warps, num_stages, programs_per_sm = (*rest, *defaults[len(rest):])
-    return GmmConfig(block_m, block_n, block_k, group_m=group_m, num_warps=num_warps,
-                     num_stages=num_stages, programs_per_sm=programs_per_sm)
+    group_m, num_warps, num_stages, programs_per_sm = (*rest, *defaults[len(rest) :])
+    return GmmConfig(
+        block_m,
+        block_n,
+        block_k,
+        group_m=group_m,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        programs_per_sm=programs_per_sm,
+    )
 
 
 def _tma_override(cfg: GmmConfig) -> GmmConfig:
@@ -278,7 +285,9 @@ def _gmm_kernel(
         local = tile - group_tiles
         rows = covered + (local // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (local % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        c_ptrs = (
+            c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        )
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
         tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
 
@@ -347,7 +356,11 @@ def _device_sizes(batch_sizes: torch.Tensor, device: torch.device) -> torch.Tens
     so a device int64 tensor costs no conversion kernel). A CPU tensor is copied H2D — the caller
     already has the counts on the host, so that is not a new sync."""
     if batch_sizes.device != device:
-        if batch_sizes.device.type == "cpu" and device.type != "cpu" and not batch_sizes.is_pinned():
+        if (
+            batch_sizes.device.type == "cpu"
+            and device.type != "cpu"
+            and not batch_sizes.is_pinned()
+        ):
             # From pageable memory the copy would wait for the stream to drain; through pinned
             # memory (torch's caching host allocator, which keeps the block until the copy has
             # run) it is queued like a kernel.

@@ -56,7 +56,8 @@ def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 _raw_stream: Callable[[int], int] = getattr(
-    torch._C, "_cuda_getCurrentRawStream", lambda i: torch.cuda.current_stream(i).cuda_stream)
+    torch._C, "_cuda_getCurrentRawStream", lambda i: torch.cuda.current_stream(i).cuda_stream
+)
 
 
 def _hooks_installed() -> bool:
@@ -79,10 +80,14 @@ class Launcher:
         self._fast = isinstance(kernel, JITFunction)  # False under the interpreter
         params = inspect.signature(kernel.fn).parameters if self._fast else {}
         self._names: tuple[str, ...] = tuple(params)
-        self._defaults = {n: p.default for n, p in params.items()
-                          if p.default is not inspect.Parameter.empty}
-        self._runtime_names = frozenset(kp.name for kp in kernel.params if not kp.is_constexpr) \
-            if self._fast else frozenset()
+        self._defaults = {
+            n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty
+        }
+        self._runtime_names = (
+            frozenset(kp.name for kp in kernel.params if not kp.is_constexpr)
+            if self._fast
+            else frozenset()
+        )
         # key → (compiled kernel, the parameters after the positional ones, in order)
         self._cache: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
 
@@ -101,12 +106,14 @@ class Launcher:
         if hit is None:
             runtime_kw = self._runtime_names.intersection(kw)
             if runtime_kw:  # their values would be frozen into the cached tail
-                raise TypeError(f"{kernel.fn.__name__}: pass runtime arguments {sorted(runtime_kw)} "
-                                "positionally")
+                raise TypeError(
+                    f"{kernel.fn.__name__}: pass runtime arguments {sorted(runtime_kw)} "
+                    "positionally"
+                )
             compiled = kernel[tuple(grid)](*args, **kw)
             if hasattr(compiled, "result"):  # asynchronous compilation mode
                 compiled = compiled.result()
-            tail = tuple(kw[n] if n in kw else self._defaults[n] for n in self._names[len(args):])
+            tail = tuple(kw[n] if n in kw else self._defaults[n] for n in self._names[len(args) :])
             self._cache[key] = (compiled, tail)
             return
         compiled, tail = hit
@@ -114,8 +121,19 @@ class Launcher:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = _raw_stream(device)
-        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *tail)
+        compiled.run(
+            g0,
+            g1,
+            g2,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+            *tail,
+        )
 
 
 def cdiv(a: int, b: int) -> int:

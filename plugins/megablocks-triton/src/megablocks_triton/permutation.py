@@ -113,8 +113,19 @@ def _bin_of(bins_ptr, num_bins, p, mask, LOG: tl.constexpr):
 
 
 @triton.jit
-def _placement(p, keep, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
-               MODE: tl.constexpr, LOG: tl.constexpr, SCALAR: tl.constexpr):
+def _placement(
+    p,
+    keep,
+    hint_ptr,
+    bins_ptr,
+    padded_ptr,
+    num_bins,
+    bin_size,
+    num_rows,
+    MODE: tl.constexpr,
+    LOG: tl.constexpr,
+    SCALAR: tl.constexpr,
+):
     """Row (int64) of the output layout that sorted row p maps to, and whether it has one
     inside the layout (never an address outside it, whatever bins/padded_bins hold)."""
     if MODE == 0:
@@ -151,15 +162,29 @@ def _placement(p, keep, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_
 
 @triton.jit
 def _destinations(
-    t, k, indices_ptr, inv_ptr, hint_ptr, bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
-    TOP_K: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, SCALAR: tl.constexpr,
+    t,
+    k,
+    indices_ptr,
+    inv_ptr,
+    hint_ptr,
+    bins_ptr,
+    padded_ptr,
+    n,
+    num_bins,
+    bin_size,
+    num_rows,
+    TOP_K: tl.constexpr,
+    MODE: tl.constexpr,
+    LOG: tl.constexpr,
+    SCALAR: tl.constexpr,
 ):
     """Flat ids, destination rows (int64) and keep-mask of token t's copies k (a vector of
     copies, or one copy when k is a scalar). A copy no row names is not kept."""
     f = t * TOP_K + k
     p, reached = _reached(indices_ptr, inv_ptr, f, n, k < TOP_K)
-    dest, keep = _placement(p, reached, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows,
-                            MODE, LOG, SCALAR)
+    dest, keep = _placement(
+        p, reached, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows, MODE, LOG, SCALAR
+    )
     return f, dest, keep
 
 
@@ -178,8 +203,20 @@ def _is_cumulative(ptr, count, BLOCK: tl.constexpr):
 
 @triton.jit
 def _zero_padding(
-    pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens, n, num_bins, num_rows,
-    BLOCK_H: tl.constexpr, ZERO_ROWS: tl.constexpr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+    pid,
+    out_ptr,
+    bins_ptr,
+    padded_ptr,
+    hidden,
+    bin_size,
+    num_tokens,
+    n,
+    num_bins,
+    num_rows,
+    BLOCK_H: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     """Programs past the tokens: zero expert e's padding rows (ZERO_ROWS programs per expert).
 
@@ -214,10 +251,26 @@ def _zero_padding(
 
 @triton.jit
 def _fix_unreached(
-    pid, x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
-    hidden, n, num_bins, bin_size, num_rows,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
-    MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    pid,
+    x_ptr,
+    indices_ptr,
+    inv_ptr,
+    hint_ptr,
+    weights_ptr,
+    bins_ptr,
+    padded_ptr,
+    out_ptr,
+    hidden,
+    n,
+    num_bins,
+    bin_size,
+    num_rows,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLIT_H: tl.constexpr,
+    MODE: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
 ):
     """Write the sorted rows pid*TOP_K + k that no token program writes.
 
@@ -232,8 +285,19 @@ def _fix_unreached(
         g = tl.where(named, g, 0).to(tl.int32)
         owner = tl.load(inv_ptr + g, mask=named, other=-1)
         if owner != q:
-            dest, keep = _placement(q, q >= 0, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size,
-                                    num_rows, MODE, LOG, True)
+            dest, keep = _placement(
+                q,
+                q >= 0,
+                hint_ptr,
+                bins_ptr,
+                padded_ptr,
+                num_bins,
+                bin_size,
+                num_rows,
+                MODE,
+                LOG,
+                True,
+            )
             if keep:
                 src = x_ptr + (g // TOP_K).to(tl.int64) * hidden
                 if HAS_WEIGHTS:
@@ -249,17 +313,48 @@ def _fix_unreached(
 
 @triton.jit
 def _gather_kernel(
-    x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
-    num_tokens, hidden, n, num_bins, bin_size, num_rows,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
-    ZERO_ROWS: tl.constexpr, MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    x_ptr,
+    indices_ptr,
+    inv_ptr,
+    hint_ptr,
+    weights_ptr,
+    bins_ptr,
+    padded_ptr,
+    out_ptr,
+    num_tokens,
+    hidden,
+    n,
+    num_bins,
+    bin_size,
+    num_rows,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLIT_H: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
+    MODE: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid >= num_tokens:
         if tl.program_id(1) == 0:
-            _zero_padding(pid, out_ptr, bins_ptr, padded_ptr, hidden, bin_size, num_tokens, n,
-                          num_bins, num_rows, BLOCK_H, ZERO_ROWS, MODE, BLOCK_E)
+            _zero_padding(
+                pid,
+                out_ptr,
+                bins_ptr,
+                padded_ptr,
+                hidden,
+                bin_size,
+                num_tokens,
+                n,
+                num_bins,
+                num_rows,
+                BLOCK_H,
+                ZERO_ROWS,
+                MODE,
+                BLOCK_E,
+            )
     else:
         x_row = x_ptr + pid.to(tl.int64) * hidden
         # BLOCK_H usually covers the whole row, so each copy's destination is computed once.
@@ -268,26 +363,74 @@ def _gather_kernel(
             hm = h < hidden
             v = tl.load(x_row + h, mask=hm, other=0)  # read once, written top_k times
             for k in tl.static_range(TOP_K):
-                f, dest, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr, hint_ptr,
-                                              bins_ptr, padded_ptr, n, num_bins, bin_size,
-                                              num_rows, TOP_K, MODE, LOG, True)
+                f, dest, keep = _destinations(
+                    pid,
+                    tl.full([], k, tl.int32),
+                    indices_ptr,
+                    inv_ptr,
+                    hint_ptr,
+                    bins_ptr,
+                    padded_ptr,
+                    n,
+                    num_bins,
+                    bin_size,
+                    num_rows,
+                    TOP_K,
+                    MODE,
+                    LOG,
+                    True,
+                )
                 if HAS_WEIGHTS:
                     w = tl.load(weights_ptr + f).to(tl.float32)
                     row = (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
                 else:
                     row = v
                 tl.store(out_ptr + dest * hidden + h, row, mask=keep & hm)
-        _fix_unreached(pid, x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr,
-                       out_ptr, hidden, n, num_bins, bin_size, num_rows,
-                       TOP_K, BLOCK_H, SPLIT_H, MODE, LOG, HAS_WEIGHTS)
+        _fix_unreached(
+            pid,
+            x_ptr,
+            indices_ptr,
+            inv_ptr,
+            hint_ptr,
+            weights_ptr,
+            bins_ptr,
+            padded_ptr,
+            out_ptr,
+            hidden,
+            n,
+            num_bins,
+            bin_size,
+            num_rows,
+            TOP_K,
+            BLOCK_H,
+            SPLIT_H,
+            MODE,
+            LOG,
+            HAS_WEIGHTS,
+        )
 
 
 @triton.jit
 def _scatter_kernel(
-    x_ptr, indices_ptr, inv_ptr, hint_ptr, weights_ptr, bins_ptr, padded_ptr, out_ptr,
-    hidden, n, num_bins, bin_size, num_rows,
-    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_H: tl.constexpr,
-    MODE: tl.constexpr, LOG: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    x_ptr,
+    indices_ptr,
+    inv_ptr,
+    hint_ptr,
+    weights_ptr,
+    bins_ptr,
+    padded_ptr,
+    out_ptr,
+    hidden,
+    n,
+    num_bins,
+    bin_size,
+    num_rows,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLIT_H: tl.constexpr,
+    MODE: tl.constexpr,
+    LOG: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     out_row = out_ptr + pid.to(tl.int64) * hidden
@@ -298,9 +441,23 @@ def _scatter_kernel(
         # cross-thread reduction over a (k, H) tile.
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            f, src, keep = _destinations(pid, tl.full([], k, tl.int32), indices_ptr, inv_ptr, hint_ptr,
-                                         bins_ptr, padded_ptr, n, num_bins, bin_size, num_rows,
-                                         TOP_K, MODE, LOG, True)
+            f, src, keep = _destinations(
+                pid,
+                tl.full([], k, tl.int32),
+                indices_ptr,
+                inv_ptr,
+                hint_ptr,
+                bins_ptr,
+                padded_ptr,
+                n,
+                num_bins,
+                bin_size,
+                num_rows,
+                TOP_K,
+                MODE,
+                LOG,
+                True,
+            )
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
             if HAS_WEIGHTS:
                 row = row * tl.load(weights_ptr + f).to(tl.float32)
@@ -310,22 +467,52 @@ def _scatter_kernel(
 
 @triton.jit
 def _wgrad_kernel(
-    x_ptr, grad_ptr, indices_ptr, inv_ptr, hint_ptr, bins_ptr, padded_ptr, out_ptr,
-    hidden, n, num_bins, bin_size, num_rows,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    MODE: tl.constexpr, LOG: tl.constexpr,
+    x_ptr,
+    grad_ptr,
+    indices_ptr,
+    inv_ptr,
+    hint_ptr,
+    bins_ptr,
+    padded_ptr,
+    out_ptr,
+    hidden,
+    n,
+    num_bins,
+    bin_size,
+    num_rows,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    MODE: tl.constexpr,
+    LOG: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    f, src, keep = _destinations(pid, tl.arange(0, K_PAD), indices_ptr, inv_ptr, hint_ptr, bins_ptr,
-                                 padded_ptr, n, num_bins, bin_size, num_rows, TOP_K, MODE, LOG, False)
+    f, src, keep = _destinations(
+        pid,
+        tl.arange(0, K_PAD),
+        indices_ptr,
+        inv_ptr,
+        hint_ptr,
+        bins_ptr,
+        padded_ptr,
+        n,
+        num_bins,
+        bin_size,
+        num_rows,
+        TOP_K,
+        MODE,
+        LOG,
+        False,
+    )
     g_row = grad_ptr + pid.to(tl.int64) * hidden
     acc = tl.zeros([K_PAD, BLOCK_H], dtype=tl.float32)
     for h0 in range(0, hidden, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < hidden
         g = tl.load(g_row + h, mask=hm, other=0).to(tl.float32)  # read once for all k
-        rows = tl.load(x_ptr + src[:, None] * hidden + h[None, :],
-                       mask=keep[:, None] & hm[None, :], other=0)
+        rows = tl.load(
+            x_ptr + src[:, None] * hidden + h[None, :], mask=keep[:, None] & hm[None, :], other=0
+        )
         acc += rows.to(tl.float32) * g[None, :]
     dot = tl.sum(acc, axis=1)  # dropped copies stay exactly 0
     tl.store(out_ptr + f, dot.to(out_ptr.dtype.element_ty), mask=f < (pid + 1) * TOP_K)
@@ -350,9 +537,17 @@ def _rows(x: torch.Tensor, mode: int) -> int:
 
 
 def _launch_gather(
-    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
-    padded_bins: torch.Tensor | None, top_k: int, out: torch.Tensor, mode: int, bin_size: int,
-    inv: torch.Tensor | None = None, bin_ids: torch.Tensor | None = None,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor | None,
+    top_k: int,
+    out: torch.Tensor,
+    mode: int,
+    bin_size: int,
+    inv: torch.Tensor | None = None,
+    bin_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)  # numpy ints are not kernel scalars
     num_tokens, hidden = x.shape
@@ -367,21 +562,45 @@ def _launch_gather(
     # still exercise the lane split, at an eighth of the cost.
     zero_rows = min(cfg.zero_rows, 2) if x.device.type == "cpu" else cfg.zero_rows
     grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
-    launch(_gather_kernel, grid,
-        x, indices, inv, bin_ids if bin_ids is not None else bins, weights if weights is not None else x,
-        bins, padded_bins if padded_bins is not None else bins, out,
-        num_tokens, hidden, indices.numel(), num_bins, bin_size, _rows(out, mode),
-        BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, ZERO_ROWS=zero_rows, MODE=mode,
-        HAS_WEIGHTS=weights is not None, num_warps=cfg.num_warps,
-        BLOCK_E=min(next_power_of_2(max(num_bins, 1)), 256), **_meta(top_k, num_bins),
+    launch(
+        _gather_kernel,
+        grid,
+        x,
+        indices,
+        inv,
+        bin_ids if bin_ids is not None else bins,
+        weights if weights is not None else x,
+        bins,
+        padded_bins if padded_bins is not None else bins,
+        out,
+        num_tokens,
+        hidden,
+        indices.numel(),
+        num_bins,
+        bin_size,
+        _rows(out, mode),
+        BLOCK_H=cfg.block_h,
+        SPLIT_H=cfg.split_h,
+        ZERO_ROWS=zero_rows,
+        MODE=mode,
+        HAS_WEIGHTS=weights is not None,
+        num_warps=cfg.num_warps,
+        BLOCK_E=min(next_power_of_2(max(num_bins, 1)), 256),
+        **_meta(top_k, num_bins),
         **_options(),
     )
     return out
 
 
 def _launch_scatter(
-    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor,
-    padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor | None,
+    top_k: int,
+    mode: int,
+    bin_size: int,
     bin_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)
@@ -392,20 +611,42 @@ def _launch_scatter(
         return out
     cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
-    launch(_scatter_kernel, (num_tokens, cfg.split_h),
-        x, indices, _inverse(indices), bin_ids if bin_ids is not None else bins,
-        weights if weights is not None else x, bins,
-        padded_bins if padded_bins is not None else bins, out,
-        hidden, indices.numel(), num_bins, bin_size, _rows(x, mode),
-        BLOCK_H=cfg.block_h, SPLIT_H=cfg.split_h, MODE=mode, HAS_WEIGHTS=weights is not None,
-        num_warps=cfg.num_warps, **_meta(top_k, num_bins), **_options(),
+    launch(
+        _scatter_kernel,
+        (num_tokens, cfg.split_h),
+        x,
+        indices,
+        _inverse(indices),
+        bin_ids if bin_ids is not None else bins,
+        weights if weights is not None else x,
+        bins,
+        padded_bins if padded_bins is not None else bins,
+        out,
+        hidden,
+        indices.numel(),
+        num_bins,
+        bin_size,
+        _rows(x, mode),
+        BLOCK_H=cfg.block_h,
+        SPLIT_H=cfg.split_h,
+        MODE=mode,
+        HAS_WEIGHTS=weights is not None,
+        num_warps=cfg.num_warps,
+        **_meta(top_k, num_bins),
+        **_options(),
     )
     return out
 
 
 def _launch_wgrad(
-    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor,
-    padded_bins: torch.Tensor | None, top_k: int, mode: int, bin_size: int,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor | None,
+    top_k: int,
+    mode: int,
+    bin_size: int,
     bin_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     top_k, bin_size = int(top_k), int(bin_size)
@@ -419,12 +660,28 @@ def _launch_wgrad(
     num_tokens = n // top_k
     cfg = launch_configs().wgrad(num_tokens, hidden, top_k, x.element_size())
     num_bins = bins.numel()
-    launch(_wgrad_kernel, (num_tokens,),
-        x, grad, indices, _inverse(indices), bin_ids if bin_ids is not None else bins, bins,
-        padded_bins if padded_bins is not None else bins, out,
-        hidden, n, num_bins, bin_size, _rows(x, mode),
-        BLOCK_H=cfg.block_h, MODE=mode, num_warps=cfg.num_warps, K_PAD=next_power_of_2(top_k),
-        **_meta(top_k, num_bins), **_options(),
+    launch(
+        _wgrad_kernel,
+        (num_tokens,),
+        x,
+        grad,
+        indices,
+        _inverse(indices),
+        bin_ids if bin_ids is not None else bins,
+        bins,
+        padded_bins if padded_bins is not None else bins,
+        out,
+        hidden,
+        n,
+        num_bins,
+        bin_size,
+        _rows(x, mode),
+        BLOCK_H=cfg.block_h,
+        MODE=mode,
+        num_warps=cfg.num_warps,
+        K_PAD=next_power_of_2(top_k),
+        **_meta(top_k, num_bins),
+        **_options(),
     )
     return out
 
@@ -433,8 +690,12 @@ def _launch_wgrad(
 
 
 def gather(
-    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-    weights: torch.Tensor | None, bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(T, H) -> (T*K, H): out[i] = x[indices[i] // K] * weights[indices[i]] (if weights)."""
     out = torch.empty((indices.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
@@ -442,24 +703,37 @@ def gather(
 
 
 def scatter(
-    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-    weights: torch.Tensor | None, bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(T*K, H) sorted rows -> (T, H): weighted top-k sum per token (fp32 accumulation)."""
     return _launch_scatter(x, indices, weights, bins, None, top_k, PLAIN, 0)
 
 
 def scatter_wgrad(
-    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-    bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(n,) in x.dtype: out[indices[i]] = dot(x[i], grad[indices[i] // K])."""
     return _launch_wgrad(x, grad, indices, bins, None, top_k, PLAIN, 0)
 
 
 def padded_gather(
-    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(T, H) -> (padded_bins[-1], H), each expert's rows starting at padded_bins[e-1]; padding rows 0.
 
@@ -469,31 +743,49 @@ def padded_gather(
     inv = _inverse(indices) if indices.numel() else indices
     rows = int(padded_bins[-1].item()) if padded_bins.numel() else 0
     if rows < 0:
-        raise ContractError(f"megablocks_core.ops.padded_gather: argument 'padded_bins' ends at {rows}, "
-                            "but its last entry is the output's row count (expected >= 0)")
+        raise ContractError(
+            f"megablocks_core.ops.padded_gather: argument 'padded_bins' ends at {rows}, "
+            "but its last entry is the output's row count (expected >= 0)"
+        )
     out = torch.empty((rows, x.shape[1]), dtype=x.dtype, device=x.device)
-    return _launch_gather(x, indices, weights, bins, padded_bins, top_k, out, PADDED, 0, inv, bin_ids)
+    return _launch_gather(
+        x, indices, weights, bins, padded_bins, top_k, out, PADDED, 0, inv, bin_ids
+    )
 
 
 def padded_scatter(
-    x: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-    weights: torch.Tensor | None, bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(padded rows, H) -> (T, H): inverse of padded_gather, weighted top-k sum in fp32."""
     return _launch_scatter(x, indices, weights, bins, padded_bins, top_k, PADDED, 0, bin_ids)
 
 
 def padded_scatter_wgrad(
-    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bin_ids: torch.Tensor,
-    bins: torch.Tensor, padded_bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    padded_bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(n,): dot of each flat id's padded row with its token's grad row."""
     return _launch_wgrad(x, grad, indices, bins, padded_bins, top_k, PADDED, 0, bin_ids)
 
 
 def binned_gather(
-    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None,
-    bins: torch.Tensor, bin_size: int, top_k: int,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    bin_size: int,
+    top_k: int,
 ) -> torch.Tensor:
     """(T, H) -> (E, bin_size, H) zero-filled; copies beyond an expert's capacity are dropped."""
     num_bins, bin_size = bins.numel(), int(bin_size)
@@ -503,15 +795,22 @@ def binned_gather(
 
 
 def binned_scatter(
-    x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None,
-    bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(E, bin_size, H) -> (T, H): weighted top-k sum; dropped copies contribute 0."""
     return _launch_scatter(x, indices, weights, bins, None, top_k, BINNED, x.shape[1])
 
 
 def binned_scatter_wgrad(
-    x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor, top_k: int,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    bins: torch.Tensor,
+    top_k: int,
 ) -> torch.Tensor:
     """(n,): dot of each kept binned row with its token's grad row; 0 for dropped copies."""
     return _launch_wgrad(x, grad, indices, bins, None, top_k, BINNED, x.shape[1])

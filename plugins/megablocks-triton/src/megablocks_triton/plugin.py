@@ -39,10 +39,8 @@ _ROUTING_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
 
 # Weights keep the contract's full float set: the kernels load any float and scale in fp32.
 _PERMUTATION_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
-    op: {"x": _FLOATS, **({"grad": _FLOATS} if op.endswith("wgrad") else {})}
-    for op in PERMUTATION
+    op: {"x": _FLOATS, **({"grad": _FLOATS} if op.endswith("wgrad") else {})} for op in PERMUTATION
 }
-
 
 
 def _gmm_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
@@ -61,16 +59,24 @@ def _devices() -> tuple[str, ...]:
     return ("cuda", "rocm", "cpu") if _interpret() else ("cuda", "rocm")
 
 
-def _kernels(module_name: str, ops: tuple[str, ...],
-             dtypes: dict[str, dict[str, frozenset[torch.dtype]]]) -> list[Kernel]:
+def _kernels(
+    module_name: str, ops: tuple[str, ...], dtypes: dict[str, dict[str, frozenset[torch.dtype]]]
+) -> list[Kernel]:
     if importlib.util.find_spec("triton") is None:  # megablocks_unavailable_reason says so
         return []
     module = importlib.import_module(f"megablocks_triton.{module_name}")
     from . import tuning  # measured speed: lets the core pick per shape among equal priorities
 
     return [
-        Kernel(op=op, fn=getattr(module, op), devices=_devices(), priority=PRIORITY,
-               dtypes=dtypes[op], contiguous=True, cost=tuning.COST_HINTS.get(op))
+        Kernel(
+            op=op,
+            fn=getattr(module, op),
+            devices=_devices(),
+            priority=PRIORITY,
+            dtypes=dtypes[op],
+            contiguous=True,
+            cost=tuning.COST_HINTS.get(op),
+        )
         for op in ops
     ]
 
@@ -86,9 +92,14 @@ def _interpreter_problem() -> str | None:
     except ImportError:
         return "TRITON_INTERPRET=1 needs numpy"
 
-    if Version(triton.__version__).release <= (3, 6) and Version(numpy.__version__).release >= (2, 4):
-        return (f"TRITON_INTERPRET=1 needs numpy < 2.4 with triton {triton.__version__} "
-                f"(numpy {numpy.__version__} is installed; triton-lang/triton#9171)")
+    if Version(triton.__version__).release <= (3, 6) and Version(numpy.__version__).release >= (
+        2,
+        4,
+    ):
+        return (
+            f"TRITON_INTERPRET=1 needs numpy < 2.4 with triton {triton.__version__} "
+            f"(numpy {numpy.__version__} is installed; triton-lang/triton#9171)"
+        )
     return None
 
 

@@ -94,8 +94,15 @@ def _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK: tl.constexpr):
 
 @triton.jit
 def _tile_histogram_kernel(
-    keys_ptr, counts_ptr, n, num_bins, shift, digit_mask,
-    NB: tl.constexpr, TILE: tl.constexpr, USE_MASK: tl.constexpr,
+    keys_ptr,
+    counts_ptr,
+    n,
+    num_bins,
+    shift,
+    digit_mask,
+    NB: tl.constexpr,
+    TILE: tl.constexpr,
+    USE_MASK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * TILE + tl.arange(0, TILE)
@@ -107,8 +114,15 @@ def _tile_histogram_kernel(
 
 
 @triton.jit
-def _tile_scan_kernel(counts_ptr, before_ptr, total_ptr, num_tiles,
-                      NB: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr):
+def _tile_scan_kernel(
+    counts_ptr,
+    before_ptr,
+    total_ptr,
+    num_tiles,
+    NB: tl.constexpr,
+    COLS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     """Per bin: keys of that bin in all earlier tiles (exclusive scan down the tiles) and in all."""
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     running = tl.zeros([COLS], dtype=tl.int32)
@@ -124,11 +138,29 @@ def _tile_scan_kernel(counts_ptr, before_ptr, total_ptr, num_tiles,
 
 @triton.jit
 def _counting_scatter_kernel(
-    keys_ptr, payload_ptr, counts_ptr, before_ptr, total_ptr, values_ptr, index_ptr,
-    tpe_ptr, bins_ptr, padded_ptr,
-    n, num_tiles, num_bins, shift, digit_mask, block_size,
-    NB: tl.constexpr, TILE: tl.constexpr, CHUNK: tl.constexpr, TILE_ROWS: tl.constexpr,
-    USE_MASK: tl.constexpr, HAS_PAYLOAD: tl.constexpr, WRITE_META: tl.constexpr,
+    keys_ptr,
+    payload_ptr,
+    counts_ptr,
+    before_ptr,
+    total_ptr,
+    values_ptr,
+    index_ptr,
+    tpe_ptr,
+    bins_ptr,
+    padded_ptr,
+    n,
+    num_tiles,
+    num_bins,
+    shift,
+    digit_mask,
+    block_size,
+    NB: tl.constexpr,
+    TILE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    USE_MASK: tl.constexpr,
+    HAS_PAYLOAD: tl.constexpr,
+    WRITE_META: tl.constexpr,
     PRESCANNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -143,8 +175,11 @@ def _counting_scatter_kernel(
         before = tl.zeros([NB], dtype=tl.int32)
         for r0 in range(0, num_tiles, TILE_ROWS):
             rows = r0 + tl.arange(0, TILE_ROWS)
-            blk = tl.load(counts_ptr + rows[:, None] * NB + cols[None, :],
-                          mask=(rows < num_tiles)[:, None], other=0)
+            blk = tl.load(
+                counts_ptr + rows[:, None] * NB + cols[None, :],
+                mask=(rows < num_tiles)[:, None],
+                other=0,
+            )
             total += tl.sum(blk, axis=0)
             before += tl.sum(tl.where((rows < pid)[:, None], blk, 0), axis=0)
     ends = tl.cumsum(total, axis=0)
@@ -212,9 +247,20 @@ def _counting_pass(
     index = torch.empty_like(keys)
     use_mask = digit_mask is not None
     dmask = digit_mask if digit_mask is not None else 0
-    launch(_tile_histogram_kernel, (num_tiles,),
-        keys, counts, n, num_bins, shift, dmask,
-        NB=nb, TILE=cfg.tile, USE_MASK=use_mask, num_warps=cfg.num_warps, **opts,
+    launch(
+        _tile_histogram_kernel,
+        (num_tiles,),
+        keys,
+        counts,
+        n,
+        num_bins,
+        shift,
+        dmask,
+        NB=nb,
+        TILE=cfg.tile,
+        USE_MASK=use_mask,
+        num_warps=cfg.num_warps,
+        **opts,
     )
     if meta is None:
         tpe = bins = padded = counts  # unused when WRITE_META is False
@@ -226,15 +272,48 @@ def _counting_pass(
         before = torch.empty_like(counts)
         total = torch.empty(nb, dtype=torch.int32, device=keys.device)
         cols = min(nb, 32)
-        launch(_tile_scan_kernel, (nb // cols,), counts, before, total, num_tiles, NB=nb, COLS=cols, ROWS=64,
-                                         num_warps=4, **opts)
-    launch(_counting_scatter_kernel, (num_tiles,),
-        keys, payload if payload is not None else keys, counts, before, total, values, index,
-        tpe, bins, padded,
-        n, num_tiles, num_bins, shift, dmask, block_size,
-        NB=nb, TILE=cfg.tile, CHUNK=cfg.chunk, TILE_ROWS=cfg.tile_rows,
-        USE_MASK=use_mask, HAS_PAYLOAD=payload is not None, WRITE_META=meta is not None,
-        PRESCANNED=cfg.prescan, num_warps=cfg.num_warps, **opts,
+        launch(
+            _tile_scan_kernel,
+            (nb // cols,),
+            counts,
+            before,
+            total,
+            num_tiles,
+            NB=nb,
+            COLS=cols,
+            ROWS=64,
+            num_warps=4,
+            **opts,
+        )
+    launch(
+        _counting_scatter_kernel,
+        (num_tiles,),
+        keys,
+        payload if payload is not None else keys,
+        counts,
+        before,
+        total,
+        values,
+        index,
+        tpe,
+        bins,
+        padded,
+        n,
+        num_tiles,
+        num_bins,
+        shift,
+        dmask,
+        block_size,
+        NB=nb,
+        TILE=cfg.tile,
+        CHUNK=cfg.chunk,
+        TILE_ROWS=cfg.tile_rows,
+        USE_MASK=use_mask,
+        HAS_PAYLOAD=payload is not None,
+        WRITE_META=meta is not None,
+        PRESCANNED=cfg.prescan,
+        num_warps=cfg.num_warps,
+        **opts,
     )
     return values, index
 
@@ -272,8 +351,13 @@ def route(
         _, order = torch.sort(torch.where(valid, wide, num_experts), stable=True)
         tpe = histogram(keys, num_experts)
         rounded = (tpe + block_size - 1) // block_size * block_size
-        return (order.to(keys.dtype), keys[order], tpe, inclusive_cumsum(tpe, 0),
-                inclusive_cumsum(rounded, 0))
+        return (
+            order.to(keys.dtype),
+            keys[order],
+            tpe,
+            inclusive_cumsum(tpe, 0),
+            inclusive_cumsum(rounded, 0),
+        )
     bin_ids, indices = _counting_pass(
         keys, None, num_experts, 0, None, meta=(tpe, bins, padded, block_size)
     )
@@ -311,8 +395,13 @@ def sort(x: torch.Tensor, end_bit: int | None) -> tuple[torch.Tensor, torch.Tens
 
 @triton.jit
 def _histogram_kernel(
-    x_ptr, out_ptr, n, num_bins,
-    NB: tl.constexpr, BLOCK: tl.constexpr, PER_KEY: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    n,
+    num_bins,
+    NB: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PER_KEY: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = tl.program_id(1)
@@ -344,8 +433,17 @@ def histogram(x: torch.Tensor, num_bins: int) -> torch.Tensor:
     block = launch_configs().histogram_block(n)
     per_key = num_bins > MAX_TILE_HISTOGRAM_BINS
     nb = 1 if per_key else next_power_of_2(num_bins)
-    launch(_histogram_kernel, (cdiv(n, block), rows),
-        x, out, n, num_bins, NB=nb, BLOCK=block, PER_KEY=per_key, **_options(),
+    launch(
+        _histogram_kernel,
+        (cdiv(n, block), rows),
+        x,
+        out,
+        n,
+        num_bins,
+        NB=nb,
+        BLOCK=block,
+        PER_KEY=per_key,
+        **_options(),
     )
     return out
 
@@ -355,8 +453,14 @@ def histogram(x: torch.Tensor, num_bins: int) -> torch.Tensor:
 
 @triton.jit
 def _cumsum_kernel(
-    x_ptr, out_ptr, length, line_stride, elem_stride,
-    BLOCK: tl.constexpr, EXCLUSIVE: tl.constexpr, WIDE: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    length,
+    line_stride,
+    elem_stride,
+    BLOCK: tl.constexpr,
+    EXCLUSIVE: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     line = tl.program_id(0)
     acc_ty = tl.int64 if WIDE else tl.int32
@@ -387,10 +491,18 @@ def _cumsum(x: torch.Tensor, dim: int, exclusive: bool) -> torch.Tensor:
             lines, length, line_stride, elem_stride = rows, cols, cols, 1
         else:
             lines, length, line_stride, elem_stride = cols, rows, 1, cols
-    launch(_cumsum_kernel, (lines,),
-        x, out, length, line_stride, elem_stride,
-        BLOCK=launch_configs().scan_block(length), EXCLUSIVE=exclusive,
-        WIDE=x.dtype == torch.int64, **_options(),
+    launch(
+        _cumsum_kernel,
+        (lines,),
+        x,
+        out,
+        length,
+        line_stride,
+        elem_stride,
+        BLOCK=launch_configs().scan_block(length),
+        EXCLUSIVE=exclusive,
+        WIDE=x.dtype == torch.int64,
+        **_options(),
     )
     return out
 
@@ -410,8 +522,15 @@ def exclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 @triton.jit
 def _topology_kernel(
-    padded_ptr, out_ptr, num_bins, block_size, rows, cols,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LOG: tl.constexpr,
+    padded_ptr,
+    out_ptr,
+    num_bins,
+    block_size,
+    rows,
+    cols,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    LOG: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
@@ -421,8 +540,11 @@ def _topology_kernel(
     for c0 in range(0, cols, BLOCK_C):
         j = c0 + tl.arange(0, BLOCK_C)
         val = e[:, None] * cols + j[None, :]
-        tl.store(out_ptr + r[:, None].to(tl.int64) * cols + j[None, :], val.to(tl.int16),
-                 mask=rmask[:, None] & (j < cols)[None, :])
+        tl.store(
+            out_ptr + r[:, None].to(tl.int64) * cols + j[None, :],
+            val.to(tl.int16),
+            mask=rmask[:, None] & (j < cols)[None, :],
+        )
 
 
 def topology(
@@ -430,16 +552,25 @@ def topology(
 ) -> torch.Tensor:
     """int16 (rows*cols,) block-sparse column indices: out[r*cols+j] = e(r)*cols + j."""
     block_size, rows, cols = int(block_size), int(output_block_rows), int(output_block_columns)
-    out = torch.empty(rows * cols, dtype=torch.int16,
-                      device=padded_bins.device)
+    out = torch.empty(rows * cols, dtype=torch.int16, device=padded_bins.device)
     if out.numel() == 0:
         return out
     num_bins = padded_bins.numel()
     block_r = 32
     block_c = min(next_power_of_2(cols), 128)
-    launch(_topology_kernel, (cdiv(rows, block_r),),
-        padded_bins, out, num_bins, block_size, rows, cols,
-        BLOCK_R=block_r, BLOCK_C=block_c, LOG=max(num_bins.bit_length(), 1), **_options(),
+    launch(
+        _topology_kernel,
+        (cdiv(rows, block_r),),
+        padded_bins,
+        out,
+        num_bins,
+        block_size,
+        rows,
+        cols,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        LOG=max(num_bins.bit_length(), 1),
+        **_options(),
     )
     return out
 
@@ -449,8 +580,13 @@ def topology(
 
 @triton.jit
 def _replicate_kernel(
-    x_ptr, bins_ptr, out_ptr, num_bins, num_outputs,
-    BLOCK: tl.constexpr, LOG: tl.constexpr,
+    x_ptr,
+    bins_ptr,
+    out_ptr,
+    num_bins,
+    num_outputs,
+    BLOCK: tl.constexpr,
+    LOG: tl.constexpr,
 ):
     b = tl.program_id(1).to(tl.int64)
     j = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -471,15 +607,29 @@ def replicate(x: torch.Tensor, bins: torch.Tensor, num_outputs: int) -> torch.Te
     if num_bins == 0:
         return out.zero_()
     block = launch_configs().elementwise_block(num_outputs)
-    launch(_replicate_kernel, (cdiv(num_outputs, block), batch),
-        x, bins, out, num_bins, num_outputs, BLOCK=block, LOG=num_bins.bit_length(), **_options(),
+    launch(
+        _replicate_kernel,
+        (cdiv(num_outputs, block), batch),
+        x,
+        bins,
+        out,
+        num_bins,
+        num_outputs,
+        BLOCK=block,
+        LOG=num_bins.bit_length(),
+        **_options(),
     )
     return out
 
 
 @triton.jit
 def _replicate_backward_kernel(
-    grad_ptr, bins_ptr, out_ptr, num_bins, num_cols, BLOCK: tl.constexpr,
+    grad_ptr,
+    bins_ptr,
+    out_ptr,
+    num_bins,
+    num_cols,
+    BLOCK: tl.constexpr,
 ):
     e = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -500,7 +650,15 @@ def replicate_backward(grad: torch.Tensor, bins: torch.Tensor) -> torch.Tensor:
     out = torch.empty((batch, num_bins), dtype=grad.dtype, device=grad.device)
     if out.numel() == 0:
         return out
-    launch(_replicate_backward_kernel, (num_bins, batch),
-        grad, bins, out, num_bins, num_cols, BLOCK=256, **_options(),
+    launch(
+        _replicate_backward_kernel,
+        (num_bins, batch),
+        grad,
+        bins,
+        out,
+        num_bins,
+        num_cols,
+        BLOCK=256,
+        **_options(),
     )
     return out

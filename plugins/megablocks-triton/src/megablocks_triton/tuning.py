@@ -23,4 +23,6 @@ MEASURED: Mapping[str, Mapping[str, Sequence[GmmPoint]]] = {
 }
 
 #: op → the cost hint its kernel declares.
-COST_HINTS: Mapping[str, CostEstimate] = {op: gmm_cost_hint(points) for op, points in MEASURED.items()}
+COST_HINTS: Mapping[str, CostEstimate] = {
+    op: gmm_cost_hint(points) for op, points in MEASURED.items()
+}
