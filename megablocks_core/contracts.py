@@ -163,7 +163,8 @@ WGRAD_BAD_INDICES = (
 )
 LAYOUT_FROM_BINS = (
     "The expert of sorted row i is the e with bins[e-1] <= i < bins[e]; bin_ids must agree with "
-    "bins (checked mode checks it) and a backend may read either."
+    "bins (checked mode checks it) and a backend may read either; where they disagree, a copy "
+    "of a padded scatter (or of its weight gradient) may contribute 0."
 )
 PADDED_BAD_LAYOUT = (
     UNCHECKED + "bins or padded_bins not cumulative sums, or a padded bin too small for its "

@@ -476,12 +476,30 @@ def _copy_candidates(op: str, args: dict[str, Any]) -> list[list[torch.Tensor]]:
     places, sane = _placements(op, args, n)
     if not sane:
         return [[zero, *layout] for _ in range(n)]
+    hint_off = _bin_ids_disagree(op, args, n)
     naming: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for p, f in enumerate(indices):
         if 0 <= f < n:
             dest = places[p]
             naming[f].append(layout[dest] if dest is not None and dest < layout.shape[0] else zero)
+            if p in hint_off:  # a backend that reads bin_ids may drop this copy instead
+                naming[f].append(zero)
     return [rows or [zero] for rows in naming]
+
+
+def _bin_ids_disagree(op: str, args: dict[str, Any], n: int) -> set[int]:
+    """Sorted rows p of a padded op whose bin_ids[p] = e is contradicted by bins
+    (not bins[e-1] <= p < bins[e])."""
+    if op not in PADDED_OPS or args.get("bin_ids") is None:
+        return set()
+    bins = [int(v) for v in args["bins"].tolist()]
+    starts = [0, *bins[:-1]]
+    ids = [int(v) for v in args["bin_ids"].tolist()]
+    return {
+        p
+        for p in range(min(n, len(ids)))
+        if not (0 <= ids[p] < len(bins) and starts[ids[p]] <= p < bins[ids[p]])
+    }
 
 
 def _check_scatter(op: str, args: dict[str, Any], out: torch.Tensor, tol: float) -> None:

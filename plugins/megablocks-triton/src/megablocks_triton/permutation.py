@@ -16,8 +16,9 @@ reads one value on the host (``padded_bins[-1]``, the output size).
 
 Destinations by layout (``MODE``):
   0 plain:  row p = inv[f]
-  1 padded: row p - bins_start(e) + padded_start(e), e = bin_ids[p] once bins confirms it
-            (bins[e-1] <= p < bins[e]), else found by binary search in bins
+  1 padded: row p - bins_start(e) + padded_start(e), e = bin_ids[p] where bins confirm it
+            (bins[e-1] <= p < bins[e]); other rows are placed by the gather's fix-up (binary
+            search in bins) and contribute 0 to a scatter
   2 binned: row e * bin_size + (p - bins_start(e)), e found by binary search in
             bins; dropped when p - bins_start(e) >= bin_size.
 The padded/binned gathers also zero their padding rows in the same launch
@@ -113,6 +114,15 @@ def _bin_of(bins_ptr, num_bins, p, mask, LOG: tl.constexpr):
 
 
 @triton.jit
+def _hint_wrong(p, e, bins_ptr, num_bins, mask):
+    """Whether bins contradict e as the expert of sorted row p (bins[e-1] <= p < bins[e])."""
+    e = tl.minimum(tl.maximum(e, 0), num_bins)
+    lo = tl.load(bins_ptr + e - 1, mask=mask & (e > 0), other=0)
+    hi = tl.load(bins_ptr + e, mask=mask & (e < num_bins), other=0)
+    return mask & ((e >= num_bins) | (lo > p) | (hi <= p))
+
+
+@triton.jit
 def _placement(
     p,
     keep,
@@ -124,27 +134,20 @@ def _placement(
     num_rows,
     MODE: tl.constexpr,
     LOG: tl.constexpr,
-    SCALAR: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
     """Row (int64) of the output layout that sorted row p maps to, and whether it has one
     inside the layout (never an address outside it, whatever bins/padded_bins hold)."""
     if MODE == 0:
         dest = p.to(tl.int64)
     else:
-        # The expert comes from bins. In the padded layout bin_ids[p] (hint_ptr) names it on
-        # valid data: two loads verify it, and only a wrong hint pays the binary search (a
-        # uniform branch for one copy at a time; masked loads for a vector of copies).
-        if MODE == 1:
+        # The expert comes from bins. In the padded layout the token programs take it from
+        # bin_ids[p] (hint_ptr) and keep a copy only where bins confirm it: no search and no
+        # branch on the hot path. Rows that this drops are placed by binary search in bins
+        # (SEARCH) by the gather's fix-up; in a scatter such a copy contributes 0.
+        if MODE == 1 and not SEARCH:
             e = tl.load(hint_ptr + p, mask=keep, other=0).to(tl.int32)
-            e = tl.minimum(tl.maximum(e, 0), num_bins)
-            lo = tl.load(bins_ptr + e - 1, mask=keep & (e > 0), other=0)
-            hi = tl.load(bins_ptr + e, mask=keep & (e < num_bins), other=0)
-            wrong = keep & ((e >= num_bins) | (lo > p) | (hi <= p))
-            if SCALAR:
-                if wrong:
-                    e = _bin_of(bins_ptr, num_bins, p, wrong, LOG).to(tl.int32)
-            else:
-                e = tl.where(wrong, _bin_of(bins_ptr, num_bins, p, wrong, LOG), e)
+            keep = keep & ~_hint_wrong(p, e, bins_ptr, num_bins, keep)
         else:
             e = _bin_of(bins_ptr, num_bins, p, keep, LOG)
         has_prev = keep & (e > 0)
@@ -176,14 +179,14 @@ def _destinations(
     TOP_K: tl.constexpr,
     MODE: tl.constexpr,
     LOG: tl.constexpr,
-    SCALAR: tl.constexpr,
+    SEARCH: tl.constexpr,
 ):
     """Flat ids, destination rows (int64) and keep-mask of token t's copies k (a vector of
     copies, or one copy when k is a scalar). A copy no row names is not kept."""
     f = t * TOP_K + k
     p, reached = _reached(indices_ptr, inv_ptr, f, n, k < TOP_K)
     dest, keep = _placement(
-        p, reached, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows, MODE, LOG, SCALAR
+        p, reached, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows, MODE, LOG, SEARCH
     )
     return f, dest, keep
 
@@ -274,9 +277,10 @@ def _fix_unreached(
 ):
     """Write the sorted rows pid*TOP_K + k that no token program writes.
 
-    Sorted row q is written by a token program iff inv[indices[q]] == q. Otherwise (indices
-    is not a permutation: q's id is out of range, or another row names the same id) this
-    program writes q's row: x[indices[q] // TOP_K] (weighted) for an id in range, else zeros.
+    Sorted row q is written by a token program iff inv[indices[q]] == q (and, in the padded
+    layout, bins confirm bin_ids[q]). Otherwise (indices is not a permutation: q's id is out
+    of range, or another row names the same id; or bin_ids disagrees with bins) this program
+    writes q's row: x[indices[q] // TOP_K] (weighted) for an id in range, else zeros.
     On a permutation this is one int compare per row and no data traffic."""
     for k in tl.static_range(TOP_K):
         q = pid * TOP_K + k
@@ -284,7 +288,11 @@ def _fix_unreached(
         named = (g >= 0) & (g < n)
         g = tl.where(named, g, 0).to(tl.int32)
         owner = tl.load(inv_ptr + g, mask=named, other=-1)
-        if owner != q:
+        unplaced = owner != q
+        if MODE == 1:  # the token program also dropped q if bins contradict bin_ids[q]
+            hint = tl.load(hint_ptr + q).to(tl.int32)
+            unplaced = unplaced | _hint_wrong(q, hint, bins_ptr, num_bins, q >= 0)
+        if unplaced:
             dest, keep = _placement(
                 q,
                 q >= 0,
@@ -378,7 +386,7 @@ def _gather_kernel(
                     TOP_K,
                     MODE,
                     LOG,
-                    True,
+                    False,
                 )
                 if HAS_WEIGHTS:
                     w = tl.load(weights_ptr + f).to(tl.float32)
@@ -456,7 +464,7 @@ def _scatter_kernel(
                 TOP_K,
                 MODE,
                 LOG,
-                True,
+                False,
             )
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
             if HAS_WEIGHTS:

@@ -212,11 +212,20 @@ def _counting_scatter_kernel(
         payload = tl.load(payload_ptr + offs, mask=inb, other=0) if HAS_PAYLOAD else offs
         tl.store(index_ptr + pos, payload.to(index_ptr.dtype.element_ty), mask=valid)
         base += tl.histogram(digit, NB, mask=valid)
-        if not USE_MASK:  # noqa: SIM102 (compile-time test, then a runtime one)
-            # a radix pass places every key; route drops none either
-            if has_stray:
+
+    # A radix pass places every key; route places its out-of-range ids too, in a second pass
+    # over the tile that runs only when some id is out of range (bad data), so the loop above
+    # stays as tight as it is for valid ids.
+    if not USE_MASK:  # noqa: SIM102 (compile-time test, then a runtime one)
+        if has_stray:
+            for c in range(0, TILE, CHUNK):
+                offs = pid * TILE + c + lane
+                inb = offs < n
+                raw = tl.load(keys_ptr + offs, mask=inb, other=0)
+                _, valid = _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK)
                 stray = inb & ~valid
                 stray_pos = stray_base + tl.cumsum(stray.to(tl.int32), axis=0) - 1
+                payload = tl.load(payload_ptr + offs, mask=inb, other=0) if HAS_PAYLOAD else offs
                 tl.store(values_ptr + stray_pos, raw, mask=stray)
                 tl.store(index_ptr + stray_pos, payload.to(index_ptr.dtype.element_ty), mask=stray)
                 stray_base += tl.sum(stray.to(tl.int32), axis=0)
