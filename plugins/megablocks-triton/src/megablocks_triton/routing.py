@@ -97,6 +97,7 @@ def _tile_histogram_kernel(
     keys_ptr,
     counts_ptr,
     n,
+    num_tiles,
     num_bins,
     shift,
     digit_mask,
@@ -111,6 +112,8 @@ def _tile_histogram_kernel(
     digit, valid = _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK)
     hist = tl.histogram(digit, NB, mask=valid)
     tl.store(counts_ptr + pid * NB + tl.arange(0, NB), hist)
+    if not USE_MASK:  # route: this tile's out-of-range ids, after the (tiles x bins) table
+        tl.store(counts_ptr + num_tiles * NB + pid, tl.sum((inb & ~valid).to(tl.int32), axis=0))
 
 
 @triton.jit
@@ -184,11 +187,6 @@ def _counting_scatter_kernel(
             before += tl.sum(tl.where((rows < pid)[:, None], blk, 0), axis=0)
     ends = tl.cumsum(total, axis=0)
     base = ends - total + before  # where this tile's first key of each bin goes
-    # Keys outside [0, num_bins) (route only) go after every valid key, in input order: earlier
-    # tiles are full, so they hold pid * TILE keys of which sum(before) are valid.
-    valid_total = tl.sum(total, axis=0)
-    stray_base = valid_total + pid * TILE - tl.sum(before, axis=0)
-    has_stray = valid_total < n  # bad data only: valid ids never pay for the stray scan
 
     if WRITE_META and pid == 0:
         real = cols < num_bins
@@ -213,11 +211,23 @@ def _counting_scatter_kernel(
         tl.store(index_ptr + pos, payload.to(index_ptr.dtype.element_ty), mask=valid)
         base += tl.histogram(digit, NB, mask=valid)
 
-    # A radix pass places every key; route places its out-of-range ids too, in a second pass
-    # over the tile that runs only when some id is out of range (bad data), so the loop above
-    # stays as tight as it is for valid ids.
+    # A radix pass places every key; route places its out-of-range ids too (bad data), after
+    # every valid id and in input order, in a second pass over the tile that runs only where the
+    # histogram kernel counted some: valid ids pay one scalar load.
     if not USE_MASK:  # noqa: SIM102 (compile-time test, then a runtime one)
-        if has_stray:
+        if tl.load(counts_ptr + num_tiles * NB + pid) > 0:
+            # Where this tile's first stray goes: every valid id, then earlier tiles' strays.
+            stray_base = tl.zeros([], dtype=tl.int32)
+            for r0 in range(0, num_tiles, TILE_ROWS):
+                rows = r0 + tl.arange(0, TILE_ROWS)
+                live = rows < num_tiles
+                blk = tl.load(
+                    counts_ptr + rows[:, None] * NB + cols[None, :], mask=live[:, None], other=0
+                )
+                earlier = tl.load(
+                    counts_ptr + num_tiles * NB + rows, mask=live & (rows < pid), other=0
+                )
+                stray_base += tl.sum(tl.sum(blk, axis=1), axis=0) + tl.sum(earlier, axis=0)
             for c in range(0, TILE, CHUNK):
                 offs = pid * TILE + c + lane
                 inb = offs < n
@@ -251,7 +261,8 @@ def _counting_pass(
     cfg = launch_configs().routing(n, nb)
     opts = _options()
     num_tiles = cdiv(n, cfg.tile)
-    counts = torch.empty((num_tiles, nb), dtype=torch.int32, device=keys.device)
+    # The (tiles x bins) count table, then one stray count per tile (route only).
+    counts = torch.empty(num_tiles * nb + num_tiles, dtype=torch.int32, device=keys.device)
     values = torch.empty_like(keys)
     index = torch.empty_like(keys)
     use_mask = digit_mask is not None
@@ -262,6 +273,7 @@ def _counting_pass(
         keys,
         counts,
         n,
+        num_tiles,
         num_bins,
         shift,
         dmask,
