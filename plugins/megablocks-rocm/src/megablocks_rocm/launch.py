@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import triton  # type: ignore[import-untyped]
 from megablocks_triton.config import (
     KERNEL_KINDS,
     GmmConfig,
@@ -24,6 +23,7 @@ from megablocks_triton.config import (
     fit_gmm_tiles,
     permutation_wgrad_shape,
 )
+from megablocks_triton.launch import cdiv, next_power_of_2
 
 from megablocks_core.plugin import DeviceInfo
 
@@ -31,7 +31,7 @@ from . import arch
 
 
 def _pow2(x: int) -> int:
-    return triton.next_power_of_2(max(int(x), 1))
+    return next_power_of_2(max(int(x), 1))
 
 
 def _pow2_floor(x: int) -> int:
@@ -95,11 +95,11 @@ class RocmLaunchConfigs(LaunchConfigs):
         # Rows up to 8K elements per block (not 16K): waves_per_eu=4 caps VGPRs at 128, and the
         # fp32 top-k accumulator must stay <= 32 elements per lane.
         block_h = min(_pow2(hidden), 8192)
-        split_h = triton.cdiv(hidden, block_h)
+        split_h = cdiv(hidden, block_h)
         # Few tokens: split rows until there are >= 4 programs per CU (1216 on an MI300X).
         while num_tokens * split_h < 4 * self.cus and block_h > 512:
             block_h //= 2
-            split_h = triton.cdiv(hidden, block_h)
+            split_h = cdiv(hidden, block_h)
         # A wavefront moves 64 lanes x 16 bytes = 1 KiB per vector load; aim at ~4 loads per lane,
         # and enough lanes that each holds <= 32 accumulator elements.
         per_lane_cap = block_h // (32 * self.wave)
