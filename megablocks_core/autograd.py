@@ -29,8 +29,8 @@ class BackwardRule:
     fn: Callable[[Call, Mapping[str, Any], torch.Tensor, Mapping[str, bool]], Grads]
     saves: tuple[str, ...]
     """Tensor arguments the backward reads (others are not kept alive)."""
-    saves_if: Mapping[str, str] = field(default_factory=dict)
-    """Argument → the input whose gradient needs it (``x`` only if ``weights`` needs grad)."""
+    saves_if: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
+    """Argument → the input(s) whose gradient needs it (``x`` only if ``weights`` needs grad)."""
 
 
 def _cast(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -146,6 +146,73 @@ def _gmm(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[st
     return out
 
 
+def _gather_gmm(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    routing = (a["indices"], a["bin_ids"])
+    trans_b, top_k = a["trans_b"], a["top_k"]
+    if needs["x"]:  # every (token, k) row's gradient, summed back into its token
+        out["x"] = call("gmm_scatter", grad, a["b"], *routing, None, a["bins"], top_k, not trans_b)
+    if needs["b"]:  # x is read through the indices again: the gathered rows were never kept
+        if trans_b:  # b[e] is (n, k): grad_e^T @ gather(x)_e
+            out["b"] = call(
+                "gathered_weight_grad", grad, a["x"], *routing, None, a["bins"], top_k, True
+            )
+        else:
+            out["b"] = call(
+                "gathered_weight_grad", a["x"], grad, *routing, None, a["bins"], top_k, False
+            )
+    return out
+
+
+def _row_scales(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """weights[indices[i]] for each sorted row i; 0 for an id out of range (bad data stays inside
+    weights)."""
+    flat = indices.long()
+    valid = (flat >= 0) & (flat < weights.shape[0])
+    return torch.where(valid, weights.index_select(0, torch.where(valid, flat, 0)), 0)
+
+
+def _by_flat_id(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """out[indices[i]] = values[i]; ids no row names get 0, ids out of range are dropped."""
+    n = indices.shape[0]
+    flat = indices.long()
+    slot = torch.where((flat >= 0) & (flat < n), flat, n)  # out-of-range ids land in a cut-off slot
+    return values.new_zeros(n + 1).index_copy_(0, slot, values)[:n]
+
+
+def _gmm_scatter(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    routing = (a["indices"], a["bin_ids"])
+    trans_b, top_k, weights = a["trans_b"], a["top_k"], a["weights"]
+    if needs["x"] or needs["weights"]:
+        # grad[t] @ b[e].T for each sorted row: x's gradient before weighting, and (dotted with
+        # x) the weights' gradient, so the forward's (rows, n) product need not be kept.
+        rows_grad = call("gather_gmm", grad, a["b"], *routing, a["bins"], top_k, not trans_b)
+        if needs["weights"]:
+            acc = torch.promote_types(rows_grad.dtype, torch.float32)
+            dots = torch.bmm(a["x"].to(acc).unsqueeze(1), rows_grad.to(acc).unsqueeze(2)).view(-1)
+            out["weights"] = _by_flat_id(dots, a["indices"]).to(weights.dtype)
+        if needs["x"]:
+            if weights is not None:
+                scale = _row_scales(weights, a["indices"]).to(rows_grad.dtype)
+                rows_grad = rows_grad * scale.unsqueeze(1)
+            out["x"] = rows_grad
+    if needs["b"]:  # the output gradient is read through the indices (and weighted) in the GEMM
+        if trans_b:  # b[e] is (n, k): (w * gather(grad))_e^T @ x_e
+            out["b"] = call(
+                "gathered_weight_grad", grad, a["x"], *routing, weights, a["bins"], top_k, False
+            )
+        else:
+            out["b"] = call(
+                "gathered_weight_grad", a["x"], grad, *routing, weights, a["bins"], top_k, True
+            )
+    return out
+
+
 ROUTING_SAVES = ("indices", "bin_ids", "bins")
 
 #: Op name → its backward rule. Every differentiable contract has one (a test checks).
@@ -162,6 +229,11 @@ RULES: dict[str, BackwardRule] = {
     ),
     "replicate": BackwardRule(_replicate, ("bins",)),
     "gmm": BackwardRule(_gmm, ("batch_sizes",), {"a": "b", "b": "a"}),
+    "gather_gmm": BackwardRule(_gather_gmm, ROUTING_SAVES, {"x": "b", "b": "x"}),
+    # x is needed for b's gradient and for the weights' (<x[i], grad[t] @ b[e].T>).
+    "gmm_scatter": BackwardRule(
+        _gmm_scatter, (*ROUTING_SAVES, "weights"), {"x": ("b", "weights"), "b": ("x", "weights")}
+    ),
 }
 
 
@@ -169,8 +241,10 @@ def kept(rule: BackwardRule, name: str, needs: Mapping[str, bool]) -> bool:
     """Whether the forward must keep argument ``name`` for this backward."""
     if name in rule.saves:
         return True
-    dependant = rule.saves_if.get(name)
-    return dependant is not None and needs.get(dependant, False)
+    dependants = rule.saves_if.get(name, ())
+    if isinstance(dependants, str):
+        dependants = (dependants,)
+    return any(needs.get(d, False) for d in dependants)
 
 
 # ---------------------------------------------------------------------------

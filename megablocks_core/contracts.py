@@ -692,6 +692,134 @@ GMM_WEIGHT_GRAD = OpContract(
 )
 
 # ---------------------------------------------------------------------------
+# Fused permutation + grouped GEMM. Each is *defined* by its composition from the ops above (the
+# reference backend runs exactly that composition, so the conformance kit checks every fused
+# kernel against it); a backend may provide a kernel that never writes the permuted rows.
+
+EXPERT_MATRICES = TensorArg(
+    "b", FLOAT_DTYPES, (3,), "expert matrices, (experts, k, n) or (experts, n, k) with trans_b"
+)
+TRANS_B = BoolArg("trans_b", "b holds (n, k) matrices", default=False)
+SAME_DTYPE_B = Rule("b.dtype == x.dtype", "x and b have the same dtype", error=TypeError)
+ONE_MATRIX_PER_BIN = Rule("bins.shape[0] == b.shape[0]", "one expert matrix per bin")
+INNER_B = Rule("x.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree")
+# The permutation rules without weights (the gathering ops take none).
+ROUTED_RULES = (
+    SAME_LENGTH,
+    WHOLE_TOKENS,
+    INDICES_FIT,
+    IS_PERMUTATION,
+    BINS_SORTED,
+    BINS_TOTAL,
+    BIN_IDS_MATCH,
+)
+GROUPS_FROM_BINS = (
+    "Expert e's rows are sorted rows bins[e-1]:bins[e] (bins plays gmm's batch_sizes: no host "
+    "sync, nothing read on the host)."
+)
+FUSED_BAD_BINS = (
+    UNCHECKED + "bins not a cumulative sum: a negative group counts as 0, groups are cut at the "
+    "last sorted row, and rows no group covers are 0 (as gmm with such sizes)"
+)
+
+GATHER_GMM = OpContract(
+    name="gather_gmm",
+    family="grouped_gemm",
+    summary="Grouped GEMM whose rows are read from the tokens through the routing indices (gather fused).",
+    args=(TOKENS, EXPERT_MATRICES, INDICES, BIN_IDS, BINS, TOP_K, TRANS_B),
+    rules=(SAME_DTYPE_B, ONE_MATRIX_PER_BIN, INNER_B, GATHER_ROWS, *ROUTED_RULES),
+    outputs=(
+        Output(
+            "out",
+            "x.dtype",
+            ("indices.shape[0]", "b.shape[1] if trans_b else b.shape[2]"),
+            "expert-sorted rows",
+        ),
+    ),
+    differentiable=("x", "b"),
+    semantics=(
+        "Exactly gmm(gather(x, indices, bin_ids, bins, top_k), b, batch_sizes, trans_b) with "
+        "batch_sizes[e] = bins[e] - bins[e-1]: sorted row i is x[indices[i] // top_k] @ b[e] "
+        "(b[e].T with trans_b) for the expert e whose rows hold i. A fused kernel need never "
+        "write the gathered (tokens * top_k, k) rows, and the backward keeps none: "
+        "x's gradient is gmm_scatter of the output gradient, b's reads x through indices. "
+        + GROUPS_FROM_BINS
+        + " Accumulates in float32."
+    ),
+    edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS),
+)
+
+GMM_SCATTER = OpContract(
+    name="gmm_scatter",
+    family="grouped_gemm",
+    summary="Grouped GEMM whose rows are summed straight back into token order, optionally weighted (scatter fused).",
+    args=(SORTED_ROWS, EXPERT_MATRICES, INDICES, BIN_IDS, WEIGHTS, BINS, TOP_K, TRANS_B),
+    rules=(SAME_DTYPE_B, ONE_MATRIX_PER_BIN, INNER_B, SORTED_ROWS_MATCH, *PERMUTATION_RULES),
+    outputs=(
+        Output(
+            "out",
+            "x.dtype",
+            ("indices.shape[0] // top_k", "b.shape[1] if trans_b else b.shape[2]"),
+            "one row per token",
+        ),
+    ),
+    differentiable=("x", "b", "weights"),
+    semantics=(
+        "Exactly scatter(gmm(x, b, batch_sizes, trans_b), indices, bin_ids, weights, bins, "
+        "top_k) with batch_sizes from bins: out[t] = sum over k of weights[t*top_k + k] * "
+        "(x[i] @ b[e]) where indices[i] = t*top_k + k. The backward keeps no (tokens * top_k, n) "
+        "product: the weights' gradient <grad[t], x[i] @ b[e]> is computed as "
+        "<x[i], grad[t] @ b[e].T>, from the rows the input gradient needs anyway. "
+        + GROUPS_FROM_BINS
+        + " "
+        + FP32_ACCUMULATION
+    ),
+    edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS),
+)
+
+GATHERED_WEIGHT_GRAD = OpContract(
+    name="gathered_weight_grad",
+    family="grouped_gemm",
+    public=False,
+    summary="Per-expert a^T @ grad where one operand is read from token rows through the indices.",
+    args=(
+        TensorArg(
+            "a", FLOAT_DTYPES, (2,), "token rows (tokens, k), or sorted rows with gather_grad"
+        ),
+        TensorArg(
+            "grad", FLOAT_DTYPES, (2,), "sorted rows (rows, n), or token rows with gather_grad"
+        ),
+        INDICES,
+        BIN_IDS,
+        GATHER_WEIGHTS,
+        BINS,
+        TOP_K,
+        BoolArg("gather_grad", "grad (not a) holds token rows read through indices"),
+    ),
+    rules=(
+        Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
+        Rule(
+            "(grad if gather_grad else a).shape[0] * top_k == indices.shape[0]",
+            "the token operand has one row per token",
+        ),
+        Rule(
+            "(a if gather_grad else grad).shape[0] == indices.shape[0]",
+            "the sorted operand has one row per sorted (token, k) pair",
+        ),
+        *PERMUTATION_RULES,
+    ),
+    outputs=(Output("out", "a.dtype", ("bins.shape[0]", "a.shape[1]", "grad.shape[1]")),),
+    semantics=(
+        "out[e] = A_e^T @ G_e over expert e's sorted rows, where the token operand's sorted row "
+        "i is its row indices[i] // top_k times weights[indices[i]] (weights only scale the "
+        "token operand). Equals gmm_weight_grad of the gathered rows. "
+        + GROUPS_FROM_BINS
+        + " Accumulated in float32."
+    ),
+    edge_cases=("an empty expert gets exactly 0", GATHER_BAD_INDICES, FUSED_BAD_BINS),
+)
+
+# ---------------------------------------------------------------------------
 # Composite ops: plain torch, run by the core itself on every device.
 
 ROUND_UP = OpContract(
@@ -754,6 +882,9 @@ ALL: tuple[OpContract, ...] = (
     BINNED_SCATTER_WGRAD,
     GMM,
     GMM_WEIGHT_GRAD,
+    GATHER_GMM,
+    GMM_SCATTER,
+    GATHERED_WEIGHT_GRAD,
     ROUND_UP,
     REPEAT,
     SUM,

@@ -31,6 +31,8 @@ _padded_scatter = ENTRIES["padded_scatter"]
 _binned_gather = ENTRIES["binned_gather"]
 _binned_scatter = ENTRIES["binned_scatter"]
 _gmm = ENTRIES["gmm"]
+_gather_gmm = ENTRIES["gather_gmm"]
+_gmm_scatter = ENTRIES["gmm_scatter"]
 
 # --- routing ---------------------------------------------------------------
 
@@ -134,6 +136,37 @@ def gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool = False) -> Ten
     return _gmm(a, b, batch_sizes, trans_b)
 
 
+def gather_gmm(
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool = False,
+) -> Tensor:
+    """``gmm(gather(x, indices, bin_ids, bins, top_k), b, counts, trans_b)`` without writing the
+    gathered rows: (tokens, k) tokens → (tokens * top_k, n) expert-sorted rows. The expert groups
+    come from ``bins`` (no host sync)."""
+    return _gather_gmm(x, b, indices, bin_ids, bins, top_k, trans_b)
+
+
+def gmm_scatter(
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool = False,
+) -> Tensor:
+    """``scatter(gmm(x, b, counts, trans_b), indices, bin_ids, weights, bins, top_k)``: expert-sorted
+    rows (tokens * top_k, k) → (tokens, n), each token's (weighted) rows summed. Its backward keeps
+    no (tokens * top_k, n) product."""
+    return _gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b)
+
+
 # --- composite ops: plain torch on every device ------------------------------------
 
 
@@ -169,7 +202,9 @@ __all__ = [
     "binned_scatter",
     "exclusive_cumsum",
     "gather",
+    "gather_gmm",
     "gmm",
+    "gmm_scatter",
     "histogram",
     "inclusive_cumsum",
     "padded_gather",

@@ -315,6 +315,87 @@ def gmm_backward(
     return grad_a, grad_b
 
 
+def _expert_of_rows(bins: Any) -> Array:
+    """Expert of each sorted row, from the cumulative bins."""
+    ends = _i64(bins)
+    rows = int(ends[-1]) if len(ends) else 0
+    return np.searchsorted(ends, np.arange(rows), side="right")
+
+
+def _matrix(b: Array, e: int, trans_b: bool) -> Array:
+    return b[e].T if trans_b else b[e]
+
+
+def gather_gmm(x: Any, b: Any, indices: Any, bins: Any, top_k: int, trans_b: bool) -> Array:
+    """Sorted row i: x[indices[i] // top_k] @ b[e] for the expert e holding row i."""
+    x, b = _f64(x), _f64(b)
+    experts = _expert_of_rows(bins)
+    out = np.zeros((len(indices), b.shape[1] if trans_b else b.shape[2]))
+    for i, f in enumerate(_i64(indices)):
+        out[i] = x[f // top_k] @ _matrix(b, experts[i], trans_b)
+    return out
+
+
+def gather_gmm_backward(
+    x: Any, b: Any, grad: Any, indices: Any, bins: Any, top_k: int, trans_b: bool
+) -> tuple[Array, Array]:
+    """(grad of x, grad of b) of gather_gmm, row by row."""
+    x, b, grad = _f64(x), _f64(b), _f64(grad)
+    experts = _expert_of_rows(bins)
+    gx, gb = np.zeros_like(x), np.zeros_like(b)
+    for i, f in enumerate(_i64(indices)):
+        e, t = experts[i], f // top_k
+        gx[t] += grad[i] @ _matrix(b, e, trans_b).T
+        if trans_b:
+            gb[e] += np.outer(grad[i], x[t])
+        else:
+            gb[e] += np.outer(x[t], grad[i])
+    return gx, gb
+
+
+def gmm_scatter(
+    x: Any, b: Any, indices: Any, weights: Any | None, bins: Any, top_k: int, trans_b: bool
+) -> Array:
+    """out[t] = sum over k of weights[t*top_k + k] * (x[i] @ b[e]), indices[i] = t*top_k + k."""
+    x, b = _f64(x), _f64(b)
+    w = None if weights is None else _f64(weights)
+    experts = _expert_of_rows(bins)
+    out = np.zeros((len(indices) // top_k, b.shape[1] if trans_b else b.shape[2]))
+    for i, f in enumerate(_i64(indices)):
+        out[f // top_k] += _weight(w, f) * (x[i] @ _matrix(b, experts[i], trans_b))
+    return out
+
+
+def gmm_scatter_backward(
+    x: Any,
+    b: Any,
+    weights: Any | None,
+    grad: Any,
+    indices: Any,
+    bins: Any,
+    top_k: int,
+    trans_b: bool,
+) -> tuple[Array, Array, Array | None]:
+    """(grad of x, grad of b, grad of weights) of gmm_scatter, row by row."""
+    x, b, grad = _f64(x), _f64(b), _f64(grad)
+    w = None if weights is None else _f64(weights)
+    experts = _expert_of_rows(bins)
+    gx, gb = np.zeros_like(x), np.zeros_like(b)
+    gw = None if w is None else np.zeros_like(w)
+    for i, f in enumerate(_i64(indices)):
+        e, t = experts[i], f // top_k
+        m = _matrix(b, e, trans_b)
+        row_grad = _weight(w, f) * grad[t]  # gradient of row i's product x[i] @ m
+        gx[i] = row_grad @ m.T
+        if trans_b:
+            gb[e] += np.outer(row_grad, x[i])
+        else:
+            gb[e] += np.outer(x[i], row_grad)
+        if gw is not None:
+            gw[f] = float(np.dot(grad[t], x[i] @ m))
+    return gx, gb, gw
+
+
 # --------------------------------------------------------------------------------------------
 # building inputs (numpy side)
 

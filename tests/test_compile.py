@@ -95,6 +95,27 @@ def _opcheck_samples():
         "binned_scatter_wgrad": (binned.detach(), grad, indices, bins, 2),
         "gmm": (a, b, counts.long(), False),
         "gmm_weight_grad": (a.detach(), torch.randn(8, 5), counts),
+        "gather_gmm": (x, b, indices, bin_ids, bins, 2, False),
+        "gmm_scatter": (
+            torch.randn(8, 5, requires_grad=True),
+            b,
+            indices,
+            bin_ids,
+            w,
+            bins,
+            2,
+            True,
+        ),
+        "gathered_weight_grad": (
+            x.detach(),
+            torch.randn(8, 5),
+            indices,
+            bin_ids,
+            w.detach(),
+            bins,
+            2,
+            False,
+        ),
     }
 
 

@@ -217,6 +217,7 @@ def test_pytest_door_runs_from_any_directory(plugins, tmp_path):
                 "padded_scatter_wgrad",
                 "binned_scatter",
                 "binned_scatter_wgrad",
+                "gmm_scatter",
             )
         ),
     }, proc.stdout

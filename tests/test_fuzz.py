@@ -713,6 +713,13 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "bins": t["bins"],
             "top_k": r.K,
         }
+    if op == "gather_gmm":
+        b = torch.ones(r.E, hidden, 5, dtype=dtype)
+        return {"x": x_tokens, "b": b, **routing, "trans_b": False}
+    if op == "gmm_scatter":
+        rows = torch.ones(r.T * r.K, 4, dtype=dtype)
+        b = torch.ones(r.E, 5, 4, dtype=dtype)
+        return {"x": rows, "b": b, **routing, "weights": weights, "trans_b": True}
     if op == "gmm":
         return {
             "a": torch.ones(int(r.counts.sum()), 4, dtype=dtype),
@@ -738,6 +745,8 @@ PUBLIC_DISPATCHED = (
     "binned_gather",
     "binned_scatter",
     "gmm",
+    "gather_gmm",
+    "gmm_scatter",
 )
 WRONG_DTYPES = (
     torch.bool,
@@ -821,8 +830,35 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
             ContractError,
             put("padded_bins", lambda a: extend(a["padded_bins"])),
         )
-    if op in ("gather", "scatter", "padded_gather", "binned_gather", "binned_scatter"):
+    if op in (
+        "gather",
+        "scatter",
+        "padded_gather",
+        "binned_gather",
+        "binned_scatter",
+        "gather_gmm",
+        "gmm_scatter",
+    ):
         yield "x with one row too many", ContractError, put("x", lambda a: extend(a["x"]))
+    if op in ("gather_gmm", "gmm_scatter"):
+        yield "one expert matrix too many", ContractError, put("b", lambda a: extend(a["b"]))
+    if op in ("gmm", "gather_gmm", "gmm_scatter"):
+        first = "a" if op == "gmm" else "x"  # the operand multiplied with b
+        yield (
+            "inner dimensions differ",
+            ContractError,
+            put(first, lambda a: torch.ones(a[first].shape[0], 7, dtype=a[first].dtype)),
+        )
+        yield (
+            "b of another dtype",
+            ContractTypeError,
+            put(
+                "b",
+                lambda a: a["b"].to(
+                    torch.float16 if a[first].dtype != torch.float16 else torch.float32
+                ),
+            ),
+        )
     if op == "replicate":
         yield (
             "bins one longer than x's columns",
@@ -863,21 +899,6 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
             "batch_sizes one too long",
             ContractError,
             put("batch_sizes", lambda a: extend(a["batch_sizes"])),
-        )
-        yield (
-            "inner dimensions differ",
-            ContractError,
-            put("a", lambda a: torch.ones(a["a"].shape[0], 5, dtype=a["a"].dtype)),
-        )
-        yield (
-            "b of another dtype",
-            ContractTypeError,
-            put(
-                "b",
-                lambda a: a["b"].to(
-                    torch.float16 if a["a"].dtype != torch.float16 else torch.float32
-                ),
-            ),
         )
         yield "batch_sizes not summing to a's rows", ContractError, first_size(lambda s: s + 1)
         yield "a negative group size", ContractError, first_size(lambda s: s * 0 - 1)

@@ -86,6 +86,22 @@ def test_gmm(trans_b):
     assert torch.autograd.gradcheck(lambda a, b: ops.gmm(a, b, sizes, trans_b), (a, b))
 
 
+@pytest.mark.parametrize(("top_k", "trans_b"), [(1, False), (2, True), (3, False)])
+def test_fused_gather_gmm_and_gmm_scatter(top_k, trans_b):
+    tokens, experts, hidden, ffn = 5, 4, 3, 2
+    indices, bin_ids, bins, _, _ = routing(tokens, top_k, experts, seed=10 + top_k)
+    w1 = f64(experts, ffn, hidden) if trans_b else f64(experts, hidden, ffn)
+    w2 = f64(experts, hidden, ffn) if trans_b else f64(experts, ffn, hidden)
+    assert torch.autograd.gradcheck(
+        lambda x, b: ops.gather_gmm(x, b, indices, bin_ids, bins, top_k, trans_b),
+        (f64(tokens, hidden), w1),
+    )
+    assert torch.autograd.gradcheck(
+        lambda x, b, w: ops.gmm_scatter(x, b, indices, bin_ids, w, bins, top_k, trans_b),
+        (f64(tokens * top_k, ffn), w2, w64(tokens * top_k)),
+    )
+
+
 def test_gmm_empty_expert_gets_exactly_zero_weight_grad():
     sizes = torch.tensor([3, 0, 2])
     a, b = f64(5, 4), f64(3, 4, 2)

@@ -721,6 +721,70 @@ def test_gmm_default_trans_b_and_same_device_sizes():
     check(out, oracle.gmm(av, bv, sizes, False), torch.float32)
 
 
+# name: (T, top_k, E, H, F, trans_b, data dtype, index dtype, weighted, empty, noncontig, seed)
+FUSED_CASES = {
+    "basic": (12, 2, 4, 8, 6, False, torch.float32, torch.int32, True, False, False, 0),
+    "trans_b": (12, 2, 4, 8, 6, True, torch.float32, torch.int64, True, False, False, 1),
+    "top1_unweighted": (10, 1, 3, 5, 7, False, torch.float32, torch.int32, False, False, False, 2),
+    "top8_empty": (9, 8, 16, 6, 4, False, torch.float64, torch.int64, True, True, False, 3),
+    "bf16": (16, 2, 6, 32, 16, False, torch.bfloat16, torch.int32, True, True, False, 4),
+    "fp16_trans_b": (16, 3, 4, 16, 32, True, torch.float16, torch.int16, True, False, False, 5),
+    "one_expert": (6, 1, 1, 4, 5, False, torch.float32, torch.int32, True, False, False, 6),
+    "zero_tokens": (0, 2, 3, 4, 5, False, torch.float32, torch.int32, True, False, False, 7),
+    "noncontig": (11, 2, 4, 6, 5, True, torch.float32, torch.int64, True, True, True, 8),
+    "many_experts": (32, 8, 256, 4, 4, False, torch.float32, torch.int32, True, False, False, 9),
+}
+
+
+def check_sum(got: torch.Tensor, exp: np.ndarray, dtype: torch.dtype) -> None:
+    """As check, for sums of rounded 16-bit products: errors scale with the largest term, so
+    a sum that cancels is compared with an absolute tolerance of 1 % of the largest value."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return check(got, exp, dtype)
+    assert got.dtype == dtype and tuple(got.shape) == tuple(exp.shape)
+    scale = max(1.0, float(np.abs(exp).max())) if exp.size else 1.0
+    np.testing.assert_allclose(to64(got), exp, rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_gather_gmm_and_gmm_scatter(name):
+    """The fused ops against row-by-row numpy loops, forward and every gradient."""
+    T, K, E, H, F, trans_b, fdt, idt, weighted, empty, nc, seed = FUSED_CASES[name]
+    rng = np.random.default_rng(900 + seed)
+    r = oracle.make_routing(rng, T, K, E, empty=empty)
+    idx = [it(r[n], idt, nc) for n in ("indices", "bin_ids", "bins")]
+    xv, w1v = rand(rng, (T, H), fdt), rand(rng, (E, F, H) if trans_b else (E, H, F), fdt)
+    w2v = rand(rng, (E, H, F) if trans_b else (E, F, H), fdt)
+    wv = oracle.representable(rng.uniform(0.1, 1.0, T * K), fdt) if weighted else None
+    x, w1, w2 = leaf(xv, fdt, nc), leaf(w1v, fdt, False), leaf(w2v, fdt, False)
+    w = leaf(wv, fdt, nc) if weighted else None
+
+    h = ops.gather_gmm(x, w1, *idx, K, trans_b)
+    hv = oracle.gather_gmm(xv, w1v, r["indices"], r["bins"], K, trans_b)
+    check_sum(h, hv, fdt)
+    hin = leaf(to64(h), fdt, nc)  # the second GEMM on its own leaf: each op's gradients alone
+    out = ops.gmm_scatter(hin, w2, idx[0], idx[1], w, idx[2], K, trans_b)
+    check_sum(out, oracle.gmm_scatter(to64(h), w2v, r["indices"], wv, r["bins"], K, trans_b), fdt)
+
+    g = rand(rng, (T, H), fdt)
+    out.backward(ft(g, fdt, nc))
+    gh, gw2, gw = oracle.gmm_scatter_backward(
+        to64(h), w2v, wv, g, r["indices"], r["bins"], K, trans_b
+    )
+    check_sum(hin.grad, gh, fdt)
+    check_sum(w2.grad, gw2, fdt)
+    if weighted:
+        check_sum(w.grad, gw, fdt)
+    gout = rand(rng, tuple(h.shape), fdt)
+    h.backward(ft(gout, fdt))
+    gx, gw1 = oracle.gather_gmm_backward(xv, w1v, gout, r["indices"], r["bins"], K, trans_b)
+    check_sum(x.grad, gx, fdt)
+    check_sum(w1.grad, gw1, fdt)
+    for e, c in enumerate(r["tpe"]):
+        if c == 0:  # an empty expert's weight gradients are exactly zero
+            assert (to64(w1.grad[e]) == 0).all() and (to64(w2.grad[e]) == 0).all(), e
+
+
 @pytest.mark.parametrize(
     "T,K,E,block,empty,dtype",
     [

@@ -375,7 +375,58 @@ def _gmm_cases() -> list[BadCase]:
     ]
 
 
-CASES: tuple[BadCase, ...] = (*_routing_cases(), *_permutation_cases(), *_gmm_cases())
+FUSED_OPS = ("gather_gmm", "gmm_scatter", "gathered_weight_grad")
+
+
+def _fused_args(op: str, r: _Routing, mut: _Mut, variant: bool = False) -> Args:
+    indices, bins, _ = mut(r)
+    gen = torch.Generator().manual_seed(7)
+    n, hidden, ffn, k = indices.shape[0], r.x.shape[1], 6, r.top_k
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(r.x.device)
+
+    routing = (indices, r.bin_ids)
+    if op == "gather_gmm":
+        return (r.x, rand(bins.shape[0], hidden, ffn), *routing, bins, k, False)
+    if op == "gmm_scatter":
+        return (rand(n, ffn), rand(bins.shape[0], ffn, hidden), *routing, r.weights, bins, k, False)
+    if variant:  # the gradient operand holds the token rows (gmm_scatter's weight gradient)
+        return (rand(n, ffn), rand(n // k, hidden), *routing, r.weights, bins, k, True)
+    return (r.x, rand(n, ffn), *routing, None, bins, k, False)
+
+
+def _fused_cases() -> list[BadCase]:
+    def build(device: torch.device, op: str, mut: _Mut, variant: bool) -> Args:
+        return _fused_args(op, _routing(device), mut, variant)
+
+    cases = []
+    for op, variant in (
+        ("gather_gmm", False),
+        ("gmm_scatter", False),
+        ("gathered_weight_grad", False),
+        ("gathered_weight_grad", True),
+    ):
+        suffix = " (token gradient)" if variant else ""
+        for what, mut in {**INDEX_MUTATIONS, **BINS_MUTATIONS}.items():
+            if op == "gmm_scatter" and ("duplicate" in what or "equal" in what):
+                continue  # which row a duplicated id reads is unspecified: no one safe value
+            cases.append(
+                BadCase(
+                    f"{op}/{what}{suffix}",
+                    op,
+                    functools.partial(build, op=op, mut=mut, variant=variant),
+                )
+            )
+    return cases
+
+
+CASES: tuple[BadCase, ...] = (
+    *_routing_cases(),
+    *_permutation_cases(),
+    *_gmm_cases(),
+    *_fused_cases(),
+)
 _BY_NAME = {c.name: c for c in CASES}
 
 
@@ -617,6 +668,14 @@ def _check_gmm(op: str, args: dict[str, Any], out: torch.Tensor) -> None:
     )
 
 
+def _check_fused(op: str, args: Args, out: torch.Tensor) -> None:
+    # A fused op is defined by its composition: the reference runs exactly that, and for these
+    # cases (no duplicated id a scatter would have to choose between) its result is unique.
+    with use_backend(REFERENCE):
+        want = ENTRIES[op](*args)
+    compare(out.cpu(), want.cpu(), "output", "the composition on the reference")
+
+
 def check_result(op: str, args: Args, out: Any) -> None:
     """Raise :class:`Mismatch` unless ``out`` is the documented safe result of ``op`` on ``args``
     (shape, dtype and device from the contract, then values)."""
@@ -647,6 +706,8 @@ def check_result(op: str, args: Args, out: Any) -> None:
         _check_wgrad(op, bound, out, tol)
     elif op in ("gmm", "gmm_weight_grad"):
         _check_gmm(op, bound, out)
+    elif op in FUSED_OPS:
+        _check_fused(op, args, out)
     else:
         _check_routing(op, bound, out)
 
@@ -657,6 +718,10 @@ def check_result(op: str, args: Args, out: Any) -> None:
 
 def _valid_args(op: str, device: torch.device) -> Args:
     """A valid call of ``op`` of the same kind, run after each bad one."""
+    if op in FUSED_OPS:
+        return _fused_args(
+            op, _routing(device, seed=5), lambda r: (r.indices, r.bins, r.padded_bins)
+        )
     if op in BY_NAME and any(op in group for group in (PLAIN_OPS, PADDED_OPS, BINNED_OPS)):
         return _permutation_args(
             op,

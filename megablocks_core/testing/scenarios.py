@@ -217,6 +217,32 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "binned_scatter_wgrad": lambda r: (r.binned_x, r.grad, r.indices, r.bins, r.scenario.top_k),
     "gmm": lambda r: (r.rows, r.expert_weights, r.batch_sizes, r.scenario.trans_b),
     "gmm_weight_grad": lambda r: (r.rows, r.gmm_grad, r.batch_sizes),
+    "gather_gmm": lambda r: (
+        r.x,
+        r.expert_weights,
+        r.indices,
+        r.bin_ids,
+        r.bins,
+        r.scenario.top_k,
+        r.scenario.trans_b,
+    ),
+    # The second expert GEMM: sorted (rows, ffn) back to (tokens, hidden).
+    "gmm_scatter": lambda r: (
+        r.gmm_grad,
+        r.expert_weights.transpose(1, 2).contiguous(),
+        r.indices,
+        r.bin_ids,
+        r.weights,
+        r.bins,
+        r.scenario.top_k,
+        r.scenario.trans_b,
+    ),
+    # trans_b scenarios gather the gradient operand (gmm_scatter's weight gradient), the others
+    # the first operand (gather_gmm's).
+    "gathered_weight_grad": lambda r: (
+        ((r.gmm_grad, r.grad) if r.scenario.trans_b else (r.x, r.gmm_grad))
+        + (r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k, r.scenario.trans_b)
+    ),
 }
 
 

@@ -328,3 +328,70 @@ def gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
             rows = slice(start, start + size)
             out[expert] = (a[rows].to(acc).t() @ grad[rows].to(acc)).to(a.dtype)
     return out
+
+
+# --- fused permutation + grouped GEMM: their defining compositions ------------------
+
+
+def _gmm_by_bins(a: Tensor, b: Tensor, bins: Tensor, trans_b: bool) -> Tensor:
+    """ops.gmm with expert e's rows at bins[e-1]:bins[e], safe for any bins: a negative group
+    counts as 0 and groups are cut at a's last row (rows no group covers are 0), as the fused
+    kernels do. No host sync on an accelerator."""
+    from megablocks_core import ops
+
+    rows = a.shape[0]
+    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp_(min=0)
+    sizes = torch.diff(sizes.cumsum(0).clamp_(max=rows), prepend=sizes.new_zeros(1))
+    if sizes.device.type != "cpu":
+        return ops.gmm(a, b, sizes, trans_b)  # device sizes: the kernel zeroes uncovered rows
+    # CPU sizes are checked on the host (they must cover a): multiply the covered rows only.
+    covered = int(sizes.sum())
+    out = ops.gmm(a[:covered], b, sizes, trans_b)
+    return torch.cat([out, out.new_zeros(rows - covered, out.shape[1])]) if covered < rows else out
+
+
+def gather_gmm(
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool,
+) -> Tensor:
+    # Composed from the *dispatched* gather and gmm (as route is), so a backend that provides
+    # those but no fused kernel serves it with its own kernels.
+    from megablocks_core import ops
+
+    return _gmm_by_bins(ops.gather(x, indices, bin_ids, bins, top_k), b, bins, trans_b)
+
+
+def gmm_scatter(
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool,
+) -> Tensor:
+    from megablocks_core import ops
+
+    return ops.scatter(_gmm_by_bins(x, b, bins, trans_b), indices, bin_ids, weights, bins, top_k)
+
+
+def gathered_weight_grad(
+    a: Tensor,
+    grad: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    gather_grad: bool,
+) -> Tensor:
+    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64))  # _groups clamps
+    if gather_grad:
+        return gmm_weight_grad(a, _gather_rows(grad, indices, weights, top_k), sizes)
+    return gmm_weight_grad(_gather_rows(a, indices, weights, top_k), grad, sizes)

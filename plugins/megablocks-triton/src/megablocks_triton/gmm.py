@@ -50,7 +50,10 @@ __all__ = [
     "GmmConfig",
     "choose_config",
     "device_info",
+    "gather_gmm",
+    "gathered_weight_grad",
     "gmm",
+    "gmm_scatter",
     "gmm_weight_grad",
 ]
 
@@ -191,6 +194,49 @@ def _gmm_tile_ptr(
 
 
 @triton.jit
+def _gmm_tile_gather(
+    x_ptr, idx_ptr, b_ptr, acc, e, row_start, size_e, rows, cols, col0, M, N, K, top_k,
+    stride_xm, stride_xk, stride_be, stride_bk, stride_bn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE_FP32: tl.constexpr, B_TMA: tl.constexpr, TRANS_B: tl.constexpr,
+):  # fmt: skip
+    """K loop of one gather_gmm tile: row i of the A tile is token row x[indices[i] // top_k],
+    read in place (the gathered copy is never written). An id outside [0, M) reads nothing and
+    gives a zero row. b is read with plain loads, or through a TMA descriptor (B_TMA)."""
+    offs_k0 = tl.arange(0, BLOCK_K)
+    sorted_rows = (row_start + tl.minimum(rows, size_e - 1)).to(tl.int64)
+    flat = tl.load(idx_ptr + sorted_rows).to(tl.int64)
+    named = (flat >= 0) & (flat < M)
+    tokens = tl.where(named, flat // top_k, 0)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k0[None, :] * stride_xk
+    row_ok = named[:, None]
+    if not B_TMA:
+        b_ptrs = (b_ptr + e.to(tl.int64) * stride_be
+                  + offs_k0[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn)  # fmt: skip
+    n_ok = (cols < N)[None, :]
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok, other=0.0)
+        else:
+            k_ok = offs_k0 < K - k
+            a = tl.load(a_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+        if B_TMA:
+            if TRANS_B:
+                b = tl.trans(b_ptr.load([e, col0, k]).reshape(BLOCK_N, BLOCK_K))
+            else:
+                b = b_ptr.load([e, k, col0]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            if EVEN_K:
+                b = tl.load(b_ptrs, mask=n_ok, other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=(offs_k0 < K - k)[:, None] & n_ok, other=0.0)
+            b_ptrs += BLOCK_K * stride_bk
+        acc = _mma(a, b, acc, IEEE_FP32)
+        a_ptrs += BLOCK_K * stride_xk
+    return acc
+
+
+@triton.jit
 def _gmm_tile_tma(
     a_desc, b_desc, acc, e, row0, col0, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -210,14 +256,18 @@ def _gmm_tile_tma(
 
 
 @triton.jit
-def _group_sizes(sizes_ptr, E, M, BLOCK_E: tl.constexpr):
+def _group_sizes(sizes_ptr, E, M, BLOCK_E: tl.constexpr, FROM_ENDS: tl.constexpr = False):
     """Per-expert row counts as the kernels use them (int32, BLOCK_E lanes, 0 past E).
 
+    FROM_ENDS: sizes_ptr holds cumulative ends (``bins``), sizes are their differences.
     Device-side batch_sizes are not checked outside checked mode, so they are made safe here,
     for the cost of a few register ops: a negative size counts as 0, and groups are cut at a's
     last row (rows past M are never addressed). Returns (sizes, rows covered by the groups)."""
     e_idx = tl.arange(0, BLOCK_E)
     raw = tl.load(sizes_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int64)
+    if FROM_ENDS:
+        before = tl.load(sizes_ptr + e_idx - 1, mask=(e_idx >= 1) & (e_idx < E), other=0)
+        raw = raw - before.to(tl.int64)
     raw = tl.minimum(tl.maximum(raw, 0), M)  # cumsum of <= 4096 values <= M fits int64
     ends = tl.cumsum(raw, 0)
     sizes = tl.minimum(ends, M) - tl.minimum(ends - raw, M)
@@ -226,22 +276,25 @@ def _group_sizes(sizes_ptr, E, M, BLOCK_E: tl.constexpr):
 
 @triton.jit
 def _gmm_kernel(
-    a_ptr, b_ptr, c_ptr, sizes_ptr,
-    M, N, K, E,
+    a_ptr, b_ptr, c_ptr, sizes_ptr, idx_ptr,
+    M, N, K, E, top_k,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr, USE_TMA: tl.constexpr, TRANS_B: tl.constexpr,
+    GATHER: tl.constexpr = False, FROM_ENDS: tl.constexpr = False,
 ):  # fmt: skip
     # USE_TMA: a_ptr is a (M, K) TensorDescriptor and b_ptr a 3-D one over b's storage
     # ((E, K, N), or (E, N, K) when TRANS_B); the strides are then unused.
+    # GATHER (gather_gmm): a_ptr is the token rows x and A's row i is x[idx[i] // top_k]; with
+    # USE_TMA only b goes through a descriptor. FROM_ENDS: sizes_ptr holds bins (cumulative).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     # Per-expert sizes and tile-count prefix, built once per program (device side: no host sync).
     e_idx = tl.arange(0, BLOCK_E)
-    sizes, covered = _group_sizes(sizes_ptr, E, M, BLOCK_E)
+    sizes, covered = _group_sizes(sizes_ptr, E, M, BLOCK_E, FROM_ENDS)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(sizes, BLOCK_M) * n_tiles
     tile_end = tl.cumsum(tiles, 0)  # inclusive prefix: tiles of experts 0..e
@@ -262,7 +315,14 @@ def _gmm_kernel(
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_TMA:
+        if GATHER:
+            acc = _gmm_tile_gather(
+                a_ptr, idx_ptr, b_ptr, acc, e, row_start, size_e, rows, cols, pid_n * BLOCK_N,
+                M, N, K, top_k,
+                stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                BLOCK_N, BLOCK_K, EVEN_K, IEEE_FP32, USE_TMA, TRANS_B,
+            )  # fmt: skip
+        elif USE_TMA:
             acc = _gmm_tile_tma(
                 a_ptr, b_ptr, acc, e, row_start + pid_m * BLOCK_M, pid_n * BLOCK_N, K,
                 BLOCK_M, BLOCK_N, BLOCK_K, IEEE_FP32, TRANS_B,
@@ -294,19 +354,22 @@ def _gmm_kernel(
 
 @triton.jit
 def _gmm_wgrad_kernel(
-    a_ptr, g_ptr, c_ptr, sizes_ptr,
-    M, KA, N, E,
+    a_ptr, g_ptr, c_ptr, sizes_ptr, idx_ptr, w_ptr,
+    M, KA, N, E, top_k,
     stride_am, stride_ak,
     stride_gm, stride_gn,
     stride_ce, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    GATHER: tl.constexpr = 0, HAS_W: tl.constexpr = False, FROM_ENDS: tl.constexpr = False,
 ):  # fmt: skip
+    # GATHER (gathered_weight_grad): 1 = a, 2 = grad holds token rows and sorted row i reads its
+    # row idx[i] // top_k (times w[idx[i]] with HAS_W); M is the number of sorted rows.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     e_idx = tl.arange(0, BLOCK_E)
-    sizes, _ = _group_sizes(sizes_ptr, E, M, BLOCK_E)
+    sizes, _ = _group_sizes(sizes_ptr, E, M, BLOCK_E, FROM_ENDS)
     m_tiles = tl.cdiv(KA, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_e = m_tiles * n_tiles
@@ -321,10 +384,6 @@ def _gmm_wgrad_kernel(
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # columns of a = output rows
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of grad
-        toks0 = row_start.to(tl.int64) + offs_t0
-        # a^T tile loaded as (BLOCK_K tokens, BLOCK_M) — contiguous along a's rows — then transposed.
-        a_ptrs = a_ptr + toks0[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
-        g_ptrs = g_ptr + toks0[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
         m_ok = (rows < KA)[None, :]
         n_ok = (cols < N)[None, :]
 
@@ -333,12 +392,35 @@ def _gmm_wgrad_kernel(
         for t in range(0, size_e, BLOCK_K):
             # Tokens masked on both operands: rows past the group end are never read (they may be
             # another group's rows, or uninitialised memory of a worst-case buffer, NaN included).
-            t_ok = (offs_t0 < size_e - t)[:, None]
-            a = tl.load(a_ptrs, mask=t_ok & m_ok, other=0.0)
-            g = tl.load(g_ptrs, mask=t_ok & n_ok, other=0.0)
+            t_in = offs_t0 < size_e - t
+            sorted_rows = row_start.to(tl.int64) + t + offs_t0
+            a_rows = sorted_rows
+            g_rows = sorted_rows
+            a_ok = t_in
+            g_ok = t_in
+            if GATHER != 0:
+                flat = tl.load(idx_ptr + sorted_rows, mask=t_in, other=-1).to(tl.int64)
+                named = t_in & (flat >= 0) & (flat < M)
+                tokens = tl.where(named, flat // top_k, 0)
+                if GATHER == 1:
+                    a_rows = tokens
+                    a_ok = named
+                else:
+                    g_rows = tokens
+                    g_ok = named
+            # a^T tile loaded as (BLOCK_K tokens, BLOCK_M) — contiguous along a's rows — then
+            # transposed.
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
+            g_ptrs = g_ptr + g_rows[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
+            a = tl.load(a_ptrs, mask=a_ok[:, None] & m_ok, other=0.0)
+            g = tl.load(g_ptrs, mask=g_ok[:, None] & n_ok, other=0.0)
+            if HAS_W:  # the token operand's rows scaled in fp32, rounded as a weighted gather's
+                scale = tl.load(w_ptr + flat, mask=named, other=0.0).to(tl.float32)
+                if GATHER == 1:
+                    a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
+                else:
+                    g = (g.to(tl.float32) * scale[:, None]).to(g_ptr.dtype.element_ty)
             acc = _mma(tl.trans(a), g, acc, IEEE_FP32)
-            a_ptrs += BLOCK_K * stride_am
-            g_ptrs += BLOCK_K * stride_gm
 
         c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
                   + cols[None, :].to(tl.int64) * stride_cn)  # fmt: skip
@@ -411,8 +493,68 @@ def gmm(
     made safe in the kernel: negative sizes count as 0, groups are cut at row M, and rows no
     group covers come out 0."""
     a = _unit_last_stride(a)
+    return _launch_gmm(
+        a, b, _device_sizes(batch_sizes, a.device), trans_b, a.shape[0], config=config
+    )
+
+
+def gather_gmm(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    top_k: int,
+    trans_b: bool = False,
+    *,
+    config: GmmConfig | None = None,
+) -> torch.Tensor:
+    """``gmm(gather(x, indices, ...), b, counts)`` reading each row of A from x in place: sorted
+    row i is ``x[indices[i] // top_k] @ b[e]``, groups from bins (cumulative). No gathered copy
+    of x is written; ids outside [0, rows) give zero rows."""
+    x = _unit_last_stride(x)
+    return _launch_gmm(
+        x, b, bins, trans_b, indices.shape[0], gather=(indices, top_k), from_ends=True,
+        config=config,
+    )  # fmt: skip
+
+
+def gmm_scatter(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
+    trans_b: bool = False,
+) -> torch.Tensor:
+    """``scatter(gmm(x, b, counts), indices, bin_ids, weights, bins, top_k)``: the GEMM keeps its
+    plain (TMA) stores and the token-major scatter kernel sums each token's rows once (reading
+    its top_k rows, weighting and summing in fp32): no atomics, deterministic."""
+    from .permutation import scatter
+
+    x = _unit_last_stride(x)
+    rows = _launch_gmm(x, b, bins, trans_b, x.shape[0], from_ends=True)
+    return scatter(rows, indices, bin_ids, weights, bins, top_k)
+
+
+def _launch_gmm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sizes: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    *,
+    gather: tuple[torch.Tensor, int] | None = None,
+    from_ends: bool = False,
+    config: GmmConfig | None = None,
+) -> torch.Tensor:
+    """One grouped-GEMM launch with m output rows. ``sizes``: per-expert counts on a's device,
+    or cumulative ends (``from_ends``). ``gather=(indices, top_k)``: a holds token rows, read
+    through the indices."""
     b = _unit_last_stride(b)
-    m, k = a.shape
+    k = a.shape[1]
     num_experts = b.shape[0]
     n = b.shape[1] if trans_b else b.shape[2]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
@@ -421,35 +563,40 @@ def gmm(
     if k == 0:
         return out.zero_()
     block_e = _check_experts(num_experts)
-    sizes = _device_sizes(batch_sizes, a.device)
+    if not sizes.is_contiguous():
+        sizes = sizes.contiguous()
     info = device_info(a.device)
     cfg = config or choose_config("gmm", m, n, k, num_experts, a.dtype, info)
     # b[e] viewed as (K, N): for trans_b the (N, K) storage is read with swapped strides.
     stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
     a_arg: object = a
     b_arg: object = b
-    use_tma = cfg.use_tma and _tma_ok(info, a, b)
+    # Gathered rows cannot come through a TMA descriptor (no row gather before Blackwell): then
+    # only b does.
+    use_tma = cfg.use_tma and _tma_ok(info, b) and (gather is not None or _tma_ok(info, a))
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
-        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        if gather is None:
+            a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]
         b_arg = TensorDescriptor.from_tensor(b, b_block)
+    indices, top_k = gather if gather is not None else (sizes, 1)
     n_tiles = triton.cdiv(n, cfg.block_n)
     # Host-side upper bound on the tile count (no sync): each non-empty group adds <= 1 partial
     # tile, and so may the rows no group covers (bad device-side batch_sizes).
     max_tiles = (m // cfg.block_m + min(num_experts, m) + 1) * n_tiles
     grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, max_tiles))
     _gmm_kernel[(grid,)](
-        a_arg, b_arg, out, sizes,
-        m, n, k, num_experts,
+        a_arg, b_arg, out, sizes, indices,
+        m, n, k, num_experts, top_k,
         a.stride(0), a.stride(1),
         b.stride(0), stride_bk, stride_bn,
         out.stride(0), out.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=block_e, GROUP_M=cfg.group_m,
         EVEN_K=k % cfg.block_k == 0, IEEE_FP32=a.dtype == torch.float32,
-        USE_TMA=use_tma, TRANS_B=trans_b,
+        USE_TMA=use_tma, TRANS_B=trans_b, GATHER=gather is not None, FROM_ENDS=from_ends,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_configs().launch_options("gmm"),
     )  # fmt: skip
@@ -466,30 +613,71 @@ def gmm_weight_grad(
     """Variable-K grouped GEMM: ``out[e] = a_e.T @ grad_e`` with a (M, K), grad (M, N), giving
     (E, K, N) in a's dtype. Empty groups give exact zeros; rows of a/grad beyond
     sum(batch_sizes) are never read (a worst-case-allocated buffer may be passed whole)."""
+    return _launch_wgrad(
+        a, grad, _device_sizes(batch_sizes, a.device), batch_sizes.shape[0], a.shape[0],
+        config=config,
+    )  # fmt: skip
+
+
+def gathered_weight_grad(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
+    gather_grad: bool,
+    *,
+    config: GmmConfig | None = None,
+) -> torch.Tensor:
+    """``out[e] = A_e.T @ G_e`` where the token operand (a, or grad with ``gather_grad``) is read
+    in place through the indices (and scaled by ``weights[indices[i]]``): the weight gradients of
+    gather_gmm and gmm_scatter without a gathered copy."""
+    return _launch_wgrad(
+        a, grad, bins, bins.shape[0], indices.shape[0],
+        gather=(indices, top_k, 2 if gather_grad else 1, weights), config=config,
+    )  # fmt: skip
+
+
+def _launch_wgrad(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    sizes: torch.Tensor,
+    num_experts: int,
+    rows: int,
+    *,
+    gather: tuple[torch.Tensor, int, int, torch.Tensor | None] | None = None,
+    config: GmmConfig | None = None,
+) -> torch.Tensor:
+    """One weight-gradient launch over ``rows`` sorted rows. ``sizes``: counts on a's device, or
+    cumulative ends when ``gather`` is given (the fused ops take bins)."""
     a = _unit_last_stride(a)
     grad = _unit_last_stride(grad)
-    num_experts = batch_sizes.shape[0]
     ka, n = a.shape[1], grad.shape[1]
     out = torch.empty((num_experts, ka, n), dtype=a.dtype, device=a.device)
     if out.numel() == 0:
         return out
-    if a.shape[0] == 0:
+    if rows == 0:
         return out.zero_()
     block_e = _check_experts(num_experts)
-    sizes = _device_sizes(batch_sizes, a.device)
+    if not sizes.is_contiguous():
+        sizes = sizes.contiguous()
     info = device_info(a.device)
-    cfg = config or choose_config("wgrad", ka, n, a.shape[0], num_experts, a.dtype, info)
+    cfg = config or choose_config("wgrad", ka, n, rows, num_experts, a.dtype, info)
     total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
+    indices, top_k, mode, weights = gather if gather is not None else (sizes, 1, 0, None)
     _gmm_wgrad_kernel[(grid,)](
-        a, grad, out, sizes,
-        a.shape[0], ka, n, num_experts,
+        a, grad, out, sizes, indices, weights if weights is not None else sizes,
+        rows, ka, n, num_experts, top_k,
         a.stride(0), a.stride(1),
         grad.stride(0), grad.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=block_e, GROUP_M=cfg.group_m,
         IEEE_FP32=a.dtype == torch.float32,
+        GATHER=mode, HAS_W=weights is not None, FROM_ENDS=gather is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_configs().launch_options("gmm_wgrad"),
     )  # fmt: skip

@@ -47,7 +47,13 @@ def _gmm_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
     # Triton 3.6's interpreter multiplies bf16 tiles as raw 16-bit integers: on the CPU
     # (interpreter) path bf16 goes to the reference backend instead.
     floats = _FLOATS - {torch.bfloat16} if _interpret() else _FLOATS
-    return {"gmm": {"a": floats, "b": floats}, "gmm_weight_grad": {"a": floats, "grad": floats}}
+    return {
+        "gmm": {"a": floats, "b": floats},
+        "gmm_weight_grad": {"a": floats, "grad": floats},
+        "gather_gmm": {"x": floats, "b": floats},
+        "gmm_scatter": {"x": floats, "b": floats},
+        "gathered_weight_grad": {"a": floats, "grad": floats},
+    }
 
 
 def _interpret() -> bool:
