@@ -6,10 +6,14 @@ together::
     probs = softmax(x @ router)                      # (tokens, experts), float32 or wider
     weights, top_experts = topk(probs, top_k)        # (tokens, top_k)
     indices, bin_ids, tokens_per_expert, bins, _ = ops.route(top_experts.flatten(), E, block)
-    rows = ops.gather(x, indices, bin_ids, bins, top_k)           # (tokens * top_k, hidden), by expert
-    h = act(ops.gmm(rows, w1, tokens_per_expert))                 # [* ops.gmm(rows, v1, ...) for GLU]
-    rows = ops.gmm(h, w2, tokens_per_expert)
-    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, top_k)   # (tokens, hidden)
+    h = act(ops.gather_gmm(x, w1, indices, bin_ids, bins, top_k))   # (tokens * top_k, ffn), by expert
+                                                     # [* ops.gather_gmm(x, v1, ...) for GLU]
+    out = ops.gmm_scatter(h, w2, indices, bin_ids, weights.flatten(), bins, top_k)  # (tokens, hidden)
+
+which is ``gmm`` between ``gather`` and ``scatter`` with the permutations fused into the GEMMs:
+no (tokens * top_k, hidden) tensor is written in the forward or kept for the backward (MegaBlocks
+keeps two: the gathered tokens and the expert outputs). What a step keeps for backward is the
+(tokens * top_k, ffn) activations (two for MLP experts, three for GLU) and the routing metadata.
 
 Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all deliberate:
 
@@ -54,26 +58,63 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+#: Activations by name: (function, its backward ``(grad, input) -> grad of input``). Named ones
+#: let gated experts recompute the activation in backward instead of keeping it.
+ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
+    "gelu": (gelu_tanh, lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
+    "silu": (F.silu, lambda g, x: torch.ops.aten.silu_backward(g, x)),
+    "relu": (F.relu, lambda g, x: g * (x > 0)),
+}
+
+
+class _Gated(torch.autograd.Function):
+    """``act(gate) * up`` keeping only gate and up for backward: act(gate) is recomputed there
+    (an elementwise pass) instead of holding a third (tokens * top_k, ffn) tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor, name: str) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.name = name
+        return ACTIVATIONS[name][0](gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        gate, up = ctx.saved_tensors
+        act, act_backward = ACTIVATIONS[ctx.name]
+        return act_backward(grad * up, gate), grad * act(gate), None
+
+
+def _tensor_cores(x: Tensor, router: Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and router.dtype == x.dtype
+
+
 class _WideLogits(torch.autograd.Function):
     """``x @ router.T`` computed in at least float32, saving x in its own dtype for backward.
 
     ``F.linear(x.float(), router.float())`` would keep a float32 copy of every token for backward
-    (256 MiB for 16K tokens of width 4096 in bf16); the casts are redone in backward instead.
+    (256 MiB for 16K tokens of width 4096 in bf16); the casts are redone in backward instead. On
+    CUDA, 16-bit inputs multiply on the tensor cores with a float32 result (``torch.mm`` with
+    ``out_dtype``); the backward's GEMMs then run in the input dtype (float32 accumulation).
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, router: Tensor) -> Tensor:
         ctx.save_for_backward(x, router)
+        if _tensor_cores(x, router):
+            # 16-bit inputs on the tensor cores, float32 accumulation and output (not a float32
+            # GEMM on the CUDA cores, several times slower).
+            return torch.mm(x, router.t(), out_dtype=torch.float32)
         acc = torch.promote_types(x.dtype, torch.float32)
         return F.linear(x.to(acc), router.to(acc))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         x, router = ctx.saved_tensors
-        grad_x = (grad @ router.to(grad.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_router = (
-            (grad.t() @ x.to(grad.dtype)).to(router.dtype) if ctx.needs_input_grad[1] else None
-        )
+        # The tensor-core path multiplies in x's dtype; otherwise in the logits' (float32+).
+        dtype = x.dtype if _tensor_cores(x, router) else grad.dtype
+        grad = grad.to(dtype)
+        grad_x = (grad @ router.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_router = (grad.t() @ x.to(dtype)).to(router.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_router
 
 
@@ -102,8 +143,11 @@ class DroplessMoE(torch.nn.Module):
         ffn_hidden_size: width of each expert's MLP.
         num_experts: number of experts E.
         top_k: experts per token (1 ≤ top_k ≤ E).
-        glu: gated experts, ``act(x @ w1) * (x @ v1) @ w2`` (MegaBlocks' ``mlp_type="glu"``).
-        activation: expert activation; default GELU (tanh approximation), as MegaBlocks.
+        glu: gated experts, ``act(x @ w1) * (x @ v1) @ w2`` (MegaBlocks' ``mlp_type="glu"``);
+            with ``activation="silu"`` this is SwiGLU (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3).
+        activation: expert activation: ``"gelu"`` (tanh approximation; the default, as
+            MegaBlocks), ``"silu"``, ``"relu"``, or any callable. With a named activation the
+            gated experts keep only the two projections for backward and recompute the rest.
         normalize_expert_weights: if set, divide each token's top-k weights by their p-norm with
             this p (MegaBlocks' ``moe_normalize_expert_weights``; 1 makes them sum to 1).
         load_balancing_loss_coefficient: MegaBlocks' ``moe_loss_weight``; 0 disables the loss.
@@ -139,7 +183,7 @@ class DroplessMoE(torch.nn.Module):
         top_k: int = 1,
         *,
         glu: bool = False,
-        activation: Callable[[Tensor], Tensor] = gelu_tanh,
+        activation: str | Callable[[Tensor], Tensor] = "gelu",
         normalize_expert_weights: float | None = None,
         load_balancing_loss_coefficient: float = 0.01,
         block_size: int = 128,
@@ -170,7 +214,17 @@ class DroplessMoE(torch.nn.Module):
             self.expert_offset = dist.get_rank(expert_parallel_group) * self.num_local_experts
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k, self.glu = num_experts, top_k, glu
-        self.activation = activation
+        if isinstance(activation, str):
+            if activation not in ACTIVATIONS:
+                raise ValueError(
+                    f"DroplessMoE: activation must be one of {sorted(ACTIVATIONS)} or a callable, "
+                    f"got {activation!r}"
+                )
+            self.activation_name: str | None = activation
+            self.activation = ACTIVATIONS[activation][0]
+        else:  # any callable; a named one lets GLU experts recompute it in backward
+            self.activation_name = None
+            self.activation = activation
         self.normalize_expert_weights = normalize_expert_weights
         self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
         self.block_size = block_size
@@ -212,12 +266,32 @@ class DroplessMoE(torch.nn.Module):
             weights = weights / weights.norm(p=self.normalize_expert_weights, dim=-1, keepdim=True)
         return probs, weights.to(x.dtype), experts.int()
 
+    def _activate(self, h: Tensor, up: Tensor | None) -> Tensor:
+        """act(h), or act(h) * up for gated experts."""
+        if up is None:
+            return self.activation(h)
+        if self.activation_name is not None:
+            return _Gated.apply(h, up, self.activation_name)
+        return self.activation(h) * up
+
     def experts(self, rows: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """Each expert's MLP over its contiguous group of rows (groups sized by tokens_per_expert)."""
-        h = self.activation(ops.gmm(rows, self.w1, tokens_per_expert))
-        if self.v1 is not None:
-            h = h * ops.gmm(rows, self.v1, tokens_per_expert)
+        up = None if self.v1 is None else ops.gmm(rows, self.v1, tokens_per_expert)
+        h = self._activate(ops.gmm(rows, self.w1, tokens_per_expert), up)
         return ops.gmm(h, self.w2, tokens_per_expert)
+
+    def _fused_experts(
+        self, x: Tensor, weights: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor
+    ) -> Tensor:
+        """The experts applied to tokens x and summed back per token, never writing a
+        (tokens * top_k, hidden) tensor: the first GEMM reads x through the indices, the second
+        sums each token's weighted rows. Backward keeps only the (tokens * top_k, ffn) activations."""
+        routing = (indices, bin_ids)
+        up = None
+        if self.v1 is not None:
+            up = ops.gather_gmm(x, self.v1, *routing, bins, self.top_k)
+        h = self._activate(ops.gather_gmm(x, self.w1, *routing, bins, self.top_k), up)
+        return ops.gmm_scatter(h, self.w2, *routing, weights, bins, self.top_k)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         shape = x.shape
@@ -228,16 +302,16 @@ class DroplessMoE(torch.nn.Module):
             indices, bin_ids, tokens_per_expert, bins, _ = ops.route(
                 top_experts.flatten(), self.num_experts, self.block_size
             )
-        rows = ops.gather(x, indices, bin_ids, bins, self.top_k)
         if self.expert_parallel_group is None:
-            rows = self.experts(rows, tokens_per_expert)
+            out = self._fused_experts(x, weights.flatten(), indices, bin_ids, bins)
         else:
             from .parallel import expert_parallel_apply
 
+            rows = ops.gather(x, indices, bin_ids, bins, self.top_k)
             rows = expert_parallel_apply(
                 rows, tokens_per_expert, self.experts, self.expert_parallel_group
             )
-        out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
+            out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
         if self.training and self.load_balancing_loss_coefficient > 0:
             aux = load_balancing_loss(
                 tokens_per_expert, probs, self.top_k, self.load_balancing_loss_coefficient
@@ -261,4 +335,4 @@ class DroplessMoE(torch.nn.Module):
 
 dMoE = DroplessMoE  # MegaBlocks' name
 
-__all__ = ["DroplessMoE", "dMoE", "gelu_tanh", "load_balancing_loss"]
+__all__ = ["ACTIVATIONS", "DroplessMoE", "dMoE", "gelu_tanh", "load_balancing_loss"]
