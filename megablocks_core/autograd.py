@@ -146,23 +146,33 @@ def _gmm(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[st
     return out
 
 
+def _weight_grad(call: Call, a: torch.Tensor, grad: torch.Tensor, bins: torch.Tensor) -> Any:
+    """gmm_weight_grad over the groups that cumulative bins give (sorted rows of a and grad).
+
+    The counts stay on bins' device (no host sync) and are made safe as the fused kernels read
+    bins: a negative group counts as 0, groups are cut at the last row. (CPU counts are checked
+    on the host by gmm_weight_grad: bins that do not cover the rows raise there.)"""
+    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp(min=0)
+    counts = torch.diff(sizes.cumsum(0).clamp(max=a.shape[0]), prepend=sizes.new_zeros(1))
+    return call("gmm_weight_grad", a, grad, counts)
+
+
 def _gather_gmm(
     call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
 ) -> Grads:
     out: Grads = {}
     routing = (a["indices"], a["bin_ids"])
-    trans_b, top_k = a["trans_b"], a["top_k"]
+    trans_b, top_k, bins = a["trans_b"], a["top_k"], a["bins"]
     if needs["x"]:  # every (token, k) row's gradient, summed back into its token
-        out["x"] = call("gmm_scatter", grad, a["b"], *routing, None, a["bins"], top_k, not trans_b)
-    if needs["b"]:  # x is read through the indices again: the gathered rows were never kept
-        if trans_b:  # b[e] is (n, k): grad_e^T @ gather(x)_e
-            out["b"] = call(
-                "gathered_weight_grad", grad, a["x"], *routing, None, a["bins"], top_k, True
-            )
+        out["x"] = call("gmm_scatter", grad, a["b"], *routing, None, bins, top_k, not trans_b)
+    if needs["b"]:
+        # The gathered rows were not kept: gather them again, a transient copy (a gather kernel
+        # and the best weight-gradient GEMM beat a GEMM reading rows through the indices).
+        rows = call("gather", a["x"], *routing, None, bins, top_k)
+        if trans_b:  # b[e] is (n, k): grad_e^T @ rows_e
+            out["b"] = _weight_grad(call, grad, rows, bins)
         else:
-            out["b"] = call(
-                "gathered_weight_grad", a["x"], grad, *routing, None, a["bins"], top_k, False
-            )
+            out["b"] = _weight_grad(call, rows, grad, bins)
     return out
 
 
@@ -187,29 +197,27 @@ def _gmm_scatter(
 ) -> Grads:
     out: Grads = {}
     routing = (a["indices"], a["bin_ids"])
-    trans_b, top_k, weights = a["trans_b"], a["top_k"], a["weights"]
+    trans_b, top_k, weights, bins = a["trans_b"], a["top_k"], a["weights"], a["bins"]
     if needs["x"] or needs["weights"]:
         # grad[t] @ b[e].T for each sorted row: x's gradient before weighting, and (dotted with
         # x) the weights' gradient, so the forward's (rows, n) product need not be kept.
-        rows_grad = call("gather_gmm", grad, a["b"], *routing, a["bins"], top_k, not trans_b)
+        rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b)
         if needs["weights"]:
-            acc = torch.promote_types(rows_grad.dtype, torch.float32)
-            dots = torch.bmm(a["x"].to(acc).unsqueeze(1), rows_grad.to(acc).unsqueeze(2)).view(-1)
+            # One dot per row (a batched GEMV: float32 accumulation, no float32 copies).
+            dots = torch.bmm(a["x"].unsqueeze(1), rows_grad.unsqueeze(2)).view(-1)
             out["weights"] = _by_flat_id(dots, a["indices"]).to(weights.dtype)
         if needs["x"]:
             if weights is not None:
-                scale = _row_scales(weights, a["indices"]).to(rows_grad.dtype)
-                rows_grad = rows_grad * scale.unsqueeze(1)
+                scale = _row_scales(weights, a["indices"]).to(rows_grad.dtype).unsqueeze(1)
+                # In place unless this backward is itself recorded (double backward).
+                rows_grad = rows_grad * scale if torch.is_grad_enabled() else rows_grad.mul_(scale)
             out["x"] = rows_grad
-    if needs["b"]:  # the output gradient is read through the indices (and weighted) in the GEMM
-        if trans_b:  # b[e] is (n, k): (w * gather(grad))_e^T @ x_e
-            out["b"] = call(
-                "gathered_weight_grad", grad, a["x"], *routing, weights, a["bins"], top_k, False
-            )
+    if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
+        rows = call("gather", grad, *routing, weights, bins, top_k)
+        if trans_b:  # b[e] is (n, k): rows_e^T @ x_e
+            out["b"] = _weight_grad(call, rows, a["x"], bins)
         else:
-            out["b"] = call(
-                "gathered_weight_grad", a["x"], grad, *routing, weights, a["bins"], top_k, True
-            )
+            out["b"] = _weight_grad(call, a["x"], rows, bins)
     return out
 
 

@@ -742,9 +742,8 @@ GATHER_GMM = OpContract(
         "batch_sizes[e] = bins[e] - bins[e-1]: sorted row i is x[indices[i] // top_k] @ b[e] "
         "(b[e].T with trans_b) for the expert e whose rows hold i. A fused kernel need never "
         "write the gathered (tokens * top_k, k) rows, and the backward keeps none: "
-        "x's gradient is gmm_scatter of the output gradient, b's reads x through indices. "
-        + GROUPS_FROM_BINS
-        + " Accumulates in float32."
+        "x's gradient is gmm_scatter of the output gradient; b's gradient gathers x again "
+        "(a transient copy) for gmm_weight_grad. " + GROUPS_FROM_BINS + " Accumulates in float32."
     ),
     edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS),
 )
@@ -775,48 +774,6 @@ GMM_SCATTER = OpContract(
         + FP32_ACCUMULATION
     ),
     edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS),
-)
-
-GATHERED_WEIGHT_GRAD = OpContract(
-    name="gathered_weight_grad",
-    family="grouped_gemm",
-    public=False,
-    summary="Per-expert a^T @ grad where one operand is read from token rows through the indices.",
-    args=(
-        TensorArg(
-            "a", FLOAT_DTYPES, (2,), "token rows (tokens, k), or sorted rows with gather_grad"
-        ),
-        TensorArg(
-            "grad", FLOAT_DTYPES, (2,), "sorted rows (rows, n), or token rows with gather_grad"
-        ),
-        INDICES,
-        BIN_IDS,
-        GATHER_WEIGHTS,
-        BINS,
-        TOP_K,
-        BoolArg("gather_grad", "grad (not a) holds token rows read through indices"),
-    ),
-    rules=(
-        Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
-        Rule(
-            "(grad if gather_grad else a).shape[0] * top_k == indices.shape[0]",
-            "the token operand has one row per token",
-        ),
-        Rule(
-            "(a if gather_grad else grad).shape[0] == indices.shape[0]",
-            "the sorted operand has one row per sorted (token, k) pair",
-        ),
-        *PERMUTATION_RULES,
-    ),
-    outputs=(Output("out", "a.dtype", ("bins.shape[0]", "a.shape[1]", "grad.shape[1]")),),
-    semantics=(
-        "out[e] = A_e^T @ G_e over expert e's sorted rows, where the token operand's sorted row "
-        "i is its row indices[i] // top_k times weights[indices[i]] (weights only scale the "
-        "token operand). Equals gmm_weight_grad of the gathered rows. "
-        + GROUPS_FROM_BINS
-        + " Accumulated in float32."
-    ),
-    edge_cases=("an empty expert gets exactly 0", GATHER_BAD_INDICES, FUSED_BAD_BINS),
 )
 
 # ---------------------------------------------------------------------------
@@ -884,7 +841,6 @@ ALL: tuple[OpContract, ...] = (
     GMM_WEIGHT_GRAD,
     GATHER_GMM,
     GMM_SCATTER,
-    GATHERED_WEIGHT_GRAD,
     ROUND_UP,
     REPEAT,
     SUM,

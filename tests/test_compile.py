@@ -106,16 +106,6 @@ def _opcheck_samples():
             2,
             True,
         ),
-        "gathered_weight_grad": (
-            x.detach(),
-            torch.randn(8, 5),
-            indices,
-            bin_ids,
-            w.detach(),
-            bins,
-            2,
-            False,
-        ),
     }
 
 

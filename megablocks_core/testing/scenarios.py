@@ -237,12 +237,6 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.top_k,
         r.scenario.trans_b,
     ),
-    # trans_b scenarios gather the gradient operand (gmm_scatter's weight gradient), the others
-    # the first operand (gather_gmm's).
-    "gathered_weight_grad": lambda r: (
-        ((r.gmm_grad, r.grad) if r.scenario.trans_b else (r.x, r.gmm_grad))
-        + (r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k, r.scenario.trans_b)
-    ),
 }
 
 

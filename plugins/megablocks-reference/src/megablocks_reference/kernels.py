@@ -379,19 +379,3 @@ def gmm_scatter(
     from megablocks_core import ops
 
     return ops.scatter(_gmm_by_bins(x, b, bins, trans_b), indices, bin_ids, weights, bins, top_k)
-
-
-def gathered_weight_grad(
-    a: Tensor,
-    grad: Tensor,
-    indices: Tensor,
-    bin_ids: Tensor,
-    weights: Tensor | None,
-    bins: Tensor,
-    top_k: int,
-    gather_grad: bool,
-) -> Tensor:
-    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64))  # _groups clamps
-    if gather_grad:
-        return gmm_weight_grad(a, _gather_rows(grad, indices, weights, top_k), sizes)
-    return gmm_weight_grad(_gather_rows(a, indices, weights, top_k), grad, sizes)

@@ -51,7 +51,6 @@ __all__ = [
     "choose_config",
     "device_info",
     "gather_gmm",
-    "gathered_weight_grad",
     "gmm",
     "gmm_scatter",
     "gmm_weight_grad",
@@ -354,22 +353,19 @@ def _gmm_kernel(
 
 @triton.jit
 def _gmm_wgrad_kernel(
-    a_ptr, g_ptr, c_ptr, sizes_ptr, idx_ptr, w_ptr,
-    M, KA, N, E, top_k,
+    a_ptr, g_ptr, c_ptr, sizes_ptr,
+    M, KA, N, E,
     stride_am, stride_ak,
     stride_gm, stride_gn,
     stride_ce, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE_FP32: tl.constexpr,
-    GATHER: tl.constexpr = 0, HAS_W: tl.constexpr = False, FROM_ENDS: tl.constexpr = False,
 ):  # fmt: skip
-    # GATHER (gathered_weight_grad): 1 = a, 2 = grad holds token rows and sorted row i reads its
-    # row idx[i] // top_k (times w[idx[i]] with HAS_W); M is the number of sorted rows.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     e_idx = tl.arange(0, BLOCK_E)
-    sizes, _ = _group_sizes(sizes_ptr, E, M, BLOCK_E, FROM_ENDS)
+    sizes, _ = _group_sizes(sizes_ptr, E, M, BLOCK_E)
     m_tiles = tl.cdiv(KA, BLOCK_M)
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles_per_e = m_tiles * n_tiles
@@ -384,6 +380,10 @@ def _gmm_wgrad_kernel(
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # columns of a = output rows
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of grad
+        toks0 = row_start.to(tl.int64) + offs_t0
+        # a^T tile loaded as (BLOCK_K tokens, BLOCK_M) — contiguous along a's rows — then transposed.
+        a_ptrs = a_ptr + toks0[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
+        g_ptrs = g_ptr + toks0[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
         m_ok = (rows < KA)[None, :]
         n_ok = (cols < N)[None, :]
 
@@ -392,35 +392,12 @@ def _gmm_wgrad_kernel(
         for t in range(0, size_e, BLOCK_K):
             # Tokens masked on both operands: rows past the group end are never read (they may be
             # another group's rows, or uninitialised memory of a worst-case buffer, NaN included).
-            t_in = offs_t0 < size_e - t
-            sorted_rows = row_start.to(tl.int64) + t + offs_t0
-            a_rows = sorted_rows
-            g_rows = sorted_rows
-            a_ok = t_in
-            g_ok = t_in
-            if GATHER != 0:
-                flat = tl.load(idx_ptr + sorted_rows, mask=t_in, other=-1).to(tl.int64)
-                named = t_in & (flat >= 0) & (flat < M)
-                tokens = tl.where(named, flat // top_k, 0)
-                if GATHER == 1:
-                    a_rows = tokens
-                    a_ok = named
-                else:
-                    g_rows = tokens
-                    g_ok = named
-            # a^T tile loaded as (BLOCK_K tokens, BLOCK_M) — contiguous along a's rows — then
-            # transposed.
-            a_ptrs = a_ptr + a_rows[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
-            g_ptrs = g_ptr + g_rows[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
-            a = tl.load(a_ptrs, mask=a_ok[:, None] & m_ok, other=0.0)
-            g = tl.load(g_ptrs, mask=g_ok[:, None] & n_ok, other=0.0)
-            if HAS_W:  # the token operand's rows scaled in fp32, rounded as a weighted gather's
-                scale = tl.load(w_ptr + flat, mask=named, other=0.0).to(tl.float32)
-                if GATHER == 1:
-                    a = (a.to(tl.float32) * scale[:, None]).to(a_ptr.dtype.element_ty)
-                else:
-                    g = (g.to(tl.float32) * scale[:, None]).to(g_ptr.dtype.element_ty)
+            t_ok = (offs_t0 < size_e - t)[:, None]
+            a = tl.load(a_ptrs, mask=t_ok & m_ok, other=0.0)
+            g = tl.load(g_ptrs, mask=t_ok & n_ok, other=0.0)
             acc = _mma(tl.trans(a), g, acc, IEEE_FP32)
+            a_ptrs += BLOCK_K * stride_am
+            g_ptrs += BLOCK_K * stride_gm
 
         c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
                   + cols[None, :].to(tl.int64) * stride_cn)  # fmt: skip
@@ -613,71 +590,30 @@ def gmm_weight_grad(
     """Variable-K grouped GEMM: ``out[e] = a_e.T @ grad_e`` with a (M, K), grad (M, N), giving
     (E, K, N) in a's dtype. Empty groups give exact zeros; rows of a/grad beyond
     sum(batch_sizes) are never read (a worst-case-allocated buffer may be passed whole)."""
-    return _launch_wgrad(
-        a, grad, _device_sizes(batch_sizes, a.device), batch_sizes.shape[0], a.shape[0],
-        config=config,
-    )  # fmt: skip
-
-
-def gathered_weight_grad(
-    a: torch.Tensor,
-    grad: torch.Tensor,
-    indices: torch.Tensor,
-    bin_ids: torch.Tensor,
-    weights: torch.Tensor | None,
-    bins: torch.Tensor,
-    top_k: int,
-    gather_grad: bool,
-    *,
-    config: GmmConfig | None = None,
-) -> torch.Tensor:
-    """``out[e] = A_e.T @ G_e`` where the token operand (a, or grad with ``gather_grad``) is read
-    in place through the indices (and scaled by ``weights[indices[i]]``): the weight gradients of
-    gather_gmm and gmm_scatter without a gathered copy."""
-    return _launch_wgrad(
-        a, grad, bins, bins.shape[0], indices.shape[0],
-        gather=(indices, top_k, 2 if gather_grad else 1, weights), config=config,
-    )  # fmt: skip
-
-
-def _launch_wgrad(
-    a: torch.Tensor,
-    grad: torch.Tensor,
-    sizes: torch.Tensor,
-    num_experts: int,
-    rows: int,
-    *,
-    gather: tuple[torch.Tensor, int, int, torch.Tensor | None] | None = None,
-    config: GmmConfig | None = None,
-) -> torch.Tensor:
-    """One weight-gradient launch over ``rows`` sorted rows. ``sizes``: counts on a's device, or
-    cumulative ends when ``gather`` is given (the fused ops take bins)."""
     a = _unit_last_stride(a)
     grad = _unit_last_stride(grad)
+    num_experts = batch_sizes.shape[0]
     ka, n = a.shape[1], grad.shape[1]
     out = torch.empty((num_experts, ka, n), dtype=a.dtype, device=a.device)
     if out.numel() == 0:
         return out
-    if rows == 0:
+    if a.shape[0] == 0:
         return out.zero_()
     block_e = _check_experts(num_experts)
-    if not sizes.is_contiguous():
-        sizes = sizes.contiguous()
+    sizes = _device_sizes(batch_sizes, a.device)
     info = device_info(a.device)
-    cfg = config or choose_config("wgrad", ka, n, rows, num_experts, a.dtype, info)
+    cfg = config or choose_config("wgrad", ka, n, a.shape[0], num_experts, a.dtype, info)
     total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
-    indices, top_k, mode, weights = gather if gather is not None else (sizes, 1, 0, None)
     _gmm_wgrad_kernel[(grid,)](
-        a, grad, out, sizes, indices, weights if weights is not None else sizes,
-        rows, ka, n, num_experts, top_k,
+        a, grad, out, sizes,
+        a.shape[0], ka, n, num_experts,
         a.stride(0), a.stride(1),
         grad.stride(0), grad.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=block_e, GROUP_M=cfg.group_m,
         IEEE_FP32=a.dtype == torch.float32,
-        GATHER=mode, HAS_W=weights is not None, FROM_ENDS=gather is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_configs().launch_options("gmm_wgrad"),
     )  # fmt: skip

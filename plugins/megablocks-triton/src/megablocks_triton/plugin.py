@@ -52,7 +52,6 @@ def _gmm_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
         "gmm_weight_grad": {"a": floats, "grad": floats},
         "gather_gmm": {"x": floats, "b": floats},
         "gmm_scatter": {"x": floats, "b": floats},
-        "gathered_weight_grad": {"a": floats, "grad": floats},
     }
 
 
