@@ -5,8 +5,6 @@ For each shape it builds realistic routing (softmax top-k of random logits), the
 - times every backend that can serve the op on the device, through ``megablocks_core.ops`` with that
   backend forced (so the figure includes what a caller pays, dispatch included);
 - times the peers that are importable: plain torch, MegaBlocks' ops, grouped_gemm;
-- ``layer``: forward+backward of :class:`megablocks_core.layers.DroplessMoE` with the default ranking,
-  beside MegaBlocks' own ``dMoE`` (grouped MLP) when importable, with peak device memory;
 - checks each result against the reference backend's before timing it;
 - reports µs, GB/s (or TFLOP/s for gmm) and the ratio to a limit measured in the same run: a device
   copy of the op's ideal bytes for memory-bound ops, a dense matmul of the same FLOPs for gmm.
@@ -15,6 +13,43 @@ On the CPU it times with ``time.perf_counter`` (for smoke tests) and, unless sha
 uses the ``tiny`` shape (the model shapes need tens of GB and minutes per op there); on GPUs with
 ``triton.testing.do_bench`` (median) when Triton is installed, else CUDA events. Each shape builds
 only the inputs its chosen ops need (the dsv3 expert weights alone are 7.5 GB in bfloat16).
+
+The ``layer`` item: a training step of :class:`megablocks_core.layers.DroplessMoE` (the default
+ranking for every op, no load-balancing loss) for each kind of expert in ``--layer-experts``
+(``mlp``: ``act(x @ w1) @ w2``; ``glu``: ``act(x @ w1) * (x @ v1) @ w2``), beside MegaBlocks' own
+``dMoE`` (``mlp_impl="grouped"``, ``mlp_type`` the same kind) when ``megablocks`` is importable.
+Both take the case's ``(T, H)`` tokens as a leaf that requires grad and a fixed upstream gradient
+of the output's shape (``out.backward(grad)``). Our output is checked against the reference
+backend's first (MegaBlocks' layer has its own weights: ``n/a``). The step is timed in its steady
+state: gradients of the weights and the input accumulate into the existing ``.grad`` (never zeroed),
+and the first steps (check, warm-up) have allocated them. A layer row (``op == "layer"``) carries,
+besides the common fields (``us``: step time; ``rate``: TFLOP/s of the expert GEMMs at that time;
+``vs_limit``: step time / GEMM floor; ``peak_mb``: as ``peak_mib``), a ``layer`` object:
+
+- ``experts``: ``"mlp"`` or ``"glu"``;
+- ``step_ms``: forward + backward; on CUDA the median of per-step CUDA-event times over repeated
+  steps launched back to back after warm-up (host time the GPU waits for is included);
+- ``fwd_ms``: the forward alone with autograd recording (the graph is built, then dropped without
+  backward: what a training forward costs), timed the same way;
+- ``floor_ms``: the expert GEMMs of a step — forward, input gradient (dgrad) and weight gradient
+  (wgrad) of each expert matrix, 6 with ``mlp`` and 9 with ``glu`` — each at the speed of a dense
+  ``torch.matmul`` of the same ``(m, n, k)`` in the run's dtype, measured in the same run
+  (:func:`expert_gemms` lists them; the router and permutation are not in the floor);
+- ``fwd_floor_ms``: the same for the 2 / 3 forward GEMMs;
+- ``efficiency`` = ``floor_ms / step_ms``; ``fwd_efficiency`` = ``fwd_floor_ms / fwd_ms`` (1 would
+  be every other part of the layer free and the grouped GEMMs at dense speed);
+- ``activation_mib``: ``torch.cuda.memory_allocated()`` right after the forward returns minus just
+  before it, in a later step (gradients already allocated): what the step holds for backward plus
+  the output;
+- ``peak_mib``: ``torch.cuda.max_memory_allocated()`` during one forward + backward (peak stats
+  reset before) minus what was allocated before the step;
+- ``step_vs_megablocks``, ``fwd_vs_megablocks``, ``activation_vs_megablocks``,
+  ``peak_vs_megablocks``: ours / MegaBlocks' for the same shape and experts (on our rows, when both
+  ran; lower is better).
+
+Memory fields are null off CUDA (no device memory statistics); times are ms. On the CPU the layer
+item runs at the ``tiny`` shape with ``time.perf_counter``. The table prints the layer rows apart,
+one line per (shape, experts, provider).
 
 It lives in the source checkout, not in the package: ``megablocks bench`` loads this file from the
 checkout that holds ``megablocks_core`` (:func:`megablocks_core.cli.load_benchmark`).
@@ -30,7 +65,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,6 +91,30 @@ OPS = (
     "layer",
 )
 BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
+#: The kinds of expert MLP the layer item runs (``--layer-experts``): MegaBlocks' ``mlp_type``.
+LAYER_EXPERTS = ("mlp", "glu")
+OUR_LAYER = "megablocks-core dMoE"
+MEGABLOCKS_LAYER = "megablocks dMoE (grouped)"
+
+
+@dataclass
+class LayerFigures:
+    """The layer item's figures for one (shape, experts, provider): ms and MiB (see the module doc)."""
+
+    experts: str  # "mlp" or "glu"
+    step_ms: float  # forward + backward, gradients accumulating into the existing .grad
+    fwd_ms: float  # forward alone, autograd recording, no backward
+    floor_ms: float  # the step's expert GEMMs at dense-matmul speed
+    fwd_floor_ms: float  # the forward's expert GEMMs at dense-matmul speed
+    efficiency: float  # floor_ms / step_ms
+    fwd_efficiency: float  # fwd_floor_ms / fwd_ms
+    activation_mib: float | None  # held after the forward (saved for backward + output); CUDA only
+    peak_mib: float | None  # peak of one step above what was allocated before it; CUDA only
+    # ours / MegaBlocks' at the same shape and experts (our rows, when both ran): lower is better
+    step_vs_megablocks: float | None = None
+    fwd_vs_megablocks: float | None = None
+    activation_vs_megablocks: float | None = None
+    peak_vs_megablocks: float | None = None
 
 
 @dataclass
@@ -72,6 +131,7 @@ class Result:
     )  # time / limit time (memory ops) or limit rate / rate (gmm): lower is better
     check: str  # "ok", "n/a" or what failed
     peak_mb: float | None = None  # the layer item: peak device memory of one step above its inputs
+    layer: LayerFigures | None = None  # the layer item's figures (absent from other rows' JSON)
 
 
 def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], float]:
@@ -123,12 +183,59 @@ def _peak_mb(fn: Callable[[], Any], device: torch.device) -> float | None:
     """Peak device memory of one call above what was allocated before it (CUDA only)."""
     if device.type != "cuda":
         return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
     fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _activation_mib(forward: Callable[[], Any], device: torch.device) -> float | None:
+    """Device memory a forward leaves allocated when it returns: what it saved for backward plus its
+    output (CUDA only). The output is dropped afterwards, which frees the graph."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    out = forward()
+    held = torch.cuda.memory_allocated(device) - before
+    del out
+    return held / 2**20
+
+
+def _layer_timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any], int], float]:
+    """ms per call of ``fn`` after ``warmup`` calls: ``timer(fn, warmup)``.
+
+    On CUDA: calls launched back to back, a pair of CUDA events around each, the median (a step
+    that makes the GPU wait for the host is charged for the wait). Elsewhere: ``time.perf_counter``.
+    """
+    reps = (10 if quick else 30) if device.type == "cuda" else (1 if quick else 5)
+
+    def timer(fn: Callable[[], Any], warmup: int) -> float:
+        for _ in range(warmup):
+            fn()
+        if device.type != "cuda":
+            samples = []
+            for _ in range(reps):
+                began = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - began) * 1e3)
+            return statistics.median(samples)
+        torch.cuda.synchronize(device)
+        stream = torch.cuda.current_stream(device)
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(reps)
+        ]
+        for start, end in events:
+            start.record(stream)
+            fn()
+            end.record(stream)
+        torch.cuda.synchronize(device)
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
+    return timer
 
 
 def _graph_time(fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], float]) -> float:
@@ -204,14 +311,20 @@ class Case:
             self.padded_bins = ops.inclusive_cumsum(ops.round_up(self.counts, BLOCK), 0)
         self.counts_cpu = self.counts.long().cpu()
         self.gmm_grad: torch.Tensor | None = None  # the "gmm_train" item's output gradient
-        self.layer: torch.nn.Module | None = None  # the "layer" item's dMoE, built on first use
-        self.layer_x: torch.Tensor | None = None
 
     @functools.cached_property
     def rows(self) -> torch.Tensor:
         """The gathered rows (tokens * top_k, hidden)."""
         with use_backend("reference"):
             return ops.gather(self.x, self.indices, self.bin_ids, self.bins, self.top_k)
+
+    @functools.cached_property
+    def layer_grad(self) -> torch.Tensor:
+        """The layer item's upstream gradient: fixed, (tokens, hidden) in the run's dtype."""
+        gen = torch.Generator(device=self.x.device).manual_seed(2)
+        return torch.randn(
+            self.tokens, self.hidden, device=self.x.device, generator=gen, dtype=self.x.dtype
+        )
 
     @functools.cached_property
     def padded_rows(self) -> torch.Tensor:
@@ -264,7 +377,6 @@ def _ours(case: Case) -> dict[str, Callable[[], Any]]:
         ),
         "gmm": lambda: ops.gmm(c.rows, c.w1, c.counts_cpu),
         "gmm_train": lambda: _gmm_train_step(c, lambda a, b: ops.gmm(a, b, c.counts_cpu)),
-        "layer": lambda: _layer_step(c),
     }
 
 
@@ -285,26 +397,79 @@ def _gmm_train_step(
     return out.detach(), a.grad, b.grad
 
 
-def _layer_step(case: Case) -> torch.Tensor:
-    """Forward and backward of the dMoE layer on the case's tokens (built on first use)."""
-    if case.layer is None or case.layer_x is None:
-        case.layer = DroplessMoE(
-            case.hidden,
-            case.ffn,
-            case.experts,
-            case.top_k,
-            dtype=case.x.dtype,
-            device=case.x.device,
-            load_balancing_loss_coefficient=0.0,
-        )
-        case.layer_x = case.x.detach().clone().requires_grad_()
-    out, _ = case.layer(case.layer_x)
-    out.float().sum().backward()
-    return out.detach()
+def expert_gemms(
+    tokens: int, hidden: int, ffn: int, top_k: int, glu: bool
+) -> list[tuple[str, tuple[int, int, int]]]:
+    """The expert GEMMs of one training step of the layer: ``(name, (m, n, k))`` for an
+    ``(m, k) @ (k, n)`` product, over all experts at once (the grouped GEMMs' rows summed).
+
+    Each expert matrix (w1, [v1,] w2) has a forward, an input gradient (dgrad) and a weight
+    gradient (wgrad, whose k is the routed rows): 6 GEMMs for ``mlp``, 9 for ``glu``.
+    """
+    rows = tokens * top_k
+    up = ["w1", "v1"] if glu else ["w1"]  # (hidden → ffn)
+    forward = [(f"{w} forward", (rows, ffn, hidden)) for w in up]
+    forward.append(("w2 forward", (rows, hidden, ffn)))
+    backward = [("w2 dgrad", (rows, ffn, hidden)), ("w2 wgrad", (ffn, hidden, rows))]
+    for w in up:
+        backward += [(f"{w} dgrad", (rows, hidden, ffn)), (f"{w} wgrad", (hidden, ffn, rows))]
+    return forward + backward
 
 
-def _megablocks_layer(case: Case, mb_dmoe: Any, mb_arguments: Any) -> Callable[[], None]:
-    """MegaBlocks' dMoE (grouped MLP, same shape, no bias or aux loss), forward and backward."""
+def gemm_floor_ms(
+    gemms: list[tuple[str, tuple[int, int, int]]], dense_ms: Callable[[tuple[int, int, int]], float]
+) -> tuple[float, float]:
+    """(step floor, forward floor): the sum of ``dense_ms(m, n, k)`` over every GEMM / the forward ones."""
+    total = sum(dense_ms(mnk) for _, mnk in gemms)
+    forward = sum(dense_ms(mnk) for name, mnk in gemms if name.endswith(" forward"))
+    return total, forward
+
+
+def _dense_matmul_ms(
+    mnk: tuple[int, int, int],
+    device: torch.device,
+    dtype: torch.dtype,
+    timer: Callable[[Callable[[], Any], int], float],
+) -> float:
+    """ms of one dense ``torch.matmul`` (m, k) @ (k, n) into a preallocated output."""
+    m, n, k = mnk
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    return timer(lambda: torch.matmul(a, b, out=out), 2)
+
+
+@dataclass
+class _LayerUnderTest:
+    """One layer with its input and upstream gradient: what the layer item runs."""
+
+    forward: Callable[[], torch.Tensor]  # the output, with its autograd graph
+    grad: torch.Tensor  # the output's upstream gradient
+
+    def step(self) -> torch.Tensor:
+        """Forward and backward; gradients accumulate into the existing ``.grad``."""
+        out = self.forward()
+        out.backward(self.grad)
+        return out.detach()
+
+
+def _our_layer(case: Case, glu: bool) -> _LayerUnderTest:
+    layer = DroplessMoE(
+        case.hidden,
+        case.ffn,
+        case.experts,
+        case.top_k,
+        glu=glu,
+        dtype=case.x.dtype,
+        device=case.x.device,
+        load_balancing_loss_coefficient=0.0,  # as the MegaBlocks peer's moe_loss_weight=0
+    )
+    x = case.x.detach().clone().requires_grad_()
+    return _LayerUnderTest(lambda: layer(x)[0], case.layer_grad)
+
+
+def _megablocks_layer(case: Case, glu: bool, mb_dmoe: Any, mb_arguments: Any) -> _LayerUnderTest:
+    """MegaBlocks' dMoE (grouped, same shape and expert kind, no bias or aux loss)."""
     dtype = case.x.dtype
     args = mb_arguments.Arguments(
         hidden_size=case.hidden,
@@ -312,7 +477,7 @@ def _megablocks_layer(case: Case, mb_dmoe: Any, mb_arguments: Any) -> Callable[[
         moe_num_experts=case.experts,
         moe_top_k=case.top_k,
         mlp_impl="grouped",
-        mlp_type="mlp",
+        mlp_type="glu" if glu else "mlp",
         bias=False,
         return_bias=False,
         moe_loss_weight=0.0,
@@ -323,10 +488,172 @@ def _megablocks_layer(case: Case, mb_dmoe: Any, mb_arguments: Any) -> Callable[[
     layer = mb_dmoe.dMoE(args)
     x = case.x.detach().view(case.tokens, 1, case.hidden).clone().requires_grad_()
 
-    def step() -> None:
-        layer(x).float().sum().backward()
+    def forward() -> torch.Tensor:
+        out = layer(x)
+        return out[0] if isinstance(out, tuple) else out
 
-    return step
+    return _LayerUnderTest(forward, case.layer_grad.view(case.tokens, 1, case.hidden))
+
+
+def _megablocks_layer_modules(device: torch.device) -> tuple[Any, Any] | None:
+    """MegaBlocks' ``layers.dmoe`` and ``layers.arguments`` modules, when importable (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    dmoe, arguments = (
+        _optional("megablocks.layers.dmoe"),
+        _optional("megablocks.layers.arguments"),
+    )
+    return None if dmoe is None or arguments is None else (dmoe, arguments)
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    if ours is None or theirs is None or not theirs > 0:
+        return None
+    return ours / theirs
+
+
+def add_megablocks_ratios(ours: LayerFigures, megablocks: LayerFigures) -> None:
+    """Fill ours' ``*_vs_megablocks`` fields: ours / MegaBlocks' (None where either is missing)."""
+    ours.step_vs_megablocks = _ratio(ours.step_ms, megablocks.step_ms)
+    ours.fwd_vs_megablocks = _ratio(ours.fwd_ms, megablocks.fwd_ms)
+    ours.activation_vs_megablocks = _ratio(ours.activation_mib, megablocks.activation_mib)
+    ours.peak_vs_megablocks = _ratio(ours.peak_mib, megablocks.peak_mib)
+
+
+def _free_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":  # the next layer's weights (GBs at dsv3) want the cached blocks back
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _layer_row(
+    case: Case,
+    kind: str,
+    provider: str,
+    provider_kind: str,
+    build: Callable[[], _LayerUnderTest],
+    timer: Callable[[Callable[[], Any], int], float],
+    gemms: list[tuple[str, tuple[int, int, int]]],
+    floors: tuple[float, float],
+) -> Result:
+    """Build one layer, check it (ours), and measure it; its memory is freed on return.
+    ``floors``: the step's and the forward's GEMM floor (ms) for ``gemms``."""
+    device = case.x.device
+    under = build()
+    if provider_kind == "ours":  # the first steps also allocate the .grad tensors
+        with use_backend("reference"):
+            want = under.step()
+        check = _close(under.step(), want, 2e-2)
+    else:  # its own weights: nothing to compare
+        under.step()
+        check = "n/a"
+    # Warm-up: on the CPU (smoke tests, where a step may take seconds under the Triton interpreter)
+    # the checked steps are enough.
+    warmup = 3 if device.type == "cuda" else 0
+    step_ms = timer(under.step, warmup)
+    fwd_ms = timer(under.forward, warmup)
+    floor_ms, fwd_floor_ms = floors
+    figures = LayerFigures(
+        experts=kind,
+        step_ms=step_ms,
+        fwd_ms=fwd_ms,
+        floor_ms=floor_ms,
+        fwd_floor_ms=fwd_floor_ms,
+        efficiency=floor_ms / step_ms,
+        fwd_efficiency=fwd_floor_ms / fwd_ms,
+        activation_mib=_activation_mib(under.forward, device),
+        peak_mib=_peak_mb(under.step, device),
+    )
+    flops = sum(2.0 * m * n * k for _, (m, n, k) in gemms)
+    return Result(
+        case.name,
+        "layer",
+        provider,
+        provider_kind,
+        step_ms * 1e3,
+        flops / (step_ms * 1e-3) / 1e12,  # TFLOP/s of the expert GEMMs over the whole step
+        "TFLOP/s",
+        step_ms / floor_ms,
+        check,
+        figures.peak_mib,
+        figures,
+    )
+
+
+def _layer_results(
+    case: Case,
+    kinds: list[str],
+    timer: Callable[[Callable[[], Any], int], float],
+    with_peers: bool,
+    log: Callable[[str], None],
+) -> Iterator[Result]:
+    """The layer item at one shape: for each expert kind, ours then MegaBlocks' (one at a time)."""
+    device, dtype = case.x.device, case.x.dtype
+    megablocks = _megablocks_layer_modules(device) if with_peers else None
+
+    @functools.cache
+    def dense_ms(mnk: tuple[int, int, int]) -> float:  # each distinct GEMM shape timed once
+        ms = _dense_matmul_ms(mnk, device, dtype, timer)
+        _free_device_memory(device)
+        return ms
+
+    for kind in kinds:
+        glu = kind == "glu"
+        gemms = expert_gemms(case.tokens, case.hidden, case.ffn, case.top_k, glu)
+        log(f"[{case.name}] layer ({kind}): GEMM floor ({len(gemms)} GEMMs)")
+        floor_ms, fwd_floor_ms = gemm_floor_ms(gemms, dense_ms)  # before any layer is built
+        builders: list[tuple[str, str, Callable[[], _LayerUnderTest]]] = [
+            (OUR_LAYER, "ours", functools.partial(_our_layer, case, glu))
+        ]
+        if megablocks is not None:
+            builders.append(
+                (
+                    MEGABLOCKS_LAYER,
+                    "peer",
+                    functools.partial(_megablocks_layer, case, glu, *megablocks),
+                )
+            )
+        rows: list[Result] = []
+        for provider, provider_kind, build in builders:
+            log(f"[{case.name}] layer ({kind}): {provider}")
+            try:
+                rows.append(
+                    _layer_row(
+                        case,
+                        kind,
+                        provider,
+                        provider_kind,
+                        build,
+                        timer,
+                        gemms,
+                        (floor_ms, fwd_floor_ms),
+                    )
+                )
+            except Exception as exc:  # a peer that rejects the shape is reported, not fatal
+                failed = LayerFigures(
+                    kind, math.nan, math.nan, floor_ms, fwd_floor_ms, math.nan, math.nan, None, None
+                )
+                error = f"error: {type(exc).__name__}: {exc}"[:200]
+                rows.append(
+                    Result(
+                        case.name,
+                        "layer",
+                        provider,
+                        provider_kind,
+                        math.nan,
+                        None,
+                        "",
+                        None,
+                        error,
+                        layer=failed,
+                    )
+                )
+            _free_device_memory(device)  # this layer's weights, before the next one's
+        ran = {r.provider: r.layer for r in rows if r.layer and not r.check.startswith("error")}
+        ours, theirs = ran.get(OUR_LAYER), ran.get(MEGABLOCKS_LAYER)
+        if ours is not None and theirs is not None:
+            add_megablocks_ratios(ours, theirs)
+        yield from rows
 
 
 #: The op each benchmark item dispatches.
@@ -397,19 +724,6 @@ def _peers(case: Case) -> dict[str, dict[str, Callable[[], Any]]]:
         peers["padded_scatter"]["megablocks"] = lambda: mb.padded_scatter(
             c.padded_rows, c.indices, c.bin_ids, c.weights, c.bins, c.padded_bins, c.top_k
         )
-    mb_dmoe, mb_arguments = (
-        _optional("megablocks.layers.dmoe"),
-        _optional("megablocks.layers.arguments"),
-    )
-    if mb_dmoe is not None and mb_arguments is not None and c.x.is_cuda:
-        state: dict[str, Callable[[], None]] = {}
-
-        def mb_layer() -> None:
-            if "step" not in state:  # built on first use: its weights take device memory
-                state["step"] = _megablocks_layer(c, mb_dmoe, mb_arguments)
-            state["step"]()
-
-        peers["layer"]["megablocks dMoE (grouped)"] = mb_layer
     gg = _optional("grouped_gemm.ops")
     if gg is not None and c.x.is_cuda and c.x.dtype == torch.bfloat16:
         peers["gmm"]["grouped_gemm"] = lambda: gg.gmm(c.rows, c.w1, c.counts_cpu)
@@ -449,6 +763,7 @@ def run(
     quick: bool = False,
     peers: bool = True,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    layer_experts: Sequence[str] = LAYER_EXPERTS,
 ) -> Iterator[Result]:
     timer = _timer(device, quick)
     named = [(s, SHAPES[s]) for s in shapes] + [(",".join(map(str, c)), c) for c in custom]
@@ -492,16 +807,17 @@ def run(
             )
         ours, peer_fns = _ours(case), (_peers(case) if peers else {op: {} for op in OPS})
         for op in ops_wanted:
+            if op == "layer":  # what a user gets: the default ranking for every op
+                yield from _layer_results(
+                    case, list(layer_experts), _layer_timer(device, quick), peers, log
+                )
+                continue
             with use_backend("reference"):
                 want = ours[op]()
             tol = 0.0 if op in ("gather", "padded_gather", "routing") else 2e-2
-            if op == "layer":  # what a user gets: the default ranking for every op
-                entries = [("megablocks-core dMoE", "ours", ours[op], None)]
-            else:
-                entries = [
-                    (b, "ours", ours[op], None if b == "default" else b)
-                    for b in _providers(op, case)
-                ]
+            entries = [
+                (b, "ours", ours[op], None if b == "default" else b) for b in _providers(op, case)
+            ]
             entries += [(p, "peer", fn, None) for p, fn in peer_fns[op].items()]
             for provider, kind, fn, backend in entries:
                 if (
@@ -533,25 +849,7 @@ def run(
                             f"error: {type(exc).__name__}: {exc}"[:200],
                         )
                         continue
-                if op == "layer":
-                    rate = (
-                        6 * case.gmm_flops / (us * 1e-6) / 1e12
-                    )  # two GEMMs, forward and backward
-                    yield Result(
-                        label,
-                        op,
-                        provider,
-                        kind,
-                        us,
-                        rate,
-                        "TFLOP/s",
-                        None,
-                        check,
-                        _peak_mb(fn, device),
-                    )
-                elif op.startswith(
-                    "gmm"
-                ):  # gmm_train: three GEMMs of equal FLOPs (forward, dA, dB)
+                if op.startswith("gmm"):  # gmm_train: three GEMMs of equal FLOPs (forward, dA, dB)
                     rate = (3 if op == "gmm_train" else 1) * case.gmm_flops / (us * 1e-6) / 1e12
                     if provider == "default":
                         provider = f"default: {_default_gmm(case)}"
@@ -595,17 +893,63 @@ def run(
 
 
 def format_table(results: list[Result]) -> str:
+    """The results as text: one table for the ops, then (if any) one for the layer item."""
     lines = [
         f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
     ]
     for r in results:
+        if r.layer is not None:
+            continue
         rate = f"{r.rate:.1f} {r.unit}" if r.rate is not None else ""
         vs = f"{r.vs_limit:.2f}x" if r.vs_limit is not None else ""
         peak = f"  peak {r.peak_mb:.0f} MiB" if r.peak_mb is not None else ""
         lines.append(
             f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}  {r.check}{peak}"
         )
+    layer_rows = [r for r in results if r.layer is not None]
+    if layer_rows:
+        lines += ["", format_layer_table(layer_rows)]
     return "\n".join(lines)
+
+
+def format_layer_table(results: list[Result]) -> str:
+    """The layer item: a line per (shape, experts, provider); ratios are ours / MegaBlocks'."""
+
+    def num(value: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
+    lines = [
+        f"{'layer':<9}{'experts':<8}{'provider':<27}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
+        f"{'floor ms':>10}{'eff':>6}{'fwd eff':>8}{'act MiB':>9}{'peak MiB':>10}"
+        f"  {'vs MegaBlocks: step fwd act peak':<34}check"
+    ]
+    for r in results:
+        f = r.layer
+        assert f is not None
+        ratios = " ".join(
+            num(v, ".2f", "x")
+            for v in (
+                f.step_vs_megablocks,
+                f.fwd_vs_megablocks,
+                f.activation_vs_megablocks,
+                f.peak_vs_megablocks,
+            )
+        )
+        lines.append(
+            f"{r.shape:<9}{f.experts:<8}{r.provider:<27}{r.kind:<6}{f.step_ms:>10.3f}"
+            f"{f.fwd_ms:>10.3f}{f.floor_ms:>10.3f}{f.efficiency:>6.2f}{f.fwd_efficiency:>8.2f}"
+            f"{num(f.activation_mib, '.0f'):>9}{num(f.peak_mib, '.0f'):>10}"
+            f"  {ratios if r.kind == 'ours' else '':<34}{r.check}"
+        )
+    return "\n".join(lines)
+
+
+def _as_json(result: Result) -> dict[str, Any]:
+    """A result as a JSON object; only the layer item's rows have a ``layer`` key."""
+    row = asdict(result)
+    if row["layer"] is None:
+        del row["layer"]
+    return row
 
 
 def main(args: Any) -> int:
@@ -633,8 +977,25 @@ def main(args: Any) -> int:
     bad = [o for o in wanted if o not in OPS]
     if bad:
         raise ValueError(f"unknown op(s) {bad}; known: {', '.join(OPS)}")
+    layer_experts = [
+        k for k in getattr(args, "layer_experts", ",".join(LAYER_EXPERTS)).split(",") if k
+    ]
+    bad_kinds = [k for k in layer_experts if k not in LAYER_EXPERTS]
+    if bad_kinds or not layer_experts:
+        raise ValueError(
+            f"unknown --layer-experts {bad_kinds or layer_experts}; known: {', '.join(LAYER_EXPERTS)}"
+        )
     results = list(
-        run(shapes, custom, wanted, device, dtype, quick=args.quick, peers=not args.no_peers)
+        run(
+            shapes,
+            custom,
+            wanted,
+            device,
+            dtype,
+            quick=args.quick,
+            peers=not args.no_peers,
+            layer_experts=layer_experts,
+        )
     )
     print(format_table(results))
     if args.json:
@@ -644,8 +1005,9 @@ def main(args: Any) -> int:
             "torch": torch.__version__,
             "quick": args.quick,
             "shapes": {s: SHAPES[s] for s in shapes},
+            "layer_experts": layer_experts,
         }
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=2)
+            json.dump({"meta": meta, "results": [_as_json(r) for r in results]}, f, indent=2)
     failed = [r for r in results if r.kind == "ours" and r.check != "ok"]
     return 1 if failed else 0

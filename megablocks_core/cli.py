@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--ops",
         default="",
         help="comma list of ops (default: all): routing, gather, "
-        "scatter, padded_gather, padded_scatter, scatter_wgrad, gmm",
+        "scatter, padded_gather, padded_scatter, scatter_wgrad, gmm, gmm_train, layer",
     )
     bench.add_argument(
         "--device",
@@ -491,6 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch device (default: cuda when torch sees one, else cpu)",
     )
     bench.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    bench.add_argument(
+        "--layer-experts",
+        default="mlp,glu",
+        metavar="KINDS",
+        help="the layer item's expert MLPs, comma list of mlp, glu (default: mlp,glu)",
+    )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions")
     bench.add_argument(
         "--no-peers", action="store_true", help="skip torch / MegaBlocks / grouped_gemm peers"

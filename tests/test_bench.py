@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
+import types
 
 import pytest
 import torch
 
-from megablocks_core import cli
+from megablocks_core import cli, use_backend
 from megablocks_core.cli import main
 
 bench = cli.load_benchmark()  # benchmarks/bench.py of this checkout
@@ -99,3 +101,220 @@ def test_without_a_checkout_bench_is_a_one_line_error(monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
     assert err.startswith("megablocks: error: ") and "runs from a source checkout" in err
+
+
+# --- the layer item ---------------------------------------------------------------------------
+
+LAYER_FIELDS = {
+    "experts",
+    "step_ms",
+    "fwd_ms",
+    "floor_ms",
+    "fwd_floor_ms",
+    "efficiency",
+    "fwd_efficiency",
+    "activation_mib",
+    "peak_mib",
+    "step_vs_megablocks",
+    "fwd_vs_megablocks",
+    "activation_vs_megablocks",
+    "peak_vs_megablocks",
+}
+
+
+def _run_layer(device="cpu", dtype=torch.float32, kinds=("mlp", "glu"), shape="tiny"):
+    # The reference backend: the layer item's machinery is under test, not the Triton interpreter.
+    with use_backend("reference"):
+        return list(
+            bench.run(
+                [shape],
+                [],
+                ["layer"],
+                torch.device(device),
+                dtype,
+                quick=True,
+                log=lambda _: None,
+                layer_experts=list(kinds),
+            )
+        )
+
+
+@pytest.mark.parametrize("glu", [False, True])
+@pytest.mark.parametrize("shape", [(64, 32, 48, 2), (16384, 7168, 2048, 8), (7, 5, 3, 1)])
+def test_expert_gemms_are_forward_dgrad_and_wgrad_of_each_expert_matrix(glu, shape):
+    tokens, hidden, ffn, top_k = shape
+    rows = tokens * top_k
+    # Independently: a matrix (fan_in, fan_out) applied to `rows` rows costs its forward
+    # (rows, fan_out, fan_in), its dgrad (rows, fan_in, fan_out), its wgrad (fan_in, fan_out, rows).
+    matrices = [(hidden, ffn)] * (2 if glu else 1) + [(ffn, hidden)]
+    want_forward = sorted((rows, o, i) for i, o in matrices)
+    want_all = sorted(
+        [(rows, o, i) for i, o in matrices]
+        + [(rows, i, o) for i, o in matrices]
+        + [(i, o, rows) for i, o in matrices]
+    )
+    gemms = bench.expert_gemms(tokens, hidden, ffn, top_k, glu)
+    assert len(gemms) == (9 if glu else 6)
+    assert sorted(mnk for _, mnk in gemms) == want_all
+    assert sorted(mnk for name, mnk in gemms if name.endswith(" forward")) == want_forward
+    flops = sum(2 * m * n * k for _, (m, n, k) in gemms)
+    assert flops == (9 if glu else 6) * 2 * rows * hidden * ffn
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_the_gemm_floor_sums_a_dense_time_per_gemm(glu):
+    tokens, hidden, ffn, top_k = 100, 30, 70, 3
+    gemms = bench.expert_gemms(tokens, hidden, ffn, top_k, glu)
+    calls = []
+
+    def dense_ms(mnk):  # a matmul at exactly 1 GFLOP per ms
+        calls.append(mnk)
+        m, n, k = mnk
+        return 2 * m * n * k / 1e9
+
+    floor, forward = bench.gemm_floor_ms(gemms, dense_ms)
+    unit = 2 * tokens * top_k * hidden * ffn / 1e9
+    assert floor == pytest.approx((9 if glu else 6) * unit)
+    assert forward == pytest.approx((3 if glu else 2) * unit)
+    assert len(calls) == len(gemms) + (3 if glu else 2)
+
+
+def test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory():
+    results = _run_layer()
+    assert [r.op for r in results] == ["copy", "layer", "layer"]
+    mlp, glu = results[1:]
+    tokens, hidden, ffn, _, top_k = bench.SHAPES["tiny"]
+    for row, kind, gemms in ((mlp, "mlp", 6), (glu, "glu", 9)):
+        figures = row.layer
+        assert row.provider == bench.OUR_LAYER and row.kind == "ours" and row.check == "ok"
+        assert figures.experts == kind
+        assert figures.step_ms > 0 and figures.fwd_ms > 0
+        assert figures.floor_ms > figures.fwd_floor_ms > 0
+        assert figures.efficiency == pytest.approx(figures.floor_ms / figures.step_ms)
+        assert figures.fwd_efficiency == pytest.approx(figures.fwd_floor_ms / figures.fwd_ms)
+        assert figures.activation_mib is None and figures.peak_mib is None and row.peak_mb is None
+        assert figures.step_vs_megablocks is None  # no MegaBlocks on the CPU
+        assert row.us == pytest.approx(figures.step_ms * 1e3)
+        assert row.vs_limit == pytest.approx(figures.step_ms / figures.floor_ms)
+        flops = gemms * 2 * tokens * top_k * hidden * ffn
+        assert row.unit == "TFLOP/s"
+        assert row.rate == pytest.approx(flops / (figures.step_ms * 1e-3) / 1e12)
+    # Both kinds share the dense timings: GLU adds v1's three GEMMs (one of them forward).
+    assert glu.layer.floor_ms > mlp.layer.floor_ms
+    assert glu.layer.fwd_floor_ms > mlp.layer.fwd_floor_ms
+
+
+def test_layer_item_json_and_table(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--ops", "gather,layer", "--layer-experts", "glu", "--device", "cpu"]
+    argv += ["--quick", "--dtype", "float32", "--no-peers", "--json", str(path)]
+    with use_backend("reference"):
+        code = main(argv)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    data = json.loads(path.read_text())
+    assert data["meta"]["layer_experts"] == ["glu"]
+    by_op = {r["op"]: r for r in data["results"]}
+    # Other ops' rows keep their fields; only layer rows carry the layer object.
+    common = {"shape", "op", "provider", "kind", "us", "rate", "unit", "vs_limit", "check"}
+    assert set(by_op["gather"]) == common | {"peak_mb"}
+    layer = by_op["layer"]
+    assert set(layer) == common | {"peak_mb", "layer"}
+    assert set(layer["layer"]) == LAYER_FIELDS
+    assert layer["layer"]["experts"] == "glu" and layer["layer"]["activation_mib"] is None
+    lines = out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("layer ")))
+    assert "step ms" in lines[header] and "peak MiB" in lines[header]
+    row = lines[header + 1].split()
+    assert row[:5] == ["tiny", "glu", "megablocks-core", "dMoE", "ours"]
+    assert float(row[5]) == pytest.approx(layer["layer"]["step_ms"], rel=1e-3, abs=1e-3)
+    assert row[-1] == "ok" and row.count("-") == 6  # two memory fields, four ratios
+    # The ops table above it is unchanged in form: a layer row never appears there.
+    assert {line.split()[1] for line in lines[1:header] if line.strip()} == {"copy", "gather"}
+
+
+def test_layer_experts_must_be_known(capsys):
+    argv = ["bench", "--ops", "layer", "--layer-experts", "swiglu", "--device", "cpu"]
+    assert main(argv) == 2
+    assert "unknown --layer-experts ['swiglu']; known: mlp, glu" in capsys.readouterr().err
+
+
+class _FakeMegaBlocksLayer(torch.nn.Module):
+    """Stands in for MegaBlocks' dMoE: (T, 1, H) → (T, 1, H), one weight."""
+
+    def __init__(self, args):
+        super().__init__()
+        if args.mlp_type == "glu" and args.hidden_size == 32:
+            raise RuntimeError("this fake rejects GLU")
+        self.w = torch.nn.Parameter(torch.eye(args.hidden_size))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_megablocks_rows_ratios_and_failures(monkeypatch, capsys):
+    seen = []
+
+    def arguments(**kwargs):
+        seen.append(kwargs)
+        return types.SimpleNamespace(**kwargs)
+
+    fake = (
+        types.SimpleNamespace(dMoE=_FakeMegaBlocksLayer),
+        types.SimpleNamespace(Arguments=arguments),
+    )
+    monkeypatch.setattr(bench, "_megablocks_layer_modules", lambda device: fake)
+    results = _run_layer()
+    assert [(r.provider, r.layer.experts) for r in results[1:]] == [
+        (bench.OUR_LAYER, "mlp"),
+        (bench.MEGABLOCKS_LAYER, "mlp"),
+        (bench.OUR_LAYER, "glu"),
+        (bench.MEGABLOCKS_LAYER, "glu"),
+    ]
+    assert [(k["mlp_type"], k["mlp_impl"], k["moe_top_k"]) for k in seen] == [
+        ("mlp", "grouped", 2),
+        ("glu", "grouped", 2),
+    ]
+    ours_mlp, mb_mlp, ours_glu, mb_glu = results[1:]
+    assert mb_mlp.kind == "peer" and mb_mlp.check == "n/a" and mb_mlp.layer.step_ms > 0
+    assert ours_mlp.layer.step_vs_megablocks == pytest.approx(
+        ours_mlp.layer.step_ms / mb_mlp.layer.step_ms
+    )
+    assert ours_mlp.layer.fwd_vs_megablocks == pytest.approx(
+        ours_mlp.layer.fwd_ms / mb_mlp.layer.fwd_ms
+    )
+    assert ours_mlp.layer.activation_vs_megablocks is None  # no memory figures on the CPU
+    assert mb_mlp.layer.step_vs_megablocks is None  # ratios live on our rows
+    # A peer that fails is a row with the error; ours keeps no ratio.
+    assert mb_glu.check.startswith("error: RuntimeError: this fake rejects GLU")
+    assert math.isnan(mb_glu.layer.step_ms) and mb_glu.layer.floor_ms == ours_glu.layer.floor_ms
+    assert ours_glu.check == "ok" and ours_glu.layer.step_vs_megablocks is None
+    table = bench.format_table(results)
+    ours_line = next(
+        line for line in table.splitlines() if line.startswith("tiny     mlp     mega")
+    )
+    assert f"{ours_mlp.layer.step_vs_megablocks:.2f}x" in ours_line
+
+
+def test_megablocks_ratios_are_ours_over_theirs():
+    def figures(step, fwd, act, peak):
+        return bench.LayerFigures("mlp", step, fwd, 1.0, 0.5, 1 / step, 0.5 / fwd, act, peak)
+
+    ours, theirs = figures(30.0, 10.0, 2048.0, 4096.0), figures(40.0, 8.0, 1024.0, None)
+    bench.add_megablocks_ratios(ours, theirs)
+    assert ours.step_vs_megablocks == 0.75 and ours.fwd_vs_megablocks == 1.25
+    assert ours.activation_vs_megablocks == 2.0 and ours.peak_vs_megablocks is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layer_item_memory_on_cuda():
+    results = _run_layer(device="cuda", dtype=torch.bfloat16)
+    tokens, hidden, *_ = bench.SHAPES["tiny"]
+    output_mib = tokens * hidden * 2 / 2**20
+    for row in results[1:]:
+        figures = row.layer
+        assert row.check == "ok", row
+        # The forward holds at least its output; the step's peak includes the forward's end state.
+        assert figures.activation_mib >= output_mib
+        assert figures.peak_mib >= figures.activation_mib
+        assert row.peak_mb == figures.peak_mib
