@@ -94,6 +94,7 @@ BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
 #: The kinds of expert MLP the layer item runs (``--layer-experts``): MegaBlocks' ``mlp_type``.
 LAYER_EXPERTS = ("mlp", "glu")
 OUR_LAYER = "megablocks-core dMoE"
+OUR_UNFUSED_LAYER = "ours, unfused"
 MEGABLOCKS_LAYER = "megablocks dMoE (grouped)"
 
 
@@ -453,7 +454,7 @@ class _LayerUnderTest:
         return out.detach()
 
 
-def _our_layer(case: Case, glu: bool) -> _LayerUnderTest:
+def _our_layer(case: Case, glu: bool, fuse_permutation: bool = True) -> _LayerUnderTest:
     layer = DroplessMoE(
         case.hidden,
         case.ffn,
@@ -463,6 +464,7 @@ def _our_layer(case: Case, glu: bool) -> _LayerUnderTest:
         dtype=case.x.dtype,
         device=case.x.device,
         load_balancing_loss_coefficient=0.0,  # as the MegaBlocks peer's moe_loss_weight=0
+        fuse_permutation=fuse_permutation,
     )
     x = case.x.detach().clone().requires_grad_()
     return _LayerUnderTest(lambda: layer(x)[0], case.layer_grad)
@@ -603,7 +605,9 @@ def _layer_results(
         log(f"[{case.name}] layer ({kind}): GEMM floor ({len(gemms)} GEMMs)")
         floor_ms, fwd_floor_ms = gemm_floor_ms(gemms, dense_ms)  # before any layer is built
         builders: list[tuple[str, str, Callable[[], _LayerUnderTest]]] = [
-            (OUR_LAYER, "ours", functools.partial(_our_layer, case, glu))
+            (OUR_LAYER, "ours", functools.partial(_our_layer, case, glu)),
+            # The same layer with gather/gmm/scatter as separate ops: what the fusion changes.
+            (OUR_UNFUSED_LAYER, "ours", functools.partial(_our_layer, case, glu, False)),
         ]
         if megablocks is not None:
             builders.append(

@@ -181,8 +181,11 @@ def test_the_gemm_floor_sums_a_dense_time_per_gemm(glu):
 
 def test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory():
     results = _run_layer()
-    assert [r.op for r in results] == ["copy", "layer", "layer"]
-    mlp, glu = results[1:]
+    assert [r.op for r in results] == ["copy", "layer", "layer", "layer", "layer"]
+    unfused = [r for r in results if r.provider == bench.OUR_UNFUSED_LAYER]
+    assert [r.layer.experts for r in unfused] == ["mlp", "glu"]
+    assert all(r.check == "ok" for r in unfused)
+    mlp, glu = (r for r in results if r.provider == bench.OUR_LAYER)
     tokens, hidden, ffn, _, top_k = bench.SHAPES["tiny"]
     for row, kind, gemms in ((mlp, "mlp", 6), (glu, "glu", 9)):
         figures = row.layer
@@ -214,7 +217,7 @@ def test_layer_item_json_and_table(tmp_path, capsys):
     assert code == 0, out
     data = json.loads(path.read_text())
     assert data["meta"]["layer_experts"] == ["glu"]
-    by_op = {r["op"]: r for r in data["results"]}
+    by_op = {r["op"]: r for r in data["results"] if r["provider"] != bench.OUR_UNFUSED_LAYER}
     # Other ops' rows keep their fields; only layer rows carry the layer object.
     common = {"shape", "op", "provider", "kind", "us", "rate", "unit", "vs_limit", "check"}
     assert set(by_op["gather"]) == common | {"peak_mb"}
@@ -265,6 +268,7 @@ def test_megablocks_rows_ratios_and_failures(monkeypatch, capsys):
     )
     monkeypatch.setattr(bench, "_megablocks_layer_modules", lambda device: fake)
     results = _run_layer()
+    results = [r for r in results if r.provider != bench.OUR_UNFUSED_LAYER]
     assert [(r.provider, r.layer.experts) for r in results[1:]] == [
         (bench.OUR_LAYER, "mlp"),
         (bench.MEGABLOCKS_LAYER, "mlp"),

@@ -114,12 +114,9 @@ def test_unknown_activation_name_is_rejected():
 
 def _composed_layer(model: DroplessMoE, x: torch.Tensor) -> torch.Tensor:
     """The layer's output with the unfused ops: gather, gmm (model.experts), scatter."""
-    ops = megablocks_core.ops
-    _, weights, top = model.route(x)
-    with torch.no_grad():
-        indices, bin_ids, counts, bins, _ = ops.route(top.flatten(), model.num_experts, 4)
-    rows = model.experts(ops.gather(x, indices, bin_ids, bins, model.top_k), counts)
-    return ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, model.top_k)
+    unfused = copy.copy(model)
+    unfused.fuse_permutation = False
+    return unfused(x)[0]
 
 
 def _fp32_cpu_backends() -> list[str]:

@@ -162,6 +162,10 @@ class DroplessMoE(torch.nn.Module):
             ``[r * E/W, (r + 1) * E/W)`` only (``w1``, ``v1``, ``w2`` have E/W rows), the router is
             replicated. None (default): one process holds every expert. With the same seed, every
             rank's parameters are the matching slices of the single-process layer's.
+        fuse_permutation: True (default): ``gather_gmm`` and ``gmm_scatter`` (no (tokens * top_k,
+            hidden) tensor written or kept). False: ``gather``, ``gmm`` and ``scatter`` as separate
+            ops, MegaBlocks' dataflow, which keeps the gathered tokens and the expert outputs
+            for backward; for comparison. Expert parallelism always uses the separate ops.
 
     ``forward(x)`` takes ``(..., hidden_size)`` and returns ``(out, aux_loss)``: ``out`` has x's
     shape and dtype; ``aux_loss`` is the 0-d load-balancing loss in float32 (float64 for float64
@@ -192,6 +196,7 @@ class DroplessMoE(torch.nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         expert_parallel_group: dist.ProcessGroup | None = None,
+        fuse_permutation: bool = True,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -228,6 +233,7 @@ class DroplessMoE(torch.nn.Module):
         self.normalize_expert_weights = normalize_expert_weights
         self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
         self.block_size = block_size
+        self.fuse_permutation = fuse_permutation
 
         def param(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
@@ -302,8 +308,13 @@ class DroplessMoE(torch.nn.Module):
             indices, bin_ids, tokens_per_expert, bins, _ = ops.route(
                 top_experts.flatten(), self.num_experts, self.block_size
             )
-        if self.expert_parallel_group is None:
+        if self.expert_parallel_group is None and self.fuse_permutation:
             out = self._fused_experts(x, weights.flatten(), indices, bin_ids, bins)
+        elif self.expert_parallel_group is None:
+            rows = self.experts(
+                ops.gather(x, indices, bin_ids, bins, self.top_k), tokens_per_expert
+            )
+            out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
         else:
             from .parallel import expert_parallel_apply
 
