@@ -12,8 +12,11 @@ Python count of each chunk's (token, rank) pairs: each token is sent once per ra
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -413,3 +416,27 @@ def test_single_process_layer_unchanged():
     g = torch.Generator().manual_seed(3)
     for p in (layer.router, layer.w1, layer.v1, layer.w2):
         assert torch.equal(p.detach(), torch.randn(p.shape, generator=g) * 0.02)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_with_gloo(tmp_path):
+    """benchmarks/expert_parallel_nccl.py on the CPU: equality passes, bytes and times reported."""
+    out = tmp_path / "ep.json"
+    script = Path(__file__).parents[1] / "benchmarks" / "expert_parallel_nccl.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # not interpreted
+    env |= {"GLOO_SOCKET_IFNAME": _loopback_interface(), "OMP_NUM_THREADS": "1"}
+    env["MEGABLOCKS_BACKEND"] = "reference"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(script), "--device", "cpu", "--steps", "1"]
+    command += ["--chunks", "1", "3", "--json", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())["results"][0]
+    assert result["equality"]["passed"]
+    assert set(result["equality"]["max_rel_error"]) == {"baseline", "chunks1", "chunks3"}
+    assert set(result["step_ms_slowest_rank"]) >= {"one_device_WT", "ep_chunks1", "ep_chunks3"}
+    for rank in result["per_rank"]:
+        counts = rank["bytes"]
+        # tiny: 64 tokens, top_k 2: at most 64 rows out of one, 128 of the other
+        assert 0 < counts["rows_out_dedup"] <= min(64, counts["rows_out_baseline"])
+        assert counts["rows_out_baseline"] <= 128
