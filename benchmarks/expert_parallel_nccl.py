@@ -13,9 +13,10 @@ in bf16; tiny on the CPU, in float32; MLP experts unless --glu):
 
 1. equality: the expert-parallel layer's output, input gradient, load-balancing loss and router
    gradient equal the one-device layer's with all experts (same seed) on this rank's tokens; its
-   local expert gradients equal the one-device layer's summed over all ranks' tokens (an
-   all-reduce); errors relative to the reference's largest magnitude, for every --chunks value
-   and for the per-(token, expert) baseline exchange (``parallel.expert_parallel_apply``).
+   local expert gradients equal the one-device layer's summed over all ranks' tokens (reduced to
+   the rank holding them); errors relative to the reference's largest magnitude, for every
+   --chunks value and for the per-(token, expert) baseline exchange
+   (``parallel.expert_parallel_apply``).
 2. step time (forward + backward, median of --steps after 3 warm-ups; CUDA events on GPUs,
    all ranks started together) of: one device with all experts on T tokens and on W*T tokens
    (the global work of the W ranks), the baseline exchange, and the layer for each --chunks
