@@ -4,13 +4,19 @@ One spawn per world size runs every case (process start-up dominates the cost); 
 its results, or its traceback, to a file that the parent compares with the single-process layer
 (all experts, same seed) run rank by rank on the same tokens. Loopback only, a free port chosen by
 the parent, timeouts on the process group and on the join: a hang fails the test, never blocks.
+
+The child also records the split sizes of every row exchange, which the parent compares with a
+Python count of each chunk's (token, rank) pairs: each token is sent once per rank it needs.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -21,7 +27,13 @@ import torch
 import torch.multiprocessing as mp
 
 import megablocks_core
-from megablocks_core.layers import DroplessMoE
+from megablocks_core import ops
+from megablocks_core.layers import DroplessMoE, load_balancing_loss
+from megablocks_core.layers.parallel import (
+    DEFAULT_CHUNKS,
+    expert_parallel_apply,
+    expert_parallel_moe,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -42,6 +54,8 @@ class Case:
     starve: bool = False  # route every token to rank 0's experts only
     normalize: float | None = None
     ep_size: int | None = None  # expert-parallel groups of consecutive ranks; None: the world
+    chunks: int | None = None  # the layer's expert_parallel_chunks; None: its default
+    baseline: bool = False  # run parallel.expert_parallel_apply (one row per (token, expert))
 
     def ep(self) -> int:
         return self.ep_size or len(self.tokens)
@@ -53,12 +67,18 @@ CASES = {
         Case("k2-glu", 4, 2, True, (6, 4), normalize=1.0),
         Case("k2-rank-without-tokens", 4, 2, False, (7, 0)),
         Case("k1-glu-rank-experts-starved", 4, 1, True, (5, 6), starve=True),
-        Case("k2-rank-experts-starved", 4, 2, True, (4, 3), starve=True),
+        Case("k2-rank-experts-starved", 4, 2, True, (4, 3), starve=True, chunks=3),
         Case("E8-k4-glu", 8, 4, True, (5, 3)),
+        Case("E8-k8-chunks1", 8, 8, True, (6, 5), chunks=1),
+        Case("E8-k8-more-chunks-than-tokens", 8, 8, False, (3, 0), chunks=5),
+        Case("k2-chunks4", 4, 2, True, (9, 8), chunks=4),
+        Case("baseline-k2-glu", 4, 2, True, (6, 0), baseline=True),
     ],
     4: [
         Case("W4-k2-glu", 8, 2, True, (4, 0, 5, 3)),
         Case("W4-k1-starved", 8, 1, False, (3, 4, 0, 2), starve=True),
+        Case("W4-k8-chunks3", 8, 8, True, (4, 0, 5, 2), chunks=3),
+        Case("W4-k1-more-chunks-than-tokens", 8, 1, False, (3, 4, 0, 2), chunks=6),
         # 2 data-parallel replicas × 2-way expert parallelism (dist.new_group, as in the docs)
         Case("W4-dp2-ep2-k2", 4, 2, True, (3, 5, 4, 0), ep_size=2),
     ],
@@ -77,6 +97,7 @@ def make_layer(case: Case, group: object | None = None) -> DroplessMoE:
         dtype=torch.float64,
         load_balancing_loss_coefficient=0.1,
         expert_parallel_group=group,
+        expert_parallel_chunks=case.chunks,
     )
     # A larger router than the 0.02 default: clear top-k choices, no near-ties between experts.
     with torch.no_grad():
@@ -104,6 +125,34 @@ def expert_params(layer: DroplessMoE) -> dict[str, torch.Tensor]:
     return {n: p for n in ("w1", "v1", "w2") if (p := getattr(layer, n)) is not None}
 
 
+def baseline_forward(layer: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's forward through parallel.expert_parallel_apply (one row per (token, expert))."""
+    probs, weights, top_experts = layer.route(x)
+    with torch.no_grad():
+        indices, bin_ids, counts, bins, _ = ops.route(
+            top_experts.flatten(), layer.num_experts, layer.block_size
+        )
+    rows = ops.gather(x, indices, bin_ids, bins, layer.top_k)
+    rows = expert_parallel_apply(rows, counts, layer.experts, layer.expert_parallel_group)
+    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, layer.top_k)
+    coefficient = layer.load_balancing_loss_coefficient
+    return out, load_balancing_loss(counts, probs, layer.top_k, coefficient)
+
+
+def _log_row_exchanges(log: list[list[int]]) -> None:
+    """Make this process's all_to_all_single log the input splits of every exchange of rows."""
+    import torch.distributed as dist
+
+    exchange = dist.all_to_all_single
+
+    def logged(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        if input.dtype == torch.float64 and input.dim() == 2 and input.shape[1] == HIDDEN:
+            log.append(list(input_split_sizes))
+        return exchange(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+    dist.all_to_all_single = logged
+
+
 def _child(rank: int, world: int, port: int, outdir: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface()  # loopback only
     torch.set_num_threads(1)  # two busy cores are shared by every process
@@ -128,13 +177,17 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                 group = dist.new_group(list(range(shard, world, ep)))
                 if rank % ep == shard:
                     dp_groups[ep] = group
+        log: list[list[int]] = []
+        _log_row_exchanges(log)
         with megablocks_core.use_backend("reference"):
             for case in CASES[world]:
                 group = groups[case.ep()]
                 layer = make_layer(case, group)
                 x, grad = tokens(case, rank)
                 x.requires_grad_()
-                out, aux = layer(x)
+                log.clear()
+                out, aux = baseline_forward(layer, x) if case.baseline else layer(x)
+                forward_splits = list(log)
                 ((out * grad).sum() + aux).backward()
                 router_grad = layer.router.grad.clone()
                 dist.all_reduce(router_grad, group=group)  # as data parallelism would
@@ -152,7 +205,19 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                     "offset": layer.expert_offset,
                     "expert_grads": {n: p.grad for n, p in expert_params(layer).items()},
                     "expert_values": {n: p.detach() for n, p in expert_params(layer).items()},
+                    "forward_splits": forward_splits,
                 }
+            # The per-chunk graphs are freed by the first backward: a second one is refused
+            # (on every rank, before any collective).
+            case = CASES[world][0]
+            layer = make_layer(case, dist.group.WORLD)
+            out, aux = layer(tokens(case, rank)[0].requires_grad_())
+            out.sum().backward(retain_graph=True)
+            try:
+                out.sum().backward()
+                results["second_backward"] = "accepted"
+            except RuntimeError as error:
+                results["second_backward"] = str(error)
             try:  # an indivisible expert count is refused before any collective
                 DroplessMoE(HIDDEN, FFN, 2 * world + 1, 1, expert_parallel_group=dist.group.WORLD)
                 results["indivisible"] = "accepted"
@@ -270,12 +335,72 @@ def _check_group(case: Case, got: list[dict], ranks: range) -> None:
         for name, p in expert_params(layer).items():
             assert torch.equal(res["expert_values"][name], p.detach()[shard]), name
             torch.testing.assert_close(res["expert_grads"][name], p.grad[shard], **close)
+    tops = [layer.route(x.detach())[2].tolist() for x, _, _ in per_rank]
+    for me, rank in enumerate(ranks):
+        assert got[rank][case.name]["forward_splits"] == _expected_row_splits(case, tops, me)
     if case.starve:  # the other ranks' experts really got nothing: exactly-zero gradients
         for rank in ranks[1:]:
             assert all(not g.any() for g in got[rank][case.name]["expert_grads"].values())
     for rank in ranks:
         if case.tokens[rank] == 0:
             assert got[rank][case.name]["out"].shape == (0, HIDDEN)
+
+
+def _expected_row_splits(case: Case, tops: list[list[list[int]]], me: int) -> list[list[int]]:
+    """Input splits of the row exchanges in rank ``me``'s forward (``tops``: each group rank's
+    top-k expert ids per token): each chunk's dispatch (tokens per destination rank), then each
+    chunk's return (as many rows to each rank as it sent). The baseline sends one row per
+    (token, expert) pair, then returns them."""
+    world, local = len(tops), case.experts // len(tops)
+    if case.baseline:
+        pairs = [sum(e // local == r for token in tops[me] for e in token) for r in range(world)]
+        back = [sum(e // local == me for token in tops[s] for e in token) for s in range(world)]
+        return [pairs, back]
+    chunks = case.chunks or DEFAULT_CHUNKS
+
+    def sent(source: int, c: int) -> list[int]:
+        n = len(tops[source])
+        chunk = tops[source][c * n // chunks : (c + 1) * n // chunks]
+        return [sum(any(e // local == r for e in token) for token in chunk) for r in range(world)]
+
+    dispatch = [sent(me, c) for c in range(chunks)]
+    return dispatch + [[sent(s, c)[me] for s in range(world)] for c in range(chunks)]
+
+
+@pytest.mark.parametrize("world", list(CASES))
+def test_second_backward_refused(results, world):
+    for res in results(world):
+        assert "retain_graph is not supported" in res["second_backward"]
+
+
+def test_bad_arguments_rejected_before_any_collective():
+    x, weights = torch.zeros(3, HIDDEN), torch.zeros(3, 2)
+    top = torch.zeros(3, 2, dtype=torch.int32)
+
+    def call(**changes):
+        args = {"x": x, "weights": weights, "top_experts": top, "chunks": 1} | changes
+        expert_parallel_moe(
+            args["x"],
+            args["weights"],
+            args["top_experts"],
+            4,
+            lambda r, c: r,
+            [],
+            None,
+            chunks=args["chunks"],
+        )
+
+    for chunks in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="expert_parallel_moe: chunks must be an int >= 1"):
+            call(chunks=chunks)
+    with pytest.raises(ValueError, match="expert_parallel_moe: expected x"):
+        call(top_experts=top[:, :1])
+    with pytest.raises(ValueError, match="weights has 2 rows, x has 3"):
+        call(weights=weights[:2], top_experts=top[:2])
+    with pytest.raises(TypeError, match="integer top_experts"):
+        call(top_experts=top.float())
+    with pytest.raises(ValueError, match="expert_parallel_chunks must be an int >= 1"):
+        DroplessMoE(HIDDEN, FFN, 4, 2, expert_parallel_chunks=0)
 
 
 @pytest.mark.parametrize("world", list(CASES))
@@ -291,3 +416,27 @@ def test_single_process_layer_unchanged():
     g = torch.Generator().manual_seed(3)
     for p in (layer.router, layer.w1, layer.v1, layer.w2):
         assert torch.equal(p.detach(), torch.randn(p.shape, generator=g) * 0.02)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_with_gloo(tmp_path):
+    """benchmarks/expert_parallel_nccl.py on the CPU: equality passes, bytes and times reported."""
+    out = tmp_path / "ep.json"
+    script = Path(__file__).parents[1] / "benchmarks" / "expert_parallel_nccl.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # not interpreted
+    env |= {"GLOO_SOCKET_IFNAME": _loopback_interface(), "OMP_NUM_THREADS": "1"}
+    env["MEGABLOCKS_BACKEND"] = "reference"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(script), "--device", "cpu", "--steps", "1"]
+    command += ["--chunks", "1", "3", "--json", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())["results"][0]
+    assert result["equality"]["passed"]
+    assert set(result["equality"]["max_rel_error"]) == {"baseline", "chunks1", "chunks3"}
+    assert set(result["step_ms_slowest_rank"]) >= {"one_device_WT", "ep_chunks1", "ep_chunks3"}
+    for rank in result["per_rank"]:
+        counts = rank["bytes"]
+        # tiny: 64 tokens, top_k 2: at most 64 rows out of one, 128 of the other
+        assert 0 < counts["rows_out_dedup"] <= min(64, counts["rows_out_baseline"])
+        assert counts["rows_out_baseline"] <= 128

@@ -35,7 +35,7 @@ whenever the backends serving ``route``/``gather``/``gmm``/``scatter`` do not re
 host themselves. The Triton backend's do not; the reference ``gmm`` copies the counts to the host
 (it loops over experts), so on the reference backend the layer syncs once per ``gmm``. With an
 ``expert_parallel_group`` the layer makes exactly one more sync per call: the host read of the
-all-to-all split sizes (:func:`megablocks_core.layers.parallel.expert_parallel_apply`).
+all-to-all split sizes (:func:`megablocks_core.layers.parallel.expert_parallel_moe`).
 """
 
 from __future__ import annotations
@@ -165,7 +165,11 @@ class DroplessMoE(torch.nn.Module):
         fuse_permutation: True (default): ``gather_gmm`` and ``gmm_scatter`` (no (tokens * top_k,
             hidden) tensor written or kept). False: ``gather``, ``gmm`` and ``scatter`` as separate
             ops, MegaBlocks' dataflow, which keeps the gathered tokens and the expert outputs
-            for backward; for comparison. Expert parallelism always uses the separate ops.
+            for backward; for comparison (expert parallelism has its own exchange).
+        expert_parallel_chunks: token chunks whose exchanges overlap the experts of the others
+            (1: no overlap; the same on every rank of the group). None (default):
+            ``megablocks_core.layers.parallel.DEFAULT_CHUNKS`` (2). See
+            :func:`megablocks_core.layers.parallel.expert_parallel_moe`.
 
     ``forward(x)`` takes ``(..., hidden_size)`` and returns ``(out, aux_loss)``: ``out`` has x's
     shape and dtype; ``aux_loss`` is the 0-d load-balancing loss in float32 (float64 for float64
@@ -197,6 +201,7 @@ class DroplessMoE(torch.nn.Module):
         device: torch.device | str | None = None,
         expert_parallel_group: dist.ProcessGroup | None = None,
         fuse_permutation: bool = True,
+        expert_parallel_chunks: int | None = None,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -205,6 +210,16 @@ class DroplessMoE(torch.nn.Module):
             )
         # This rank's experts: [expert_offset, expert_offset + num_local_experts).
         self.expert_parallel_group = expert_parallel_group
+        if expert_parallel_chunks is not None and (
+            isinstance(expert_parallel_chunks, bool)
+            or not isinstance(expert_parallel_chunks, int)
+            or expert_parallel_chunks < 1
+        ):
+            raise ValueError(
+                "DroplessMoE: expert_parallel_chunks must be an int >= 1 or None, got "
+                f"{expert_parallel_chunks!r}"
+            )
+        self.expert_parallel_chunks = expert_parallel_chunks
         self.num_local_experts, self.expert_offset = num_experts, 0
         if expert_parallel_group is not None:
             import torch.distributed as dist  # only expert parallelism needs it
@@ -300,6 +315,8 @@ class DroplessMoE(torch.nn.Module):
         return ops.gmm_scatter(h, self.w2, *routing, weights, bins, self.top_k)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.expert_parallel_group is not None:
+            return self._expert_parallel_forward(x)
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         probs, weights, top_experts = self.route(x)
@@ -308,22 +325,43 @@ class DroplessMoE(torch.nn.Module):
             indices, bin_ids, tokens_per_expert, bins, _ = ops.route(
                 top_experts.flatten(), self.num_experts, self.block_size
             )
-        if self.expert_parallel_group is None and self.fuse_permutation:
+        if self.fuse_permutation:
             out = self._fused_experts(x, weights.flatten(), indices, bin_ids, bins)
-        elif self.expert_parallel_group is None:
+        else:
             rows = self.experts(
                 ops.gather(x, indices, bin_ids, bins, self.top_k), tokens_per_expert
             )
             out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
-        else:
-            from .parallel import expert_parallel_apply
-
-            rows = ops.gather(x, indices, bin_ids, bins, self.top_k)
-            rows = expert_parallel_apply(
-                rows, tokens_per_expert, self.experts, self.expert_parallel_group
-            )
-            out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
         if self.training and self.load_balancing_loss_coefficient > 0:
+            aux = load_balancing_loss(
+                tokens_per_expert, probs, self.top_k, self.load_balancing_loss_coefficient
+            )
+        else:
+            aux = probs.new_zeros(())
+        return out.reshape(shape), aux
+
+    def _expert_parallel_forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``forward`` with the experts sharded over ``expert_parallel_group``."""
+        from .parallel import DEFAULT_CHUNKS, expert_parallel_moe
+
+        group, chunks = self.expert_parallel_group, self.expert_parallel_chunks
+        assert group is not None
+        shape = x.shape
+        x = x.reshape(-1, self.hidden_size)
+        probs, weights, top_experts = self.route(x)
+        out = expert_parallel_moe(
+            x,
+            weights,
+            top_experts,
+            self.num_experts,
+            self.experts,
+            [p for p in (self.w1, self.v1, self.w2) if p is not None],
+            group,
+            chunks=DEFAULT_CHUNKS if chunks is None else chunks,
+        )
+        if self.training and self.load_balancing_loss_coefficient > 0:
+            with torch.no_grad():
+                tokens_per_expert = ops.histogram(top_experts.flatten(), self.num_experts)
             aux = load_balancing_loss(
                 tokens_per_expert, probs, self.top_k, self.load_balancing_loss_coefficient
             )

@@ -1,20 +1,50 @@
 """Expert parallelism for :class:`megablocks_core.layers.DroplessMoE` over ``torch.distributed``.
 
 Each rank of the expert-parallel group owns ``E / W`` consecutive experts (rank r: experts
-``[r * E/W, (r + 1) * E/W)``). The layer routes and gathers its own tokens as usual (rows sorted by
-*global* expert, so the rows for each rank are contiguous), then :func:`expert_parallel_apply`:
+``[r * E/W, (r + 1) * E/W)``). :func:`expert_parallel_moe` runs a layer call's experts and combines
+their outputs; it moves each token once per rank that holds at least one of its top-k experts:
 
-1. exchanges the per-expert row counts (``all_to_all_single`` of a ``(W, E/W)`` integer tensor);
-2. reads the send/receive split sizes on the host, the one device→host sync of a layer call
-   (``all_to_all_single`` with uneven splits needs Python ints);
-3. sends the rows to their experts' ranks (``all_to_all_single``, uneven splits);
-4. regroups the received rows (source rank major, local expert minor) by local expert with
-   ``ops.sort``/``ops.gather``, runs the local experts with ``ops.gmm``, and undoes the regrouping
-   with ``ops.scatter``;
-5. returns the results by the reverse ``all_to_all_single``.
+1. **Plan** (this rank's tokens). Every (token, rank) pair is a *slot*; a slot is used when the
+   token has an expert on that rank. ``ops.route`` sorts the slots by (chunk, rank) with the unused
+   ones in a last bin, and ``ops.histogram`` counts the (token, expert) pairs per (chunk, rank).
+   The per-(chunk, rank) counts of tokens and pairs go to their ranks in one small
+   ``all_to_all_single``, and the counts sent and received are read on the host with one
+   ``.tolist()``: the one device→host sync of a layer call (``all_to_all_single`` takes its split
+   sizes as Python ints).
+2. **Dispatch** (per chunk, asynchronous). Each used slot sends the token's row once, and, in a
+   second exchange, its top-k expert ids and weights (int32 and the weights' dtype, as bytes).
+3. **Experts** (per chunk, on the receiving rank). The received tokens' k-th choices outside this
+   rank become a sentinel expert ``E/W``; ``ops.route`` sorts the (token, k) pairs by local expert,
+   the sentinel ones last, and the pairs before them (their number came with the counts) are the
+   rows to compute: ``index_select`` copies each pair's token row (only those rows: the sentinel
+   pairs are never copied nor computed), the layer's ``experts`` function runs ``ops.gmm`` on
+   them, and ``ops.scatter`` with the top-k weights sums each token's outputs into **one partial
+   row per (token, rank)** (the sentinel pairs read zero rows and have weight 0).
+4. **Combine** (per chunk, asynchronous). The partial rows go back by the reverse exchange; the
+   source rank sums the partials of each token over the ranks with ``ops.scatter`` (no weights).
 
-Backward runs the same two row all-to-alls in reverse order (the adjoint of an all-to-all is the
-all-to-all with the splits swapped); the counts exchange and the host read are not repeated.
+The token chunks (``chunks``, contiguous ranges of this rank's tokens, the same count on every
+rank) form a pipeline: every chunk's dispatch is started at once (``async_op=True``), chunk i's
+experts run as soon as its rows arrive, while the following chunks' rows are still on the link,
+and its partials are sent back while chunk i + 1 computes. Backward mirrors it: the output
+gradient of each chunk's partials goes out at once; as each chunk's arrives, its experts'
+backward runs and the gradients of the token rows and of the top-k weights go back while the next
+chunk computes.
+
+Streams and lifetimes: the exchanges run where the process group runs them (NCCL: its own
+communication stream, ordered after the current stream's work when started; ``Work.wait()`` makes
+the current stream wait for the exchange). All computation stays on the current stream, so no
+side stream of ours is needed for the overlap. Every tensor an exchange reads or writes is kept
+referenced until its ``wait()``, so the caching allocator cannot hand its memory to other work
+while the exchange still uses it.
+
+Backward is exact: :class:`_ExpertParallelMoE` is one autograd Function whose backward returns the
+gradients of the tokens, of the top-k weights (they are applied on the receiving rank, so their
+gradient comes back through the exchange) and of the local expert parameters (the experts' own
+autograd graph, recorded per chunk in forward, is differentiated with ``torch.autograd.grad``).
+
+:func:`expert_parallel_apply` is the earlier exchange, kept as a baseline for benchmarks: it moves
+one row per (token, expert) pair, so a token crosses the link up to top_k times.
 
 The transport is torch.distributed's own ``all_to_all_single`` (gloo on CPU, NCCL/RCCL on GPUs);
 only its autograd wrapper is here, because ``torch.distributed.nn.functional.all_to_all_single``
@@ -24,7 +54,8 @@ replacement lives in the private ``torch.distributed._functional_collectives``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +63,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
+
+#: Token chunks of :func:`expert_parallel_moe` when the caller gives none: two halves, so that
+#: one half's experts overlap the other half's exchange at the cost of one more set of
+#: collectives and kernel launches per call.
+DEFAULT_CHUNKS = 2
+
+# ops.route's padded_bins are not used here; any block size will do.
+_BLOCK = 128
+_NAME = "megablocks_core.layers.parallel.expert_parallel_moe"
+
+Experts = Callable[[Tensor, Tensor], Tensor]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -68,13 +110,440 @@ def all_to_all(
     return _AllToAll.apply(x, send_splits, recv_splits, group)
 
 
+# ---------------------------------------------------------------------------
+# One token per (token, rank), pipelined over chunks
+
+
+class _InFlight:
+    """An ``all_to_all_single`` started with ``async_op=True``, holding the tensors it reads and
+    writes until :meth:`wait`: dropping them earlier would let the allocator reuse their memory
+    while the exchange (on the process group's own stream) still uses it."""
+
+    __slots__ = ("tensors", "work")
+
+    def __init__(
+        self,
+        out: Tensor,
+        inp: Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> None:
+        self.tensors: tuple[Tensor, ...] = (out, inp)
+        self.work = dist.all_to_all_single(
+            out, inp, out_splits, in_splits, group=group, async_op=True
+        )
+
+    def wait(self) -> Tensor:
+        """Block until the exchange is done (on CUDA: order the current stream after it)."""
+        assert self.work is not None
+        self.work.wait()
+        out = self.tensors[0]
+        self.tensors = ()
+        return out
+
+
+@dataclass
+class _Plan:
+    """Split sizes (host ints) and slot routing (device) of one call, shared by forward and backward.
+
+    Slots are (token, rank) pairs with flat id ``token * world + rank``, sorted by (chunk, rank);
+    the first ``sent`` sorted slots are the rows sent, chunk c's at ``offsets[c]``.
+    """
+
+    world: int
+    send_splits: list[list[int]]  # [chunk][rank]: tokens sent to rank
+    recv_splits: list[list[int]]  # [chunk][rank]: tokens received from rank
+    recv_pairs: list[int]  # [chunk]: (token, expert) pairs for this rank's experts received
+    offsets: list[int]  # [chunk]: first sorted slot of the chunk
+    sent: int
+    slot_indices: Tensor
+    slot_bin_ids: Tensor
+    slot_bins: Tensor
+    send_tokens: Tensor  # token of each of the first `sent` sorted slots
+
+    def send_slice(self, chunk: int) -> slice:
+        start = self.offsets[chunk]
+        return slice(start, start + sum(self.send_splits[chunk]))
+
+    def combine(self, slots: Tensor) -> Tensor:
+        """Sum each token's sorted slots (``slots`` has ``tokens * world`` rows, unused ones 0)."""
+        return ops.scatter(
+            slots, self.slot_indices, self.slot_bin_ids, None, self.slot_bins, self.world
+        )
+
+
+def _chunk_of_token(tokens: int, chunks: int, device: torch.device) -> Tensor:
+    """Chunk c holds tokens [c*T//C, (c+1)*T//C): the largest c with c*T//C <= t."""
+    t = torch.arange(tokens, device=device)
+    if tokens == 0:
+        return t
+    return torch.div((t + 1) * chunks + tokens - 1, tokens, rounding_mode="floor") - 1
+
+
+def _plan(top_experts: Tensor, num_experts: int, chunks: int, group: dist.ProcessGroup) -> _Plan:
+    world = dist.get_world_size(group)
+    local = num_experts // world
+    tokens = top_experts.shape[0]
+    device = top_experts.device
+    ranks = torch.div(top_experts, local, rounding_mode="floor").long()  # (T, K)
+    chunk = _chunk_of_token(tokens, chunks, device).unsqueeze(1)
+    pairs = ops.histogram((chunk * world + ranks).flatten().int(), chunks * world)
+    all_ranks = torch.arange(world, device=device)
+    used = (ranks.unsqueeze(2) == all_ranks).any(1)  # (T, W): the token has an expert there
+    keys = torch.where(used, chunk * world + all_ranks, chunks * world).flatten()
+    indices, bin_ids, slots_per_bin, bins, _ = ops.route(keys.int(), chunks * world + 1, _BLOCK)
+
+    # send_counts[r, c] = (tokens, pairs) of chunk c for rank r; int64 so that no backend has to
+    # support a narrower integer collective.
+    counts = torch.stack([slots_per_bin[:-1], pairs], dim=1).view(chunks, world, 2)
+    send_counts = counts.transpose(0, 1).contiguous().long()
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    # The one host read of the layer call: all chunks' split sizes at once.
+    sent_to, received_from = torch.stack([send_counts, recv_counts]).tolist()
+
+    send_splits = [[sent_to[r][c][0] for r in range(world)] for c in range(chunks)]
+    offsets, total = [], 0
+    for split in send_splits:
+        offsets.append(total)
+        total += sum(split)
+    return _Plan(
+        world=world,
+        send_splits=send_splits,
+        recv_splits=[[received_from[r][c][0] for r in range(world)] for c in range(chunks)],
+        recv_pairs=[sum(received_from[r][c][1] for r in range(world)) for c in range(chunks)],
+        offsets=offsets,
+        sent=total,
+        slot_indices=indices,
+        slot_bin_ids=bin_ids,
+        slot_bins=bins,
+        send_tokens=torch.div(indices[:total], world, rounding_mode="floor"),
+    )
+
+
+def _pack(ids: Tensor, weights: Tensor) -> Tensor:
+    """(rows, K) int32 ids and (rows, K) weights as one (rows, K * (4 + itemsize)) byte tensor."""
+    return torch.cat(
+        [ids.int().contiguous().view(torch.uint8), weights.contiguous().view(torch.uint8)], dim=1
+    )
+
+
+def _unpack(meta: Tensor, top_k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    # Copies: a view of the bytes may start at an offset that the wider dtypes cannot view.
+    def copy(part: Tensor) -> Tensor:
+        return part.clone(memory_format=torch.contiguous_format)
+
+    return copy(meta[:, : 4 * top_k]).view(torch.int32), copy(meta[:, 4 * top_k :]).view(dtype)
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """x followed by zero rows up to ``rows`` rows."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
+
+
+class _LocalChunk:
+    """One chunk's received tokens through this rank's experts: one partial row per token."""
+
+    def __init__(
+        self,
+        received: Tensor,
+        ids: Tensor,
+        weights: Tensor,
+        num_pairs: int,
+        first_expert: int,
+        local: int,
+        experts: Experts,
+        record: bool,
+    ) -> None:
+        tokens, top_k = ids.shape
+        self.slots, self.top_k = tokens * top_k, top_k
+        local_ids = ids - first_expert
+        mine = (local_ids >= 0) & (local_ids < local)
+        keys = torch.where(mine, local_ids, local).flatten()  # other ranks' experts: bin `local`
+        self.indices, self.bin_ids, counts, self.bins, _ = ops.route(keys, local + 1, _BLOCK)
+        self.pair_slots = self.indices[:num_pairs]  # (token, k) of each row, by local expert
+        self.pair_tokens = torch.div(self.pair_slots, top_k, rounding_mode="floor")
+        self.pair_weights = weights.flatten().index_select(0, self.pair_slots)
+        rows = received.index_select(0, self.pair_tokens)
+        if record:  # the experts' graph, differentiated in backward
+            rows.requires_grad_()
+            with torch.enable_grad():
+                self.outputs = experts(rows, counts[:local])
+        else:
+            self.outputs = experts(rows, counts[:local])
+        self.rows = rows
+        masked = weights.masked_fill(~mine, 0)
+        self.partial: Tensor | None = ops.scatter(
+            _pad_rows(self.outputs.detach(), self.slots),
+            self.indices,
+            self.bin_ids,
+            masked.flatten(),
+            self.bins,
+            top_k,
+        )
+
+    def take_partial(self) -> Tensor:
+        """The partial rows (once: the exchange that sends them keeps them until it is done)."""
+        partial, self.partial = self.partial, None
+        assert partial is not None
+        return partial
+
+    def backward(
+        self, grad_partial: Tensor, parameters: Sequence[Tensor]
+    ) -> tuple[Tensor, Tensor, tuple[Tensor | None, ...]]:
+        """Gradients of the received rows, of the received weights (rows, K) and of ``parameters``."""
+        outputs = self.outputs
+        grad = grad_partial.index_select(0, self.pair_tokens)
+        # d partial / d weight of a pair = <its expert output, the token's gradient>, in float32
+        # or wider (bmm accumulates so), as ops.scatter's weight gradient.
+        pair_wgrad = torch.bmm(outputs.detach().unsqueeze(1), grad.unsqueeze(2)).flatten()
+        grad_weights = pair_wgrad.new_zeros(self.slots).index_copy_(
+            0, self.pair_slots.long(), pair_wgrad
+        )
+        grad_outputs = (grad * self.pair_weights.unsqueeze(1)).to(outputs.dtype)
+        wanted = [p for p in parameters if p.requires_grad]
+        grads = torch.autograd.grad(outputs, [self.rows, *wanted], grad_outputs, allow_unused=True)
+        grad_rows = grads[0] if grads[0] is not None else torch.zeros_like(self.rows)
+        by_parameter = iter(grads[1:])
+        parameter_grads = tuple(next(by_parameter) if p.requires_grad else None for p in parameters)
+        grad_received = ops.scatter(
+            _pad_rows(grad_rows, self.slots),
+            self.indices,
+            self.bin_ids,
+            None,
+            self.bins,
+            self.top_k,
+        )
+        return grad_received, grad_weights.view(-1, self.top_k), parameter_grads
+
+
+class _ExpertParallelMoE(torch.autograd.Function):
+    """x, top-k weights and expert parameters → combined expert outputs; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weights: Tensor,
+        top_experts: Tensor,
+        num_experts: int,
+        experts: Experts,
+        group: dist.ProcessGroup,
+        chunks: int,
+        record: bool,
+        *parameters: Tensor,
+    ) -> Tensor:
+        plan = _plan(top_experts, num_experts, chunks, group)
+        world, top_k, hidden = plan.world, top_experts.shape[1], x.shape[1]
+        local = num_experts // world
+        first_expert = dist.get_rank(group) * local
+
+        send_rows = x.index_select(0, plan.send_tokens)
+        send_meta = _pack(
+            top_experts.index_select(0, plan.send_tokens),
+            weights.index_select(0, plan.send_tokens),
+        )
+        dispatches = []
+        for c in range(chunks):  # every chunk's rows are ready: start all their exchanges now
+            rows = sum(plan.recv_splits[c])
+            out_rows = x.new_empty(rows, hidden)
+            out_meta = send_meta.new_empty(rows, send_meta.shape[1])
+            part = plan.send_slice(c)
+            split_in, split_out = plan.send_splits[c], plan.recv_splits[c]
+            dispatches.append(
+                (
+                    _InFlight(out_rows, send_rows[part], split_out, split_in, group),
+                    _InFlight(out_meta, send_meta[part], split_out, split_in, group),
+                )
+            )
+        del send_rows, send_meta  # the exchanges hold them until they are done
+
+        slots = x.new_empty(x.shape[0] * world, hidden)  # partials back, by sorted slot
+        slots[plan.sent :].zero_()
+        chunk_states, returns = [], []
+        for c, (rows_in, meta_in) in enumerate(dispatches):
+            received = rows_in.wait()
+            ids, received_weights = _unpack(meta_in.wait(), top_k, weights.dtype)
+            state = _LocalChunk(
+                received,
+                ids,
+                received_weights,
+                plan.recv_pairs[c],
+                first_expert,
+                local,
+                experts,
+                record,
+            )
+            returns.append(
+                _InFlight(
+                    slots[plan.send_slice(c)],
+                    state.take_partial(),
+                    plan.send_splits[c],
+                    plan.recv_splits[c],
+                    group,
+                )
+            )
+            chunk_states.append(state if record else None)
+        for exchange in returns:
+            exchange.wait()
+        ctx.plan, ctx.chunk_states, ctx.group = plan, chunk_states, group
+        ctx.top_k, ctx.weights_dtype, ctx.parameters = top_k, weights.dtype, parameters
+        return plan.combine(slots)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        plan: _Plan = ctx.plan
+        states: list[_LocalChunk | None] = ctx.chunk_states
+        if any(state is None for state in states):
+            raise RuntimeError(
+                f"{_NAME}: backward ran twice through one call (retain_graph is not supported), "
+                "or the forward recorded no graph"
+            )
+        group, world, hidden = ctx.group, plan.world, grad_out.shape[1]
+        tokens = grad_out.shape[0]
+        # Every chunk's output gradient is known: start all of their exchanges now. (The gradient
+        # of a partial row is its token's output gradient: the source sums the partials.)
+        grad_partials = grad_out.index_select(0, plan.send_tokens)
+        arriving = []
+        for c in range(len(states)):
+            out = grad_out.new_empty(sum(plan.recv_splits[c]), hidden)
+            arriving.append(
+                _InFlight(
+                    out,
+                    grad_partials[plan.send_slice(c)],
+                    plan.recv_splits[c],
+                    plan.send_splits[c],
+                    group,
+                )
+            )
+        del grad_partials
+
+        grad_slots = grad_out.new_empty(tokens * world, hidden)
+        grad_slots[plan.sent :].zero_()
+        wgrad_slots = grad_out.new_empty(tokens * world, ctx.top_k, dtype=ctx.weights_dtype)
+        wgrad_slots[plan.sent :].zero_()
+        parameter_grads: list[Tensor | None] = [None] * len(ctx.parameters)
+        returns = []
+        for c, exchange in enumerate(arriving):
+            state = states[c]
+            assert state is not None
+            grad_received, grad_weights, grads = state.backward(exchange.wait(), ctx.parameters)
+            states[c] = None  # its graph and saved rows are no longer needed
+            for i, grad in enumerate(grads):
+                if grad is not None:
+                    acc = parameter_grads[i]
+                    parameter_grads[i] = grad if acc is None else acc.add_(grad)
+            part = plan.send_slice(c)
+            split_in, split_out = plan.recv_splits[c], plan.send_splits[c]
+            returns.append(_InFlight(grad_slots[part], grad_received, split_out, split_in, group))
+            returns.append(
+                _InFlight(
+                    wgrad_slots[part],
+                    grad_weights.to(ctx.weights_dtype),
+                    split_out,
+                    split_in,
+                    group,
+                )
+            )
+        for exchange in returns:
+            exchange.wait()
+        grad_x = plan.combine(grad_slots) if ctx.needs_input_grad[0] else None
+        grad_w = plan.combine(wgrad_slots) if ctx.needs_input_grad[1] else None
+        return (grad_x, grad_w, None, None, None, None, None, None, *parameter_grads)
+
+
+def expert_parallel_moe(
+    x: Tensor,
+    weights: Tensor,
+    top_experts: Tensor,
+    num_experts: int,
+    experts: Experts,
+    expert_parameters: Sequence[Tensor],
+    group: dist.ProcessGroup,
+    *,
+    chunks: int = DEFAULT_CHUNKS,
+) -> Tensor:
+    """The MoE output of this rank's tokens when the experts are sharded over ``group``.
+
+    ``out[t] = sum_k weights[t, k] * expert_{top_experts[t, k]}(x[t])``, where each expert runs on
+    the rank that holds it. Each token crosses to a rank once, however many of its top-k experts
+    that rank holds (see the module docstring).
+
+    Args:
+        x: this rank's tokens, ``(tokens, hidden)`` (possibly no tokens).
+        weights: their top-k weights, ``(tokens, top_k)`` floating point; differentiable.
+        top_experts: their top-k global expert ids, ``(tokens, top_k)`` integer in ``[0, E)``.
+        num_experts: E, a multiple of the group's size W; rank r holds experts
+            ``[r * E/W, (r + 1) * E/W)``.
+        experts: ``experts(rows, tokens_per_expert)`` runs this rank's E/W experts over rows
+            grouped by local expert (``DroplessMoE.experts``); its output has ``rows``' shape.
+        expert_parameters: the tensors ``experts`` uses that may need a gradient (they receive
+            the gradient of every rank's tokens that reached them).
+        group: the expert-parallel process group.
+        chunks: token chunks pipelined against each other (>= 1, the same on every rank;
+            1: no overlap). Chunks may be empty (more chunks than tokens).
+
+    Returns ``(tokens, hidden)`` in x's dtype. Collective: every rank of the group calls it, once
+    per layer call, in the same order, and runs its backward. One device→host sync (all split
+    sizes at once).
+    """
+    if x.dim() != 2 or weights.dim() != 2 or top_experts.shape != weights.shape:
+        raise ValueError(
+            f"{_NAME}: expected x (tokens, hidden), weights and top_experts (tokens, top_k); got "
+            f"x {tuple(x.shape)}, weights {tuple(weights.shape)}, "
+            f"top_experts {tuple(top_experts.shape)}"
+        )
+    if weights.shape[0] != x.shape[0]:
+        raise ValueError(f"{_NAME}: weights has {weights.shape[0]} rows, x has {x.shape[0]} tokens")
+    if not weights.is_floating_point() or top_experts.is_floating_point():
+        raise TypeError(
+            f"{_NAME}: expected floating-point weights and integer top_experts, got "
+            f"{weights.dtype} and {top_experts.dtype}"
+        )
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"{_NAME}: chunks must be an int >= 1, got {chunks!r}")
+    world = dist.get_world_size(group)
+    if num_experts % world:
+        raise ValueError(f"{_NAME}: {num_experts} experts do not divide over {world} ranks")
+    record = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, weights, *expert_parameters)
+    )
+    return _ExpertParallelMoE.apply(
+        x,
+        weights,
+        top_experts.int(),
+        num_experts,
+        experts,
+        group,
+        chunks,
+        record,
+        *expert_parameters,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The per-(token, expert) exchange: a baseline
+
+
 def expert_parallel_apply(
     rows: Tensor,
     tokens_per_expert: Tensor,
-    experts: Callable[[Tensor, Tensor], Tensor],
+    experts: Experts,
     group: dist.ProcessGroup,
 ) -> Tensor:
-    """Run each row through its expert when the experts are sharded over ``group``.
+    """Run each (token, expert) row through its expert, one row per pair on the link.
+
+    The exchange :class:`DroplessMoE` used before :func:`expert_parallel_moe`, kept as a baseline
+    (``benchmarks/expert_parallel_nccl.py`` times both): the caller routes and gathers its tokens
+    as usual (rows sorted by *global* expert, so the rows for each rank are contiguous); the
+    per-expert counts are exchanged, the split sizes read on the host (one sync), the rows sent
+    to their experts' ranks, regrouped there by local expert (``ops.sort``/``ops.gather``), run
+    through the experts, ungrouped (``ops.scatter``) and sent back. Backward runs the two row
+    exchanges in reverse. No overlap.
 
     Args:
         rows: this rank's rows sorted by global expert id, ``(sum(tokens_per_expert), hidden)``
@@ -97,11 +566,9 @@ def expert_parallel_apply(
     local = num_experts // world
 
     # send_counts[r, e]: my rows for rank r's local expert e; recv_counts[r, e]: rank r's rows for mine.
-    # int64 so that no backend has to support a narrower integer collective.
     send_counts = tokens_per_expert.detach().to(torch.int64).reshape(world, local)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    # The one host read of the layer call: the row all-to-alls take their split sizes as ints.
     send_splits, recv_splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
 
     received = all_to_all(rows, send_splits, recv_splits, group)
@@ -124,4 +591,4 @@ def expert_parallel_apply(
     return all_to_all(out, recv_splits, send_splits, group)
 
 
-__all__ = ["all_to_all", "expert_parallel_apply"]
+__all__ = ["DEFAULT_CHUNKS", "all_to_all", "expert_parallel_apply", "expert_parallel_moe"]
