@@ -227,6 +227,10 @@ class LaunchConfigs:
         )
 
     def histogram_block(self, n: int) -> int:
+        """Keys per program of ``histogram`` (rows of ``n`` keys). Up to 1024 keys one program
+        counts a row and writes its bins (no memset launch)."""
+        if n <= 1024:
+            return max(_pow2(n), 32)
         return min(max(_pow2(n // 128), 256), 4096)
 
     def scan_block(self, length: int) -> int:

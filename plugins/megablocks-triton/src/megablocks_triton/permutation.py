@@ -34,7 +34,7 @@ results are documented per op in the contracts' edge cases.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,8 +43,8 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import ContractError
 
-from .config import launch_configs
-from .launch import cdiv, launch, next_power_of_2
+from .config import LaunchConfigs, launch_configs
+from .launch import bind, cdiv, launch, next_power_of_2, remember
 
 __all__ = [
     "binned_gather",
@@ -71,6 +71,14 @@ def _inverse_kernel(indices_ptr, inv_ptr, n, BLOCK: tl.constexpr):
     tl.store(inv_ptr + tl.where(ok, f, 0).to(tl.int32), i, mask=ok)
 
 
+def _inverse_launch(
+    configs: LaunchConfigs, n: int
+) -> tuple[tuple[int], tuple[int], dict[str, Any]]:
+    """Grid, scalars and keywords of the ``_inverse_kernel`` launch over ``n`` ids."""
+    block = configs.elementwise_block(n)
+    return (cdiv(n, block),), (n,), {"BLOCK": block, **_options(configs)}
+
+
 def _inverse(indices: torch.Tensor) -> torch.Tensor:
     """inv[indices[i]] = i (int32): the sorted row of each flat id.
 
@@ -80,8 +88,8 @@ def _inverse(indices: torch.Tensor) -> torch.Tensor:
     """
     n = indices.numel()
     inv = torch.empty(n, dtype=torch.int32, device=indices.device)
-    block = launch_configs().elementwise_block(n)
-    launch(_inverse_kernel, (cdiv(n, block),), indices, inv, n, BLOCK=block, **_options())
+    grid, scalars, kw = _inverse_launch(launch_configs(), n)
+    launch(_inverse_kernel, grid, indices, inv, *scalars, **kw)
     return inv
 
 
@@ -529,10 +537,10 @@ def _wgrad_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _options() -> Mapping[str, Any]:
+def _options(configs: LaunchConfigs | None = None) -> Mapping[str, Any]:
     """Backend-specific launch keywords (empty unless a vendor policy such as megablocks-rocm's
     is in use; see config.LaunchConfigs.launch_options)."""
-    return launch_configs().launch_options("permutation")
+    return (configs or launch_configs()).launch_options("permutation")
 
 
 def _meta(top_k: int, num_bins: int) -> dict[str, int]:
@@ -542,6 +550,97 @@ def _meta(top_k: int, num_bins: int) -> dict[str, int]:
 def _rows(x: torch.Tensor, mode: int) -> int:
     """Rows of the padded layout (the bound every padded destination is checked against)."""
     return x.shape[0] if mode == PADDED else 0
+
+
+Launch = tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]
+
+
+def _gather_launch(
+    configs: LaunchConfigs,
+    on_cpu: bool,
+    element_size: int,
+    num_tokens: int,
+    hidden: int,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    mode: int,
+    bin_size: int,
+    num_rows: int,
+    has_weights: bool,
+) -> Launch:
+    """Grid, scalars and keywords of a ``_gather_kernel`` launch (its tensors come first)."""
+    cfg = configs.permutation(num_tokens, hidden, top_k, element_size)
+    pad_programs = 0 if mode == PLAIN else num_bins
+    # The CPU runs programs one by one (TRITON_INTERPRET=1): two padding programs per expert
+    # still exercise the lane split, at an eighth of the cost.
+    zero_rows = min(cfg.zero_rows, 2) if on_cpu else cfg.zero_rows
+    grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
+    scalars = (num_tokens, hidden, n, num_bins, bin_size, num_rows)
+    kw = {
+        "BLOCK_H": cfg.block_h,
+        "SPLIT_H": cfg.split_h,
+        "ZERO_ROWS": zero_rows,
+        "MODE": mode,
+        "HAS_WEIGHTS": has_weights,
+        "num_warps": cfg.num_warps,
+        "BLOCK_E": min(next_power_of_2(max(num_bins, 1)), 256),
+        **_meta(top_k, num_bins),
+        **_options(configs),
+    }
+    return grid, scalars, kw
+
+
+def _scatter_launch(
+    configs: LaunchConfigs,
+    element_size: int,
+    num_tokens: int,
+    hidden: int,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    mode: int,
+    bin_size: int,
+    num_rows: int,
+    has_weights: bool,
+) -> Launch:
+    """Grid, scalars and keywords of a ``_scatter_kernel`` launch (its tensors come first)."""
+    cfg = configs.permutation(num_tokens, hidden, top_k, element_size)
+    kw = {
+        "BLOCK_H": cfg.block_h,
+        "SPLIT_H": cfg.split_h,
+        "MODE": mode,
+        "HAS_WEIGHTS": has_weights,
+        "num_warps": cfg.num_warps,
+        **_meta(top_k, num_bins),
+        **_options(configs),
+    }
+    return (num_tokens, cfg.split_h), (hidden, n, num_bins, bin_size, num_rows), kw
+
+
+def _wgrad_launch(
+    configs: LaunchConfigs,
+    element_size: int,
+    num_tokens: int,
+    hidden: int,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    mode: int,
+    bin_size: int,
+    num_rows: int,
+) -> Launch:
+    """Grid, scalars and keywords of a ``_wgrad_kernel`` launch (its tensors come first)."""
+    cfg = configs.wgrad(num_tokens, hidden, top_k, element_size)
+    kw = {
+        "BLOCK_H": cfg.block_h,
+        "MODE": mode,
+        "num_warps": cfg.num_warps,
+        "K_PAD": next_power_of_2(top_k),
+        **_meta(top_k, num_bins),
+        **_options(configs),
+    }
+    return (num_tokens,), (hidden, n, num_bins, bin_size, num_rows), kw
 
 
 def _launch_gather(
@@ -563,13 +662,22 @@ def _launch_gather(
     pad_programs = 0 if mode == PLAIN else num_bins
     if out.numel() == 0 or (num_tokens == 0 and pad_programs == 0):
         return out
-    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
     if inv is None:
         inv = _inverse(indices) if num_tokens else indices
-    # The CPU runs programs one by one (TRITON_INTERPRET=1): two padding programs per expert
-    # still exercise the lane split, at an eighth of the cost.
-    zero_rows = min(cfg.zero_rows, 2) if x.device.type == "cpu" else cfg.zero_rows
-    grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
+    grid, scalars, kw = _gather_launch(
+        launch_configs(),
+        x.device.type == "cpu",
+        x.element_size(),
+        num_tokens,
+        hidden,
+        indices.numel(),
+        num_bins,
+        top_k,
+        mode,
+        bin_size,
+        _rows(out, mode),
+        weights is not None,
+    )
     launch(
         _gather_kernel,
         grid,
@@ -581,21 +689,8 @@ def _launch_gather(
         bins,
         padded_bins if padded_bins is not None else bins,
         out,
-        num_tokens,
-        hidden,
-        indices.numel(),
-        num_bins,
-        bin_size,
-        _rows(out, mode),
-        BLOCK_H=cfg.block_h,
-        SPLIT_H=cfg.split_h,
-        ZERO_ROWS=zero_rows,
-        MODE=mode,
-        HAS_WEIGHTS=weights is not None,
-        num_warps=cfg.num_warps,
-        BLOCK_E=min(next_power_of_2(max(num_bins, 1)), 256),
-        **_meta(top_k, num_bins),
-        **_options(),
+        *scalars,
+        **kw,
     )
     return out
 
@@ -617,11 +712,22 @@ def _launch_scatter(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
-    num_bins = bins.numel()
+    grid, scalars, kw = _scatter_launch(
+        launch_configs(),
+        x.element_size(),
+        num_tokens,
+        hidden,
+        indices.numel(),
+        bins.numel(),
+        top_k,
+        mode,
+        bin_size,
+        _rows(x, mode),
+        weights is not None,
+    )
     launch(
         _scatter_kernel,
-        (num_tokens, cfg.split_h),
+        grid,
         x,
         indices,
         _inverse(indices),
@@ -630,18 +736,8 @@ def _launch_scatter(
         bins,
         padded_bins if padded_bins is not None else bins,
         out,
-        hidden,
-        indices.numel(),
-        num_bins,
-        bin_size,
-        _rows(x, mode),
-        BLOCK_H=cfg.block_h,
-        SPLIT_H=cfg.split_h,
-        MODE=mode,
-        HAS_WEIGHTS=weights is not None,
-        num_warps=cfg.num_warps,
-        **_meta(top_k, num_bins),
-        **_options(),
+        *scalars,
+        **kw,
     )
     return out
 
@@ -665,12 +761,21 @@ def _launch_wgrad(
         return out
     if hidden == 0:
         return out.zero_()
-    num_tokens = n // top_k
-    cfg = launch_configs().wgrad(num_tokens, hidden, top_k, x.element_size())
-    num_bins = bins.numel()
+    grid, scalars, kw = _wgrad_launch(
+        launch_configs(),
+        x.element_size(),
+        n // top_k,
+        hidden,
+        n,
+        bins.numel(),
+        top_k,
+        mode,
+        bin_size,
+        _rows(x, mode),
+    )
     launch(
         _wgrad_kernel,
-        (num_tokens,),
+        grid,
         x,
         grad,
         indices,
@@ -679,19 +784,135 @@ def _launch_wgrad(
         bins,
         padded_bins if padded_bins is not None else bins,
         out,
+        *scalars,
+        **kw,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- plain layout, per call shape
+#
+# gather, scatter and scatter_wgrad (the dropless layer's ops) keep their launches prepared per
+# call shape: a call allocates its outputs and launches, with no launch parameter to work out.
+# The key holds every input's shape and dtype (they decide every scalar and every tensor's dtype
+# of the launches) and the primary input's device.
+
+_GATHER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+_WGRAD_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def _inverse_plan(configs: LaunchConfigs, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    grid, scalars, kw = _inverse_launch(configs, n)
+    invert = bind(_inverse_kernel, grid, *scalars, **kw)
+    int32 = torch.int32
+
+    def inverse(indices: torch.Tensor) -> torch.Tensor:
+        inv = indices.new_empty(n, dtype=int32)
+        invert(indices, inv)
+        return inv
+
+    return inverse
+
+
+def _gather_plan(
+    configs: LaunchConfigs,
+    x: torch.Tensor,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    has_weights: bool,
+) -> Callable[..., torch.Tensor]:
+    num_tokens, hidden = x.shape
+    out_shape = (n, hidden)
+    dtype = x.dtype
+    if n * hidden == 0 or num_tokens == 0:
+        return lambda x, indices, weights, bins: torch.empty(
+            out_shape, dtype=dtype, device=x.device
+        )
+    inverse = _inverse_plan(configs, n)
+    grid, scalars, kw = _gather_launch(
+        configs,
+        x.device.type == "cpu",
+        x.element_size(),
+        num_tokens,
         hidden,
         n,
         num_bins,
-        bin_size,
-        _rows(x, mode),
-        BLOCK_H=cfg.block_h,
-        MODE=mode,
-        num_warps=cfg.num_warps,
-        K_PAD=next_power_of_2(top_k),
-        **_meta(top_k, num_bins),
-        **_options(),
+        top_k,
+        PLAIN,
+        0,
+        0,
+        has_weights,
     )
-    return out
+    copy = bind(_gather_kernel, grid, *scalars, **kw)
+
+    def run(
+        x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+    ) -> torch.Tensor:
+        out = x.new_empty(n, hidden)
+        inv = inverse(indices)
+        copy(x, indices, inv, bins, weights if weights is not None else x, bins, bins, out)
+        return out
+
+    return run
+
+
+def _scatter_plan(
+    configs: LaunchConfigs,
+    x: torch.Tensor,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    has_weights: bool,
+) -> Callable[..., torch.Tensor]:
+    num_tokens = n // top_k
+    hidden = x.shape[-1]
+    out_shape = (num_tokens, hidden)
+    dtype = x.dtype
+    if num_tokens * hidden == 0:
+        return lambda x, indices, weights, bins: torch.empty(
+            out_shape, dtype=dtype, device=x.device
+        )
+    inverse = _inverse_plan(configs, n)
+    grid, scalars, kw = _scatter_launch(
+        configs, x.element_size(), num_tokens, hidden, n, num_bins, top_k, PLAIN, 0, 0, has_weights
+    )
+    reduce = bind(_scatter_kernel, grid, *scalars, **kw)
+
+    def run(
+        x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+    ) -> torch.Tensor:
+        out = x.new_empty(num_tokens, hidden)
+        inv = inverse(indices)
+        reduce(x, indices, inv, bins, weights if weights is not None else x, bins, bins, out)
+        return out
+
+    return run
+
+
+def _wgrad_plan(
+    configs: LaunchConfigs, x: torch.Tensor, n: int, num_bins: int, top_k: int
+) -> Callable[..., torch.Tensor]:
+    hidden = x.shape[-1]
+    dtype = x.dtype
+    if n == 0 or hidden == 0:
+        return lambda x, grad, indices, bins: torch.zeros(n, dtype=dtype, device=x.device)
+    inverse = _inverse_plan(configs, n)
+    grid, scalars, kw = _wgrad_launch(
+        configs, x.element_size(), n // top_k, hidden, n, num_bins, top_k, PLAIN, 0, 0
+    )
+    dot = bind(_wgrad_kernel, grid, *scalars, **kw)
+
+    def run(
+        x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor
+    ) -> torch.Tensor:
+        out = x.new_empty(n)
+        inv = inverse(indices)
+        dot(x, grad, indices, inv, bins, bins, bins, out)
+        return out
+
+    return run
 
 
 # --------------------------------------------------------------------------- contract functions
@@ -706,8 +927,29 @@ def gather(
     top_k: int,
 ) -> torch.Tensor:
     """(T, H) -> (T*K, H): out[i] = x[indices[i] // K] * weights[indices[i]] (if weights)."""
-    out = torch.empty((indices.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    return _launch_gather(x, indices, weights, bins, None, top_k, out, PLAIN, 0)
+    configs = launch_configs()
+    key = (
+        x.shape,
+        x.dtype,
+        x.device,
+        indices.shape,
+        indices.dtype,
+        bins.shape,
+        bins.dtype,
+        None if weights is None else weights.dtype,
+        top_k,
+        configs,
+    )
+    plan = _GATHER_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _GATHER_PLANS,
+            key,
+            _gather_plan(
+                configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None
+            ),
+        )
+    return plan(x, indices, weights, bins)
 
 
 def scatter(
@@ -719,7 +961,29 @@ def scatter(
     top_k: int,
 ) -> torch.Tensor:
     """(T*K, H) sorted rows -> (T, H): weighted top-k sum per token (fp32 accumulation)."""
-    return _launch_scatter(x, indices, weights, bins, None, top_k, PLAIN, 0)
+    configs = launch_configs()
+    key = (
+        x.shape,
+        x.dtype,
+        x.device,
+        indices.shape,
+        indices.dtype,
+        bins.shape,
+        bins.dtype,
+        None if weights is None else weights.dtype,
+        top_k,
+        configs,
+    )
+    plan = _SCATTER_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _SCATTER_PLANS,
+            key,
+            _scatter_plan(
+                configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None
+            ),
+        )
+    return plan(x, indices, weights, bins)
 
 
 def scatter_wgrad(
@@ -731,7 +995,26 @@ def scatter_wgrad(
     top_k: int,
 ) -> torch.Tensor:
     """(n,) in x.dtype: out[indices[i]] = dot(x[i], grad[indices[i] // K])."""
-    return _launch_wgrad(x, grad, indices, bins, None, top_k, PLAIN, 0)
+    configs = launch_configs()
+    key = (
+        x.shape,
+        x.dtype,
+        x.device,
+        grad.shape,
+        grad.dtype,
+        indices.shape,
+        indices.dtype,
+        bins.shape,
+        bins.dtype,
+        top_k,
+        configs,
+    )
+    plan = _WGRAD_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _WGRAD_PLANS, key, _wgrad_plan(configs, x, indices.numel(), bins.numel(), int(top_k))
+        )
+    return plan(x, grad, indices, bins)
 
 
 def padded_gather(
