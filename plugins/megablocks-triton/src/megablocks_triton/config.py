@@ -46,6 +46,9 @@ class RoutingConfig:
     num_warps: int
     prescan: bool = False
     """Scan the count table in a launch of its own (many bins) instead of in every program."""
+    single: bool = False
+    """One program sorts every key (n <= tile): it counts them itself, so one launch and no
+    count table (few keys, e.g. decode)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,16 @@ class LaunchConfigs:
     """Default launch parameters; subclass and override per vendor."""
 
     def routing(self, n: int, num_bins_pow2: int) -> RoutingConfig:
+        if n <= 1024:
+            # Few keys: one program ranks them all (16 serial 64-key chunks at most) in one
+            # launch, where two launches would cost more host and GPU time than the work.
+            return RoutingConfig(
+                tile=_pow2_at_least(n, 64),
+                chunk=64,
+                tile_rows=max(1, min(32, 8192 // num_bins_pow2)),
+                num_warps=4,
+                single=True,
+            )
         # Aim for ~128 tiles (16384*8 keys -> 1024-key tiles): enough programs
         # for the H200's 132 SMs and a short serial in-tile rank chain, few
         # enough that every program can re-read the whole (tiles x bins) count
@@ -258,6 +271,19 @@ class LaunchConfigs:
         return PermutationConfig(
             block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps
         )
+
+    def gather_by_rows(self, num_tokens: int, hidden: int, top_k: int, element_size: int) -> bool:
+        """Plain gather: one program per output row that reads its token's row (each row of x
+        read top_k times, from L2 while x is small) in one launch, instead of token programs that
+        read each row once but need an inverse-permutation launch first. For few rows."""
+        return num_tokens * top_k <= 2048 and num_tokens * hidden * element_size <= 2**21
+
+    def scatter_search(self, num_tokens: int, top_k: int) -> int:
+        """Plain scatter with few rows: each token program finds its rows by scanning all of
+        ``indices`` (this many ids per step) instead of an inverse-permutation launch first; 0
+        for that launch (the scan is O(rows) per token)."""
+        rows = num_tokens * top_k
+        return min(_pow2(rows), 256) if rows <= 1024 else 0
 
     def wgrad(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int

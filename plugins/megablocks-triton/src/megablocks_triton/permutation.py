@@ -200,6 +200,52 @@ def _destinations(
 
 
 @triton.jit
+def _rows_naming(indices_ptr, first, n, copies, SEARCH: tl.constexpr):
+    """For each flat id ``first + copies[k]``: the last sorted row p < n with indices[p] equal to
+    it, or -1 where no row names it. Scans all n ids (SEARCH per step): for few rows only."""
+    found = tl.full(copies.shape, -1, tl.int32)
+    for s0 in range(0, n, SEARCH):
+        q = s0 + tl.arange(0, SEARCH)
+        ids = tl.load(indices_ptr + q, mask=q < n, other=-1)  # -1 names no copy
+        hit = (ids - first)[None, :] == copies[:, None]
+        found = tl.maximum(found, tl.max(tl.where(hit, q[None, :], -1), axis=1))
+    return found
+
+
+@triton.jit
+def _gather_rows_kernel(
+    x_ptr,
+    indices_ptr,
+    weights_ptr,
+    out_ptr,
+    n,
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLIT_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+):
+    """Plain gather by output row (few rows): sorted row p = x[indices[p] // TOP_K], weighted by
+    weights[indices[p]]; 0 for an id outside [0, n). No inverse permutation needed; each row of x
+    is read top_k times (from L2 while x is small)."""
+    p = tl.program_id(0)
+    g = tl.load(indices_ptr + p)
+    named = (g >= 0) & (g < n)
+    g = tl.where(named, g, 0)
+    src = x_ptr + (g // TOP_K).to(tl.int64) * hidden
+    dst = out_ptr + p.to(tl.int64) * hidden
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + g, mask=named, other=0).to(tl.float32)
+    for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < hidden
+        row = tl.load(src + h, mask=hm & named, other=0)
+        if HAS_WEIGHTS:
+            row = (row.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+        tl.store(dst + h, row, mask=hm)
+
+
+@triton.jit
 def _is_cumulative(ptr, count, BLOCK: tl.constexpr):
     """ptr[0:count] is nondecreasing and starts at >= 0 (a cumulative sum of counts)."""
     bad = tl.zeros([BLOCK], dtype=tl.int32)
@@ -447,9 +493,14 @@ def _scatter_kernel(
     MODE: tl.constexpr,
     LOG: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    SEARCH: tl.constexpr,
+    K_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     out_row = out_ptr + pid.to(tl.int64) * hidden
+    if SEARCH > 0:  # few rows (plain layout): no inverse permutation, scan indices instead
+        copies = tl.arange(0, K_PAD)
+        found = _rows_naming(indices_ptr, pid * TOP_K, n, copies, SEARCH)
     for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < hidden
@@ -457,23 +508,29 @@ def _scatter_kernel(
         # cross-thread reduction over a (k, H) tile.
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            f, src, keep = _destinations(
-                pid,
-                tl.full([], k, tl.int32),
-                indices_ptr,
-                inv_ptr,
-                hint_ptr,
-                bins_ptr,
-                padded_ptr,
-                n,
-                num_bins,
-                bin_size,
-                num_rows,
-                TOP_K,
-                MODE,
-                LOG,
-                False,
-            )
+            if SEARCH > 0:
+                p = tl.max(tl.where(copies == k, found, -1), axis=0)
+                keep = p >= 0
+                f = pid * TOP_K + k
+                src = tl.where(keep, p, 0).to(tl.int64)
+            else:
+                f, src, keep = _destinations(
+                    pid,
+                    tl.full([], k, tl.int32),
+                    indices_ptr,
+                    inv_ptr,
+                    hint_ptr,
+                    bins_ptr,
+                    padded_ptr,
+                    n,
+                    num_bins,
+                    bin_size,
+                    num_rows,
+                    TOP_K,
+                    MODE,
+                    LOG,
+                    False,
+                )
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
             if HAS_WEIGHTS:
                 row = row * tl.load(weights_ptr + f).to(tl.float32)
@@ -603,14 +660,18 @@ def _scatter_launch(
     bin_size: int,
     num_rows: int,
     has_weights: bool,
+    search: int = 0,
 ) -> Launch:
-    """Grid, scalars and keywords of a ``_scatter_kernel`` launch (its tensors come first)."""
+    """Grid, scalars and keywords of a ``_scatter_kernel`` launch (its tensors come first);
+    ``search`` > 0: the token programs scan ``indices`` for their rows (no ``inv``)."""
     cfg = configs.permutation(num_tokens, hidden, top_k, element_size)
     kw = {
         "BLOCK_H": cfg.block_h,
         "SPLIT_H": cfg.split_h,
         "MODE": mode,
         "HAS_WEIGHTS": has_weights,
+        "SEARCH": search,
+        "K_PAD": next_power_of_2(top_k),
         "num_warps": cfg.num_warps,
         **_meta(top_k, num_bins),
         **_options(configs),
@@ -824,12 +885,34 @@ def _gather_plan(
     has_weights: bool,
 ) -> Callable[..., torch.Tensor]:
     num_tokens, hidden = x.shape
-    out_shape = (n, hidden)
     dtype = x.dtype
     if n * hidden == 0 or num_tokens == 0:
         return lambda x, indices, weights, bins: torch.empty(
-            out_shape, dtype=dtype, device=x.device
+            (n, hidden), dtype=dtype, device=x.device
         )
+    if configs.gather_by_rows(num_tokens, hidden, top_k, x.element_size()):
+        cfg = configs.permutation(n, hidden, 1, x.element_size())  # n rows of one copy each
+        copy_rows = bind(
+            _gather_rows_kernel,
+            (n, cfg.split_h),
+            n,
+            hidden,
+            TOP_K=top_k,
+            BLOCK_H=cfg.block_h,
+            SPLIT_H=cfg.split_h,
+            HAS_WEIGHTS=has_weights,
+            num_warps=cfg.num_warps,
+            **_options(configs),
+        )
+
+        def by_rows(
+            x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+        ) -> torch.Tensor:
+            out = x.new_empty(n, hidden)
+            copy_rows(x, indices, weights if weights is not None else x, out)
+            return out
+
+        return by_rows
     inverse = _inverse_plan(configs, n)
     grid, scalars, kw = _gather_launch(
         configs,
@@ -847,7 +930,7 @@ def _gather_plan(
     )
     copy = bind(_gather_kernel, grid, *scalars, **kw)
 
-    def run(
+    def by_tokens(
         x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
     ) -> torch.Tensor:
         out = x.new_empty(n, hidden)
@@ -855,7 +938,7 @@ def _gather_plan(
         copy(x, indices, inv, bins, weights if weights is not None else x, bins, bins, out)
         return out
 
-    return run
+    return by_tokens
 
 
 def _scatter_plan(
@@ -868,19 +951,43 @@ def _scatter_plan(
 ) -> Callable[..., torch.Tensor]:
     num_tokens = n // top_k
     hidden = x.shape[-1]
-    out_shape = (num_tokens, hidden)
     dtype = x.dtype
     if num_tokens * hidden == 0:
         return lambda x, indices, weights, bins: torch.empty(
-            out_shape, dtype=dtype, device=x.device
+            (num_tokens, hidden), dtype=dtype, device=x.device
         )
-    inverse = _inverse_plan(configs, n)
+    search = configs.scatter_search(num_tokens, top_k)
     grid, scalars, kw = _scatter_launch(
-        configs, x.element_size(), num_tokens, hidden, n, num_bins, top_k, PLAIN, 0, 0, has_weights
+        configs,
+        x.element_size(),
+        num_tokens,
+        hidden,
+        n,
+        num_bins,
+        top_k,
+        PLAIN,
+        0,
+        0,
+        has_weights,
+        search,
     )
     reduce = bind(_scatter_kernel, grid, *scalars, **kw)
+    if search:
 
-    def run(
+        def scanning(
+            x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+        ) -> torch.Tensor:
+            out = x.new_empty(num_tokens, hidden)
+            # No inverse permutation: indices stands in for inv (unread).
+            reduce(
+                x, indices, indices, bins, weights if weights is not None else x, bins, bins, out
+            )
+            return out
+
+        return scanning
+    inverse = _inverse_plan(configs, n)
+
+    def by_inverse(
         x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
     ) -> torch.Tensor:
         out = x.new_empty(num_tokens, hidden)
@@ -888,7 +995,7 @@ def _scatter_plan(
         reduce(x, indices, inv, bins, weights if weights is not None else x, bins, bins, out)
         return out
 
-    return run
+    return by_inverse
 
 
 def _wgrad_plan(

@@ -15,10 +15,14 @@ input shapes. The central piece is a two-launch stable counting sort:
 With many bins (E >= 64) re-reading the whole table in every program costs more
 than a third launch: ``_tile_scan_kernel`` then scans the table once (per bin,
 down the tiles) and each scatter program reads only its own row, which also
-allows smaller tiles (a shorter serial in-tile rank chain).
+allows smaller tiles (a shorter serial in-tile rank chain). With few keys (one tile, e.g. a
+decode step) a single program counts them itself and ranks them: one launch, no table.
+
+The host side prepares each call shape's launches once (grid, scalars, compiled kernel:
+:func:`megablocks_triton.launch.bind`), so a call allocates its outputs and launches.
 
 Used with 2**end_bit bins it is ``sort``; with ``num_experts`` bins it is
-``route``, which returns the whole routing metadata in those two launches.
+``route``, which returns the whole routing metadata in those launches.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from .config import LaunchConfigs, launch_configs
+from .config import LaunchConfigs, RoutingConfig, launch_configs
 from .launch import bind, cdiv, launch, next_power_of_2, remember
 
 __all__ = [
@@ -166,12 +170,21 @@ def _counting_scatter_kernel(
     HAS_PAYLOAD: tl.constexpr,
     WRITE_META: tl.constexpr,
     PRESCANNED: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, NB)
 
     # Global count of each bin, and of each bin in tiles before this one.
-    if PRESCANNED:  # many bins/tiles: _tile_scan_kernel did the column scans once for all
+    if SINGLE:  # one program, one tile holding every key: its own histogram is the global count
+        offs = tl.arange(0, TILE)
+        inb = offs < n
+        raw = tl.load(keys_ptr + offs, mask=inb, other=0)
+        digit, valid = _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK)
+        total = tl.histogram(digit, NB, mask=valid)
+        before = tl.zeros([NB], dtype=tl.int32)
+        strays = tl.sum((inb & ~valid).to(tl.int32), axis=0)
+    elif PRESCANNED:  # many bins/tiles: _tile_scan_kernel did the column scans once for all
         total = tl.load(total_ptr + cols)
         before = tl.load(before_ptr + pid * NB + cols)
     else:  # few: every program scans the small (tiles x bins) table itself
@@ -214,21 +227,29 @@ def _counting_scatter_kernel(
 
     # A radix pass places every key; route places its out-of-range ids too (bad data), after
     # every valid id and in input order, in a second pass over the tile that runs only where the
-    # histogram kernel counted some: valid ids pay one scalar load.
-    if not USE_MASK:  # noqa: SIM102 (compile-time test, then a runtime one)
-        if tl.load(counts_ptr + num_tiles * NB + pid) > 0:
+    # histogram kernel (or, SINGLE, this program's own count) found some: valid ids pay one
+    # scalar load.
+    if not USE_MASK:
+        if not SINGLE:
+            strays = tl.load(counts_ptr + num_tiles * NB + pid)
+        if strays > 0:
             # Where this tile's first stray goes: every valid id, then earlier tiles' strays.
-            stray_base = tl.zeros([], dtype=tl.int32)
-            for r0 in range(0, num_tiles, TILE_ROWS):
-                rows = r0 + tl.arange(0, TILE_ROWS)
-                live = rows < num_tiles
-                blk = tl.load(
-                    counts_ptr + rows[:, None] * NB + cols[None, :], mask=live[:, None], other=0
-                )
-                earlier = tl.load(
-                    counts_ptr + num_tiles * NB + rows, mask=live & (rows < pid), other=0
-                )
-                stray_base += tl.sum(tl.sum(blk, axis=1), axis=0) + tl.sum(earlier, axis=0)
+            if SINGLE:
+                stray_base = tl.sum(total, axis=0)
+            else:
+                stray_base = tl.zeros([], dtype=tl.int32)
+                for r0 in range(0, num_tiles, TILE_ROWS):
+                    rows = r0 + tl.arange(0, TILE_ROWS)
+                    live = rows < num_tiles
+                    blk = tl.load(
+                        counts_ptr + rows[:, None] * NB + cols[None, :],
+                        mask=live[:, None],
+                        other=0,
+                    )
+                    earlier = tl.load(
+                        counts_ptr + num_tiles * NB + rows, mask=live & (rows < pid), other=0
+                    )
+                    stray_base += tl.sum(tl.sum(blk, axis=1), axis=0) + tl.sum(earlier, axis=0)
             for c in range(0, TILE, CHUNK):
                 offs = pid * TILE + c + lane
                 inb = offs < n
@@ -281,6 +302,10 @@ def _counting_plan(
     nb = next_power_of_2(num_bins)
     cfg = configs.routing(n, nb)
     opts = _options(configs)
+    if cfg.single and n <= cfg.tile:
+        return _single_pass_plan(
+            configs, cfg, n, num_bins, shift, digit_mask, has_payload, block_size
+        )
     num_tiles = cdiv(n, cfg.tile)
     # The (tiles x bins) count table, then one stray count per tile (route only).
     table_size = num_tiles * nb + num_tiles
@@ -321,6 +346,7 @@ def _counting_plan(
         HAS_PAYLOAD=has_payload,
         WRITE_META=block_size is not None,
         PRESCANNED=cfg.prescan,
+        SINGLE=False,
         num_warps=cfg.num_warps,
         **opts,
     )
@@ -346,6 +372,63 @@ def _counting_plan(
             counts,
             before,
             total,
+            values,
+            index,
+            tpe,
+            bins,
+            padded,
+        )
+        return values, index
+
+    return run
+
+
+def _single_pass_plan(
+    configs: LaunchConfigs,
+    cfg: RoutingConfig,
+    n: int,
+    num_bins: int,
+    shift: int,
+    digit_mask: int | None,
+    has_payload: bool,
+    block_size: int | None,
+) -> CountingPass:
+    """:func:`_counting_plan` for keys that fit one tile: one program, one launch, no table."""
+    place = bind(
+        _counting_scatter_kernel,
+        (1,),
+        n,
+        1,
+        num_bins,
+        shift,
+        digit_mask if digit_mask is not None else 0,
+        block_size if block_size is not None else 1,
+        NB=next_power_of_2(num_bins),
+        TILE=cfg.tile,
+        CHUNK=cfg.chunk,
+        TILE_ROWS=cfg.tile_rows,
+        USE_MASK=digit_mask is not None,
+        HAS_PAYLOAD=has_payload,
+        WRITE_META=block_size is not None,
+        PRESCANNED=False,
+        SINGLE=True,
+        num_warps=cfg.num_warps,
+        **_options(configs),
+    )
+
+    def run(
+        keys: torch.Tensor, payload: torch.Tensor | None, meta: Meta | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.empty_like(keys)
+        index = torch.empty_like(keys)
+        tpe, bins, padded = meta if meta is not None else (keys, keys, keys)
+        # No count table: its three pointers are unused (keys stands in).
+        place(
+            keys,
+            payload if payload is not None else keys,
+            keys,
+            keys,
+            keys,
             values,
             index,
             tpe,
