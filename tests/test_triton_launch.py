@@ -95,7 +95,7 @@ def test_bound_launch_matches_triton(kernel, square):
         got = base[2, offset : offset + n].fill_(float("nan"))
         bound(x, y, got)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert bound._run is not None  # pinned
+    assert bound.pinned is not None
 
 
 def test_bound_launch_uses_the_native_launch_on_triton_3_6(kernel):
@@ -108,7 +108,7 @@ def test_bound_launch_uses_the_native_launch_on_triton_3_6(kernel):
     bound(x, x, out)
     bound(x, x, out)
     torch.testing.assert_close(out, torch.full_like(x, 2.0))
-    assert bound._direct == triton.__version__.startswith("3.6.")
+    assert bound.pinned == ("native" if triton.__version__.startswith("3.6.") else "launcher")
 
 
 def test_bound_launch_goes_through_triton_when_hooks_are_installed(kernel):

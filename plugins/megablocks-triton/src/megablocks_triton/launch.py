@@ -23,7 +23,8 @@ compile for it):
 
 Where the fast paths cannot be used — the CPU interpreter (``TRITON_INTERPRET=1``),
 launch hooks installed (profilers such as proton) — every call goes through
-``kernel[grid]`` unchanged.
+``kernel[grid]`` unchanged. On ROCm, where Triton also specialises pointers on whether their
+storage fits 2 GiB, the key records that too and :class:`BoundLaunch` pins nothing.
 """
 
 from __future__ import annotations
@@ -197,10 +198,10 @@ class BoundLaunch:
     __slots__ = (
         "_args",
         "_device",
-        "_direct",
         "_grid",
         "_kw",
         "_launcher",
+        "_native",
         "_pinned",
         "_run",
         "_scalars",
@@ -215,9 +216,20 @@ class BoundLaunch:
         self._scalars = tuple(scalars)
         self._args = self._scalars  # what follows the tensors: + the constexprs once pinned
         self._device = -1
-        self._pinned: tuple[Any, ...] = ()  # what the pinned launch passes before the tensors
+        # Once pinned: the compiled kernel's launch function, and what it takes between the
+        # stream and the kernel's arguments.
         self._run: Callable[..., Any] | None = None
-        self._direct = False
+        self._pinned: tuple[Any, ...] = ()
+        self._native = False
+
+    @property
+    def pinned(self) -> str | None:
+        """How aligned calls launch: "native" (Triton's C launch function), "launcher" (the
+        compiled kernel's launcher object) or None (not pinned: every call goes through
+        :class:`Launcher`)."""
+        if self._run is None:
+            return None
+        return "native" if self._native else "launcher"
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         run = self._run
@@ -233,42 +245,7 @@ class BoundLaunch:
                     unaligned |= p
                 if not unaligned & 15:
                     g0, g1, g2 = self._grid
-                    if self._direct:
-                        # launch(grid, stream, function, cooperative, pdl, global scratch,
-                        # profile scratch, metadata, launch metadata, enter hook, exit hook, ...)
-                        function, cooperative, pdl, metadata = self._pinned
-                        run(
-                            g0,
-                            g1,
-                            g2,
-                            _raw_stream(device),
-                            function,
-                            cooperative,
-                            pdl,
-                            None,
-                            None,
-                            metadata,
-                            None,
-                            None,
-                            None,
-                            *ptrs,
-                            *self._args,
-                        )
-                    else:
-                        function, metadata = self._pinned
-                        run(
-                            g0,
-                            g1,
-                            g2,
-                            _raw_stream(device),
-                            function,
-                            metadata,
-                            None,
-                            None,
-                            None,
-                            *ptrs,
-                            *self._args,
-                        )
+                    run(g0, g1, g2, _raw_stream(device), *self._pinned, *ptrs, *self._args)
                     return
         self._slow(tensors)
 
@@ -282,21 +259,30 @@ class BoundLaunch:
         run = compiled.run
         direct = _direct_launch(run)
         if direct is not None:
+            # launch(grid, stream, function, cooperative, pdl, global scratch, profile scratch,
+            # metadata, launch metadata, enter hook, exit hook, *arguments)
+            self._run, self._native = direct, True
             self._pinned = (
                 compiled.function,
                 run.launch_cooperative_grid,
                 run.launch_pdl,
+                None,
+                None,
                 compiled.packed_metadata,
+                None,
+                None,
+                None,
             )
-            self._run, self._direct = direct, True
-        else:
-            self._pinned = (compiled.function, compiled.packed_metadata)
-            self._run, self._direct = run, False
+        else:  # run(grid, stream, function, metadata, launch metadata, enter/exit hooks, ...)
+            self._run, self._native = run, False
+            self._pinned = (compiled.function, compiled.packed_metadata, None, None, None)
         self._args = self._scalars + tail
         self._device = _current_device()
 
 
-_LAUNCHERS: dict[Any, Launcher] = {}
+# id(kernel) → its Launcher (ids, not the kernels' own hash, which Triton computes in Python;
+# the Launcher keeps its kernel alive, so an id is never reused for another kernel).
+_LAUNCHERS: dict[int, Launcher] = {}
 
 
 def launcher(kernel: Any) -> Launcher:

@@ -14,6 +14,13 @@ row in sorted order: the inverse permutation of ``indices``, built by one tiny
 scatter launch (``_inverse_kernel``), never a host sync. Only padded_gather
 reads one value on the host (``padded_bins[-1]``, the output size).
 
+Few rows (the launch policy decides: ``LaunchConfigs.gather_by_rows`` and
+``scatter_search``), the plain gather and scatter skip that launch, whose host
+cost then exceeds the work: gather runs one program per output row that copies
+its token's row (``_gather_rows_kernel``: x is read top_k times, from L2), and
+scatter's token programs find their rows by scanning ``indices`` (``_rows_naming``).
+Their launches are prepared once per call shape (``megablocks_triton.launch.bind``).
+
 Destinations by layout (``MODE``):
   0 plain:  row p = inv[f]
   1 padded: row p - bins_start(e) + padded_start(e), e = bin_ids[p] where bins confirm it
@@ -28,8 +35,10 @@ Bad data (inputs that pass the always-on checks but break the data rules) never
 makes a kernel address memory outside its tensors, and every output element is
 written: ``inv`` is trusted only where it points back at a row naming that flat
 id (an int compare), destinations are masked to the layout, and each token
-program also writes the sorted rows no token reaches (``_fix_unreached``). The
-results are documented per op in the contracts' edge cases.
+program also writes the sorted rows no token reaches (``_fix_unreached``); the
+row-by-row gather masks each row's source to x and writes every row, and the scan
+reads only ``indices``. The results are documented per op in the contracts' edge
+cases and are the same on every path.
 """
 
 from __future__ import annotations

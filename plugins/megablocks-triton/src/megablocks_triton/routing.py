@@ -177,13 +177,15 @@ def _counting_scatter_kernel(
 
     # Global count of each bin, and of each bin in tiles before this one.
     if SINGLE:  # one program, one tile holding every key: its own histogram is the global count
-        offs = tl.arange(0, TILE)
-        inb = offs < n
-        raw = tl.load(keys_ptr + offs, mask=inb, other=0)
-        digit, valid = _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK)
-        total = tl.histogram(digit, NB, mask=valid)
+        every = tl.arange(0, TILE)
+        every_inb = every < n
+        every_key = tl.load(keys_ptr + every, mask=every_inb, other=0)
+        every_bin, every_valid = _digits(
+            every_key, every_inb, num_bins, shift, digit_mask, USE_MASK
+        )
+        total = tl.histogram(every_bin, NB, mask=every_valid)
         before = tl.zeros([NB], dtype=tl.int32)
-        strays = tl.sum((inb & ~valid).to(tl.int32), axis=0)
+        strays = tl.sum((every_inb & ~every_valid).to(tl.int32), axis=0)
     elif PRESCANNED:  # many bins/tiles: _tile_scan_kernel did the column scans once for all
         total = tl.load(total_ptr + cols)
         before = tl.load(before_ptr + pid * NB + cols)
@@ -271,9 +273,8 @@ def _options(configs: LaunchConfigs | None = None) -> Mapping[str, Any]:
 
 Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-CountingPass = Callable[
-    [torch.Tensor, "torch.Tensor | None", "Meta | None"], tuple[torch.Tensor, torch.Tensor]
-]
+#: ``run(keys, payload=None, meta=None) -> (values, index)``: one prepared counting-sort pass.
+CountingPass = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 # Per call shape (and launch policy): the prepared launches of sort, route, histogram, cumsum.
 _SORT_PLANS: dict[Any, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -354,7 +355,7 @@ def _counting_plan(
     int32 = torch.int32
 
     def run(
-        keys: torch.Tensor, payload: torch.Tensor | None, meta: Meta | None
+        keys: torch.Tensor, payload: torch.Tensor | None = None, meta: Meta | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         counts = keys.new_empty(table_size, dtype=int32)
         values = torch.empty_like(keys)
@@ -417,7 +418,7 @@ def _single_pass_plan(
     )
 
     def run(
-        keys: torch.Tensor, payload: torch.Tensor | None, meta: Meta | None
+        keys: torch.Tensor, payload: torch.Tensor | None = None, meta: Meta | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         values = torch.empty_like(keys)
         index = torch.empty_like(keys)
@@ -528,16 +529,15 @@ def _sort_plan(
     if end_bit == 0:  # every key compares equal: identity permutation
         return _sort_identity
     if end_bit <= 10:
-        single = _counting_plan(configs, n, 1 << end_bit, 0, (1 << end_bit) - 1, False, None)
-        return lambda x: single(x, None, None)
+        return _counting_plan(configs, n, 1 << end_bit, 0, (1 << end_bit) - 1, False, None)
     lo = end_bit // 2
     hi = end_bit - lo
     low_pass = _counting_plan(configs, n, 1 << lo, 0, (1 << lo) - 1, False, None)
     high_pass = _counting_plan(configs, n, 1 << hi, lo, (1 << hi) - 1, True, None)
 
     def two_passes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, index = low_pass(x, None, None)
-        return high_pass(keys, index, None)
+        keys, index = low_pass(x)
+        return high_pass(keys, index)
 
     return two_passes
 
