@@ -97,6 +97,7 @@ def _close(got: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> None:
         (1, 1, 1, torch.int32, 1),
         (300, 1, 8, torch.int64, 1),  # one expert
         (500, 7, 4, torch.int16, 3),  # most experts empty
+        (200, 64, 16, torch.int16, 40),  # few keys: one program (the default's small-call path)
         (3000, 256, 128, torch.int32, 256),  # E=256, several tiles
         (2000, 64, 16, torch.int64, 20),
         (
@@ -137,10 +138,10 @@ def test_route_matches_separate_ops() -> None:
     assert torch.equal(bins, mt.inclusive_cumsum(tpe, 0))
 
 
+@pytest.mark.parametrize("n", [200, 600])  # one program by default, or several tiles
 @pytest.mark.parametrize("dtype", INTS)
 @pytest.mark.parametrize("end_bit", [0, 1, 4, 8, 10, 13, 16, None])
-def test_sort(end_bit: int | None, dtype: torch.dtype, launch_paths: object) -> None:
-    n = 600
+def test_sort(n: int, end_bit: int | None, dtype: torch.dtype, launch_paths: object) -> None:
     g = _gen(end_bit or 0)
     if end_bit is None:  # full width: negative keys too
         info = torch.iinfo(dtype)

@@ -15,8 +15,9 @@ input shapes. The central piece is a two-launch stable counting sort:
 With many bins (E >= 64) re-reading the whole table in every program costs more
 than a third launch: ``_tile_scan_kernel`` then scans the table once (per bin,
 down the tiles) and each scatter program reads only its own row, which also
-allows smaller tiles (a shorter serial in-tile rank chain). With few keys (one tile, e.g. a
-decode step) a single program counts them itself and ranks them: one launch, no table.
+allows smaller tiles (a shorter serial in-tile rank chain). With few keys (up to 256 by
+default, e.g. a decode step) a single program counts them itself and ranks them: one launch,
+no table.
 
 The host side prepares each call shape's launches once (grid, scalars, compiled kernel:
 :func:`megablocks_triton.launch.bind`), so a call allocates its outputs and launches.
