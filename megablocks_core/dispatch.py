@@ -40,6 +40,8 @@ _warned: set[tuple[str, str]] = set()  # (op, device kind) whose portable fallba
 _caches: dict[str, dict[Any, Selected]] = {}  # op → validated call key → choice
 _ranked: dict[str, dict[Any, Selected]] = {}  # op → (device, dtypes, policy) → choice
 _served: dict[str, set[str]] = {}  # op → labels of the kernels chosen so far
+# (op, id of a kernel's fn) → (that fn, its contiguous-arguments wrapper)
+_runners: dict[tuple[str, int], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 def reload(env: Mapping[str, str] | None = None) -> Registry:
@@ -72,6 +74,7 @@ def reload(env: Mapping[str, str] | None = None) -> Registry:
         cache.clear()
     for labels in _served.values():
         labels.clear()
+    _runners.clear()
     return _registry
 
 
@@ -89,15 +92,31 @@ class Selected:
     trace: Trace
 
 
-def _runner(kernel: Kernel) -> Callable[..., Any]:
+def _runner(kernel: Kernel, contract: OpContract) -> Callable[..., Any]:
+    """How the entry calls ``kernel``: its function, or for a kernel that takes contiguous
+    tensors, a wrapper generated for the op's signature that makes each tensor argument
+    contiguous (``.contiguous()`` returns a contiguous tensor itself)."""
     if not kernel.contiguous:
         return kernel.fn
-    fn = kernel.fn
+    made = _runners.get((contract.name, id(kernel.fn)))
+    if made is not None and made[0] is kernel.fn:
+        return made[1]
+    optional = {a.name: a.optional for a in contract.tensor_args}  # tensor argument → optional?
 
-    def run_contiguous(*args: Any) -> Any:
-        return fn(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+    def passed(name: str) -> str:
+        if name not in optional:
+            return name
+        if optional[name]:
+            return f"{name} if {name} is None else {name}.contiguous()"
+        return f"{name}.contiguous()"
 
-    return run_contiguous
+    params = ", ".join(contract.arg_names)
+    body = ", ".join(passed(n) for n in contract.arg_names)
+    scope: dict[str, Any] = {"_fn": kernel.fn}
+    exec(f"def run_contiguous({params}):\n    return _fn({body})\n", scope)
+    run: Callable[..., Any] = scope["run_contiguous"]
+    _runners[(contract.name, id(kernel.fn))] = (kernel.fn, run)
+    return run
 
 
 def describe_call(contract: OpContract, args: tuple[Any, ...]) -> dict[str, Any]:
@@ -151,12 +170,14 @@ def resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
                 trace.winner.label,
                 contract.name,
             )
-        selected = ranked[signature] = Selected(trace.winner, _runner(trace.winner), trace)
+        selected = ranked[signature] = Selected(
+            trace.winner, _runner(trace.winner, contract), trace
+        )
     if selected.trace.per_call or selected.trace.cost_tier:  # the shapes decide (ranking step 4)
         kernel, _, error = for_call(selected.trace, describe_call(contract, args))
         if kernel is None:
             raise NoKernelError(f"megablocks_core: {error}")
-        selected = Selected(kernel, _runner(kernel), selected.trace)
+        selected = Selected(kernel, _runner(kernel, contract), selected.trace)
     _served.setdefault(contract.name, set()).add(selected.kernel.label)
     if key is not None:
         cache = _caches[contract.name]

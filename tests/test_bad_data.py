@@ -55,9 +55,22 @@ TRITON_CASES = [
     if not (name.startswith(("padded_gather/", "binned_gather/")) and name.endswith("(weighted)"))
 ]
 
+#: The cases again under the launch policy of large calls (tests/launch_paths.py): their small
+#: shapes otherwise take only the default's small-call paths.
+LARGE_CALL_CASES = [
+    name
+    for name in TRITON_CASES
+    if name.partition("/")[0] in ("sort", "route", "histogram", "gather", "scatter")
+]
+
 _CHILD = """
 import json, sys
 from megablocks_core.testing import Mismatch, bad_data
+if sys.argv[2] == "large-call":
+    sys.path.insert(0, sys.argv[3])
+    import megablocks_triton
+    from launch_paths import LargeCallPaths
+    megablocks_triton.set_launch_configs(LargeCallPaths())
 for name in json.loads(sys.argv[1]):
     print("START " + json.dumps(name), flush=True)
     failure = bad_data.run_case("triton", name)
@@ -65,15 +78,23 @@ for name in json.loads(sys.argv[1]):
 """
 
 
-def _run_isolated(names: list[str]) -> dict[str, str | None]:
-    """Run cases in child processes; a case that kills its child gets that as its failure."""
+def _run_isolated(names: list[str], policy: str = "default") -> dict[str, str | None]:
+    """Run cases in child processes under the launch ``policy`` ("default" or "large-call"); a
+    case that kills its child gets that as its failure."""
     results: dict[str, str | None] = {}
     remaining = list(names)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("MEGABLOCKS_CHECK", None)
     while remaining:
         proc = subprocess.run(
-            [sys.executable, "-c", _CHILD, json.dumps(remaining)],
+            [
+                sys.executable,
+                "-c",
+                _CHILD,
+                json.dumps(remaining),
+                policy,
+                os.path.dirname(__file__),
+            ],
             env=env,
             capture_output=True,
             text=True,
@@ -104,6 +125,11 @@ def triton_results():
     return _run_isolated(TRITON_CASES)
 
 
+@pytest.fixture(scope="module")
+def triton_large_call_results():
+    return _run_isolated(LARGE_CALL_CASES, "large-call")
+
+
 @pytest.mark.parametrize("name", bad_data.case_names())
 def test_reference(name):
     failure = bad_data.run_case("reference", name)
@@ -114,6 +140,13 @@ def test_reference(name):
 @pytest.mark.parametrize("name", TRITON_CASES)
 def test_triton(name, triton_results):
     assert triton_results[name] is None, f"triton: {name}: {triton_results[name]}"
+
+
+@needs_triton
+@pytest.mark.parametrize("name", LARGE_CALL_CASES)
+def test_triton_large_call_paths(name, triton_large_call_results):
+    failure = triton_large_call_results[name]
+    assert failure is None, f"triton (large-call paths): {name}: {failure}"
 
 
 def test_cases_cover_every_data_dependent_op():

@@ -121,6 +121,46 @@ def test_equal_priority_ties_are_broken_by_backend_name(plugins):
     assert order.index("alpha") < order.index("beta") < order.index("reference")
 
 
+def test_contiguous_kernel_receives_contiguous_tensors_and_none(plugins):
+    """A kernel declared ``contiguous=True`` gets every tensor contiguous (strided ones copied,
+    contiguous ones as they are) and an absent optional tensor as None; other arguments as given."""
+    extra = """
+    SEEN = []
+
+    def scatter(*args):
+        SEEN.append(args)
+        return _reference.scatter(*args)
+    """
+    module = plugins.add(
+        "strided",
+        permutation(
+            "[Kernel(op='scatter', fn=scatter, devices=('cpu',), priority=50, contiguous=True)]",
+            extra,
+        ),
+    )
+    plugins.reload()
+    x, indices, bin_ids, bins, weights = routing_inputs()
+    rows = reference.gather(x, indices, bin_ids, None, bins, 2)
+    strided_rows = torch.stack([rows, rows], dim=-1)[..., 0]  # same values, stride 2
+    strided_weights = torch.stack([weights, weights], dim=1)[:, 0]
+    assert not strided_rows.is_contiguous() and not strided_weights.is_contiguous()
+    for weights_arg in (strided_weights, None):
+        out = ops.scatter(strided_rows, indices, bin_ids, weights_arg, bins, 2)
+        want = reference.scatter(rows, indices, bin_ids, weights_arg, bins, 2)
+        torch.testing.assert_close(out, want)
+    seen = sys.modules[module].SEEN
+    assert len(seen) == 2
+    for args, weights_arg in zip(seen, (strided_weights, None), strict=True):
+        got_rows, got_indices, got_bin_ids, got_weights, got_bins, top_k = args
+        assert got_rows.is_contiguous() and torch.equal(got_rows, rows)
+        assert got_indices is indices and got_bin_ids is bin_ids and got_bins is bins
+        if weights_arg is None:
+            assert got_weights is None
+        else:
+            assert got_weights.is_contiguous() and torch.equal(got_weights, weights)
+        assert type(top_k) is int and top_k == 2
+
+
 def test_dtype_restriction_rejects_other_dtypes_and_reference_serves_them(plugins):
     fast_plugin(plugins, kernel_args=", dtypes={'x': {torch.float32}}")
     plugins.reload()

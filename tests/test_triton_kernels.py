@@ -20,6 +20,8 @@ from triton_interpreter import interpreting
 triton = pytest.importorskip("triton")
 
 import megablocks_triton  # noqa: E402
+from launch_paths import LargeCallPaths  # noqa: E402
+from megablocks_triton import config  # noqa: E402
 from megablocks_triton import permutation as P  # noqa: E402
 from megablocks_triton import routing as R  # noqa: E402
 
@@ -59,6 +61,18 @@ class _OnDevice:
 
 mt = _OnDevice(megablocks_triton)
 
+
+@pytest.fixture(params=["default", "large-call"])
+def launch_paths(request: pytest.FixtureRequest) -> object:
+    """Each test using it runs under the default launch policy and under :class:`LargeCallPaths`
+    (for these tiny shapes: the paths the default takes only for large calls)."""
+    if request.param == "default":
+        yield
+        return
+    with config.use_launch_configs(LargeCallPaths()):
+        yield
+
+
 INTS = (torch.int16, torch.int32, torch.int64)
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
@@ -83,6 +97,7 @@ def _close(got: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> None:
         (1, 1, 1, torch.int32, 1),
         (300, 1, 8, torch.int64, 1),  # one expert
         (500, 7, 4, torch.int16, 3),  # most experts empty
+        (200, 64, 16, torch.int16, 40),  # few keys: one program (the default's small-call path)
         (3000, 256, 128, torch.int32, 256),  # E=256, several tiles
         (2000, 64, 16, torch.int64, 20),
         (
@@ -95,7 +110,9 @@ def _close(got: torch.Tensor, ref: np.ndarray, dtype: torch.dtype) -> None:
         (20000, 256, 128, torch.int64, 200),
     ],
 )
-def test_route(n: int, num_experts: int, block_size: int, dtype: torch.dtype, used: int) -> None:
+def test_route(
+    n: int, num_experts: int, block_size: int, dtype: torch.dtype, used: int, launch_paths: object
+) -> None:
     g = _gen(n + num_experts)
     pool = torch.randperm(num_experts, generator=g)[:used]
     keys = pool[torch.randint(0, used, (n,), generator=g)].to(dtype)
@@ -121,10 +138,10 @@ def test_route_matches_separate_ops() -> None:
     assert torch.equal(bins, mt.inclusive_cumsum(tpe, 0))
 
 
+@pytest.mark.parametrize("n", [200, 600])  # one program by default, or several tiles
 @pytest.mark.parametrize("dtype", INTS)
 @pytest.mark.parametrize("end_bit", [0, 1, 4, 8, 10, 13, 16, None])
-def test_sort(end_bit: int | None, dtype: torch.dtype) -> None:
-    n = 600
+def test_sort(n: int, end_bit: int | None, dtype: torch.dtype, launch_paths: object) -> None:
     g = _gen(end_bit or 0)
     if end_bit is None:  # full width: negative keys too
         info = torch.iinfo(dtype)
@@ -155,7 +172,9 @@ def test_sort_tiny(n: int) -> None:
     ("shape", "num_bins"),
     [((0,), 5), ((1,), 1), ((777,), 9), ((3, 400), 256), ((2, 300), 5000), ((4,), 0)],
 )
-def test_histogram(shape: tuple[int, ...], num_bins: int, dtype: torch.dtype) -> None:
+def test_histogram(
+    shape: tuple[int, ...], num_bins: int, dtype: torch.dtype, launch_paths: object
+) -> None:
     hi = max(num_bins, 1) + 3
     x = torch.randint(-3, hi, shape, generator=_gen(num_bins), dtype=torch.int64)
     if dtype == torch.int64 and x.numel():
@@ -286,7 +305,7 @@ def routed(request: pytest.FixtureRequest) -> Routed:
     return Routed(*request.param, seed=request.param_index)
 
 
-def test_gather(routed: Routed) -> None:
+def test_gather(routed: Routed, launch_paths: object) -> None:
     r = routed
     out = mt.gather(r.x, r.indices, r.bin_ids, r.w, r.bins, r.K)
     assert out.shape == (r.T * r.K, r.H)
@@ -296,7 +315,7 @@ def test_gather(routed: Routed) -> None:
         assert torch.equal(unweighted[i], r.x[f // r.K])
 
 
-def test_scatter(routed: Routed) -> None:
+def test_scatter(routed: Routed, launch_paths: object) -> None:
     r = routed
     rows = torch.randn(r.T * r.K, r.H, generator=_gen(5)).to(r.dtype)
     out = mt.scatter(rows, r.indices, r.bin_ids, r.w, r.bins, r.K)

@@ -74,3 +74,93 @@ def test_runtime_arguments_by_keyword_are_refused(kernel):
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+# --------------------------------------------------------------------------- BoundLaunch
+
+
+@pytest.mark.parametrize("square", [False, True])
+def test_bound_launch_matches_triton(kernel, square):
+    """Aligned calls take the pinned path, unaligned ones Triton's keyed one; all agree."""
+    from megablocks_triton.launch import bind
+
+    n = 1000
+    grid = (triton_cdiv(n, 128),)
+    bound = bind(kernel, grid, n, 2.5, BLOCK=128, SQUARE=square)
+    base = torch.randn(3, n + 16, device="cuda")  # rows 16-byte aligned; offset 1 is not
+    for offset in (0, 0, 1, 0, 1):  # pinned on the first aligned call, unaligned in between
+        x, y = base[0, offset : offset + n], base[1, offset : offset + n]
+        want = torch.empty_like(x)
+        kernel[grid](x, y, want, n, 2.5, BLOCK=128, SQUARE=square)
+        got = base[2, offset : offset + n].fill_(float("nan"))
+        bound(x, y, got)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert bound.pinned is not None
+
+
+def test_bound_launch_uses_the_native_launch_on_triton_3_6(kernel):
+    import triton
+    from megablocks_triton.launch import bind
+
+    bound = bind(kernel, (1,), 8, 1.0, BLOCK=8, SQUARE=False)
+    x = torch.ones(8, device="cuda")
+    out = torch.empty_like(x)
+    bound(x, x, out)
+    bound(x, x, out)
+    torch.testing.assert_close(out, torch.full_like(x, 2.0))
+    assert bound.pinned == ("native" if triton.__version__.startswith("3.6.") else "launcher")
+
+
+def test_bound_launch_goes_through_triton_when_hooks_are_installed(kernel):
+    import triton
+    from megablocks_triton.launch import bind
+
+    bound = bind(kernel, (1,), 8, 1.0, BLOCK=8, SQUARE=False)
+    x = torch.ones(8, device="cuda")
+    out = torch.empty_like(x)
+    bound(x, x, out)  # pinned
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out.zero_()
+        bound(x, x, out)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    torch.testing.assert_close(out, torch.full_like(x, 2.0))
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64, torch.int16])
+def test_prepared_launches_are_kept_per_dtype(index_dtype):
+    """Calls of one shape but other dtypes (indices, weights, keys) never share a compiled
+    kernel: the per-shape launches are keyed on every input's dtype."""
+    from megablocks_reference import kernels as reference
+    from megablocks_triton import permutation, routing
+
+    tokens, hidden, experts, top_k = 64, 96, 8, 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    top = torch.randint(0, experts, (tokens * top_k,), device="cuda", generator=gen)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    for dtype in (torch.int32, index_dtype, torch.int64, torch.int32):
+        keys = top.to(dtype)
+        bin_ids, indices = routing.sort(keys, 3)
+        want_ids, want_idx = reference.sort(keys, 3)
+        assert torch.equal(bin_ids, want_ids) and torch.equal(indices, want_idx)
+        routed = routing.route(keys, experts, 16)
+        for got, want in zip(routed, reference.route(keys, experts, 16), strict=True):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        bins = routed[3]
+        assert torch.equal(routing.histogram(keys, experts), reference.histogram(keys, experts))
+        probs = torch.rand(tokens * top_k, device="cuda", generator=gen)
+        # No weights, then weights of two dtypes, then none again: four launches of one shape.
+        for weights in (None, probs, probs.bfloat16(), None):
+            rows = permutation.gather(x, indices, bin_ids, weights, bins, top_k)
+            want_rows = reference.gather(x, indices, bin_ids, weights, bins, top_k)
+            torch.testing.assert_close(rows, want_rows, rtol=1e-2, atol=1e-2)
+            out = permutation.scatter(rows, indices, bin_ids, weights, bins, top_k)
+            want = reference.scatter(rows, indices, bin_ids, weights, bins, top_k)
+            torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)

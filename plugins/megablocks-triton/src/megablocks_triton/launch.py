@@ -6,22 +6,31 @@ and equality to 1 of ints) in a chain of native calls, builds a cache key string
 looks the compiled kernel up: tens of µs of host time per launch on a GPU host, more
 than these kernels take on the GPU at small sizes.
 
-:class:`Launcher` keeps, per kernel, a dict from a cheap key of its own to the
-compiled kernel and the parameters that never change between calls with that key
-(the constexprs). The key records at least everything Triton specialises on, so two
-calls with one key always get the same compiled kernel: the first call of a key goes
-through ``kernel[grid]`` (compiling if needed) and later ones call the compiled
-kernel's launcher directly with the current stream.
+Two levels, both keeping Triton's semantics (a call always runs the kernel Triton would
+compile for it):
 
-Where the fast path cannot be used — the CPU interpreter (``TRITON_INTERPRET=1``),
+* :class:`Launcher` keeps, per kernel, a dict from a cheap key of its own to the
+  compiled kernel and the parameters that never change between calls with that key
+  (the constexprs). The key records at least everything Triton specialises on, so two
+  calls with one key always get the same compiled kernel: the first call of a key goes
+  through ``kernel[grid]`` (compiling if needed) and later ones call the compiled
+  kernel's launcher directly with the current stream.
+* :class:`BoundLaunch` (:func:`bind`) is one call site's launch with the grid, the scalar
+  arguments and the constexprs fixed: the op functions keep one per call shape, so a call
+  computes no key at all. It passes the tensors' addresses as integers (the launcher then
+  skips a driver query per pointer) and, with Triton's CUDA launcher, calls the native
+  launch function directly.
+
+Where the fast paths cannot be used — the CPU interpreter (``TRITON_INTERPRET=1``),
 launch hooks installed (profilers such as proton) — every call goes through
-``kernel[grid]`` unchanged.
+``kernel[grid]`` unchanged. On ROCm, where Triton also specialises pointers on whether their
+storage fits 2 GiB, the key records that too and :class:`BoundLaunch` pins nothing.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +39,13 @@ from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 
 _INT32 = (-(2**31), 2**31 - 1)
 _Tensor = torch.Tensor
+#: ROCm: Triton also specialises pointers on whether the tensor's storage fits 2 GiB (buffer
+#: loads with 32-bit offsets), which the key must then record too.
+_HIP = torch.version.hip is not None
+_TWO_GIB = 2**31 - 1
+#: Triton versions whose CUDA launcher's native ``launch`` takes the argument order used by
+#: :meth:`BoundLaunch._pin` (checked against their source; others go through ``compiled.run``).
+_DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 
 
 class _Uncacheable(Exception):
@@ -45,7 +61,11 @@ def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
         if kind is int:
             key.append((arg == 1, not arg & 15, _INT32[0] <= arg <= _INT32[1], arg >= 2**63))
         elif kind is _Tensor or isinstance(arg, _Tensor):
-            key.append((arg.dtype, not arg.data_ptr() & 15))
+            if _HIP:
+                small = arg.untyped_storage().size() <= _TWO_GIB
+                key.append((arg.dtype, not arg.data_ptr() & 15, small))
+            else:
+                key.append((arg.dtype, not arg.data_ptr() & 15))
         elif arg is None or kind is bool:
             key.append(arg)
         elif kind is float:
@@ -58,10 +78,19 @@ def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
 _raw_stream: Callable[[int], int] = getattr(
     torch._C, "_cuda_getCurrentRawStream", lambda i: torch.cuda.current_stream(i).cuda_stream
 )
+#: The current CUDA device without ``torch.cuda.current_device``'s lazy-init check (only called
+#: on a launch, after CUDA is initialised).
+_current_device: Callable[[], int] = getattr(
+    torch._C, "_cuda_getDevice", lambda: torch.cuda.current_device()
+)
+
+
+_knobs = triton.knobs
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _hooks_installed() -> bool:
-    runtime = triton.knobs.runtime
+    runtime = _knobs.runtime
     return bool(runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls)
 
 
@@ -91,17 +120,21 @@ class Launcher:
         # key → (compiled kernel, the parameters after the positional ones, in order)
         self._cache: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
 
-    def __call__(self, grid: Sequence[int], *args: Any, **kw: Any) -> None:
+    def __call__(
+        self, grid: Sequence[int], *args: Any, **kw: Any
+    ) -> tuple[Any, tuple[Any, ...]] | None:
+        """Launch; returns the (compiled kernel, constexpr tail) used, or None where the launch
+        went through ``kernel[grid]`` without the cache."""
         kernel = self._kernel
         if not self._fast or _hooks_installed():
             kernel[tuple(grid)](*args, **kw)
-            return
-        device = torch.cuda.current_device()
+            return None
+        device = _current_device()
         try:
             key = (device, _key(args), tuple(kw.items()))
         except _Uncacheable:
             kernel[tuple(grid)](*args, **kw)
-            return
+            return None
         hit = self._cache.get(key)
         if hit is None:
             runtime_kw = self._runtime_names.intersection(kw)
@@ -114,8 +147,8 @@ class Launcher:
             if hasattr(compiled, "result"):  # asynchronous compilation mode
                 compiled = compiled.result()
             tail = tuple(kw[n] if n in kw else self._defaults[n] for n in self._names[len(args) :])
-            self._cache[key] = (compiled, tail)
-            return
+            hit = self._cache[key] = (compiled, tail)
+            return hit
         compiled, tail = hit
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1
@@ -134,6 +167,140 @@ class Launcher:
             *args,
             *tail,
         )
+        return hit
+
+
+def _direct_launch(run: Any) -> Callable[..., Any] | None:
+    """The native launch function behind Triton's CUDA launcher ``run``, where calling it
+    directly is known to be equivalent (no scratch memory to allocate per launch)."""
+    if (
+        type(run).__name__ != "CudaLauncher"
+        or not triton.__version__.startswith(_DIRECT_LAUNCH_VERSIONS)
+        or getattr(run, "global_scratch_size", 1) != 0
+        or getattr(run, "profile_scratch_size", 1) != 0
+    ):
+        return None
+    return getattr(run, "launch", None)
+
+
+class BoundLaunch:
+    """A launch of one kernel with its grid, scalar arguments and constexprs fixed:
+    ``bound(*tensors)`` runs ``kernel[grid](*tensors, *scalars, **kw)``.
+
+    The kernel's leading parameters are the tensors (pointers), then the scalars. Whoever keeps
+    a BoundLaunch for reuse must key it on everything that decides the scalars and every
+    tensor's dtype (e.g. the input shapes and dtypes): the compiled kernel is pinned on the
+    first call with 16-byte-aligned tensors and reused for every later one on the same device.
+    Calls with an unaligned tensor, on another device or with launch hooks installed go through
+    :class:`Launcher` (keyed on every argument) instead.
+    """
+
+    __slots__ = (
+        "_args",
+        "_device",
+        "_grid",
+        "_kw",
+        "_launcher",
+        "_native",
+        "_pinned",
+        "_run",
+        "_scalars",
+    )
+
+    def __init__(
+        self, launcher: Launcher, grid: Sequence[int], scalars: Sequence[Any], kw: Mapping[str, Any]
+    ) -> None:
+        self._launcher = launcher
+        self._grid = tuple(grid) + (1,) * (3 - len(grid))
+        self._kw = dict(kw)
+        self._scalars = tuple(scalars)
+        self._args = self._scalars  # what follows the tensors: + the constexprs once pinned
+        self._device = -1
+        # Once pinned: the compiled kernel's launch function, and what it takes between the
+        # stream and the kernel's arguments.
+        self._run: Callable[..., Any] | None = None
+        self._pinned: tuple[Any, ...] = ()
+        self._native = False
+
+    @property
+    def pinned(self) -> str | None:
+        """How aligned calls launch: "native" (Triton's C launch function), "launcher" (the
+        compiled kernel's launcher object) or None (not pinned: every call goes through
+        :class:`Launcher`)."""
+        if self._run is None:
+            return None
+        return "native" if self._native else "launcher"
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        run = self._run
+        runtime = _knobs.runtime  # launch hooks (profilers) need Triton's own launch path
+        if run is not None and not (
+            runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
+        ):
+            device = _current_device()
+            if device == self._device:
+                ptrs = [*map(_data_ptr, tensors)]
+                unaligned = 0
+                for p in ptrs:
+                    unaligned |= p
+                if not unaligned & 15:
+                    g0, g1, g2 = self._grid
+                    run(g0, g1, g2, _raw_stream(device), *self._pinned, *ptrs, *self._args)
+                    return
+        self._slow(tensors)
+
+    def _slow(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        hit = self._launcher(self._grid, *tensors, *self._scalars, **self._kw)
+        if hit is None or self._run is not None or _HIP:
+            return
+        if any(t.data_ptr() & 15 for t in tensors):
+            return  # pin only the aligned specialisation (what fresh allocations get)
+        compiled, tail = hit
+        run = compiled.run
+        direct = _direct_launch(run)
+        if direct is not None:
+            # launch(grid, stream, function, cooperative, pdl, global scratch, profile scratch,
+            # metadata, launch metadata, enter hook, exit hook, *arguments)
+            self._run, self._native = direct, True
+            self._pinned = (
+                compiled.function,
+                run.launch_cooperative_grid,
+                run.launch_pdl,
+                None,
+                None,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+            )
+        else:  # run(grid, stream, function, metadata, launch metadata, enter/exit hooks, ...)
+            self._run, self._native = run, False
+            self._pinned = (compiled.function, compiled.packed_metadata, None, None, None)
+        self._args = self._scalars + tail
+        self._device = _current_device()
+
+
+# id(kernel) → its Launcher (ids, not the kernels' own hash, which Triton computes in Python;
+# the Launcher keeps its kernel alive, so an id is never reused for another kernel).
+_LAUNCHERS: dict[int, Launcher] = {}
+
+
+def launcher(kernel: Any) -> Launcher:
+    """The kernel's :class:`Launcher` (made on first use)."""
+    found = _LAUNCHERS.get(id(kernel))
+    if found is None:
+        found = _LAUNCHERS[id(kernel)] = Launcher(kernel)
+    return found
+
+
+def launch(kernel: Any, grid: Sequence[int], *args: Any, **kw: Any) -> None:
+    """``kernel[grid](*args, **kw)`` through the kernel's :class:`Launcher`."""
+    launcher(kernel)(grid, *args, **kw)
+
+
+def bind(kernel: Any, grid: Sequence[int], *scalars: Any, **kw: Any) -> BoundLaunch:
+    """A :class:`BoundLaunch` of ``kernel``: call it with the tensor arguments."""
+    return BoundLaunch(launcher(kernel), grid, scalars, kw)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -146,12 +313,14 @@ def next_power_of_2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length() if n > 1 else 1
 
 
-_LAUNCHERS: dict[Any, Launcher] = {}
+#: Call shapes remembered per op function (each holds a few :class:`BoundLaunch`); past this
+#: a cache starts over (bounded memory for workloads whose shapes never repeat).
+PLAN_LIMIT = 512
 
 
-def launch(kernel: Any, grid: Sequence[int], *args: Any, **kw: Any) -> None:
-    """``kernel[grid](*args, **kw)`` through the kernel's :class:`Launcher` (made on first use)."""
-    runner = _LAUNCHERS.get(kernel)
-    if runner is None:
-        runner = _LAUNCHERS[kernel] = Launcher(kernel)
-    runner(grid, *args, **kw)
+def remember(cache: dict[Any, Any], key: Any, plan: Any) -> Any:
+    """``cache[key] = plan`` (emptying a full cache first); returns ``plan``."""
+    if len(cache) >= PLAN_LIMIT:
+        cache.clear()
+    cache[key] = plan
+    return plan

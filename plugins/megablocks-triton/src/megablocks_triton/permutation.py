@@ -14,6 +14,13 @@ row in sorted order: the inverse permutation of ``indices``, built by one tiny
 scatter launch (``_inverse_kernel``), never a host sync. Only padded_gather
 reads one value on the host (``padded_bins[-1]``, the output size).
 
+Few rows (the launch policy decides: ``LaunchConfigs.gather_by_rows`` and
+``scatter_search``), the plain gather and scatter skip that launch, whose host
+cost then exceeds the work: gather runs one program per output row that copies
+its token's row (``_gather_rows_kernel``: x is read top_k times, from L2), and
+scatter's token programs find their rows by scanning ``indices`` (``_rows_naming``).
+Their launches are prepared once per call shape (``megablocks_triton.launch.bind``).
+
 Destinations by layout (``MODE``):
   0 plain:  row p = inv[f]
   1 padded: row p - bins_start(e) + padded_start(e), e = bin_ids[p] where bins confirm it
@@ -28,13 +35,15 @@ Bad data (inputs that pass the always-on checks but break the data rules) never
 makes a kernel address memory outside its tensors, and every output element is
 written: ``inv`` is trusted only where it points back at a row naming that flat
 id (an int compare), destinations are masked to the layout, and each token
-program also writes the sorted rows no token reaches (``_fix_unreached``). The
-results are documented per op in the contracts' edge cases.
+program also writes the sorted rows no token reaches (``_fix_unreached``); the
+row-by-row gather masks each row's source to x and writes every row, and the scan
+reads only ``indices``. The results are documented per op in the contracts' edge
+cases and are the same on every path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,8 +52,8 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import ContractError
 
-from .config import launch_configs
-from .launch import cdiv, launch, next_power_of_2
+from .config import LaunchConfigs, launch_configs
+from .launch import bind, cdiv, launch, next_power_of_2, remember
 
 __all__ = [
     "binned_gather",
@@ -71,6 +80,14 @@ def _inverse_kernel(indices_ptr, inv_ptr, n, BLOCK: tl.constexpr):
     tl.store(inv_ptr + tl.where(ok, f, 0).to(tl.int32), i, mask=ok)
 
 
+def _inverse_launch(
+    configs: LaunchConfigs, n: int
+) -> tuple[tuple[int], tuple[int], dict[str, Any]]:
+    """Grid, scalars and keywords of the ``_inverse_kernel`` launch over ``n`` ids."""
+    block = configs.elementwise_block(n)
+    return (cdiv(n, block),), (n,), {"BLOCK": block, **_options(configs)}
+
+
 def _inverse(indices: torch.Tensor) -> torch.Tensor:
     """inv[indices[i]] = i (int32): the sorted row of each flat id.
 
@@ -80,8 +97,8 @@ def _inverse(indices: torch.Tensor) -> torch.Tensor:
     """
     n = indices.numel()
     inv = torch.empty(n, dtype=torch.int32, device=indices.device)
-    block = launch_configs().elementwise_block(n)
-    launch(_inverse_kernel, (cdiv(n, block),), indices, inv, n, BLOCK=block, **_options())
+    grid, scalars, kw = _inverse_launch(launch_configs(), n)
+    launch(_inverse_kernel, grid, indices, inv, *scalars, **kw)
     return inv
 
 
@@ -189,6 +206,52 @@ def _destinations(
         p, reached, hint_ptr, bins_ptr, padded_ptr, num_bins, bin_size, num_rows, MODE, LOG, SEARCH
     )
     return f, dest, keep
+
+
+@triton.jit
+def _rows_naming(indices_ptr, first, n, copies, SEARCH: tl.constexpr):
+    """For each flat id ``first + copies[k]``: the last sorted row p < n with indices[p] equal to
+    it, or -1 where no row names it. Scans all n ids (SEARCH per step): for few rows only."""
+    found = tl.full(copies.shape, -1, tl.int32)
+    for s0 in range(0, n, SEARCH):
+        q = s0 + tl.arange(0, SEARCH)
+        ids = tl.load(indices_ptr + q, mask=q < n, other=-1)  # -1 names no copy
+        hit = (ids - first)[None, :] == copies[:, None]
+        found = tl.maximum(found, tl.max(tl.where(hit, q[None, :], -1), axis=1))
+    return found
+
+
+@triton.jit
+def _gather_rows_kernel(
+    x_ptr,
+    indices_ptr,
+    weights_ptr,
+    out_ptr,
+    n,
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SPLIT_H: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+):
+    """Plain gather by output row (few rows): sorted row p = x[indices[p] // TOP_K], weighted by
+    weights[indices[p]]; 0 for an id outside [0, n). No inverse permutation needed; each row of x
+    is read top_k times (from L2 while x is small)."""
+    p = tl.program_id(0)
+    g = tl.load(indices_ptr + p)
+    named = (g >= 0) & (g < n)
+    g = tl.where(named, g, 0)
+    src = x_ptr + (g // TOP_K).to(tl.int64) * hidden
+    dst = out_ptr + p.to(tl.int64) * hidden
+    if HAS_WEIGHTS:
+        w = tl.load(weights_ptr + g, mask=named, other=0).to(tl.float32)
+    for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        hm = h < hidden
+        row = tl.load(src + h, mask=hm & named, other=0)
+        if HAS_WEIGHTS:
+            row = (row.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+        tl.store(dst + h, row, mask=hm)
 
 
 @triton.jit
@@ -439,9 +502,14 @@ def _scatter_kernel(
     MODE: tl.constexpr,
     LOG: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
+    SEARCH: tl.constexpr,
+    K_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     out_row = out_ptr + pid.to(tl.int64) * hidden
+    if SEARCH > 0:  # few rows (plain layout): no inverse permutation, scan indices instead
+        copies = tl.arange(0, K_PAD)
+        found = _rows_naming(indices_ptr, pid * TOP_K, n, copies, SEARCH)
     for h0 in range(tl.program_id(1) * BLOCK_H, hidden, BLOCK_H * SPLIT_H):
         h = h0 + tl.arange(0, BLOCK_H)
         hm = h < hidden
@@ -449,23 +517,29 @@ def _scatter_kernel(
         # cross-thread reduction over a (k, H) tile.
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in tl.static_range(TOP_K):
-            f, src, keep = _destinations(
-                pid,
-                tl.full([], k, tl.int32),
-                indices_ptr,
-                inv_ptr,
-                hint_ptr,
-                bins_ptr,
-                padded_ptr,
-                n,
-                num_bins,
-                bin_size,
-                num_rows,
-                TOP_K,
-                MODE,
-                LOG,
-                False,
-            )
+            if SEARCH > 0:
+                p = tl.max(tl.where(copies == k, found, -1), axis=0)
+                keep = p >= 0
+                f = pid * TOP_K + k
+                src = tl.where(keep, p, 0).to(tl.int64)
+            else:
+                f, src, keep = _destinations(
+                    pid,
+                    tl.full([], k, tl.int32),
+                    indices_ptr,
+                    inv_ptr,
+                    hint_ptr,
+                    bins_ptr,
+                    padded_ptr,
+                    n,
+                    num_bins,
+                    bin_size,
+                    num_rows,
+                    TOP_K,
+                    MODE,
+                    LOG,
+                    False,
+                )
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
             if HAS_WEIGHTS:
                 row = row * tl.load(weights_ptr + f).to(tl.float32)
@@ -529,10 +603,10 @@ def _wgrad_kernel(
 # --------------------------------------------------------------------------- launchers
 
 
-def _options() -> Mapping[str, Any]:
+def _options(configs: LaunchConfigs | None = None) -> Mapping[str, Any]:
     """Backend-specific launch keywords (empty unless a vendor policy such as megablocks-rocm's
     is in use; see config.LaunchConfigs.launch_options)."""
-    return launch_configs().launch_options("permutation")
+    return (configs or launch_configs()).launch_options("permutation")
 
 
 def _meta(top_k: int, num_bins: int) -> dict[str, int]:
@@ -542,6 +616,101 @@ def _meta(top_k: int, num_bins: int) -> dict[str, int]:
 def _rows(x: torch.Tensor, mode: int) -> int:
     """Rows of the padded layout (the bound every padded destination is checked against)."""
     return x.shape[0] if mode == PADDED else 0
+
+
+Launch = tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]
+
+
+def _gather_launch(
+    configs: LaunchConfigs,
+    on_cpu: bool,
+    element_size: int,
+    num_tokens: int,
+    hidden: int,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    mode: int,
+    bin_size: int,
+    num_rows: int,
+    has_weights: bool,
+) -> Launch:
+    """Grid, scalars and keywords of a ``_gather_kernel`` launch (its tensors come first)."""
+    cfg = configs.permutation(num_tokens, hidden, top_k, element_size)
+    pad_programs = 0 if mode == PLAIN else num_bins
+    # The CPU runs programs one by one (TRITON_INTERPRET=1): two padding programs per expert
+    # still exercise the lane split, at an eighth of the cost.
+    zero_rows = min(cfg.zero_rows, 2) if on_cpu else cfg.zero_rows
+    grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
+    scalars = (num_tokens, hidden, n, num_bins, bin_size, num_rows)
+    kw = {
+        "BLOCK_H": cfg.block_h,
+        "SPLIT_H": cfg.split_h,
+        "ZERO_ROWS": zero_rows,
+        "MODE": mode,
+        "HAS_WEIGHTS": has_weights,
+        "num_warps": cfg.num_warps,
+        "BLOCK_E": min(next_power_of_2(max(num_bins, 1)), 256),
+        **_meta(top_k, num_bins),
+        **_options(configs),
+    }
+    return grid, scalars, kw
+
+
+def _scatter_launch(
+    configs: LaunchConfigs,
+    element_size: int,
+    num_tokens: int,
+    hidden: int,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    mode: int,
+    bin_size: int,
+    num_rows: int,
+    has_weights: bool,
+    search: int = 0,
+) -> Launch:
+    """Grid, scalars and keywords of a ``_scatter_kernel`` launch (its tensors come first);
+    ``search`` > 0: the token programs scan ``indices`` for their rows (no ``inv``)."""
+    cfg = configs.permutation(num_tokens, hidden, top_k, element_size)
+    kw = {
+        "BLOCK_H": cfg.block_h,
+        "SPLIT_H": cfg.split_h,
+        "MODE": mode,
+        "HAS_WEIGHTS": has_weights,
+        "SEARCH": search,
+        "K_PAD": next_power_of_2(top_k),
+        "num_warps": cfg.num_warps,
+        **_meta(top_k, num_bins),
+        **_options(configs),
+    }
+    return (num_tokens, cfg.split_h), (hidden, n, num_bins, bin_size, num_rows), kw
+
+
+def _wgrad_launch(
+    configs: LaunchConfigs,
+    element_size: int,
+    num_tokens: int,
+    hidden: int,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    mode: int,
+    bin_size: int,
+    num_rows: int,
+) -> Launch:
+    """Grid, scalars and keywords of a ``_wgrad_kernel`` launch (its tensors come first)."""
+    cfg = configs.wgrad(num_tokens, hidden, top_k, element_size)
+    kw = {
+        "BLOCK_H": cfg.block_h,
+        "MODE": mode,
+        "num_warps": cfg.num_warps,
+        "K_PAD": next_power_of_2(top_k),
+        **_meta(top_k, num_bins),
+        **_options(configs),
+    }
+    return (num_tokens,), (hidden, n, num_bins, bin_size, num_rows), kw
 
 
 def _launch_gather(
@@ -563,13 +732,22 @@ def _launch_gather(
     pad_programs = 0 if mode == PLAIN else num_bins
     if out.numel() == 0 or (num_tokens == 0 and pad_programs == 0):
         return out
-    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
     if inv is None:
         inv = _inverse(indices) if num_tokens else indices
-    # The CPU runs programs one by one (TRITON_INTERPRET=1): two padding programs per expert
-    # still exercise the lane split, at an eighth of the cost.
-    zero_rows = min(cfg.zero_rows, 2) if x.device.type == "cpu" else cfg.zero_rows
-    grid = (num_tokens + pad_programs * zero_rows, cfg.split_h)
+    grid, scalars, kw = _gather_launch(
+        launch_configs(),
+        x.device.type == "cpu",
+        x.element_size(),
+        num_tokens,
+        hidden,
+        indices.numel(),
+        num_bins,
+        top_k,
+        mode,
+        bin_size,
+        _rows(out, mode),
+        weights is not None,
+    )
     launch(
         _gather_kernel,
         grid,
@@ -581,21 +759,8 @@ def _launch_gather(
         bins,
         padded_bins if padded_bins is not None else bins,
         out,
-        num_tokens,
-        hidden,
-        indices.numel(),
-        num_bins,
-        bin_size,
-        _rows(out, mode),
-        BLOCK_H=cfg.block_h,
-        SPLIT_H=cfg.split_h,
-        ZERO_ROWS=zero_rows,
-        MODE=mode,
-        HAS_WEIGHTS=weights is not None,
-        num_warps=cfg.num_warps,
-        BLOCK_E=min(next_power_of_2(max(num_bins, 1)), 256),
-        **_meta(top_k, num_bins),
-        **_options(),
+        *scalars,
+        **kw,
     )
     return out
 
@@ -617,11 +782,22 @@ def _launch_scatter(
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    cfg = launch_configs().permutation(num_tokens, hidden, top_k, x.element_size())
-    num_bins = bins.numel()
+    grid, scalars, kw = _scatter_launch(
+        launch_configs(),
+        x.element_size(),
+        num_tokens,
+        hidden,
+        indices.numel(),
+        bins.numel(),
+        top_k,
+        mode,
+        bin_size,
+        _rows(x, mode),
+        weights is not None,
+    )
     launch(
         _scatter_kernel,
-        (num_tokens, cfg.split_h),
+        grid,
         x,
         indices,
         _inverse(indices),
@@ -630,18 +806,8 @@ def _launch_scatter(
         bins,
         padded_bins if padded_bins is not None else bins,
         out,
-        hidden,
-        indices.numel(),
-        num_bins,
-        bin_size,
-        _rows(x, mode),
-        BLOCK_H=cfg.block_h,
-        SPLIT_H=cfg.split_h,
-        MODE=mode,
-        HAS_WEIGHTS=weights is not None,
-        num_warps=cfg.num_warps,
-        **_meta(top_k, num_bins),
-        **_options(),
+        *scalars,
+        **kw,
     )
     return out
 
@@ -665,12 +831,21 @@ def _launch_wgrad(
         return out
     if hidden == 0:
         return out.zero_()
-    num_tokens = n // top_k
-    cfg = launch_configs().wgrad(num_tokens, hidden, top_k, x.element_size())
-    num_bins = bins.numel()
+    grid, scalars, kw = _wgrad_launch(
+        launch_configs(),
+        x.element_size(),
+        n // top_k,
+        hidden,
+        n,
+        bins.numel(),
+        top_k,
+        mode,
+        bin_size,
+        _rows(x, mode),
+    )
     launch(
         _wgrad_kernel,
-        (num_tokens,),
+        grid,
         x,
         grad,
         indices,
@@ -679,19 +854,181 @@ def _launch_wgrad(
         bins,
         padded_bins if padded_bins is not None else bins,
         out,
+        *scalars,
+        **kw,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- plain layout, per call shape
+#
+# gather, scatter and scatter_wgrad (the dropless layer's ops) keep their launches prepared per
+# call shape: a call allocates its outputs and launches, with no launch parameter to work out.
+# The key holds every input's shape and dtype (they decide every scalar and every tensor's dtype
+# of the launches) and the primary input's device.
+
+_GATHER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+_WGRAD_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def _inverse_plan(configs: LaunchConfigs, n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    grid, scalars, kw = _inverse_launch(configs, n)
+    invert = bind(_inverse_kernel, grid, *scalars, **kw)
+    int32 = torch.int32
+
+    def inverse(indices: torch.Tensor) -> torch.Tensor:
+        inv = indices.new_empty(n, dtype=int32)
+        invert(indices, inv)
+        return inv
+
+    return inverse
+
+
+def _gather_plan(
+    configs: LaunchConfigs,
+    x: torch.Tensor,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    has_weights: bool,
+) -> Callable[..., torch.Tensor]:
+    num_tokens, hidden = x.shape
+    dtype = x.dtype
+    if n * hidden == 0 or num_tokens == 0:
+        return lambda x, indices, weights, bins: torch.empty(
+            (n, hidden), dtype=dtype, device=x.device
+        )
+    if configs.gather_by_rows(num_tokens, hidden, top_k, x.element_size()):
+        cfg = configs.permutation(n, hidden, 1, x.element_size())  # n rows of one copy each
+        copy_rows = bind(
+            _gather_rows_kernel,
+            (n, cfg.split_h),
+            n,
+            hidden,
+            TOP_K=top_k,
+            BLOCK_H=cfg.block_h,
+            SPLIT_H=cfg.split_h,
+            HAS_WEIGHTS=has_weights,
+            num_warps=cfg.num_warps,
+            **_options(configs),
+        )
+
+        def by_rows(
+            x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+        ) -> torch.Tensor:
+            out = x.new_empty(n, hidden)
+            copy_rows(x, indices, weights if weights is not None else x, out)
+            return out
+
+        return by_rows
+    inverse = _inverse_plan(configs, n)
+    grid, scalars, kw = _gather_launch(
+        configs,
+        x.device.type == "cpu",
+        x.element_size(),
+        num_tokens,
         hidden,
         n,
         num_bins,
-        bin_size,
-        _rows(x, mode),
-        BLOCK_H=cfg.block_h,
-        MODE=mode,
-        num_warps=cfg.num_warps,
-        K_PAD=next_power_of_2(top_k),
-        **_meta(top_k, num_bins),
-        **_options(),
+        top_k,
+        PLAIN,
+        0,
+        0,
+        has_weights,
     )
-    return out
+    copy = bind(_gather_kernel, grid, *scalars, **kw)
+
+    def by_tokens(
+        x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+    ) -> torch.Tensor:
+        out = x.new_empty(n, hidden)
+        inv = inverse(indices)
+        copy(x, indices, inv, bins, weights if weights is not None else x, bins, bins, out)
+        return out
+
+    return by_tokens
+
+
+def _scatter_plan(
+    configs: LaunchConfigs,
+    x: torch.Tensor,
+    n: int,
+    num_bins: int,
+    top_k: int,
+    has_weights: bool,
+) -> Callable[..., torch.Tensor]:
+    num_tokens = n // top_k
+    hidden = x.shape[-1]
+    dtype = x.dtype
+    if num_tokens * hidden == 0:
+        return lambda x, indices, weights, bins: torch.empty(
+            (num_tokens, hidden), dtype=dtype, device=x.device
+        )
+    search = configs.scatter_search(num_tokens, top_k)
+    grid, scalars, kw = _scatter_launch(
+        configs,
+        x.element_size(),
+        num_tokens,
+        hidden,
+        n,
+        num_bins,
+        top_k,
+        PLAIN,
+        0,
+        0,
+        has_weights,
+        search,
+    )
+    reduce = bind(_scatter_kernel, grid, *scalars, **kw)
+    if search:
+
+        def scanning(
+            x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+        ) -> torch.Tensor:
+            out = x.new_empty(num_tokens, hidden)
+            # No inverse permutation: indices stands in for inv (unread).
+            reduce(
+                x, indices, indices, bins, weights if weights is not None else x, bins, bins, out
+            )
+            return out
+
+        return scanning
+    inverse = _inverse_plan(configs, n)
+
+    def by_inverse(
+        x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
+    ) -> torch.Tensor:
+        out = x.new_empty(num_tokens, hidden)
+        inv = inverse(indices)
+        reduce(x, indices, inv, bins, weights if weights is not None else x, bins, bins, out)
+        return out
+
+    return by_inverse
+
+
+def _wgrad_plan(
+    configs: LaunchConfigs, x: torch.Tensor, n: int, num_bins: int, top_k: int
+) -> Callable[..., torch.Tensor]:
+    hidden = x.shape[-1]
+    dtype = x.dtype
+    if n == 0 or hidden == 0:
+        return lambda x, grad, indices, bins: torch.zeros(n, dtype=dtype, device=x.device)
+    inverse = _inverse_plan(configs, n)
+    grid, scalars, kw = _wgrad_launch(
+        configs, x.element_size(), n // top_k, hidden, n, num_bins, top_k, PLAIN, 0, 0
+    )
+    dot = bind(_wgrad_kernel, grid, *scalars, **kw)
+
+    def run(
+        x: torch.Tensor, grad: torch.Tensor, indices: torch.Tensor, bins: torch.Tensor
+    ) -> torch.Tensor:
+        out = x.new_empty(n)
+        inv = inverse(indices)
+        dot(x, grad, indices, inv, bins, bins, bins, out)
+        return out
+
+    return run
 
 
 # --------------------------------------------------------------------------- contract functions
@@ -706,8 +1043,29 @@ def gather(
     top_k: int,
 ) -> torch.Tensor:
     """(T, H) -> (T*K, H): out[i] = x[indices[i] // K] * weights[indices[i]] (if weights)."""
-    out = torch.empty((indices.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    return _launch_gather(x, indices, weights, bins, None, top_k, out, PLAIN, 0)
+    configs = launch_configs()
+    key = (
+        x.shape,
+        x.dtype,
+        x.device,
+        indices.shape,
+        indices.dtype,
+        bins.shape,
+        bins.dtype,
+        None if weights is None else weights.dtype,
+        top_k,
+        configs,
+    )
+    plan = _GATHER_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _GATHER_PLANS,
+            key,
+            _gather_plan(
+                configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None
+            ),
+        )
+    return plan(x, indices, weights, bins)
 
 
 def scatter(
@@ -719,7 +1077,29 @@ def scatter(
     top_k: int,
 ) -> torch.Tensor:
     """(T*K, H) sorted rows -> (T, H): weighted top-k sum per token (fp32 accumulation)."""
-    return _launch_scatter(x, indices, weights, bins, None, top_k, PLAIN, 0)
+    configs = launch_configs()
+    key = (
+        x.shape,
+        x.dtype,
+        x.device,
+        indices.shape,
+        indices.dtype,
+        bins.shape,
+        bins.dtype,
+        None if weights is None else weights.dtype,
+        top_k,
+        configs,
+    )
+    plan = _SCATTER_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _SCATTER_PLANS,
+            key,
+            _scatter_plan(
+                configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None
+            ),
+        )
+    return plan(x, indices, weights, bins)
 
 
 def scatter_wgrad(
@@ -731,7 +1111,26 @@ def scatter_wgrad(
     top_k: int,
 ) -> torch.Tensor:
     """(n,) in x.dtype: out[indices[i]] = dot(x[i], grad[indices[i] // K])."""
-    return _launch_wgrad(x, grad, indices, bins, None, top_k, PLAIN, 0)
+    configs = launch_configs()
+    key = (
+        x.shape,
+        x.dtype,
+        x.device,
+        grad.shape,
+        grad.dtype,
+        indices.shape,
+        indices.dtype,
+        bins.shape,
+        bins.dtype,
+        top_k,
+        configs,
+    )
+    plan = _WGRAD_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _WGRAD_PLANS, key, _wgrad_plan(configs, x, indices.numel(), bins.numel(), int(top_k))
+        )
+    return plan(x, grad, indices, bins)
 
 
 def padded_gather(

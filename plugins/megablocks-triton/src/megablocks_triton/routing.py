@@ -15,23 +15,29 @@ input shapes. The central piece is a two-launch stable counting sort:
 With many bins (E >= 64) re-reading the whole table in every program costs more
 than a third launch: ``_tile_scan_kernel`` then scans the table once (per bin,
 down the tiles) and each scatter program reads only its own row, which also
-allows smaller tiles (a shorter serial in-tile rank chain).
+allows smaller tiles (a shorter serial in-tile rank chain). With few keys (up to 256 by
+default, e.g. a decode step) a single program counts them itself and ranks them: one launch,
+no table.
+
+The host side prepares each call shape's launches once (grid, scalars, compiled kernel:
+:func:`megablocks_triton.launch.bind`), so a call allocates its outputs and launches.
 
 Used with 2**end_bit bins it is ``sort``; with ``num_experts`` bins it is
-``route``, which returns the whole routing metadata in those two launches.
+``route``, which returns the whole routing metadata in those launches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from .config import launch_configs
-from .launch import cdiv, launch, next_power_of_2
+from .config import LaunchConfigs, RoutingConfig, launch_configs
+from .launch import bind, cdiv, launch, next_power_of_2, remember
 
 __all__ = [
     "exclusive_cumsum",
@@ -165,12 +171,23 @@ def _counting_scatter_kernel(
     HAS_PAYLOAD: tl.constexpr,
     WRITE_META: tl.constexpr,
     PRESCANNED: tl.constexpr,
+    SINGLE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, NB)
 
     # Global count of each bin, and of each bin in tiles before this one.
-    if PRESCANNED:  # many bins/tiles: _tile_scan_kernel did the column scans once for all
+    if SINGLE:  # one program, one tile holding every key: its own histogram is the global count
+        every = tl.arange(0, TILE)
+        every_inb = every < n
+        every_key = tl.load(keys_ptr + every, mask=every_inb, other=0)
+        every_bin, every_valid = _digits(
+            every_key, every_inb, num_bins, shift, digit_mask, USE_MASK
+        )
+        total = tl.histogram(every_bin, NB, mask=every_valid)
+        before = tl.zeros([NB], dtype=tl.int32)
+        strays = tl.sum((every_inb & ~every_valid).to(tl.int32), axis=0)
+    elif PRESCANNED:  # many bins/tiles: _tile_scan_kernel did the column scans once for all
         total = tl.load(total_ptr + cols)
         before = tl.load(before_ptr + pid * NB + cols)
     else:  # few: every program scans the small (tiles x bins) table itself
@@ -213,21 +230,29 @@ def _counting_scatter_kernel(
 
     # A radix pass places every key; route places its out-of-range ids too (bad data), after
     # every valid id and in input order, in a second pass over the tile that runs only where the
-    # histogram kernel counted some: valid ids pay one scalar load.
-    if not USE_MASK:  # noqa: SIM102 (compile-time test, then a runtime one)
-        if tl.load(counts_ptr + num_tiles * NB + pid) > 0:
+    # histogram kernel (or, SINGLE, this program's own count) found some: valid ids pay one
+    # scalar load.
+    if not USE_MASK:
+        if not SINGLE:
+            strays = tl.load(counts_ptr + num_tiles * NB + pid)
+        if strays > 0:
             # Where this tile's first stray goes: every valid id, then earlier tiles' strays.
-            stray_base = tl.zeros([], dtype=tl.int32)
-            for r0 in range(0, num_tiles, TILE_ROWS):
-                rows = r0 + tl.arange(0, TILE_ROWS)
-                live = rows < num_tiles
-                blk = tl.load(
-                    counts_ptr + rows[:, None] * NB + cols[None, :], mask=live[:, None], other=0
-                )
-                earlier = tl.load(
-                    counts_ptr + num_tiles * NB + rows, mask=live & (rows < pid), other=0
-                )
-                stray_base += tl.sum(tl.sum(blk, axis=1), axis=0) + tl.sum(earlier, axis=0)
+            if SINGLE:
+                stray_base = tl.sum(total, axis=0)
+            else:
+                stray_base = tl.zeros([], dtype=tl.int32)
+                for r0 in range(0, num_tiles, TILE_ROWS):
+                    rows = r0 + tl.arange(0, TILE_ROWS)
+                    live = rows < num_tiles
+                    blk = tl.load(
+                        counts_ptr + rows[:, None] * NB + cols[None, :],
+                        mask=live[:, None],
+                        other=0,
+                    )
+                    earlier = tl.load(
+                        counts_ptr + num_tiles * NB + rows, mask=live & (rows < pid), other=0
+                    )
+                    stray_base += tl.sum(tl.sum(blk, axis=1), axis=0) + tl.sum(earlier, axis=0)
             for c in range(0, TILE, CHUNK):
                 offs = pid * TILE + c + lane
                 inb = offs < n
@@ -241,37 +266,56 @@ def _counting_scatter_kernel(
                 stray_base += tl.sum(stray.to(tl.int32), axis=0)
 
 
-def _options() -> Mapping[str, Any]:
+def _options(configs: LaunchConfigs | None = None) -> Mapping[str, Any]:
     """Backend-specific launch keywords for the routing kernels (empty unless a vendor policy
     such as megablocks-rocm's is in use; see config.LaunchConfigs.launch_options)."""
-    return launch_configs().launch_options("routing")
+    return (configs or launch_configs()).launch_options("routing")
 
 
-def _counting_pass(
-    keys: torch.Tensor,
-    payload: torch.Tensor | None,
+Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+#: ``run(keys, payload=None, meta=None) -> (values, index)``: one prepared counting-sort pass.
+CountingPass = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+# Per call shape (and launch policy): the prepared launches of sort, route, histogram, cumsum.
+_SORT_PLANS: dict[Any, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+_ROUTE_PLANS: dict[Any, Callable[[torch.Tensor], Routing]] = {}
+_HISTOGRAM_PLANS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {}
+_CUMSUM_PLANS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+
+def _counting_plan(
+    configs: LaunchConfigs,
+    n: int,
     num_bins: int,
     shift: int,
     digit_mask: int | None,
-    meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One stable counting-sort pass (two launches). Returns (values, index)."""
-    n = keys.numel()
+    has_payload: bool,
+    block_size: int | None,
+) -> CountingPass:
+    """One stable counting-sort pass over ``n`` keys (two launches, three with the prescan),
+    prepared once per call shape: ``run(keys, payload, meta)`` returns (values, index).
+
+    ``digit_mask`` None (route): the key itself is the bin and keys outside [0, num_bins) are
+    placed after the others; else the bin is ``(key >> shift) & digit_mask`` (a radix pass).
+    ``block_size`` not None: the pass also writes the routing metadata ``meta`` (tokens per
+    expert, bins, padded bins).
+    """
     nb = next_power_of_2(num_bins)
-    cfg = launch_configs().routing(n, nb)
-    opts = _options()
+    cfg = configs.routing(n, nb)
+    opts = _options(configs)
+    if cfg.single and n <= cfg.tile:
+        return _single_pass_plan(
+            configs, cfg, n, num_bins, shift, digit_mask, has_payload, block_size
+        )
     num_tiles = cdiv(n, cfg.tile)
     # The (tiles x bins) count table, then one stray count per tile (route only).
-    counts = torch.empty(num_tiles * nb + num_tiles, dtype=torch.int32, device=keys.device)
-    values = torch.empty_like(keys)
-    index = torch.empty_like(keys)
+    table_size = num_tiles * nb + num_tiles
     use_mask = digit_mask is not None
     dmask = digit_mask if digit_mask is not None else 0
-    launch(
+    tile_histogram = bind(
         _tile_histogram_kernel,
         (num_tiles,),
-        keys,
-        counts,
         n,
         num_tiles,
         num_bins,
@@ -283,65 +327,171 @@ def _counting_pass(
         num_warps=cfg.num_warps,
         **opts,
     )
-    if meta is None:
-        tpe = bins = padded = counts  # unused when WRITE_META is False
-        block_size = 1
-    else:
-        tpe, bins, padded, block_size = meta
-    before = total = counts  # unused unless prescanned
-    if cfg.prescan:
-        before = torch.empty_like(counts)
-        total = torch.empty(nb, dtype=torch.int32, device=keys.device)
-        cols = min(nb, 32)
-        launch(
-            _tile_scan_kernel,
-            (nb // cols,),
-            counts,
-            before,
-            total,
-            num_tiles,
-            NB=nb,
-            COLS=cols,
-            ROWS=64,
-            num_warps=4,
-            **opts,
-        )
-    launch(
+    cols = min(nb, 32)
+    tile_scan = bind(
+        _tile_scan_kernel, (nb // cols,), num_tiles, NB=nb, COLS=cols, ROWS=64, num_warps=4, **opts
+    )
+    counting_scatter = bind(
         _counting_scatter_kernel,
         (num_tiles,),
-        keys,
-        payload if payload is not None else keys,
-        counts,
-        before,
-        total,
-        values,
-        index,
-        tpe,
-        bins,
-        padded,
         n,
         num_tiles,
         num_bins,
         shift,
         dmask,
-        block_size,
+        block_size if block_size is not None else 1,
         NB=nb,
         TILE=cfg.tile,
         CHUNK=cfg.chunk,
         TILE_ROWS=cfg.tile_rows,
         USE_MASK=use_mask,
-        HAS_PAYLOAD=payload is not None,
-        WRITE_META=meta is not None,
+        HAS_PAYLOAD=has_payload,
+        WRITE_META=block_size is not None,
         PRESCANNED=cfg.prescan,
+        SINGLE=False,
         num_warps=cfg.num_warps,
         **opts,
     )
-    return values, index
+    prescan = cfg.prescan
+    int32 = torch.int32
+
+    def run(
+        keys: torch.Tensor, payload: torch.Tensor | None = None, meta: Meta | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = keys.new_empty(table_size, dtype=int32)
+        values = torch.empty_like(keys)
+        index = torch.empty_like(keys)
+        tile_histogram(keys, counts)
+        before = total = counts  # unused unless prescanned
+        if prescan:
+            before = torch.empty_like(counts)
+            total = counts.new_empty(nb)
+            tile_scan(counts, before, total)
+        tpe, bins, padded = meta if meta is not None else (counts, counts, counts)
+        counting_scatter(
+            keys,
+            payload if payload is not None else keys,
+            counts,
+            before,
+            total,
+            values,
+            index,
+            tpe,
+            bins,
+            padded,
+        )
+        return values, index
+
+    return run
 
 
-def route(
-    top_experts: torch.Tensor, num_experts: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _single_pass_plan(
+    configs: LaunchConfigs,
+    cfg: RoutingConfig,
+    n: int,
+    num_bins: int,
+    shift: int,
+    digit_mask: int | None,
+    has_payload: bool,
+    block_size: int | None,
+) -> CountingPass:
+    """:func:`_counting_plan` for keys that fit one tile: one program, one launch, no table."""
+    place = bind(
+        _counting_scatter_kernel,
+        (1,),
+        n,
+        1,
+        num_bins,
+        shift,
+        digit_mask if digit_mask is not None else 0,
+        block_size if block_size is not None else 1,
+        NB=next_power_of_2(num_bins),
+        TILE=cfg.tile,
+        CHUNK=cfg.chunk,
+        TILE_ROWS=cfg.tile_rows,
+        USE_MASK=digit_mask is not None,
+        HAS_PAYLOAD=has_payload,
+        WRITE_META=block_size is not None,
+        PRESCANNED=False,
+        SINGLE=True,
+        num_warps=cfg.num_warps,
+        **_options(configs),
+    )
+
+    def run(
+        keys: torch.Tensor, payload: torch.Tensor | None = None, meta: Meta | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values = torch.empty_like(keys)
+        index = torch.empty_like(keys)
+        tpe, bins, padded = meta if meta is not None else (keys, keys, keys)
+        # No count table: its three pointers are unused (keys stands in).
+        place(
+            keys,
+            payload if payload is not None else keys,
+            keys,
+            keys,
+            keys,
+            values,
+            index,
+            tpe,
+            bins,
+            padded,
+        )
+        return values, index
+
+    return run
+
+
+def _route_plan(
+    configs: LaunchConfigs, shape: torch.Size, num_experts: int, block_size: int
+) -> Callable[[torch.Tensor], Routing]:
+    n = shape.numel()
+    if n == 0 or num_experts == 0:
+        return functools.partial(_route_nothing, num_experts=num_experts)
+    if num_experts > MAX_COUNTING_BINS:
+        return functools.partial(_route_many, num_experts=num_experts, block_size=block_size)
+    counting = _counting_plan(configs, n, num_experts, 0, None, False, block_size)
+    flat = len(shape) == 1
+    int32 = torch.int32
+
+    def run(top_experts: torch.Tensor) -> Routing:
+        keys = top_experts if flat else top_experts.reshape(-1)
+        tpe = keys.new_empty(num_experts, dtype=int32)
+        bins = tpe.new_empty(num_experts)
+        padded = tpe.new_empty(num_experts)
+        bin_ids, indices = counting(keys, None, (tpe, bins, padded))
+        return indices, bin_ids, tpe, bins, padded
+
+    return run
+
+
+def _route_nothing(top_experts: torch.Tensor, num_experts: int) -> Routing:
+    keys = top_experts.reshape(-1)
+    tpe = torch.zeros(num_experts, dtype=torch.int32, device=keys.device)
+    return keys.clone(), keys.clone(), tpe, tpe.clone(), tpe.clone()
+
+
+def _route_many(top_experts: torch.Tensor, num_experts: int, block_size: int) -> Routing:
+    # Too many bins for the in-register scan: documented torch fallback
+    # (stable radix sort by torch + our sync-free histogram and cumsum).
+    # Ids out of range sort last, as in the counting sort. Compared as int64: num_experts
+    # may not fit the ids' dtype (int16 ids, 32768 experts), and torch would wrap it.
+    keys = top_experts.reshape(-1)
+    wide = keys.long()
+    valid = (wide >= 0) & (wide < num_experts)
+    _, order = torch.sort(torch.where(valid, wide, num_experts), stable=True)
+    tpe = histogram(keys, num_experts)
+    rounded = (tpe + block_size - 1) // block_size * block_size
+    return (
+        order.to(keys.dtype),
+        keys[order],
+        tpe,
+        inclusive_cumsum(tpe, 0),
+        inclusive_cumsum(rounded, 0),
+    )
+
+
+def route(top_experts: torch.Tensor, num_experts: int, block_size: int) -> Routing:
     """All routing metadata of a dropless MoE layer in two launches, no host sync.
 
     Returns ``(indices, bin_ids, tokens_per_expert, bins, padded_bins)``:
@@ -352,37 +502,58 @@ def route(
     [0, num_experts) are not counted and sort after every valid id, in input
     order (bin_ids keeps them as they are): indices is always a permutation.
     """
-    num_experts, block_size = int(num_experts), int(block_size)
-    keys = top_experts.reshape(-1)
-    dev = keys.device
-    tpe = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    bins = torch.empty_like(tpe)
-    padded = torch.empty_like(tpe)
-    n = keys.numel()
-    if n == 0 or num_experts == 0:
-        tpe.zero_(), bins.zero_(), padded.zero_()
-        return keys.clone(), keys.clone(), tpe, bins, padded
-    if num_experts > MAX_COUNTING_BINS:
-        # Too many bins for the in-register scan: documented torch fallback
-        # (stable radix sort by torch + our sync-free histogram and cumsum).
-        # Ids out of range sort last, as in the counting sort. Compared as int64: num_experts
-        # may not fit the ids' dtype (int16 ids, 32768 experts), and torch would wrap it.
-        wide = keys.long()
-        valid = (wide >= 0) & (wide < num_experts)
-        _, order = torch.sort(torch.where(valid, wide, num_experts), stable=True)
-        tpe = histogram(keys, num_experts)
-        rounded = (tpe + block_size - 1) // block_size * block_size
-        return (
-            order.to(keys.dtype),
-            keys[order],
-            tpe,
-            inclusive_cumsum(tpe, 0),
-            inclusive_cumsum(rounded, 0),
-        )
-    bin_ids, indices = _counting_pass(
-        keys, None, num_experts, 0, None, meta=(tpe, bins, padded, block_size)
+    configs = launch_configs()
+    key = (
+        top_experts.shape,
+        top_experts.dtype,
+        top_experts.device,
+        num_experts,
+        block_size,
+        configs,
     )
-    return indices, bin_ids, tpe, bins, padded
+    plan = _ROUTE_PLANS.get(key)
+    if plan is None:
+        shape = top_experts.shape
+        plan = remember(
+            _ROUTE_PLANS, key, _route_plan(configs, shape, int(num_experts), int(block_size))
+        )
+    return plan(top_experts)
+
+
+def _sort_plan(
+    configs: LaunchConfigs, n: int, end_bit: int | None
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    if n == 0:
+        return _sort_nothing
+    if end_bit is None or end_bit > 16:
+        return _torch_sort
+    if end_bit == 0:  # every key compares equal: identity permutation
+        return _sort_identity
+    if end_bit <= 10:
+        return _counting_plan(configs, n, 1 << end_bit, 0, (1 << end_bit) - 1, False, None)
+    lo = end_bit // 2
+    hi = end_bit - lo
+    low_pass = _counting_plan(configs, n, 1 << lo, 0, (1 << lo) - 1, False, None)
+    high_pass = _counting_plan(configs, n, 1 << hi, lo, (1 << hi) - 1, True, None)
+
+    def two_passes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, index = low_pass(x)
+        return high_pass(keys, index)
+
+    return two_passes
+
+
+def _sort_nothing(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.clone(), x.clone()
+
+
+def _torch_sort(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values, order = torch.sort(x, stable=True)
+    return values, order.to(x.dtype)
+
+
+def _sort_identity(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.clone(), torch.arange(x.numel(), dtype=x.dtype, device=x.device)
 
 
 def sort(x: torch.Tensor, end_bit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,21 +565,13 @@ def sort(x: torch.Tensor, end_bit: int | None) -> tuple[torch.Tensor, torch.Tens
     end_bit sort because the contract keeps keys inside [0, 2**end_bit)).
     Both outputs have x's dtype.
     """
-    n = x.numel()
-    end_bit = None if end_bit is None else int(end_bit)
-    if n == 0:
-        return x.clone(), x.clone()
-    if end_bit is None or end_bit > 16:
-        values, order = torch.sort(x, stable=True)
-        return values, order.to(x.dtype)
-    if end_bit == 0:  # every key compares equal: identity permutation
-        return x.clone(), torch.arange(n, dtype=x.dtype, device=x.device)
-    if end_bit <= 10:
-        return _counting_pass(x, None, 1 << end_bit, 0, (1 << end_bit) - 1)
-    lo = end_bit // 2
-    hi = end_bit - lo
-    keys, index = _counting_pass(x, None, 1 << lo, 0, (1 << lo) - 1)
-    return _counting_pass(keys, index, 1 << hi, lo, (1 << hi) - 1)
+    configs = launch_configs()
+    key = (x.shape, x.dtype, x.device, end_bit, configs)
+    plan = _SORT_PLANS.get(key)
+    if plan is None:
+        bits = None if end_bit is None else int(end_bit)
+        plan = remember(_SORT_PLANS, key, _sort_plan(configs, x.numel(), bits))
+    return plan(x)
 
 
 # --------------------------------------------------------------------------- histogram
@@ -423,6 +586,7 @@ def _histogram_kernel(
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
     PER_KEY: tl.constexpr,
+    WHOLE_ROW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = tl.program_id(1)
@@ -437,36 +601,59 @@ def _histogram_kernel(
         # One in-register histogram per block, then one atomic per bin.
         hist = tl.histogram(digit, NB, mask=valid)
         cols = tl.arange(0, NB)
-        tl.atomic_add(out_row + cols, hist, mask=(cols < num_bins) & (hist != 0))
+        if WHOLE_ROW:  # this program counts the whole row: it writes every bin (out not zeroed)
+            tl.store(out_row + cols, hist, mask=cols < num_bins)
+        else:
+            tl.atomic_add(out_row + cols, hist, mask=(cols < num_bins) & (hist != 0))
+
+
+def _histogram_plan(
+    configs: LaunchConfigs, shape: torch.Size, num_bins: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    rows = 1 if len(shape) == 1 else shape[0]
+    n = shape[-1]
+    out_shape = (*shape[:-1], num_bins)
+    int32 = torch.int32
+    if n == 0 or rows == 0 or num_bins == 0:
+        return lambda x: torch.zeros(out_shape, dtype=int32, device=x.device)
+    block = configs.histogram_block(n)
+    per_key = num_bins > MAX_TILE_HISTOGRAM_BINS
+    # One program per row (few keys) writes every bin itself; otherwise the programs add into a
+    # zeroed output.
+    whole_row = not per_key and block >= n
+    count = bind(
+        _histogram_kernel,
+        (cdiv(n, block), rows),
+        n,
+        num_bins,
+        NB=1 if per_key else next_power_of_2(num_bins),
+        BLOCK=block,
+        PER_KEY=per_key,
+        WHOLE_ROW=whole_row,
+        **_options(configs),
+    )
+    allocate = torch.Tensor.new_empty if whole_row else torch.Tensor.new_zeros
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = allocate(x, out_shape, dtype=int32)
+        count(x, out)
+        return out
+
+    return run
 
 
 def histogram(x: torch.Tensor, num_bins: int) -> torch.Tensor:
     """int32 counts of values in [0, num_bins); 1-D -> (num_bins,), 2-D -> (B, num_bins) per row.
 
-    Out-of-range values are dropped. Two launches (a memset and the count).
+    Out-of-range values are dropped. One launch for rows that one program counts (the launch
+    policy's ``histogram_block``), else two (a memset and the count).
     """
-    num_bins = int(num_bins)
-    rows = 1 if x.dim() == 1 else x.shape[0]
-    n = x.shape[-1]
-    out = torch.zeros((*x.shape[:-1], num_bins), dtype=torch.int32, device=x.device)
-    if n == 0 or rows == 0 or num_bins == 0:
-        return out
-    block = launch_configs().histogram_block(n)
-    per_key = num_bins > MAX_TILE_HISTOGRAM_BINS
-    nb = 1 if per_key else next_power_of_2(num_bins)
-    launch(
-        _histogram_kernel,
-        (cdiv(n, block), rows),
-        x,
-        out,
-        n,
-        num_bins,
-        NB=nb,
-        BLOCK=block,
-        PER_KEY=per_key,
-        **_options(),
-    )
-    return out
+    configs = launch_configs()
+    key = (x.shape, x.dtype, x.device, num_bins, configs)
+    plan = _HISTOGRAM_PLANS.get(key)
+    if plan is None:
+        plan = remember(_HISTOGRAM_PLANS, key, _histogram_plan(configs, x.shape, int(num_bins)))
+    return plan(x)
 
 
 # --------------------------------------------------------------------------- cumsum
@@ -498,34 +685,48 @@ def _cumsum_kernel(
         carry += tl.sum(v, axis=0)
 
 
-def _cumsum(x: torch.Tensor, dim: int, exclusive: bool) -> torch.Tensor:
-    out = torch.empty_like(x)
-    if x.numel() == 0:
-        return out
-    dim = int(dim)
-    if x.dim() == 1:
-        lines, length, line_stride, elem_stride = 1, x.shape[0], 0, 1
+def _cumsum_plan(
+    configs: LaunchConfigs, shape: torch.Size, dtype: torch.dtype, dim: int, exclusive: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    if shape.numel() == 0:
+        return torch.empty_like
+    if len(shape) == 1:
+        lines, length, line_stride, elem_stride = 1, shape[0], 0, 1
     else:
-        d = dim % 2
-        rows, cols = x.shape
-        if d == 1:
+        rows, cols = shape
+        if dim % 2 == 1:
             lines, length, line_stride, elem_stride = rows, cols, cols, 1
         else:
             lines, length, line_stride, elem_stride = cols, rows, 1, cols
-    launch(
+    scan = bind(
         _cumsum_kernel,
         (lines,),
-        x,
-        out,
         length,
         line_stride,
         elem_stride,
-        BLOCK=launch_configs().scan_block(length),
+        BLOCK=configs.scan_block(length),
         EXCLUSIVE=exclusive,
-        WIDE=x.dtype == torch.int64,
-        **_options(),
+        WIDE=dtype == torch.int64,
+        **_options(configs),
     )
-    return out
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        scan(x, out)
+        return out
+
+    return run
+
+
+def _cumsum(x: torch.Tensor, dim: int, exclusive: bool) -> torch.Tensor:
+    configs = launch_configs()
+    key = (x.shape, x.dtype, x.device, dim, exclusive, configs)
+    plan = _CUMSUM_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _CUMSUM_PLANS, key, _cumsum_plan(configs, x.shape, x.dtype, int(dim), exclusive)
+        )
+    return plan(x)
 
 
 def inclusive_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
