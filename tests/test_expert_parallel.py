@@ -524,28 +524,66 @@ def test_single_process_layer_unchanged():
         assert torch.equal(p.detach(), torch.randn(p.shape, generator=g) * 0.02)
 
 
-@pytest.mark.slow
-def test_benchmark_runs_with_gloo(tmp_path):
-    """benchmarks/expert_parallel_nccl.py on the CPU: equality passes, bytes and times reported."""
-    out = tmp_path / "ep.json"
+def _benchmark(*args: str) -> subprocess.CompletedProcess:
+    """benchmarks/expert_parallel_nccl.py on 2 CPU processes (gloo, loopback)."""
     script = Path(__file__).parents[1] / "benchmarks" / "expert_parallel_nccl.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # not interpreted
     env |= {"GLOO_SOCKET_IFNAME": _loopback_interface(), "OMP_NUM_THREADS": "1"}
     env["MEGABLOCKS_BACKEND"] = "reference"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(script), "--device", "cpu", "--steps", "1"]
-    command += ["--chunks", "1", "3", "--json", str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    command += ["--nproc-per-node", "2", str(script), "--device", "cpu", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_with_gloo(tmp_path):
+    """benchmarks/expert_parallel_nccl.py on the CPU: equality passes, bytes and times reported,
+    each figure on its own line as soon as it is measured."""
+    out = tmp_path / "ep.json"
+    done = _benchmark("--steps", "1", "--chunks", "1", "3", "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(out.read_text())["results"][0]
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["warmup"] == 3 and report["steps"] == 1
+    result = report["results"][0]
     assert result["equality"]["passed"]
     assert set(result["equality"]["max_rel_error"]) == {"baseline", "chunks1", "chunks3"}
     assert set(result["step_ms_slowest_rank"]) >= {"one_device_WT", "ep_chunks1", "ep_chunks3"}
+    assert set(result["first_call_s_slowest_rank"]) == {
+        "one_device",
+        "baseline",
+        "chunks1",
+        "chunks3",
+    }
     for rank in result["per_rank"]:
         counts = rank["bytes"]
         # tiny: 64 tokens, top_k 2: at most 64 rows out of one, 128 of the other
         assert 0 < counts["rows_out_dedup"] <= min(64, counts["rows_out_baseline"])
         assert counts["rows_out_baseline"] <= 128
+    # Rank 0 alone prints progress: a phase line, then the figure, before the shape's summary.
+    lines = done.stdout.splitlines()
+    summary = lines.index(next(line for line in lines if line.startswith("== tiny")))
+    progress = [line.split("] ", 1)[1] for line in lines[:summary] if line.startswith("[ep ")]
+    for key, ms in result["step_ms_slowest_rank"].items():
+        timing = progress.index(next(p for p in progress if p.startswith(f"tiny: timing {key} ")))
+        assert progress[timing + 1].startswith(f"tiny {key}: {ms:.2f} ms (slowest rank)")
+    for scheme in ("baseline", "chunks1", "chunks3"):
+        assert sum(p.startswith(f"tiny equality {scheme}: ok ") for p in progress) == 1
+
+
+@pytest.mark.slow
+def test_benchmark_timeout_names_the_phase():
+    """--timeout: every rank says which phase it is in, and the run fails."""
+    done = _benchmark("--steps", "100000", "--chunks", "1", "--timeout", "3")
+    assert done.returncode != 0
+    assert "exitcode: 3" in done.stderr  # torchrun's report of the rank's status
+    lines = done.stdout.splitlines()
+    announced = [x.split("] ", 1)[1] for x in lines if x.startswith("[ep ") and x.endswith(" ...")]
+    for rank in (0, 1):
+        line = next(x for x in lines if x.startswith(f"[ep rank {rank}] TIMEOUT"))
+        assert "--timeout 3 s reached in phase '" in line, line
+        phase = line.split(" reached in phase '", 1)[1].split("' (in it for ", 1)[0]
+        assert f"{phase} ..." in announced, (phase, announced)  # the phases rank 0 printed
+    assert "in main" in done.stderr  # the Python stacks
 
 
 def test_exchange_makes_its_input_dense_and_refuses_a_strided_output():
