@@ -51,6 +51,11 @@ Memory fields are null off CUDA (no device memory statistics); times are ms. On 
 item runs at the ``tiny`` shape with ``time.perf_counter``. The table prints the layer rows apart,
 one line per (shape, experts, provider).
 
+Output: each row is printed to stdout as soon as it is measured (flushed), as a line ``result: ``
+followed by its table row (a layer row before MegaBlocks' has run, so without the ratios to it);
+the first row of each table brings its header the same way. At the end come the tables, whole,
+and ``--json`` writes the JSON. Progress lines go to stderr.
+
 It lives in the source checkout, not in the package: ``megablocks bench`` loads this file from the
 checkout that holds ``megablocks_core`` (:func:`megablocks_core.cli.load_benchmark`).
 """
@@ -621,43 +626,40 @@ def _layer_results(
         for provider, provider_kind, build in builders:
             log(f"[{case.name}] layer ({kind}): {provider}")
             try:
-                rows.append(
-                    _layer_row(
-                        case,
-                        kind,
-                        provider,
-                        provider_kind,
-                        build,
-                        timer,
-                        gemms,
-                        (floor_ms, fwd_floor_ms),
-                    )
+                row = _layer_row(
+                    case,
+                    kind,
+                    provider,
+                    provider_kind,
+                    build,
+                    timer,
+                    gemms,
+                    (floor_ms, fwd_floor_ms),
                 )
             except Exception as exc:  # a peer that rejects the shape is reported, not fatal
                 failed = LayerFigures(
                     kind, math.nan, math.nan, floor_ms, fwd_floor_ms, math.nan, math.nan, None, None
                 )
                 error = f"error: {type(exc).__name__}: {exc}"[:200]
-                rows.append(
-                    Result(
-                        case.name,
-                        "layer",
-                        provider,
-                        provider_kind,
-                        math.nan,
-                        None,
-                        "",
-                        None,
-                        error,
-                        layer=failed,
-                    )
+                row = Result(
+                    case.name,
+                    "layer",
+                    provider,
+                    provider_kind,
+                    math.nan,
+                    None,
+                    "",
+                    None,
+                    error,
+                    layer=failed,
                 )
             _free_device_memory(device)  # this layer's weights, before the next one's
+            rows.append(row)
+            yield row  # at once; ours' ratios to MegaBlocks' are filled in below
         ran = {r.provider: r.layer for r in rows if r.layer and not r.check.startswith("error")}
         ours, theirs = ran.get(OUR_LAYER), ran.get(MEGABLOCKS_LAYER)
         if ours is not None and theirs is not None:
             add_megablocks_ratios(ours, theirs)
-        yield from rows
 
 
 #: The op each benchmark item dispatches.
@@ -896,20 +898,55 @@ def run(
                     )
 
 
+OPS_HEADER = f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
+LAYER_HEADER = (
+    f"{'layer':<9}{'experts':<8}{'provider':<27}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
+    f"{'floor ms':>10}{'eff':>6}{'fwd eff':>8}{'act MiB':>9}{'peak MiB':>10}"
+    f"  {'vs MegaBlocks: step fwd act peak':<34}check"
+)
+#: What starts the line ``main`` prints for each row as soon as it is measured.
+STREAMED = "result: "
+
+
+def format_row(r: Result) -> str:
+    """One row of the ops table."""
+    rate = f"{r.rate:.1f} {r.unit}" if r.rate is not None else ""
+    vs = f"{r.vs_limit:.2f}x" if r.vs_limit is not None else ""
+    peak = f"  peak {r.peak_mb:.0f} MiB" if r.peak_mb is not None else ""
+    return (
+        f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}"
+        f"  {r.check}{peak}"
+    )
+
+
+def format_layer_row(r: Result) -> str:
+    """One row of the layer table; ratios are ours / MegaBlocks' ("-" until both ran)."""
+
+    def num(value: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if value is None else f"{value:{spec}}{suffix}"
+
+    f = r.layer
+    assert f is not None
+    ratios = " ".join(
+        num(v, ".2f", "x")
+        for v in (
+            f.step_vs_megablocks,
+            f.fwd_vs_megablocks,
+            f.activation_vs_megablocks,
+            f.peak_vs_megablocks,
+        )
+    )
+    return (
+        f"{r.shape:<9}{f.experts:<8}{r.provider:<27}{r.kind:<6}{f.step_ms:>10.3f}"
+        f"{f.fwd_ms:>10.3f}{f.floor_ms:>10.3f}{f.efficiency:>6.2f}{f.fwd_efficiency:>8.2f}"
+        f"{num(f.activation_mib, '.0f'):>9}{num(f.peak_mib, '.0f'):>10}"
+        f"  {ratios if r.kind == 'ours' else '':<34}{r.check}"
+    )
+
+
 def format_table(results: list[Result]) -> str:
     """The results as text: one table for the ops, then (if any) one for the layer item."""
-    lines = [
-        f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
-    ]
-    for r in results:
-        if r.layer is not None:
-            continue
-        rate = f"{r.rate:.1f} {r.unit}" if r.rate is not None else ""
-        vs = f"{r.vs_limit:.2f}x" if r.vs_limit is not None else ""
-        peak = f"  peak {r.peak_mb:.0f} MiB" if r.peak_mb is not None else ""
-        lines.append(
-            f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}  {r.check}{peak}"
-        )
+    lines = [OPS_HEADER] + [format_row(r) for r in results if r.layer is None]
     layer_rows = [r for r in results if r.layer is not None]
     if layer_rows:
         lines += ["", format_layer_table(layer_rows)]
@@ -918,34 +955,21 @@ def format_table(results: list[Result]) -> str:
 
 def format_layer_table(results: list[Result]) -> str:
     """The layer item: a line per (shape, experts, provider); ratios are ours / MegaBlocks'."""
+    return "\n".join([LAYER_HEADER] + [format_layer_row(r) for r in results])
 
-    def num(value: float | None, spec: str, suffix: str = "") -> str:
-        return "-" if value is None else f"{value:{spec}}{suffix}"
 
-    lines = [
-        f"{'layer':<9}{'experts':<8}{'provider':<27}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
-        f"{'floor ms':>10}{'eff':>6}{'fwd eff':>8}{'act MiB':>9}{'peak MiB':>10}"
-        f"  {'vs MegaBlocks: step fwd act peak':<34}check"
-    ]
+def stream(results: Iterator[Result], out: Any = None) -> Iterator[Result]:
+    """``results``, each also printed (flushed) as soon as it comes: a line ``result: `` + its
+    table row, after the table's header the first time a row of that table comes. A run that is
+    killed keeps the rows measured so far; the tables at the end are printed whole."""
+    headers = {False: OPS_HEADER, True: LAYER_HEADER}
     for r in results:
-        f = r.layer
-        assert f is not None
-        ratios = " ".join(
-            num(v, ".2f", "x")
-            for v in (
-                f.step_vs_megablocks,
-                f.fwd_vs_megablocks,
-                f.activation_vs_megablocks,
-                f.peak_vs_megablocks,
-            )
-        )
-        lines.append(
-            f"{r.shape:<9}{f.experts:<8}{r.provider:<27}{r.kind:<6}{f.step_ms:>10.3f}"
-            f"{f.fwd_ms:>10.3f}{f.floor_ms:>10.3f}{f.efficiency:>6.2f}{f.fwd_efficiency:>8.2f}"
-            f"{num(f.activation_mib, '.0f'):>9}{num(f.peak_mib, '.0f'):>10}"
-            f"  {ratios if r.kind == 'ours' else '':<34}{r.check}"
-        )
-    return "\n".join(lines)
+        layer = r.layer is not None
+        header = headers.pop(layer, None)
+        if header is not None:
+            print(STREAMED + header, file=out, flush=True)
+        print(STREAMED + (format_layer_row(r) if layer else format_row(r)), file=out, flush=True)
+        yield r
 
 
 def _as_json(result: Result) -> dict[str, Any]:
@@ -990,15 +1014,17 @@ def main(args: Any) -> int:
             f"unknown --layer-experts {bad_kinds or layer_experts}; known: {', '.join(LAYER_EXPERTS)}"
         )
     results = list(
-        run(
-            shapes,
-            custom,
-            wanted,
-            device,
-            dtype,
-            quick=args.quick,
-            peers=not args.no_peers,
-            layer_experts=layer_experts,
+        stream(
+            run(
+                shapes,
+                custom,
+                wanted,
+                device,
+                dtype,
+                quick=args.quick,
+                peers=not args.no_peers,
+                layer_experts=layer_experts,
+            )
         )
     )
     print(format_table(results))

@@ -2,9 +2,12 @@
 
 On a host with W >= 2 GPUs, NCCL (keep NCCL's NVLink multicast off there: NCCL_NVLS_ENABLE=0)::
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node=2 benchmarks/expert_parallel_nccl.py --json ep.json
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node=2 benchmarks/expert_parallel_nccl.py \
+        --json ep.json --timeout 540
 
-On the CPU with gloo, at a tiny shape (a check that the script and the layer run)::
+``--quick`` first (qwen3 only, chunks 1 and 2, 2 warm-ups and 5 timed steps) to see that it runs
+and how long the kernels take to compile. On the CPU with gloo, at a tiny shape (a check that the
+script and the layer run)::
 
     torchrun --nproc-per-node=2 benchmarks/expert_parallel_nccl.py --device cpu
 
@@ -17,7 +20,7 @@ in bf16; tiny on the CPU, in float32; MLP experts unless --glu):
    the rank holding them); errors relative to the reference's largest magnitude, for every
    --chunks value and for the per-(token, expert) baseline exchange
    (``parallel.expert_parallel_apply``).
-2. step time (forward + backward, median of --steps after 3 warm-ups; CUDA events on GPUs,
+2. step time (forward + backward, median of --steps after --warmup steps; CUDA events on GPUs,
    all ranks started together) of: one device with all experts on T tokens and on W*T tokens
    (the global work of the W ranks), the baseline exchange, and the layer for each --chunks
    value; peak memory of each (GPUs; both layers' parameters included in every figure); and the
@@ -29,17 +32,28 @@ in bf16; tiny on the CPU, in float32; MLP experts unless --glu):
 4. scaling efficiency: ``one_device(W*T) / (W * ep_step)`` (1 = W ranks are W times as fast as
    one device on the same global work).
 
-Rank 0 prints a summary and the JSON (``--json`` writes it too). Exit status 1 if an equality
-check fails.
+Progress: rank 0 prints (flushed) a line before each phase ("compiling/warming up ...",
+"timing ...") and one line per measured figure as soon as it is measured (equality errors and step
+times are the worst over the ranks), a summary per shape when the shape is done, and the JSON at
+the end (``--json`` writes it too, after every shape: ``"complete": false`` until the last). The
+first call of each layer compiles its kernels (Triton: in every process); the equality lines (and
+the JSON's ``first_call_s_slowest_rank``) give its time. ``--timeout S``: after S seconds every rank prints the phase it is in and the Python
+stacks of its threads, and exits with status 3 (a run cut short keeps the lines printed so far).
+Exit status 1 if an equality check fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
+import inspect
 import json
+import math
 import os
 import statistics
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -53,8 +67,75 @@ from megablocks_core.layers.parallel import expert_parallel_apply
 from megablocks_core.layers.shapes import SHAPES
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-9}
-WARMUP = 3
+#: Exit status when --timeout expires.
+TIMEOUT_EXIT = 3
+#: Seconds between a rank's timeout report and its exit: the first rank to exit makes torchrun
+#: stop the others, which should have printed their own phase by then.
+REPORT_GRACE_S = 5.0
+#: faulthandler's own dump and exit this long after --timeout, should the watchdog thread not get
+#: the interpreter (a call that blocks without releasing it).
+BACKSTOP_S = 30.0
 Step = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class Progress:
+    """Rank 0's progress lines, and the phase each rank is in for the --timeout watchdog."""
+
+    def __init__(self, rank: int, timeout: float | None) -> None:
+        self.rank = rank
+        self.started = time.monotonic()
+        self.phase, self.phase_started = "start-up", self.started
+        self.detail = ""  # where in the phase (a step number), for the watchdog only
+        self._done, self._fired = threading.Event(), threading.Event()
+        if timeout:
+            threading.Thread(
+                target=self._watch, args=(timeout,), name="ep-watchdog", daemon=True
+            ).start()
+            faulthandler.dump_traceback_later(timeout + BACKSTOP_S, exit=True)
+
+    def say(self, text: str) -> None:
+        """One line on rank 0, flushed at once (a run killed later keeps it)."""
+        if self.rank == 0:
+            print(f"[ep {time.monotonic() - self.started:7.1f}s] {text}", flush=True)
+
+    def enter(self, phase: str) -> None:
+        """Start a phase: the watchdog names it; rank 0 prints it."""
+        self.phase, self.phase_started, self.detail = phase, time.monotonic(), ""
+        self.say(f"{phase} ...")
+
+    def at_step(self, step: int, total: int) -> None:
+        """Note the step under way (a hang stops at one step; a slow run moves on)."""
+        self.detail = f", at step {step + 1} of {total}"
+
+    def close(self) -> None:
+        self._done.set()
+        faulthandler.cancel_dump_traceback_later()
+        if self._fired.is_set():  # finished within the report's grace: still a timeout
+            raise SystemExit(TIMEOUT_EXIT)
+
+    def _watch(self, timeout: float) -> None:
+        if self._done.wait(timeout):
+            return
+        self._fired.set()
+        now = time.monotonic()
+        print(
+            f"[ep rank {self.rank}] TIMEOUT: --timeout {timeout:g} s reached in phase "
+            f"'{self.phase}' (in it for {now - self.phase_started:.0f} s{self.detail}); "
+            "Python stacks follow",
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        time.sleep(REPORT_GRACE_S)
+        os._exit(TIMEOUT_EXIT)
+
+
+def worst_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value's maximum over the ranks (NaN counts as +inf: a NaN error must fail)."""
+    clean = [math.inf if math.isnan(v) else v for v in values]
+    t = torch.tensor(clean, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def baseline_forward(layer: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,9 +163,18 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def time_ms(self, fn: Callable[[], None], steps: int, together: bool) -> float:
+    def time_ms(
+        self,
+        fn: Callable[[], None],
+        steps: int,
+        warmup: int,
+        together: bool,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> float:
         times = []
-        for i in range(steps + WARMUP):
+        for i in range(steps + warmup):
+            if on_step is not None:
+                on_step(i, steps + warmup)
             if together:
                 dist.barrier()
             self.sync()
@@ -100,7 +190,7 @@ class Clock:
                 begin = time.perf_counter()
                 fn()
                 elapsed = 1e3 * (time.perf_counter() - begin)
-            if i >= WARMUP:
+            if i >= warmup:
                 times.append(elapsed)
         return statistics.median(times)
 
@@ -207,7 +297,9 @@ def exchanges_alone_ms(
     dtype,
     device,
     steps: int,
+    warmup: int,
     column: int,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> float:
     """The four row exchanges of one step (two forward, two backward), no computation."""
     world = counts.shape[0]
@@ -221,18 +313,22 @@ def exchanges_alone_ms(
             dist.all_to_all_single(rows_in, rows_out, in_splits, out_splits)
             dist.all_to_all_single(rows_out, rows_in, out_splits, in_splits)
 
-    return clock.time_ms(exchanges, steps, together=True)
+    return clock.time_ms(exchanges, steps, warmup, together=True, on_step=on_step)
 
 
 def peak_mib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
-def run_shape(args: argparse.Namespace, name: str, device: torch.device, clock: Clock) -> dict:
+def run_shape(
+    args: argparse.Namespace, name: str, device: torch.device, clock: Clock, progress: Progress
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens, hidden, ffn, experts, top_k = SHAPES[name]
     tokens = args.tokens or tokens
     dtype = getattr(torch, args.dtype)
+    say = progress.say
+    progress.enter(f"{name}: building the one-device and the sharded layer ({tokens} tokens/rank)")
     gen = torch.Generator(device=device).manual_seed(1000 + rank)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
     grad_out = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
@@ -242,12 +338,28 @@ def run_shape(args: argparse.Namespace, name: str, device: torch.device, clock: 
     lo, hi = sharded.expert_offset, sharded.expert_offset + sharded.num_local_experts
     expert_names = [n for n in ("w1", "v1", "w2") if getattr(full, n) is not None]
 
+    def first_call(step: Step) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Forward and backward of x (a new leaf) against grad_out: the seconds it took (the
+        slowest rank's; the first call compiles kernels), the leaf, the output and the loss."""
+        clock.sync()
+        began = time.perf_counter()
+        leaf = x.clone().requires_grad_()
+        out, aux = step(leaf)
+        (out * grad_out).float().sum().add(aux).backward()
+        clock.sync()
+        seconds = worst_over_ranks([time.perf_counter() - began], device)[0]
+        return seconds, leaf, out.detach(), aux.detach()
+
     # 1. Equality with the one-device layer.
-    x_full = x.clone().requires_grad_()
-    out_full, aux_full = full(x_full)
-    (out_full * grad_out).float().sum().add(aux_full).backward()
+    progress.enter(
+        f"{name}: compiling/warming up: one-device layer, forward + backward (the reference)"
+    )
+    first_call_s = {}
+    first_call_s["one_device"], x_full, out_full, aux_full = first_call(full)
+    say(f"{name}: one-device reference: first call {first_call_s['one_device']:.1f} s")
     # Every rank's tokens reach this rank's experts: the sum over ranks of the reference's
     # gradient for them (one shard at a time, in float32, to the rank that holds it).
+    progress.enter(f"{name}: reducing the reference's expert gradients to their ranks")
     want_experts = {}
     for n in expert_names:
         grad = getattr(full, n).grad
@@ -266,61 +378,117 @@ def run_shape(args: argparse.Namespace, name: str, device: torch.device, clock: 
             return sharded(t)
 
         schemes[f"chunks{chunks}"] = layer_step
-    errors: dict[str, dict[str, float]] = {}
+    tolerance = TOLERANCE[dtype]
+    worst: dict[str, dict[str, float]] = {}
     for scheme, step in schemes.items():
-        x_ep = x.clone().requires_grad_()
-        out_ep, aux_ep = step(x_ep)
-        (out_ep * grad_out).float().sum().add(aux_ep).backward()
-        errors[scheme] = {
+        progress.enter(
+            f"{name}: compiling/warming up + equality: {scheme}, forward + backward over {world} "
+            "ranks"
+        )
+        first_call_s[scheme], x_ep, out_ep, aux_ep = first_call(step)
+        errors = {
             "out": max_rel(out_ep, out_full),
             "x.grad": max_rel(x_ep.grad, want_x),
             "aux_loss": max_rel(aux_ep, aux_full),
             "router.grad": max_rel(sharded.router.grad, want_router),
         }
         for n in expert_names:
-            errors[scheme][f"{n}.grad"] = max_rel(getattr(sharded, n).grad, want_experts[n])
+            errors[f"{n}.grad"] = max_rel(getattr(sharded, n).grad, want_experts[n])
         sharded.zero_grad(set_to_none=True)
+        worst[scheme] = dict(
+            zip(errors, worst_over_ranks(list(errors.values()), device), strict=True)
+        )
+        ok = all(v <= tolerance for v in worst[scheme].values())
+        say(
+            f"{name} equality {scheme}: {'ok' if ok else 'FAILED'} (tolerance {tolerance:g}; "
+            "worst over ranks) "
+            + " ".join(f"{k}={v:.1e}" for k, v in worst[scheme].items())
+            + f"; first call {first_call_s[scheme]:.1f} s"
+        )
     del x_full, out_full, out_ep, x_ep, want_experts, want_router, want_x
-    gathered: list[dict] = [{} for _ in range(world)]
-    dist.all_gather_object(gathered, errors)
-    worst = {s: {k: max(e[s][k] for e in gathered) for k in errors[s]} for s in errors}
-    tolerance = TOLERANCE[dtype]
     passed = all(v <= tolerance for s in worst.values() for v in s.values())
 
     # 2. Step times and peak memory.
-    def timed(step: Step, layer: DroplessMoE, inputs: torch.Tensor, together: bool) -> dict:
+    def timed(
+        key: str, step: Step, layer: DroplessMoE, inputs: torch.Tensor, together: bool
+    ) -> dict:
+        progress.enter(
+            f"{name}: timing {key} ({args.warmup} warm-up + {args.steps} steps"
+            + (", ranks together" if together else ", each rank alone")
+            + ")"
+        )
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        ms = clock.time_ms(step_fn(step, list(layer.parameters()), inputs), args.steps, together)
-        return {"ms": ms, "peak_mib": peak_mib(device)}
+        ms = clock.time_ms(
+            step_fn(step, list(layer.parameters()), inputs),
+            args.steps,
+            args.warmup,
+            together,
+            on_step=progress.at_step,
+        )
+        figures = {"ms": ms, "peak_mib": peak_mib(device)}
+        slowest[key], peak = worst_over_ranks([ms, figures["peak_mib"] or 0.0], device)
+        line = f"{name} {key}: {slowest[key]:.2f} ms (slowest rank)"
+        if key.startswith("ep_"):  # one_device_WT is timed first
+            efficiency = slowest["one_device_WT"] / (world * slowest[key])
+            line += f", scaling efficiency {efficiency:.2f}"
+        if figures["peak_mib"] is not None:
+            line += f", peak {peak:.0f} MiB"
+        say(line)
+        return figures
 
+    slowest: dict[str, float] = {}
     x_global = torch.cat([x] * world)
-    steps_ms = {
-        "one_device_T": timed(full, full, x, together=False),
-        "one_device_WT": timed(full, full, x_global, together=False),
-    }
+    steps_ms = {"one_device_T": timed("one_device_T", full, full, x, together=False)}
+    steps_ms["one_device_WT"] = timed("one_device_WT", full, full, x_global, together=False)
     del x_global
     for scheme, step in schemes.items():
-        steps_ms[f"ep_{scheme}"] = timed(step, sharded, x, together=True)
+        steps_ms[f"ep_{scheme}"] = timed(f"ep_{scheme}", step, sharded, x, together=True)
 
-    syncs = (
-        {k: host_syncs(v, list(sharded.parameters()), x) for k, v in schemes.items()}
-        if device.type == "cuda"
-        else None
-    )
+    syncs = None
+    if device.type == "cuda":
+        syncs = {}
+        for scheme, step in schemes.items():
+            progress.enter(f"{name}: counting host syncs of {scheme}")
+            syncs[scheme] = host_syncs(step, list(sharded.parameters()), x)
+            say(
+                f"{name} host syncs of {scheme} on rank 0: forward {syncs[scheme]['forward']}, "
+                f"backward {syncs[scheme]['backward']}"
+            )
 
     # 3. Bytes and exchanges alone, from this step's routing.
+    progress.enter(f"{name}: exchange sizes of one step")
     with torch.no_grad():
         top = sharded.route(x)[2]
     counts = exchange_counts(top, experts, world)
     per_rank_bytes = bytes_per_step(counts, rank, hidden, top_k, x.element_size())
-    alone = {
-        "baseline": exchanges_alone_ms(clock, counts, rank, hidden, dtype, device, args.steps, 1),
-        "dedup": exchanges_alone_ms(clock, counts, rank, hidden, dtype, device, args.steps, 0),
-    }
+    b = per_rank_bytes
+    say(
+        f"{name} bytes sent per step by rank 0: baseline {size(b['baseline_bytes'])}, "
+        f"dedup {size(b['dedup_bytes'])}; rows out {b['rows_out_baseline']} -> "
+        f"{b['rows_out_dedup']}"
+    )
+    alone = {}
+    for scheme, column in (("baseline", 1), ("dedup", 0)):
+        progress.enter(f"{name}: timing the row exchanges alone, {scheme} split sizes")
+        alone[scheme] = exchanges_alone_ms(
+            clock,
+            counts,
+            rank,
+            hidden,
+            dtype,
+            device,
+            args.steps,
+            args.warmup,
+            column,
+            on_step=progress.at_step,
+        )
+        alone_ms = worst_over_ranks([alone[scheme]], device)[0]
+        say(f"{name} row exchanges alone, {scheme}: {alone_ms:.2f} ms (slowest rank)")
 
+    progress.enter(f"{name}: gathering every rank's figures")
     everyone: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(
         everyone,
@@ -343,6 +511,7 @@ def run_shape(args: argparse.Namespace, name: str, device: torch.device, clock: 
         "glu": args.glu,
         "dtype": args.dtype,
         "equality": {"max_rel_error": worst, "tolerance": tolerance, "passed": passed},
+        "first_call_s_slowest_rank": first_call_s,
         "step_ms_slowest_rank": {
             "one_device_T": max(r["steps"]["one_device_T"]["ms"] for r in everyone),
             "one_device_WT": one_wt,
@@ -390,15 +559,40 @@ def summary(result: dict, world: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=None)
+    parser.add_argument(
+        "--shapes", nargs="+", choices=sorted(SHAPES), default=None,
+        help="default: qwen3 dsv3 on GPUs (--quick: qwen3), tiny on the CPU",
+    )  # fmt: skip
     parser.add_argument(
         "--tokens", type=int, default=None, help="tokens per rank (default: shape's)"
     )
-    parser.add_argument("--chunks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--chunks", type=int, nargs="+", default=None, help="default: 1 2 4 (--quick: 1 2)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None,
+        help="timed steps per figure, after the warm-up (default: 20 on GPUs, 3 on the CPU; "
+        "--quick: 5)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up steps before timing (default 3; --quick: 2)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true",
+        help="a first look: one shape (qwen3 on GPUs), chunks 1 2, 2 warm-up and 5 timed steps "
+        "(flags given explicitly still win)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=None, metavar="SECONDS",
+        help="after this many seconds every rank prints the phase it is in and its Python "
+        f"stacks, and exits with status {TIMEOUT_EXIT} (default: no limit)",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype", default=None, choices=("bfloat16", "float16", "float32", "float64")
     )
@@ -407,19 +601,40 @@ def main() -> None:
     args = parser.parse_args()
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = args.device == "cuda"
-    args.shapes = args.shapes or (["qwen3", "dsv3"] if on_gpu else ["tiny"])
-    args.steps = args.steps or (20 if on_gpu else 3)
+    if args.shapes is None:
+        args.shapes = ["tiny"] if not on_gpu else ["qwen3"] if args.quick else ["qwen3", "dsv3"]
+    args.chunks = args.chunks or ([1, 2] if args.quick else [1, 2, 4])
+    if args.steps is None:
+        args.steps = 5 if args.quick else 20 if on_gpu else 3
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 3
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
+    if args.steps < 1 or args.warmup < 0 or min(args.chunks) < 1:
+        parser.error("--steps and --chunks must be >= 1, --warmup >= 0")
+    return args
 
-    dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+
+def main() -> None:
+    args = parse_args()
+    on_gpu = args.device == "cuda"
+    rank = int(os.environ.get("RANK", 0))
+    progress = Progress(rank, args.timeout)
+    progress.enter(
+        f"init: {'nccl' if on_gpu else 'gloo'} process group; shapes {' '.join(args.shapes)}, "
+        f"chunks {' '.join(map(str, args.chunks))}, {args.warmup} warm-up + {args.steps} "
+        "timed steps"
+    )
+    init: dict = {}
     if on_gpu:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            init["device_id"] = device  # binds NCCL to this rank's GPU (and barrier() to it)
     else:
         device = torch.device("cpu")
+    dist.init_process_group("nccl" if on_gpu else "gloo", **init)
+    rank, world = dist.get_rank(), dist.get_world_size()
     clock = Clock(device)
-    results = [run_shape(args, name, device, clock) for name in args.shapes]
     report = {
         "world": world,
         "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
@@ -428,19 +643,33 @@ def main() -> None:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None,
         "chunks": args.chunks,
         "steps": args.steps,
-        "results": results,
+        "warmup": args.warmup,
+        "quick": args.quick,
+        "complete": False,
+        "results": [],
     }
-    if rank == 0:
-        for result in results:
-            print(summary(result, world))
-        print(json.dumps(report, indent=2))
-        if args.json:
+
+    def write_json() -> None:
+        if rank == 0 and args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
-    passed = all(r["equality"]["passed"] for r in results)
+
+    for name in args.shapes:
+        result = run_shape(args, name, device, clock, progress)
+        report["results"].append(result)
+        if rank == 0:
+            print(summary(result, world), flush=True)
+        write_json()  # a run cut short keeps the shapes done
+    report["complete"] = True
+    if rank == 0:
+        print(json.dumps(report, indent=2), flush=True)
+    write_json()
+    passed = all(r["equality"]["passed"] for r in report["results"])
+    progress.enter("shutting down")
     dist.barrier()
     gc.collect()  # no layer may keep the process group alive past its destruction (gloo aborts)
     dist.destroy_process_group()
+    progress.close()
     if not passed:
         raise SystemExit(
             f"rank {rank}: the expert-parallel layer differs from the one-device layer"

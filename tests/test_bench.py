@@ -57,14 +57,49 @@ def test_bench_rejects_unknown_shape_and_op(capsys):
     assert main(["bench", "--shape", "1,2,3", "--device", "cpu"]) == 2
 
 
+def _final_table(out: str) -> list[str]:
+    """The lines of the ops table printed at the end (after the rows streamed as measured)."""
+    lines = out.splitlines()
+    return lines[lines.index(bench.OPS_HEADER) :]
+
+
 def test_bench_on_the_cpu_defaults_to_the_tiny_shape_and_says_so(capsys):
     code = main(["bench", "--ops", "gather", "--device", "cpu", "--quick", "--no-peers"])
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "on the CPU the default shape is tiny" in err and "--shapes mixtral,qwen3,dsv3" in err
-    shapes = {line.split()[0] for line in out.splitlines()[1:] if line.strip()}
-    assert shapes == {"tiny"}
-    assert {line.split()[1] for line in out.splitlines()[1:] if line.strip()} == {"copy", "gather"}
+    table = _final_table(out)[1:]
+    assert {line.split()[0] for line in table if line.strip()} == {"tiny"}
+    assert {line.split()[1] for line in table if line.strip()} == {"copy", "gather"}
+
+
+def test_each_row_is_printed_as_soon_as_it_is_measured(capsys):
+    """Every row comes out as a ``result:`` line before the next one is measured (each table's
+    header before its first row), the same line as in the tables printed at the end."""
+    out_before = []  # stdout so far, taken as each row comes out of the run (before it's printed)
+
+    def measured():
+        for r in bench.run(
+            ["tiny"], [], ["gather", "layer"], torch.device("cpu"), torch.float32,
+            quick=True, peers=False, log=lambda _: None, layer_experts=["mlp"],
+        ):  # fmt: skip
+            out_before.append(capsys.readouterr().out)
+            yield r
+
+    with use_backend("reference"):  # the streaming is under test, not the interpreter
+        results = list(bench.stream(measured()))
+    per_row = [*out_before[1:], capsys.readouterr().out]  # what each row printed
+    assert out_before[0] == ""
+    ops = [r for r in results if r.layer is None]
+    layers = [r for r in results if r.layer is not None]
+    assert [r.op for r in ops] == ["copy"] + ["gather"] * (len(ops) - 1) and len(ops) >= 2
+    assert [r.provider for r in layers] == [bench.OUR_LAYER, bench.OUR_UNFUSED_LAYER]
+    table = bench.format_table(results).splitlines()
+    ops_rows = table[1 : 1 + len(ops)]
+    layer_rows = table[table.index(bench.LAYER_HEADER) + 1 :]
+    want = [[bench.OPS_HEADER, ops_rows[0]], *([row] for row in ops_rows[1:])]
+    want += [[bench.LAYER_HEADER, layer_rows[0]], *([row] for row in layer_rows[1:])]
+    assert per_row == ["".join(f"{bench.STREAMED}{line}\n" for line in lines) for lines in want]
 
 
 def test_a_case_builds_expert_weights_only_for_gmm():
@@ -225,7 +260,7 @@ def test_layer_item_json_and_table(tmp_path, capsys):
     assert set(layer) == common | {"peak_mb", "layer"}
     assert set(layer["layer"]) == LAYER_FIELDS
     assert layer["layer"]["experts"] == "glu" and layer["layer"]["activation_mib"] is None
-    lines = out.splitlines()
+    lines = _final_table(out)
     header = lines.index(next(line for line in lines if line.startswith("layer ")))
     assert "step ms" in lines[header] and "peak MiB" in lines[header]
     row = lines[header + 1].split()

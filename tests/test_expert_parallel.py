@@ -5,8 +5,14 @@ its results, or its traceback, to a file that the parent compares with the singl
 (all experts, same seed) run rank by rank on the same tokens. Loopback only, a free port chosen by
 the parent, timeouts on the process group and on the join: a hang fails the test, never blocks.
 
-The child also records the split sizes of every row exchange, which the parent compares with a
-Python count of each chunk's (token, rank) pairs: each token is sent once per rank it needs.
+The child also records every ``all_to_all_single`` (dtype, row shape, split sizes, async or not),
+which the parent checks: the row exchanges' split sizes against a Python count of each chunk's
+(token, rank) pairs (each token is sent once per rank it needs), and what NCCL needs but gloo
+forgives or hides: every rank of a group issues the same exchanges in the same order, forward and
+backward, with matching split sizes (a mismatch hangs NCCL), split sizes as Python ints, dense
+tensors, and every asynchronous exchange waited before its output is read and before the call
+returns. To catch a read before ``wait()``, the child's asynchronous exchanges fill their output
+with garbage when started and only run at ``wait()``.
 """
 
 from __future__ import annotations
@@ -139,18 +145,74 @@ def baseline_forward(layer: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor,
     return out, load_balancing_loss(counts, probs, layer.top_k, coefficient)
 
 
-def _log_row_exchanges(log: list[list[int]]) -> None:
-    """Make this process's all_to_all_single log the input splits of every exchange of rows."""
+def _poison(t: torch.Tensor) -> None:
+    """Garbage in an exchange's output until it is waited: NaN, or all bits set."""
+    t.fill_(float("nan") if t.is_floating_point() else torch.iinfo(t.dtype).max)
+
+
+class _DeferredWork:
+    """An asynchronous exchange that runs only at ``wait()`` (the latest moment NCCL may finish)."""
+
+    def __init__(self, run) -> None:
+        self._run, self.waited = run, False
+
+    def wait(self, timeout=None) -> bool:
+        if not self.waited:
+            self._run()
+            self.waited = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+
+def _check_exchanges(log: list[dict], pending: list[_DeferredWork], problems: list[str]) -> None:
+    """Make this process's all_to_all_single log every call, note what NCCL would refuse, and
+    defer asynchronous calls to their wait() with a poisoned output until then."""
     import torch.distributed as dist
 
     exchange = dist.all_to_all_single
 
-    def logged(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
-        if input.dtype == torch.float64 and input.dim() == 2 and input.shape[1] == HIDDEN:
-            log.append(list(input_split_sizes))
-        return exchange(output, input, output_split_sizes, input_split_sizes, **kwargs)
+    def checked(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        world = dist.get_world_size(kwargs.get("group"))
+        splits = {}
+        for name, tensor, given in (
+            ("output", output, output_split_sizes),
+            ("input", input, input_split_sizes),
+        ):
+            if not tensor.is_contiguous():
+                problems.append(f"{name} not contiguous: {tuple(tensor.stride())}")
+            if given is None:  # equal splits
+                if tensor.shape[0] % world:
+                    problems.append(f"{name}: {tensor.shape[0]} rows do not split {world} ways")
+                given = [tensor.shape[0] // world] * world
+            elif type(given) is not list or any(type(n) is not int for n in given):
+                problems.append(f"{name} splits are not a list of Python ints: {given!r}")
+            elif len(given) != world or sum(given) != tensor.shape[0]:
+                problems.append(f"{name} splits {given} for {tensor.shape[0]} rows, {world} ranks")
+            splits[name] = [int(n) for n in given]
+        async_op = bool(kwargs.get("async_op", False))
+        log.append(
+            {
+                "dtype": str(input.dtype),
+                "row": list(input.shape[1:]),
+                "out_row": list(output.shape[1:]),
+                "in": splits["input"],
+                "out": splits["output"],
+                "async": async_op,
+            }
+        )
+        if not async_op:
+            return exchange(output, input, output_split_sizes, input_split_sizes, **kwargs)
+        _poison(output)
+        kwargs["async_op"] = False
+        work = _DeferredWork(
+            lambda: exchange(output, input, output_split_sizes, input_split_sizes, **kwargs)
+        )
+        pending.append(work)
+        return work
 
-    dist.all_to_all_single = logged
+    dist.all_to_all_single = checked
 
 
 def _child(rank: int, world: int, port: int, outdir: str) -> None:
@@ -177,8 +239,10 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                 group = dist.new_group(list(range(shard, world, ep)))
                 if rank % ep == shard:
                     dp_groups[ep] = group
-        log: list[list[int]] = []
-        _log_row_exchanges(log)
+        log: list[dict] = []
+        pending: list[_DeferredWork] = []
+        problems: list[str] = []
+        _check_exchanges(log, pending, problems)
         with megablocks_core.use_backend("reference"):
             for case in CASES[world]:
                 group = groups[case.ep()]
@@ -186,9 +250,14 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                 x, grad = tokens(case, rank)
                 x.requires_grad_()
                 log.clear()
+                pending.clear()
                 out, aux = baseline_forward(layer, x) if case.baseline else layer(x)
-                forward_splits = list(log)
+                forward_splits = [  # the exchanges of rows (x's and the experts' outputs)
+                    e["in"] for e in log if e["dtype"] == "torch.float64" and e["row"] == [HIDDEN]
+                ]
+                unwaited = [sum(not w.waited for w in pending)]
                 ((out * grad).sum() + aux).backward()
+                unwaited.append(sum(not w.waited for w in pending))
                 router_grad = layer.router.grad.clone()
                 dist.all_reduce(router_grad, group=group)  # as data parallelism would
                 expert_grads_dp = {}
@@ -206,7 +275,12 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                     "expert_grads": {n: p.grad for n, p in expert_params(layer).items()},
                     "expert_values": {n: p.detach() for n, p in expert_params(layer).items()},
                     "forward_splits": forward_splits,
+                    "exchanges": list(log),
+                    "async_exchanges": len(pending),
+                    "unwaited": unwaited,  # after the forward, after the backward
+                    "problems": list(problems),
                 }
+                problems.clear()
             # The per-chunk graphs are freed by the first backward: a second one is refused
             # (on every rank, before any collective).
             case = CASES[world][0]
@@ -319,6 +393,38 @@ def test_matches_single_process(results, world, case):
                 )
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "case"), ALL, ids=[c.name for _, c in ALL])
+def test_exchanges_are_what_nccl_needs(results, world, case):
+    """Every rank of a group issues the same exchanges in the same order, with split sizes that
+    pair up (rank a sends rank b what b expects from a), all of them Python ints over dense
+    tensors, and every asynchronous one is waited before the forward (backward) returns."""
+    got = results(world)
+    ep = case.ep()
+    chunks = case.chunks or DEFAULT_CHUNKS
+    for first in range(0, world, ep):
+        ranks = range(first, first + ep)
+        for rank in ranks:
+            res = got[rank][case.name]
+            assert res["problems"] == [], (rank, res["problems"])
+            assert res["unwaited"] == [0, 0], rank
+        logs = [got[rank][case.name]["exchanges"] for rank in ranks]
+        # The layer: one exchange of counts, then per chunk rows, metadata and partials back;
+        # backward per chunk: the partials' gradient out, the rows' and the weights' back.
+        # The baseline: counts, rows and results (synchronous), then those two reversed.
+        want = 5 if case.baseline else 1 + 6 * chunks
+        assert [len(log) for log in logs] == [want] * ep
+        asynchronous = [got[rank][case.name]["async_exchanges"] for rank in ranks]
+        assert asynchronous == [0 if case.baseline else 6 * chunks] * ep
+        for i, calls in enumerate(zip(*logs, strict=True)):
+            kinds = {(c["dtype"], tuple(c["row"]), tuple(c["out_row"]), c["async"]) for c in calls}
+            assert len(kinds) == 1, (i, calls)
+            assert calls[0]["row"] == calls[0]["out_row"]
+            for a in range(ep):
+                for b in range(ep):
+                    assert calls[a]["in"][b] == calls[b]["out"][a], (i, a, b, calls)
+
+
 def _check_group(case: Case, got: list[dict], ranks: range) -> None:
     layer, per_rank = _reference(case, ranks)
     local = case.experts // len(ranks)
@@ -418,25 +524,82 @@ def test_single_process_layer_unchanged():
         assert torch.equal(p.detach(), torch.randn(p.shape, generator=g) * 0.02)
 
 
-@pytest.mark.slow
-def test_benchmark_runs_with_gloo(tmp_path):
-    """benchmarks/expert_parallel_nccl.py on the CPU: equality passes, bytes and times reported."""
-    out = tmp_path / "ep.json"
+def _benchmark(*args: str) -> subprocess.CompletedProcess:
+    """benchmarks/expert_parallel_nccl.py on 2 CPU processes (gloo, loopback)."""
     script = Path(__file__).parents[1] / "benchmarks" / "expert_parallel_nccl.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # not interpreted
     env |= {"GLOO_SOCKET_IFNAME": _loopback_interface(), "OMP_NUM_THREADS": "1"}
     env["MEGABLOCKS_BACKEND"] = "reference"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(script), "--device", "cpu", "--steps", "1"]
-    command += ["--chunks", "1", "3", "--json", str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+    command += ["--nproc-per-node", "2", str(script), "--device", "cpu", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=JOIN_TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_benchmark_runs_with_gloo(tmp_path):
+    """benchmarks/expert_parallel_nccl.py on the CPU: equality passes, bytes and times reported,
+    each figure on its own line as soon as it is measured."""
+    out = tmp_path / "ep.json"
+    done = _benchmark("--steps", "1", "--chunks", "1", "3", "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(out.read_text())["results"][0]
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["warmup"] == 3 and report["steps"] == 1
+    result = report["results"][0]
     assert result["equality"]["passed"]
     assert set(result["equality"]["max_rel_error"]) == {"baseline", "chunks1", "chunks3"}
     assert set(result["step_ms_slowest_rank"]) >= {"one_device_WT", "ep_chunks1", "ep_chunks3"}
+    assert set(result["first_call_s_slowest_rank"]) == {
+        "one_device",
+        "baseline",
+        "chunks1",
+        "chunks3",
+    }
     for rank in result["per_rank"]:
         counts = rank["bytes"]
         # tiny: 64 tokens, top_k 2: at most 64 rows out of one, 128 of the other
         assert 0 < counts["rows_out_dedup"] <= min(64, counts["rows_out_baseline"])
         assert counts["rows_out_baseline"] <= 128
+    # Rank 0 alone prints progress: a phase line, then the figure, before the shape's summary.
+    lines = done.stdout.splitlines()
+    summary = lines.index(next(line for line in lines if line.startswith("== tiny")))
+    progress = [line.split("] ", 1)[1] for line in lines[:summary] if line.startswith("[ep ")]
+    for key, ms in result["step_ms_slowest_rank"].items():
+        timing = progress.index(next(p for p in progress if p.startswith(f"tiny: timing {key} ")))
+        assert progress[timing + 1].startswith(f"tiny {key}: {ms:.2f} ms (slowest rank)")
+    for scheme in ("baseline", "chunks1", "chunks3"):
+        assert sum(p.startswith(f"tiny equality {scheme}: ok ") for p in progress) == 1
+
+
+@pytest.mark.slow
+def test_benchmark_timeout_names_the_phase():
+    """--timeout: every rank says which phase it is in, and the run fails."""
+    done = _benchmark("--steps", "100000", "--chunks", "1", "--timeout", "3")
+    assert done.returncode != 0
+    assert "exitcode: 3" in done.stderr  # torchrun's report of the rank's status
+    lines = done.stdout.splitlines()
+    announced = [x.split("] ", 1)[1] for x in lines if x.startswith("[ep ") and x.endswith(" ...")]
+    for rank in (0, 1):
+        line = next(x for x in lines if x.startswith(f"[ep rank {rank}] TIMEOUT"))
+        assert "--timeout 3 s reached in phase '" in line, line
+        phase = line.split(" reached in phase '", 1)[1].split("' (in it for ", 1)[0]
+        assert f"{phase} ..." in announced, (phase, announced)  # the phases rank 0 printed
+    assert "in main" in done.stderr  # the Python stacks
+
+
+def test_exchange_makes_its_input_dense_and_refuses_a_strided_output():
+    """NCCL reads and writes raw pointers: a strided input is sent as a dense copy, and a
+    strided output (never made here) is an internal error, raised before any collective."""
+    import torch.distributed as dist
+
+    from megablocks_core.layers import parallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        source = torch.arange(12.0).view(3, 4)
+        strided = source.t()  # (4, 3), not contiguous
+        out = torch.empty(4, 3)
+        assert torch.equal(parallel._InFlight(out, strided, [4], [4], None).wait(), strided)
+        with pytest.raises(RuntimeError, match=r"expert_parallel_moe: internal error.*contiguous"):
+            parallel._InFlight(torch.empty(3, 4).t(), strided, [4], [4], None)
+    finally:
+        dist.destroy_process_group()

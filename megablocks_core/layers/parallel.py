@@ -117,7 +117,9 @@ def all_to_all(
 class _InFlight:
     """An ``all_to_all_single`` started with ``async_op=True``, holding the tensors it reads and
     writes until :meth:`wait`: dropping them earlier would let the allocator reuse their memory
-    while the exchange (on the process group's own stream) still uses it."""
+    while the exchange (on the process group's own stream) still uses it. ``out`` is read only
+    after :meth:`wait` (on CUDA the exchange runs on NCCL's stream: only ``wait`` orders the
+    current stream after it)."""
 
     __slots__ = ("tensors", "work")
 
@@ -129,6 +131,11 @@ class _InFlight:
         in_splits: list[int],
         group: dist.ProcessGroup,
     ) -> None:
+        # NCCL takes dense tensors only (it reads and writes raw pointers); every output here is
+        # a row range of a contiguous buffer, and a provider's output may come in any layout.
+        if not out.is_contiguous():
+            raise RuntimeError(f"{_NAME}: internal error: an exchange output is not contiguous")
+        inp = inp.contiguous()
         self.tensors: tuple[Tensor, ...] = (out, inp)
         self.work = dist.all_to_all_single(
             out, inp, out_splits, in_splits, group=group, async_op=True
