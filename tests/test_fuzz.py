@@ -644,6 +644,91 @@ def test_gmm(backend: str) -> None:
     check()
 
 
+@heavy_backend_param
+def test_fused_gather_gmm_and_gmm_scatter(backend: str) -> None:
+    """gather_gmm and gmm_scatter (and every gradient) against the float64 row loops, through
+    whichever kernels the backend serves (its fused ones or the defining composition)."""
+    fused = ("gather_gmm", "gmm_scatter")
+    dtypes = served_dtypes(backend, fused, FLOAT_DTYPES, ("x", "b"))
+    limits = budget(backend)
+
+    @fuzz(backend)
+    @given(
+        dtype=st.sampled_from(dtypes),
+        index_dtype=st.sampled_from(INDEX_DTYPES),
+        r=routings(limits),
+        hidden=st.integers(1, MAX_HIDDEN),
+        ffn=st.integers(1, MAX_HIDDEN),
+        trans_b=st.booleans(),
+        how=st.sampled_from(["contiguous", "strided"]),
+        weighted=st.booleans(),
+    )
+    def check(
+        dtype: torch.dtype,
+        index_dtype: torch.dtype,
+        r: Routing,
+        hidden: int,
+        ffn: int,
+        trans_b: bool,
+        how: str,
+        weighted: bool,
+    ) -> None:
+        t = r.tensors(index_dtype, how)
+        routing = (t["indices"], t["bin_ids"])
+        n = r.T * r.K
+        xv = floats(r.rng, (r.T, hidden), dtype)
+        w1v = floats(r.rng, (r.E, ffn, hidden) if trans_b else (r.E, hidden, ffn), dtype)
+        hv = floats(r.rng, (n, ffn), dtype)
+        w2v = floats(r.rng, (r.E, hidden, ffn) if trans_b else (r.E, ffn, hidden), dtype)
+        wv = floats(r.rng, (n,), dtype, low=0.1) if weighted else None
+        x, w1 = (tensor(v, dtype, how).requires_grad_() for v in (xv, w1v))
+        h, w2 = (tensor(v, dtype, how).requires_grad_() for v in (hv, w2v))
+        w = None if wv is None else tensor(wv, dtype, how).requires_grad_()
+        absw = None if wv is None else np.abs(wv)
+        with megablocks_core.use_backend(backend):
+            rows = ops.gather_gmm(x, w1, *routing, t["bins"], r.K, trans_b)
+            out = ops.gmm_scatter(h, w2, *routing, w, t["bins"], r.K, trans_b)
+            g_rows = floats(r.rng, (n, ffn), dtype)
+            g_out = floats(r.rng, (r.T, hidden), dtype)
+            torch.autograd.backward(
+                [rows, out], [tensor(g_rows, dtype, how), tensor(g_out, dtype, how)]
+            )
+        ix, bins = r.indices, r.bins
+        assert_close(
+            rows,
+            oracle.gather_gmm(xv, w1v, ix, bins, r.K, trans_b),
+            oracle.gather_gmm(np.abs(xv), np.abs(w1v), ix, bins, r.K, trans_b),
+            dtype,
+        )
+        # The composition rounds each product row before the weighted sum: bound accordingly.
+        assert_close(
+            out,
+            oracle.gmm_scatter(hv, w2v, ix, wv, bins, r.K, trans_b),
+            2 * oracle.gmm_scatter(np.abs(hv), np.abs(w2v), ix, absw, bins, r.K, trans_b),
+            dtype,
+        )
+        want_x, want_w1 = oracle.gather_gmm_backward(xv, w1v, g_rows, ix, bins, r.K, trans_b)
+        bound_x, bound_w1 = oracle.gather_gmm_backward(
+            np.abs(xv), np.abs(w1v), np.abs(g_rows), ix, bins, r.K, trans_b
+        )
+        assert_close(x.grad, want_x, 2 * bound_x, dtype)
+        assert_close(w1.grad, want_w1, bound_w1, dtype)
+        want_h, want_w2, want_w = oracle.gmm_scatter_backward(
+            hv, w2v, wv, g_out, ix, bins, r.K, trans_b
+        )
+        bound_h, bound_w2, bound_w = oracle.gmm_scatter_backward(
+            np.abs(hv), np.abs(w2v), absw, np.abs(g_out), ix, bins, r.K, trans_b
+        )
+        assert_close(h.grad, want_h, 2 * bound_h, dtype)
+        assert_close(w2.grad, want_w2, 2 * bound_w2, dtype)
+        if w is not None:
+            assert_close(w.grad, want_w, bound_w, dtype)
+        empty = r.counts == 0
+        assert (to64(w1.grad)[empty] == 0).all() and (to64(w2.grad)[empty] == 0).all()
+
+    check()
+
+
 # --------------------------------------------------------------------------------------------
 # 2. invalid inputs: always-on checks raise the core's errors, naming the op
 
