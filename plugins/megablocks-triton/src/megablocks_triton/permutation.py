@@ -1043,29 +1043,9 @@ def gather(
     top_k: int,
 ) -> torch.Tensor:
     """(T, H) -> (T*K, H): out[i] = x[indices[i] // K] * weights[indices[i]] (if weights)."""
-    configs = launch_configs()
-    key = (
-        x.shape,
-        x.dtype,
-        x.device,
-        indices.shape,
-        indices.dtype,
-        bins.shape,
-        bins.dtype,
-        None if weights is None else weights.dtype,
-        top_k,
-        configs,
+    return _plan(_GATHER_PLANS, _gather_plan, x, indices, weights, bins, top_k)(
+        x, indices, weights, bins
     )
-    plan = _GATHER_PLANS.get(key)
-    if plan is None:
-        plan = remember(
-            _GATHER_PLANS,
-            key,
-            _gather_plan(
-                configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None
-            ),
-        )
-    return plan(x, indices, weights, bins)
 
 
 def scatter(
@@ -1077,6 +1057,21 @@ def scatter(
     top_k: int,
 ) -> torch.Tensor:
     """(T*K, H) sorted rows -> (T, H): weighted top-k sum per token (fp32 accumulation)."""
+    return _plan(_SCATTER_PLANS, _scatter_plan, x, indices, weights, bins, top_k)(
+        x, indices, weights, bins
+    )
+
+
+def _plan(
+    plans: dict[Any, Any],
+    make: Callable[..., Any],
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
+) -> Any:
+    """The prepared launches of a plain gather or scatter for this call shape (made once)."""
     configs = launch_configs()
     key = (
         x.shape,
@@ -1090,16 +1085,14 @@ def scatter(
         top_k,
         configs,
     )
-    plan = _SCATTER_PLANS.get(key)
+    plan = plans.get(key)
     if plan is None:
         plan = remember(
-            _SCATTER_PLANS,
+            plans,
             key,
-            _scatter_plan(
-                configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None
-            ),
+            make(configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None),
         )
-    return plan(x, indices, weights, bins)
+    return plan
 
 
 def scatter_wgrad(
