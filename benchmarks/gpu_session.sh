@@ -25,7 +25,7 @@ fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   MEGABLOCKS_TRITON_TEST_DEVICE=cuda TRITON_INTERPRET=0 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x \
-    ${GPU_TESTS:-tests/test_backends_vs_reference.py tests/test_triton_kernels.py tests/test_cuda_gpu.py tests/test_moe_layer.py} 2>&1 | tee "$OUT/tests.log" | tail -15
+    ${GPU_TESTS:-tests/test_triton_kernels.py tests/test_triton_launch.py tests/test_triton_gmm.py tests/test_gpu_no_host_sync.py tests/test_cuda_gpu.py tests/test_moe_layer.py tests/test_bench.py} 2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 [ -n "$peers_pid" ] && { wait "$peers_pid"; tail -3 "$OUT/peers.log"; }
 timeout ${BENCH_TIMEOUT:-300} megablocks bench --json "$OUT/bench.json" "$@" 2> "$OUT/bench.err" | tee "$OUT/bench.txt"
