@@ -32,12 +32,10 @@ import torch
 from ..contracts import BY_NAME
 from ..dispatch import registry
 from ..entries import ENTRIES
-from ..library import output_meta
 from ..policy import use_backend
 from ..ranking import NoKernelError
-from ..schema import RULE_HELPERS, DataDim
 from ..validation import ContractError, ContractTypeError
-from .kit import REFERENCE, TOLERANCES, Mismatch, compare
+from .kit import REFERENCE, TOLERANCES, Mismatch, check_meta, compare
 
 __all__ = [
     "CASES",
@@ -664,23 +662,9 @@ def check_result(op: str, args: Args, out: Any) -> None:
     """Raise :class:`Mismatch` unless ``out`` is the documented safe result of ``op`` on ``args``
     (shape, dtype and device from the contract, then values)."""
     contract = BY_NAME[op]
+    check_meta(contract, args, out)
     bound = contract.bind(args)
-    scope = {**RULE_HELPERS, **bound}
-    metas = output_meta(
-        contract, bound, lambda d: max(eval(d.expr, scope), 0) if isinstance(d, DataDim) else d
-    )
     outs = out if isinstance(out, tuple) else (out,)
-    device = bound[contract.primary.name].device
-    if len(outs) != len(metas):
-        raise Mismatch(f"returned {len(outs)} outputs, the contract says {len(metas)}")
-    for spec, value, (shape, dtype) in zip(contract.outputs, outs, metas, strict=True):
-        if not isinstance(value, torch.Tensor):
-            raise Mismatch(f"output '{spec.name}' is a {type(value).__name__}")
-        if tuple(value.shape) != tuple(shape) or value.dtype != dtype or value.device != device:
-            raise Mismatch(
-                f"output '{spec.name}' is {tuple(value.shape)} {value.dtype} on {value.device}; "
-                f"the contract says {tuple(shape)} {dtype} on {device}"
-            )
     tol = TOLERANCES.get(outs[0].dtype, 0.0)
     if op in ("gather", "padded_gather", "binned_gather"):
         _check_gather(op, bound, out, tol)
