@@ -149,11 +149,12 @@ def _gmm(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[st
 def _weight_grad(call: Call, a: torch.Tensor, grad: torch.Tensor, bins: torch.Tensor) -> Any:
     """gmm_weight_grad over the groups that cumulative bins give (sorted rows of a and grad).
 
-    The counts stay on bins' device (no host sync) and are made safe as the fused kernels read
-    bins: a negative group counts as 0, groups are cut at the last row. (CPU counts are checked
-    on the host by gmm_weight_grad: bins that do not cover the rows raise there.)"""
-    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp(min=0)
-    counts = torch.diff(sizes.cumsum(0).clamp(max=a.shape[0]), prepend=sizes.new_zeros(1))
+    The counts stay on bins' device (no host sync). Bad bins need no care here: device-side
+    counts are made safe by every gmm_weight_grad kernel (a negative group counts as 0, groups
+    are cut at the last row, as the fused kernels read bins), CPU counts are checked on the host."""
+    counts = torch.diff(bins, prepend=bins.new_zeros(1))
+    if counts.dtype == torch.int16:  # gmm's counts are int32 or int64
+        counts = counts.int()
     return call("gmm_weight_grad", a, grad, counts)
 
 
