@@ -252,7 +252,11 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
 
 
 class _LocalChunk:
-    """One chunk's received tokens through this rank's experts: one partial row per token."""
+    """One chunk's received tokens through this rank's experts: one partial row per token.
+
+    With ``record``, the forward records the experts and the weighted sum (``ops.scatter``, whose
+    backward has the weights' gradient kernel) from two leaves, the token rows and the received
+    weights, and backward differentiates that graph with ``torch.autograd.grad``."""
 
     def __init__(
         self,
@@ -271,26 +275,25 @@ class _LocalChunk:
         mine = (local_ids >= 0) & (local_ids < local)
         keys = torch.where(mine, local_ids, local).flatten()  # other ranks' experts: bin `local`
         self.indices, self.bin_ids, counts, self.bins, _ = ops.route(keys, local + 1, _BLOCK)
-        self.pair_slots = self.indices[:num_pairs]  # (token, k) of each row, by local expert
-        self.pair_tokens = torch.div(self.pair_slots, top_k, rounding_mode="floor")
-        self.pair_weights = weights.flatten().index_select(0, self.pair_slots)
-        rows = received.index_select(0, self.pair_tokens)
-        if record:  # the experts' graph, differentiated in backward
-            rows.requires_grad_()
-            with torch.enable_grad():
-                self.outputs = experts(rows, counts[:local])
-        else:
-            self.outputs = experts(rows, counts[:local])
-        self.rows = rows
-        masked = weights.masked_fill(~mine, 0)
-        self.partial: Tensor | None = ops.scatter(
-            _pad_rows(self.outputs.detach(), self.slots),
-            self.indices,
-            self.bin_ids,
-            masked.flatten(),
-            self.bins,
-            top_k,
-        )
+        pair_tokens = torch.div(self.indices[:num_pairs], top_k, rounding_mode="floor")
+        rows = received.index_select(0, pair_tokens)
+        with torch.enable_grad() if record else torch.no_grad():
+            if record:
+                rows.requires_grad_()
+                weights = weights.detach().requires_grad_()
+            outputs = experts(rows, counts[:local])
+            # The sentinel pairs (other ranks' experts) read zero rows with weight 0.
+            partial = ops.scatter(
+                _pad_rows(outputs, self.slots),
+                self.indices,
+                self.bin_ids,
+                weights.masked_fill(~mine, 0).flatten(),
+                self.bins,
+                top_k,
+            )
+        self.rows, self.weights = rows, weights
+        self.graph: Tensor | None = partial if record else None
+        self.partial: Tensor | None = partial.detach()
 
     def take_partial(self) -> Tensor:
         """The partial rows (once: the exchange that sends them keeps them until it is done)."""
@@ -302,20 +305,17 @@ class _LocalChunk:
         self, grad_partial: Tensor, parameters: Sequence[Tensor]
     ) -> tuple[Tensor, Tensor, tuple[Tensor | None, ...]]:
         """Gradients of the received rows, of the received weights (rows, K) and of ``parameters``."""
-        outputs = self.outputs
-        grad = grad_partial.index_select(0, self.pair_tokens)
-        # d partial / d weight of a pair = <its expert output, the token's gradient>, in float32
-        # or wider (bmm accumulates so), as ops.scatter's weight gradient.
-        pair_wgrad = torch.bmm(outputs.detach().unsqueeze(1), grad.unsqueeze(2)).flatten()
-        grad_weights = pair_wgrad.new_zeros(self.slots).index_copy_(
-            0, self.pair_slots.long(), pair_wgrad
-        )
-        grad_outputs = (grad * self.pair_weights.unsqueeze(1)).to(outputs.dtype)
+        assert self.graph is not None
         wanted = [p for p in parameters if p.requires_grad]
-        grads = torch.autograd.grad(outputs, [self.rows, *wanted], grad_outputs, allow_unused=True)
+        grads = torch.autograd.grad(
+            self.graph, [self.rows, self.weights, *wanted], grad_partial, allow_unused=True
+        )
+        self.graph = None
         grad_rows = grads[0] if grads[0] is not None else torch.zeros_like(self.rows)
-        by_parameter = iter(grads[1:])
+        grad_weights = grads[1] if grads[1] is not None else torch.zeros_like(self.weights)
+        by_parameter = iter(grads[2:])
         parameter_grads = tuple(next(by_parameter) if p.requires_grad else None for p in parameters)
+        # Each token's pair rows summed back into the token (the sentinel pairs add zero rows).
         grad_received = ops.scatter(
             _pad_rows(grad_rows, self.slots),
             self.indices,
@@ -324,7 +324,7 @@ class _LocalChunk:
             self.bins,
             self.top_k,
         )
-        return grad_received, grad_weights.view(-1, self.top_k), parameter_grads
+        return grad_received, grad_weights, parameter_grads
 
 
 class _ExpertParallelMoE(torch.autograd.Function):
