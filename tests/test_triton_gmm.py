@@ -252,6 +252,21 @@ def test_weight_grad_accumulate_no_rows_leaves_out_unchanged() -> None:
 
 
 @needs_interpreter
+def test_weight_grad_accumulate_passes_the_conformance_kit() -> None:
+    """Through the core (validation, dispatch) against the reference's composition: the quick
+    scenarios and the full set's float32 buffers for 16-bit data (fp16 here: the interpreter
+    leaves bf16 to the reference)."""
+    from megablocks_core import testing
+
+    wide = [s for s in testing.FULL if s.accumulate_dtype not in (None, s.dtype)]
+    result = testing.check_op(
+        "triton", "gmm_weight_grad_accumulate", "cpu", cases=(*testing.QUICK, *wide)
+    )
+    assert result.status == "pass", result.message
+    assert result.scenarios >= 5  # fp32 and fp16 scenarios ran on triton, bf16 ones declined
+
+
+@needs_interpreter
 def test_non_unit_inner_stride() -> None:
     # A transposed view of a is made contiguous by the wrapper; results unchanged.
     sizes, k, n = [5, 12], 24, 16
