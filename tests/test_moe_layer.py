@@ -277,6 +277,118 @@ def test_compile_fullgraph_matches_eager(backend):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
+# ---------------------------------------------------------------------------
+# Gradient-accumulation fusion (grad_accumulation_fusion=True)
+
+
+def _expert_weights(model: DroplessMoE) -> list[torch.Tensor]:
+    return [p for p in (model.w1, model.v1, model.w2) if p is not None]
+
+
+def _micro_batches(model: DroplessMoE, steps: int, tokens: int = 12, compiled=None) -> None:
+    """``steps`` forward + backward calls whose gradients accumulate (never zeroed)."""
+    forward = model if compiled is None else compiled
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(tokens, model.hidden_size, generator=gen).to(model.w1.dtype)
+        out, aux = forward(x.requires_grad_())
+        grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+        ((out * grad).sum() + aux).backward()
+
+
+def _twins(dtype, glu, fuse_permutation, **kw):
+    """Two identical layers, the second with grad_accumulation_fusion."""
+    args = dict(hidden=16, ffn=8, experts=8, top_k=2, glu=glu, dtype=dtype, **kw)
+    plain = make(**args, fuse_permutation=fuse_permutation)
+    fused = make(**args, fuse_permutation=fuse_permutation, grad_accumulation_fusion=True)
+    fused.load_state_dict(plain.state_dict())
+    assert fused.grad_accumulation_fusion and not plain.grad_accumulation_fusion
+    return plain, fused
+
+
+@pytest.mark.parametrize("fuse_permutation", [True, False], ids=["fused-ops", "unfused-ops"])
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"]
+)
+def test_grad_accumulation_fusion_gives_the_unfused_gradients(dtype, tol, glu, fuse_permutation):
+    """Two forward + backward calls accumulating into .grad: with the fusion on, every parameter's
+    gradient equals the plain layer's; the first call (no .grad yet) goes through autograd, the
+    second adds the expert gradients in place (their gradient hooks see None then)."""
+    backends = _fp32_cpu_backends() if dtype == torch.float32 else ["reference"]
+    for backend in backends:
+        plain, fused = _twins(dtype, glu, fuse_permutation)
+        seen: list[bool] = []
+        fused.w1.register_hook(seen.append)  # None once the gradient is added in place
+        with megablocks_core.use_backend(backend):
+            _micro_batches(plain, 1)
+            _micro_batches(fused, 1)
+            for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+                torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol, msg=backend)
+            _micro_batches(plain, 1)
+            _micro_batches(fused, 1)
+        for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol, msg=backend)
+        # The first call returned the gradient, the second added it in place.
+        assert [g is not None for g in seen] == [True, False], backend
+
+
+@pytest.mark.parametrize("fuse_permutation", [True, False], ids=["fused-ops", "unfused-ops"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_accumulation_fusion_into_float32_main_grad(dtype, fuse_permutation):
+    """Megatron's convention: each expert weight's float32 main_grad gets the sum of every call's
+    gradient (the first call's too), its .grad stays None; the router accumulates as usual."""
+    plain, fused = _twins(dtype, True, fuse_permutation)
+    for w in _expert_weights(fused):
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    want = {name: torch.zeros(w.shape, dtype=torch.float64) for name, w in plain.named_parameters()}
+    for step in range(2):
+        plain.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(12, 16, generator=gen).to(dtype)
+        for model in (plain, fused):
+            out, aux = model(x.clone().requires_grad_())
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+            ((out * grad.to(out.dtype)).sum() + aux).backward()
+        for name, w in plain.named_parameters():
+            want[name] += w.grad.double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, w in fused.named_parameters():
+        if name == "router":
+            assert w.grad is not None and w.grad.dtype == dtype
+            torch.testing.assert_close(w.grad.double(), want[name], rtol=tol, atol=tol)
+        else:
+            assert w.grad is None and w.grad_added_to_main_grad, name
+            torch.testing.assert_close(w.main_grad.double(), want[name], rtol=tol, atol=tol)
+
+
+def test_grad_accumulation_fusion_under_compile():
+    """Compiled, the layer never fuses (the custom ops' autograd returns every gradient) and its
+    accumulated gradients stay right."""
+    torch._dynamo.reset()
+    plain, fused = _twins(torch.float32, True, True)
+    seen = []
+    fused.w2.register_hook(lambda g: seen.append(g is not None))
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    _micro_batches(plain, 2)
+    _micro_batches(fused, 2, compiled=compiled)
+    for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+    assert seen == [True, True]
+
+
+def test_grad_accumulation_fusion_is_a_settable_bool():
+    model = make(glu=True)
+    assert model.grad_accumulation_fusion is False
+    model.grad_accumulation_fusion = True
+    assert all(megablocks_core.is_grad_accumulation_fused(w) for w in _expert_weights(model))
+    assert not megablocks_core.is_grad_accumulation_fused(model.router)
+    model.grad_accumulation_fusion = False
+    assert not any(megablocks_core.is_grad_accumulation_fused(w) for w in _expert_weights(model))
+    with pytest.raises(TypeError, match="grad_accumulation_fusion must be a bool"):
+        DroplessMoE(8, 8, 2, grad_accumulation_fusion=1)
+
+
 def _hand_composed_moe(x, router, w1, w2, top_k):
     """A dropless MoE written with the routing primitives (sort, histogram, inclusive_cumsum) rather
     than ``ops.route``, exact GELU: the ops composed by hand, as a user of megablocks.ops would."""
