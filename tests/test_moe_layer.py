@@ -533,6 +533,38 @@ def test_cuda_graph_replays_a_training_step():
 
 
 @cuda
+def test_cuda_grad_accumulation_fusion_is_sync_free_and_right():
+    """On the GPU (triton's fused gmm_weight_grad_accumulate): the fused micro-batch makes no host
+    sync, .grad matches the unfused layer's, and a float32 main_grad gets the sum."""
+    with megablocks_core.use_backend():
+        plain, x = _gpu_model()
+        fused = copy.deepcopy(plain)
+        fused.grad_accumulation_fusion = True
+        main = copy.deepcopy(plain)
+        main.grad_accumulation_fusion = True
+        for w in _expert_weights(main):
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+        for model in (plain, fused, main):
+            _loss(model, x).backward()  # the first micro-batch: allocates .grad, ranks kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _loss(fused, x).backward()  # the expert gradients added in place
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for model in (plain, main):
+            _loss(model, x).backward()
+
+    def relative_error(got, want):  # the gradients are small (a mean loss): compare by norm
+        return float((got.double() - want.double()).norm() / want.double().norm())
+
+    for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+        assert relative_error(q.grad, p.grad) < 1e-2
+    for p, q in zip(_expert_weights(plain), _expert_weights(main), strict=True):
+        assert q.grad is None and relative_error(q.main_grad, p.grad) < 1e-2
+
+
+@cuda
 def test_cuda_compile_fullgraph_matches_eager():
     torch._dynamo.reset()
     with megablocks_core.use_backend():
