@@ -22,7 +22,11 @@ Both take the case's ``(T, H)`` tokens as a leaf that requires grad and a fixed 
 of the output's shape (``out.backward(grad)``). Our output is checked against the reference
 backend's first (MegaBlocks' layer has its own weights: ``n/a``). The step is timed in its steady
 state: gradients of the weights and the input accumulate into the existing ``.grad`` (never zeroed),
-and the first steps (check, warm-up) have allocated them. A layer row (``op == "layer"``) carries,
+and the first steps (check, warm-up) have allocated them. Our layer has three rows per kind of
+expert: ``megablocks-core dMoE`` (the default), ``ours, unfused`` (``fuse_permutation=False``:
+gather, gmm and scatter as separate ops) and ``ours, grad accumulation fused``
+(``grad_accumulation_fusion=True``: the weight-gradient GEMMs add into the existing ``.grad``
+instead of autograd adding each expert weight's gradient in a separate pass). A layer row (``op == "layer"``) carries,
 besides the common fields (``us``: step time; ``rate``: TFLOP/s of the expert GEMMs at that time;
 ``vs_limit``: step time / GEMM floor; ``peak_mb``: as ``peak_mib``), a ``layer`` object:
 
@@ -100,6 +104,7 @@ BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
 LAYER_EXPERTS = ("mlp", "glu")
 OUR_LAYER = "megablocks-core dMoE"
 OUR_UNFUSED_LAYER = "ours, unfused"
+OUR_ACCUMULATION_FUSED_LAYER = "ours, grad accumulation fused"
 MEGABLOCKS_LAYER = "megablocks dMoE (grouped)"
 
 
@@ -459,7 +464,9 @@ class _LayerUnderTest:
         return out.detach()
 
 
-def _our_layer(case: Case, glu: bool, fuse_permutation: bool = True) -> _LayerUnderTest:
+def _our_layer(
+    case: Case, glu: bool, fuse_permutation: bool = True, grad_accumulation_fusion: bool = False
+) -> _LayerUnderTest:
     layer = DroplessMoE(
         case.hidden,
         case.ffn,
@@ -470,6 +477,7 @@ def _our_layer(case: Case, glu: bool, fuse_permutation: bool = True) -> _LayerUn
         device=case.x.device,
         load_balancing_loss_coefficient=0.0,  # as the MegaBlocks peer's moe_loss_weight=0
         fuse_permutation=fuse_permutation,
+        grad_accumulation_fusion=grad_accumulation_fusion,
     )
     x = case.x.detach().clone().requires_grad_()
     return _LayerUnderTest(lambda: layer(x)[0], case.layer_grad)
@@ -613,6 +621,14 @@ def _layer_results(
             (OUR_LAYER, "ours", functools.partial(_our_layer, case, glu)),
             # The same layer with gather/gmm/scatter as separate ops: what the fusion changes.
             (OUR_UNFUSED_LAYER, "ours", functools.partial(_our_layer, case, glu, False)),
+            # The expert weight gradients added into the existing .grad by the wgrad GEMMs
+            # (gmm_weight_grad_accumulate), not by autograd's separate add: the steady state
+            # timed here is the one it speeds up.
+            (
+                OUR_ACCUMULATION_FUSED_LAYER,
+                "ours",
+                functools.partial(_our_layer, case, glu, True, True),
+            ),
         ]
         if megablocks is not None:
             builders.append(
@@ -900,7 +916,7 @@ def run(
 
 OPS_HEADER = f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
 LAYER_HEADER = (
-    f"{'layer':<9}{'experts':<8}{'provider':<27}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
+    f"{'layer':<9}{'experts':<8}{'provider':<31}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
     f"{'floor ms':>10}{'eff':>6}{'fwd eff':>8}{'act MiB':>9}{'peak MiB':>10}"
     f"  {'vs MegaBlocks: step fwd act peak':<34}check"
 )
@@ -937,7 +953,7 @@ def format_layer_row(r: Result) -> str:
         )
     )
     return (
-        f"{r.shape:<9}{f.experts:<8}{r.provider:<27}{r.kind:<6}{f.step_ms:>10.3f}"
+        f"{r.shape:<9}{f.experts:<8}{r.provider:<31}{r.kind:<6}{f.step_ms:>10.3f}"
         f"{f.fwd_ms:>10.3f}{f.floor_ms:>10.3f}{f.efficiency:>6.2f}{f.fwd_efficiency:>8.2f}"
         f"{num(f.activation_mib, '.0f'):>9}{num(f.peak_mib, '.0f'):>10}"
         f"  {ratios if r.kind == 'ours' else '':<34}{r.check}"

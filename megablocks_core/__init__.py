@@ -5,6 +5,7 @@
 - :mod:`megablocks_core.plugin` — what a backend may import (the plugin API).
 - :mod:`megablocks_core.ranking` — how an implementation is chosen.
 - :mod:`megablocks_core.layers` — a dropless MoE layer built on the ops.
+- :func:`fuse_grad_accumulation` — opt expert weights in to gradient-accumulation fusion.
 """
 
 __version__ = "0.1.0"
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 import os as _os
 
 from . import ops
+from .autograd import fuse_grad_accumulation, is_grad_accumulation_fused
 from .descriptors import DeviceInfo, Kernel
 from .dispatch import explain, registry, reload
 from .hookspecs import hookimpl
@@ -37,7 +39,9 @@ __all__ = [
     "__version__",
     "current_policy",
     "explain",
+    "fuse_grad_accumulation",
     "hookimpl",
+    "is_grad_accumulation_fused",
     "ops",
     "registry",
     "reload",

@@ -7,6 +7,19 @@ backend that supplies only forward kernels is autograd-correct. The same rules s
 (:func:`apply`, called by the entry functions of :mod:`megablocks_core.entries`) and
 ``torch.compile`` (:mod:`megablocks_core.library`); :func:`pack_for_backward` and
 :func:`unpack_for_backward` decide what both keep for the backward.
+
+Gradient-accumulation fusion (opt-in per parameter, :func:`fuse_grad_accumulation`): when a
+training step accumulates gradients over micro-batches, an expert weight's gradient already
+exists, and autograd would add each new (experts, k, n) weight gradient into it with a separate
+elementwise pass. For an opted-in weight the backward rules of ``gmm``, ``gather_gmm`` and
+``gmm_scatter`` instead add it into the existing buffer with ``gmm_weight_grad_accumulate`` (one
+fused GEMM where the backend has the kernel) and return None for that weight, so autograd's
+AccumulateGrad does nothing for it. The buffer is the weight's ``main_grad`` when it has one
+(Megatron-LM's convention, often float32; ``grad_added_to_main_grad`` is then set), else its
+``.grad`` when that is a dense, contiguous tensor of the weight's shape and dtype. Otherwise (the
+first micro-batch, before ``.grad`` exists; ``torch.autograd.grad`` or ``backward(inputs=...)``
+without the weight, which must not touch ``.grad``; ``create_graph=True``; eager-only: never
+while compiling) the gradient is returned as usual.
 """
 
 from __future__ import annotations
@@ -31,6 +44,142 @@ class BackwardRule:
     """Tensor arguments the backward reads (others are not kept alive)."""
     saves_if: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     """Argument → the input(s) whose gradient needs it (``x`` only if ``weights`` needs grad)."""
+    fusable: tuple[str, ...] = ()
+    """Weight arguments whose gradient the rule can add into the parameter's existing gradient
+    (gradient-accumulation fusion); the rule finds an opted-in one as ``"<name>.fused"``."""
+
+
+# ---------------------------------------------------------------------------
+# Gradient-accumulation fusion: the opt-in and the buffer a weight's gradient is added into
+
+#: Set (True) on a parameter opted in to gradient-accumulation fusion.
+FUSION_ATTRIBUTE = "megablocks_grad_accumulation_fusion"
+
+
+def fuse_grad_accumulation(*params: torch.Tensor, enabled: bool = True) -> None:
+    """Opt expert weights in to (or, ``enabled=False``, out of) gradient-accumulation fusion.
+
+    For a weight opted in, the backward of ``gmm``, ``gather_gmm`` and ``gmm_scatter`` (where it
+    is the expert matrices ``b``) adds its gradient straight into the weight's ``main_grad`` (if
+    it has one) or its existing ``.grad`` with ``gmm_weight_grad_accumulate``, and autograd's own
+    accumulation does nothing for it (see the module docstring for when it applies).
+
+    Opt-in because it bypasses autograd's AccumulateGrad for those micro-batches: hooks on the
+    weight's gradient (``Tensor.register_hook``) are called with None instead of the gradient
+    (and may not replace it), ``register_post_accumulate_grad_hook`` hooks run after the fused
+    kernel has already accumulated, and reducers that hook into the accumulation (DDP, FSDP)
+    never see the micro-batch's gradient on its own; they are not supported with it. Only leaf
+    tensors (parameters) can be opted in; the mark is an attribute of the tensor
+    (``copy.deepcopy`` of a ``Parameter`` drops it).
+    """
+    for index, param in enumerate(params):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(
+                f"megablocks_core.fuse_grad_accumulation: argument {index} must be a tensor "
+                f"(a parameter); got {type(param).__name__}"
+            )
+        if not param.is_leaf:
+            raise ValueError(
+                f"megablocks_core.fuse_grad_accumulation: argument {index} must be a leaf tensor "
+                "(a parameter): the gradient of a computed tensor flows on to its inputs"
+            )
+        setattr(param, FUSION_ATTRIBUTE, bool(enabled))
+
+
+def is_grad_accumulation_fused(param: torch.Tensor) -> bool:
+    """Whether ``param`` is opted in to gradient-accumulation fusion."""
+    return bool(getattr(param, FUSION_ATTRIBUTE, False))
+
+
+def _fusion_targets(
+    rule: BackwardRule, contract: OpContract, args: tuple[Any, ...], needs: Mapping[str, bool]
+) -> dict[str, torch.Tensor]:
+    """``"<name>.fused"`` → the opted-in weight, for the forward to keep (eager autograd only)."""
+    found = {}
+    for name in rule.fusable:
+        if needs.get(name):
+            weight = args[contract.arg_names.index(name)]
+            if getattr(weight, FUSION_ATTRIBUTE, False):
+                found[f"{name}.fused"] = weight
+    return found
+
+
+def _runs_accumulate_grad(param: torch.Tensor) -> bool:
+    """Whether this backward pass runs ``param``'s AccumulateGrad: ``backward()`` without
+    ``inputs``, or with param among them; not ``torch.autograd.grad``, which returns gradients
+    and leaves ``.grad`` alone."""
+    try:
+        node = torch.autograd.graph.get_gradient_edge(param).node
+        return bool(torch._C._will_engine_execute_node(node))
+    except (RuntimeError, AttributeError):  # torch.autograd.grad raises here; a torch without it
+        return False
+
+
+def _main_grad(param: torch.Tensor, main_grad: Any) -> torch.Tensor:
+    ok = (
+        isinstance(main_grad, torch.Tensor)
+        and main_grad.shape == param.shape
+        and main_grad.dtype in (param.dtype, torch.float32)
+        and main_grad.device == param.device
+        and main_grad.is_contiguous()
+    )
+    if not ok:
+        got = (
+            f"a tensor of shape {tuple(main_grad.shape)}, {main_grad.dtype} on "
+            f"{main_grad.device}, contiguous={main_grad.is_contiguous()}"
+            if isinstance(main_grad, torch.Tensor)
+            else type(main_grad).__name__
+        )
+        raise ValueError(
+            "megablocks_core: an expert weight opted in to gradient-accumulation fusion has a "
+            f"main_grad, which must be a contiguous tensor of the weight's shape "
+            f"{tuple(param.shape)} in {param.dtype} or float32 on {param.device}; got {got}"
+        )
+    return main_grad
+
+
+def _accumulation_buffer(param: torch.Tensor | None) -> torch.Tensor | None:
+    """Where an opted-in weight's gradient is added (see the module docstring), or None: return
+    the gradient to autograd as usual."""
+    if param is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None  # create_graph needs the gradient as a value; compiled autograd traces
+    if not param.is_leaf or not _runs_accumulate_grad(param):
+        return None
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:
+        return _main_grad(param, main_grad)
+    grad = param.grad
+    if (
+        grad is not None
+        and grad.layout == torch.strided
+        and grad.shape == param.shape
+        and grad.dtype == param.dtype
+        and grad.device == param.device
+        and grad.is_contiguous()
+        and not grad.requires_grad
+    ):
+        return grad
+    return None  # the first micro-batch (no .grad yet), or a .grad AccumulateGrad must handle
+
+
+def _weight_grad(
+    call: Call,
+    bound: Mapping[str, Any],
+    name: str,
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    counts: torch.Tensor,
+) -> torch.Tensor | None:
+    """The gradient of weight argument ``name``: ``gmm_weight_grad(a, grad, counts)``, or None
+    once it has been added into an opted-in weight's gradient buffer."""
+    param = bound.get(f"{name}.fused")
+    buffer = _accumulation_buffer(param)
+    if param is None or buffer is None:
+        return call("gmm_weight_grad", a, grad, counts)
+    call("gmm_weight_grad_accumulate", a, grad, counts, buffer)
+    if buffer is getattr(param, "main_grad", None):
+        param.grad_added_to_main_grad = True  # Megatron-LM's flag: its reducers skip .grad
+    return None
 
 
 def _cast(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
@@ -140,22 +289,25 @@ def _gmm(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[st
         out["a"] = call("gmm", grad, a["b"], a["batch_sizes"], not trans_b)
     if needs["b"]:
         if trans_b:  # b[e] is (n, k): its gradient is grad_e^T a_e
-            out["b"] = call("gmm_weight_grad", grad, a["a"], a["batch_sizes"])
+            out["b"] = _weight_grad(call, a, "b", grad, a["a"], a["batch_sizes"])
         else:
-            out["b"] = call("gmm_weight_grad", a["a"], grad, a["batch_sizes"])
+            out["b"] = _weight_grad(call, a, "b", a["a"], grad, a["batch_sizes"])
     return out
 
 
-def _weight_grad(call: Call, a: torch.Tensor, grad: torch.Tensor, bins: torch.Tensor) -> Any:
-    """gmm_weight_grad over the groups that cumulative bins give (sorted rows of a and grad).
+def _weight_grad_by_bins(
+    call: Call, bound: Mapping[str, Any], x: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor | None:
+    """b's gradient over the groups that cumulative bins give (sorted rows of x and grad).
 
     The counts stay on bins' device (no host sync). Bad bins need no care here: device-side
     counts are made safe by every gmm_weight_grad kernel (a negative group counts as 0, groups
     are cut at the last row, as the fused kernels read bins), CPU counts are checked on the host."""
+    bins = bound["bins"]
     counts = torch.diff(bins, prepend=bins.new_zeros(1))
     if counts.dtype == torch.int16:  # gmm's counts are int32 or int64
         counts = counts.int()
-    return call("gmm_weight_grad", a, grad, counts)
+    return _weight_grad(call, bound, "b", x, grad, counts)
 
 
 def _gather_gmm(
@@ -171,9 +323,9 @@ def _gather_gmm(
         # and the best weight-gradient GEMM beat a GEMM reading rows through the indices).
         rows = call("gather", a["x"], *routing, None, bins, top_k)
         if trans_b:  # b[e] is (n, k): grad_e^T @ rows_e
-            out["b"] = _weight_grad(call, grad, rows, bins)
+            out["b"] = _weight_grad_by_bins(call, a, grad, rows)
         else:
-            out["b"] = _weight_grad(call, rows, grad, bins)
+            out["b"] = _weight_grad_by_bins(call, a, rows, grad)
     return out
 
 
@@ -231,9 +383,9 @@ def _gmm_scatter(
     if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
         rows = call("gather", grad, *routing, weights, bins, top_k)
         if trans_b:  # b[e] is (n, k): rows_e^T @ x_e
-            out["b"] = _weight_grad(call, rows, a["x"], bins)
+            out["b"] = _weight_grad_by_bins(call, a, rows, a["x"])
         else:
-            out["b"] = _weight_grad(call, a["x"], rows, bins)
+            out["b"] = _weight_grad_by_bins(call, a, a["x"], rows)
     return out
 
 
@@ -252,11 +404,14 @@ RULES: dict[str, BackwardRule] = {
         _binned_scatter, ("indices", "weights", "bins"), {"x": "weights"}
     ),
     "replicate": BackwardRule(_replicate, ("bins",)),
-    "gmm": BackwardRule(_gmm, ("batch_sizes",), {"a": "b", "b": "a"}),
-    "gather_gmm": BackwardRule(_gather_gmm, ROUTING_SAVES, {"x": "b", "b": "x"}),
+    "gmm": BackwardRule(_gmm, ("batch_sizes",), {"a": "b", "b": "a"}, fusable=("b",)),
+    "gather_gmm": BackwardRule(_gather_gmm, ROUTING_SAVES, {"x": "b", "b": "x"}, fusable=("b",)),
     # x is needed for b's gradient and for the weights' (<x[i], grad[t] @ b[e].T>).
     "gmm_scatter": BackwardRule(
-        _gmm_scatter, (*ROUTING_SAVES, "weights"), {"x": ("b", "weights"), "b": ("x", "weights")}
+        _gmm_scatter,
+        (*ROUTING_SAVES, "weights"),
+        {"x": ("b", "weights"), "b": ("x", "weights")},
+        fusable=("b",),
     ),
 }
 
@@ -323,6 +478,9 @@ class _OpFunction(torch.autograd.Function):
             for a, n in zip(contract.args, ctx.needs_input_grad[_NODE_ARGS:], strict=True)
         }
         tensors, consts = pack_for_backward(contract, args, needs)
+        rule = RULES[contract.name]
+        if rule.fusable:  # eager only: torch.compile's autograd (library.py) never fuses
+            consts.update(_fusion_targets(rule, contract, args, needs))
         ctx.save_for_backward(*tensors)
         ctx.meta = (contract, policy, call, consts, needs)
         return run(*args)

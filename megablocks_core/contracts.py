@@ -670,25 +670,81 @@ GMM = OpContract(
     ),
 )
 
+WGRAD_ARGS = (
+    TensorArg("a", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, k)"),
+    TensorArg("grad", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, n)"),
+    BATCH_SIZES,
+)
+WGRAD_RULES = (
+    Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
+    Rule("grad.shape[0] == a.shape[0]", "a and grad have the same rows"),
+    GROUPS_WITHIN_A,
+    GROUPS_COVER_A,
+)
+
 GMM_WEIGHT_GRAD = OpContract(
     name="gmm_weight_grad",
     family="grouped_gemm",
     public=False,
     summary="Per-expert a^T @ grad (the weight gradient of gmm, variable K).",
-    args=(
-        TensorArg("a", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, k)"),
-        TensorArg("grad", FLOAT_DTYPES, (2,), "rows grouped by expert, (rows, n)"),
-        BATCH_SIZES,
-    ),
-    rules=(
-        Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
-        Rule("grad.shape[0] == a.shape[0]", "a and grad have the same rows"),
-        GROUPS_WITHIN_A,
-        GROUPS_COVER_A,
-    ),
+    args=WGRAD_ARGS,
+    rules=WGRAD_RULES,
     outputs=(Output("out", "a.dtype", ("batch_sizes.shape[0]", "a.shape[1]", "grad.shape[1]")),),
     semantics="out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32.",
     edge_cases=("an empty expert gets exactly 0", GMM_BAD_SIZES),
+)
+
+GMM_WEIGHT_GRAD_ACCUMULATE = OpContract(
+    name="gmm_weight_grad_accumulate",
+    family="grouped_gemm",
+    public=False,
+    summary=(
+        "Per-expert a^T @ grad added in place to an existing gradient (gmm_weight_grad with the "
+        "gradient accumulation fused)."
+    ),
+    args=(
+        *WGRAD_ARGS,
+        TensorArg(
+            "out",
+            FLOAT_DTYPES,
+            (3,),
+            "the gradient to add to, (experts, k, n): in a's dtype, or float32 (a float32 "
+            "main_grad for 16-bit a and grad)",
+            mutable=True,
+        ),
+    ),
+    rules=(
+        *WGRAD_RULES,
+        Rule(
+            "out.dtype == a.dtype or out.dtype == torch.float32",
+            "out is in a's dtype or float32",
+            error=TypeError,
+        ),
+        Rule(
+            "out.shape == (batch_sizes.shape[0], a.shape[1], grad.shape[1])",
+            "out has the weight gradient's shape (experts, k, n)",
+        ),
+    ),
+    outputs=(),
+    semantics=(
+        "out[e] += a[rows of e].T @ grad[rows of e], in place. Defined as the composition "
+        "out.add_(gmm_weight_grad(a, grad, batch_sizes)), with a and grad first cast to out's "
+        "dtype where out is wider (a float32 out for 16-bit a and grad: the gradient is never "
+        "rounded to 16 bits); the reference backend runs exactly that through the dispatched "
+        "gmm_weight_grad, so a backend that provides gmm_weight_grad but no kernel for this op "
+        "still has its own GEMM run. A fused kernel instead adds out's value to its float32 accumulator in the "
+        "GEMM's epilogue (float64 for float64 data) and rounds once to out's dtype: no "
+        "(experts, k, n) temporary, one read and one write of out. The core's autograd calls it "
+        "for parameters opted in to gradient-accumulation fusion "
+        "(megablocks_core.fuse_grad_accumulation)."
+    ),
+    edge_cases=(
+        "an empty expert leaves out[e] unchanged (neither read nor written by a fused kernel)",
+        "rows = 0: out unchanged",
+        UNCHECKED + "device-side batch_sizes that are negative or do not sum to the rows of a: "
+        "as gmm_weight_grad (a negative size counts as 0, groups are cut at a's last row), "
+        "and an expert left without rows leaves out[e] unchanged",
+    ),
 )
 
 # ---------------------------------------------------------------------------
@@ -839,6 +895,7 @@ ALL: tuple[OpContract, ...] = (
     BINNED_SCATTER_WGRAD,
     GMM,
     GMM_WEIGHT_GRAD,
+    GMM_WEIGHT_GRAD_ACCUMULATE,
     GATHER_GMM,
     GMM_SCATTER,
     ROUND_UP,

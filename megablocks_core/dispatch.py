@@ -95,13 +95,16 @@ class Selected:
 def _runner(kernel: Kernel, contract: OpContract) -> Callable[..., Any]:
     """How the entry calls ``kernel``: its function, or for a kernel that takes contiguous
     tensors, a wrapper generated for the op's signature that makes each tensor argument
-    contiguous (``.contiguous()`` returns a contiguous tensor itself)."""
+    contiguous (``.contiguous()`` returns a contiguous tensor itself). Mutable arguments are
+    passed as they are: the contract requires them contiguous, and a copy would take the
+    kernel's writes away."""
     if not kernel.contiguous:
         return kernel.fn
     made = _runners.get((contract.name, id(kernel.fn)))
     if made is not None and made[0] is kernel.fn:
         return made[1]
-    optional = {a.name: a.optional for a in contract.tensor_args}  # tensor argument → optional?
+    # tensor argument → optional? (mutable arguments: passed through)
+    optional = {a.name: a.optional for a in contract.tensor_args if not a.mutable}
 
     def passed(name: str) -> str:
         if name not in optional:

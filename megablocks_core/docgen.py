@@ -40,9 +40,13 @@ def _render(contract: OpContract) -> list[str]:
     for a in contract.args:
         kernel_only = " (kernel only)" if isinstance(a, TensorArg) and not a.public else ""
         lines.append(f"| `{a.name}` | {a.describe()}{kernel_only} | {a.doc} |")
-    lines += ["", "| output | dtype | shape | note |", "|---|---|---|---|"]
-    for i, out in enumerate(contract.outputs):
-        lines.append(f"| `{out.name}` | `{out.dtype}` | {_shape(contract, i)} | {out.doc} |")
+    if contract.outputs:
+        lines += ["", "| output | dtype | shape | note |", "|---|---|---|---|"]
+        for i, out in enumerate(contract.outputs):
+            lines.append(f"| `{out.name}` | `{out.dtype}` | {_shape(contract, i)} | {out.doc} |")
+    else:
+        written = ", ".join(f"`{a.name}`" for a in contract.mutated)
+        lines += ["", f"Returns nothing: writes {written} in place (no other argument changes)."]
     if contract.rules:
         lines += ["", "| rule | why | checked |", "|---|---|---|"]
         lines += [f"| `{r.expr}` | {r.why} | {_rule_when(r)} |" for r in contract.rules]

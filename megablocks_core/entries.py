@@ -63,12 +63,15 @@ def fast_check_source(op: OpContract) -> str:
     the entry call :func:`~megablocks_core.validation.validate` to say what is wrong.
 
     Exact types of int/bool arguments (the key cannot tell ``2`` from ``numpy.int64(2)``,
-    and kernels should only see Python ints), and the rules that read host data
-    (CPU ``batch_sizes``), which no key can vouch for.
+    and kernels should only see Python ints), the contiguity of mutable arguments (not in the
+    key either), and the rules that read host data (CPU ``batch_sizes``), which no key can vouch
+    for.
     """
     parts = []
     for spec in op.args:
-        if isinstance(spec, IntArg):
+        if isinstance(spec, TensorArg) and spec.mutable:
+            parts.append(f"{spec.name}.is_contiguous()")
+        elif isinstance(spec, IntArg):
             test = f"type({spec.name}) is int"
             parts.append(f"({spec.name} is None or {test})" if spec.optional else test)
         elif isinstance(spec, BoolArg):

@@ -79,8 +79,9 @@ class BackendHooks:
     def megablocks_grouped_gemm_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
         """Return kernels for the grouped GEMM ops.
 
-        Grouped GEMM ops: gmm (forward and data gradient) and gmm_weight_grad
-        (the variable-K weight gradient).
+        Grouped GEMM ops: gmm (forward and data gradient), gmm_weight_grad (the
+        variable-K weight gradient), gmm_weight_grad_accumulate (the same, added in place
+        into an existing gradient), and the fused gather_gmm and gmm_scatter.
 
         Example::
 

@@ -24,10 +24,16 @@ _library = torch.library.Library(NAMESPACE, "DEF")
 
 
 def schema(contract: OpContract) -> str:
-    """The op's torch schema, e.g. ``gather(Tensor x, Tensor indices, …, SymInt top_k) -> Tensor``."""
+    """The op's torch schema, e.g. ``gather(Tensor x, Tensor indices, …, SymInt top_k) -> Tensor``.
+
+    A mutable argument is declared written (``Tensor(a!) out``, one alias set per such argument),
+    and an op without outputs returns ``()``."""
     parts = []
+    aliases = iter("abcdefghijklmnopqrstuvwxyz")
     for a in contract.args:
-        if isinstance(a, TensorArg):
+        if isinstance(a, TensorArg) and a.mutable:
+            parts.append(f"Tensor({next(aliases)}!) {a.name}")
+        elif isinstance(a, TensorArg):
             parts.append(f"Tensor{'?' if a.optional else ''} {a.name}")
         elif isinstance(a, IntArg):
             parts.append(f"SymInt{'?' if a.optional else ''} {a.name}")
@@ -38,7 +44,7 @@ def schema(contract: OpContract) -> str:
     outs = (
         "Tensor"
         if len(contract.outputs) == 1
-        else f"({', '.join('Tensor' for _ in contract.outputs)})"
+        else f"({', '.join('Tensor' for _ in contract.outputs)})"  # "()" for none
     )
     return f"{contract.name}({', '.join(parts)}) -> {outs}"
 
@@ -68,6 +74,8 @@ def _fake(contract: OpContract) -> Callable[..., Any]:
         ctx = torch.library.get_ctx()
         metas = output_meta(contract, bound, lambda _: ctx.new_dynamic_size())
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
+        if not outs:
+            return None  # an op that only writes its mutable arguments
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     return fake

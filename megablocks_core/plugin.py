@@ -8,6 +8,8 @@ backends in this repository use nothing else, like any third-party plugin.
 - :class:`Kernel` is what the kernel hooks return; :class:`DeviceInfo`, :class:`TensorMeta` and
   :data:`CallInfo` are what its predicates and cost hints receive;
 - :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
+  :func:`call_op` runs any dispatched op, kernel-level ones included, for a kernel that
+  composes them (as :mod:`megablocks_core.ops` does for the public ones);
 - :func:`describe_device` gives the :class:`DeviceInfo` of a torch device; :func:`arch_family`
   and :func:`dense_tflops` (tables :data:`ARCH_FAMILIES`, :data:`DENSE_BF16_TFLOPS`) are the
   per-arch facts the backends share;
@@ -18,6 +20,8 @@ backends in this repository use nothing else, like any third-party plugin.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .contracts import BY_NAME, family_ops
 from .costs import GmmPoint, gmm_cost_hint, gmm_estimate_us, gmm_problem
@@ -43,6 +47,15 @@ def contract(op: str) -> OpContract:
     return BY_NAME[op]
 
 
+def call_op(op: str, *args: Any) -> Any:
+    """Run the dispatched op ``op`` with its kernel-order arguments, through validation and the
+    ranking like any call (e.g. a composing kernel's ``gmm_weight_grad``, which
+    :mod:`megablocks_core.ops` does not export)."""
+    from .entries import call  # the entries import the registry, which imports plugins
+
+    return call(op, *args)
+
+
 __all__ = [
     "ANY_DEVICE",
     "ARCH_FAMILIES",
@@ -61,6 +74,7 @@ __all__ = [
     "ShapeCheck",
     "TensorMeta",
     "arch_family",
+    "call_op",
     "contract",
     "dense_tflops",
     "describe_device",

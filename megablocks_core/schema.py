@@ -47,10 +47,21 @@ class TensorArg:
     """May live on another device than the op's primary tensor (gmm's CPU ``batch_sizes``)."""
     public: bool = True
     """False: the argument exists only at kernel level (the public op passes None)."""
+    mutable: bool = False
+    """The op writes its result into this tensor in place (``Tensor(a!)`` in the torch schema)
+    instead of returning it. It must be contiguous (checked on every call: a kernel writes
+    through it, and a copy made to suit a kernel would take the result away) and on the op's
+    device; no other argument may be mutated. Never optional."""
+
+    def __post_init__(self) -> None:
+        if self.mutable and (self.optional or self.any_device or not self.public):
+            raise ValueError(f"mutable tensor argument {self.name!r} must be required and public")
 
     def describe(self) -> str:
         ranks = " or ".join(f"{n}-D" for n in self.ndim) + " " if self.ndim else ""
         text = f"{ranks}tensor" + (f" of {dtype_names(self.dtypes)}" if self.dtypes else "")
+        if self.mutable:
+            return f"contiguous {text}, written in place"
         return text + " or None" if self.optional else text
 
 
@@ -167,6 +178,8 @@ class OpContract:
     summary: str
     args: tuple[Arg, ...]
     outputs: tuple[Output, ...]
+    """What the op returns; empty for an op that only writes its mutable arguments (it returns
+    None)."""
     rules: tuple[Rule, ...] = ()
     differentiable: tuple[str, ...] = ()
     """Arguments that receive gradients (the core's autograd computes them)."""
@@ -188,6 +201,11 @@ class OpContract:
     @property
     def tensor_args(self) -> tuple[TensorArg, ...]:
         return tuple(a for a in self.args if isinstance(a, TensorArg))
+
+    @property
+    def mutated(self) -> tuple[TensorArg, ...]:
+        """The arguments the op writes in place (see :attr:`TensorArg.mutable`)."""
+        return tuple(a for a in self.tensor_args if a.mutable)
 
     @property
     def primary(self) -> TensorArg:

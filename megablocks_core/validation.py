@@ -85,6 +85,13 @@ def _check_arg(op: OpContract, spec: Any, value: Any) -> None:
             _fail(op, f"argument '{name}' must be a {expected}; got {_what(value)}", TypeError)
         if spec.ndim and value.dim() not in spec.ndim:
             _fail(op, f"argument '{name}' must be a {expected}; got {_what(value)}", ValueError)
+        if spec.mutable and not value.is_contiguous():
+            _fail(
+                op,
+                f"argument '{name}' must be a {expected}; got a non-contiguous tensor "
+                f"(strides {tuple(value.stride())} for shape {tuple(value.shape)})",
+                ValueError,
+            )
     elif isinstance(spec, IntArg):
         if value is None and spec.optional:
             return
@@ -277,8 +284,16 @@ def check_outputs(op: OpContract, args: tuple[Any, ...], result: Any, backend: s
     (sizes that depend on data are not read)."""
     bound = op.bind(args)
     device = bound[op.primary.name].device
-    outs = result if isinstance(result, tuple) else (result,)
     where = f"megablocks_core.ops.{op.name}: the {backend!r} kernel"
+    if not op.outputs:  # it writes its mutable arguments in place and returns nothing
+        if result is not None:
+            written = ", ".join(f"'{a.name}'" for a in op.mutated)
+            raise BackendError(
+                f"{where} returned {_what(result)}; the contract says it returns None "
+                f"(it writes {written} in place)"
+            )
+        return
+    outs = result if isinstance(result, tuple) else (result,)
     if len(outs) != len(op.outputs):
         raise BackendError(
             f"{where} returned {len(outs)} output(s); the contract says {len(op.outputs)}"

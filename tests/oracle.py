@@ -298,6 +298,17 @@ def gmm_weight_grad(a: Any, grad: Any, batch_sizes: Any) -> Array:
     return out
 
 
+def gmm_weight_grad_accumulate(a: Any, grad: Any, batch_sizes: Any, out: Any) -> Array:
+    """What out holds after ``out[e] += a[rows of e].T @ grad[rows of e]``: out plus one outer
+    product per row of its expert's group; an empty expert's out[e] is unchanged."""
+    a, grad = _f64(a), _f64(grad)
+    result = _f64(out).copy()
+    for e, (s, t) in enumerate(_groups(batch_sizes)):
+        for row in range(s, t):
+            result[e] += np.outer(a[row], grad[row])
+    return result
+
+
 def gmm_backward(
     a: Any, b: Any, grad: Any, batch_sizes: Any, trans_b: bool = False
 ) -> tuple[Array, Array]:

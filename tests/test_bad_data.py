@@ -160,6 +160,7 @@ def test_cases_cover_every_data_dependent_op():
         "replicate_backward",
         "gmm",
         "gmm_weight_grad",
+        "gmm_weight_grad_accumulate",
         *bad_data.PLAIN_OPS,
         *bad_data.PADDED_OPS,
         *bad_data.BINNED_OPS,
@@ -310,6 +311,30 @@ def test_triton_gmm_random_device_sizes(sizes, trans_b):
         bad_data.check_result("gmm", (a, b, batch, trans_b), impl.gmm(a, b, batch, trans_b))
         bad_data.check_result(
             "gmm_weight_grad", (a, grad, batch), impl.gmm_weight_grad(a, grad, batch)
+        )
+    # The accumulating kernel (the reference composes it through the dispatched, checked op).
+    before = torch.randn(len(sizes), 8, 6, generator=gen)
+    out = before.clone()
+    returned = triton_gmm.gmm_weight_grad_accumulate(a, grad, batch, out)
+    bad_data.check_result(
+        "gmm_weight_grad_accumulate", (a, grad, batch, before), returned, written=(out,)
+    )
+
+
+def test_accumulate_check_catches_an_overwrite():
+    """The accumulate check is not vacuous: overwriting out (or adding twice) fails it."""
+    [case] = [c for c in bad_data.CASES if c.name == "gmm_weight_grad_accumulate/negative size"]
+    a, grad, batch, before = case.build(torch.device("cpu"))
+    groups = [(0, 0), (0, 10), (10, 2)]  # [-4, 10, 6]: clamped to 0, 10, then cut at row 12
+    product = torch.stack([a[s : s + n].T @ grad[s : s + n] for s, n in groups])
+    args = (a, grad, batch, before)
+    bad_data.check_result("gmm_weight_grad_accumulate", args, None, written=(before + product,))
+    for wrong in (product, before + 2 * product, before):
+        with pytest.raises(Mismatch):
+            bad_data.check_result("gmm_weight_grad_accumulate", args, None, written=(wrong,))
+    with pytest.raises(Mismatch, match="the contract says None"):
+        bad_data.check_result(
+            "gmm_weight_grad_accumulate", args, before + product, written=(before + product,)
         )
 
 

@@ -93,7 +93,11 @@ def test_each_row_is_printed_as_soon_as_it_is_measured(capsys):
     ops = [r for r in results if r.layer is None]
     layers = [r for r in results if r.layer is not None]
     assert [r.op for r in ops] == ["copy"] + ["gather"] * (len(ops) - 1) and len(ops) >= 2
-    assert [r.provider for r in layers] == [bench.OUR_LAYER, bench.OUR_UNFUSED_LAYER]
+    assert [r.provider for r in layers] == [
+        bench.OUR_LAYER,
+        bench.OUR_UNFUSED_LAYER,
+        bench.OUR_ACCUMULATION_FUSED_LAYER,
+    ]
     table = bench.format_table(results).splitlines()
     ops_rows = table[1 : 1 + len(ops)]
     layer_rows = table[table.index(bench.LAYER_HEADER) + 1 :]
@@ -216,10 +220,11 @@ def test_the_gemm_floor_sums_a_dense_time_per_gemm(glu):
 
 def test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory():
     results = _run_layer()
-    assert [r.op for r in results] == ["copy", "layer", "layer", "layer", "layer"]
-    unfused = [r for r in results if r.provider == bench.OUR_UNFUSED_LAYER]
-    assert [r.layer.experts for r in unfused] == ["mlp", "glu"]
-    assert all(r.check == "ok" for r in unfused)
+    assert [r.op for r in results] == ["copy"] + ["layer"] * 6
+    for variant in (bench.OUR_UNFUSED_LAYER, bench.OUR_ACCUMULATION_FUSED_LAYER):
+        rows = [r for r in results if r.provider == variant]
+        assert [r.layer.experts for r in rows] == ["mlp", "glu"]
+        assert all(r.check == "ok" and r.kind == "ours" and r.layer.step_ms > 0 for r in rows)
     mlp, glu = (r for r in results if r.provider == bench.OUR_LAYER)
     tokens, hidden, ffn, _, top_k = bench.SHAPES["tiny"]
     for row, kind, gemms in ((mlp, "mlp", 6), (glu, "glu", 9)):
@@ -252,7 +257,8 @@ def test_layer_item_json_and_table(tmp_path, capsys):
     assert code == 0, out
     data = json.loads(path.read_text())
     assert data["meta"]["layer_experts"] == ["glu"]
-    by_op = {r["op"]: r for r in data["results"] if r["provider"] != bench.OUR_UNFUSED_LAYER}
+    variants = (bench.OUR_UNFUSED_LAYER, bench.OUR_ACCUMULATION_FUSED_LAYER)
+    by_op = {r["op"]: r for r in data["results"] if r["provider"] not in variants}
     # Other ops' rows keep their fields; only layer rows carry the layer object.
     common = {"shape", "op", "provider", "kind", "us", "rate", "unit", "vs_limit", "check"}
     assert set(by_op["gather"]) == common | {"peak_mb"}
@@ -303,7 +309,8 @@ def test_megablocks_rows_ratios_and_failures(monkeypatch, capsys):
     )
     monkeypatch.setattr(bench, "_megablocks_layer_modules", lambda device: fake)
     results = _run_layer()
-    results = [r for r in results if r.provider != bench.OUR_UNFUSED_LAYER]
+    variants = (bench.OUR_UNFUSED_LAYER, bench.OUR_ACCUMULATION_FUSED_LAYER)
+    results = [r for r in results if r.provider not in variants]
     assert [(r.provider, r.layer.experts) for r in results[1:]] == [
         (bench.OUR_LAYER, "mlp"),
         (bench.MEGABLOCKS_LAYER, "mlp"),

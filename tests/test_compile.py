@@ -95,6 +95,9 @@ def _opcheck_samples():
         "binned_scatter_wgrad": (binned.detach(), grad, indices, bins, 2),
         "gmm": (a, b, counts.long(), False),
         "gmm_weight_grad": (a.detach(), torch.randn(8, 5), counts),
+        # Writes out in place: the schema declares it (Tensor(a!) out -> ()), opcheck checks that
+        # the real and fake implementations mutate exactly that.
+        "gmm_weight_grad_accumulate": (a.detach(), torch.randn(8, 5), counts, torch.randn(4, 3, 5)),
         "gather_gmm": (x, b, indices, bin_ids, bins, 2, False),
         "gmm_scatter": (
             torch.randn(8, 5, requires_grad=True),

@@ -356,6 +356,65 @@ def scatter_raises(*args):
     assert not testing.passed(list(results.values()))
 
 
+ACCUMULATORS = """
+def overwrites(a, grad, batch_sizes, out):
+    out.copy_(_reference.gmm_weight_grad(a, grad, batch_sizes))  # forgets what was there
+
+def returns_out(a, grad, batch_sizes, out):
+    _reference.gmm_weight_grad_accumulate(a, grad, batch_sizes, out)
+    return out
+
+def also_scales_a(a, grad, batch_sizes, out):
+    _reference.gmm_weight_grad_accumulate(a, grad, batch_sizes, out)
+    a.mul_(2)
+
+def adds(a, grad, batch_sizes, out):
+    CALLS.append("adds")
+    out += _reference.gmm_weight_grad(a.to(out.dtype), grad.to(out.dtype), batch_sizes)
+"""
+
+
+def test_an_op_that_writes_in_place_is_checked_on_what_it_wrote(plugins):
+    """gmm_weight_grad_accumulate writes out: the kit compares the written out with the
+    composition's on a copy, requires None back, and still rejects writes to any other input."""
+    op = "gmm_weight_grad_accumulate"
+    for name in ("overwrites", "returns_out", "also_scales_a", "adds"):
+        plugins.add(
+            name,
+            kernels_body(
+                "megablocks_grouped_gemm_kernels",
+                f"[Kernel(op={op!r}, fn={name}, devices=('cpu',))]",
+                ACCUMULATORS,
+            ),
+        )
+    plugins.reload()
+    results = {r.backend: r for r in testing.check(None, quick=True, ops=[op])}
+    overwrite = results["overwrites"].message
+    assert results["overwrites"].status == "fail", overwrite
+    assert "forward 'out' (written in place)[" in overwrite and "the reference gives" in overwrite
+    assert results["returns_out"].status == "fail"
+    assert "returned a Tensor; the contract says None" in results["returns_out"].message
+    assert results["also_scales_a"].status == "fail"
+    assert "modified its input 'a'" in results["also_scales_a"].message
+    good = results["adds"]
+    assert good.status == "pass" and good.scenarios == len(testing.QUICK), good
+    assert plugins.calls("adds")  # its own kernel was checked, not the reference's
+
+
+def test_bad_inputs_of_a_mutable_argument():
+    r = testing.routing(testing.QUICK[0])
+    args = testing.sample("gmm_weight_grad_accumulate", r)
+    found = {
+        (name, what): error
+        for name, what, _, error in testing.bad_inputs(
+            contracts.BY_NAME["gmm_weight_grad_accumulate"], args
+        )
+    }
+    assert found[("out", "non-contiguous")] is ValueError
+    assert found[("out", "dtype torch.int32")] is TypeError
+    assert found[("out", "4-D")] is ValueError
+
+
 def test_a_backend_that_cannot_run_here_is_unavailable_not_failed(plugins, capsys):
     plugins.add(
         "gpuonly", permutation('[Kernel(op="gather", fn=recording("gather"), devices=("cuda",))]')

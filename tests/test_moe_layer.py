@@ -277,6 +277,118 @@ def test_compile_fullgraph_matches_eager(backend):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
+# ---------------------------------------------------------------------------
+# Gradient-accumulation fusion (grad_accumulation_fusion=True)
+
+
+def _expert_weights(model: DroplessMoE) -> list[torch.Tensor]:
+    return [p for p in (model.w1, model.v1, model.w2) if p is not None]
+
+
+def _micro_batches(model: DroplessMoE, steps: int, tokens: int = 12, compiled=None) -> None:
+    """``steps`` forward + backward calls whose gradients accumulate (never zeroed)."""
+    forward = model if compiled is None else compiled
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(tokens, model.hidden_size, generator=gen).to(model.w1.dtype)
+        out, aux = forward(x.requires_grad_())
+        grad = torch.randn(out.shape, generator=gen).to(out.dtype)
+        ((out * grad).sum() + aux).backward()
+
+
+def _twins(dtype, glu, fuse_permutation, **kw):
+    """Two identical layers, the second with grad_accumulation_fusion."""
+    args = dict(hidden=16, ffn=8, experts=8, top_k=2, glu=glu, dtype=dtype, **kw)
+    plain = make(**args, fuse_permutation=fuse_permutation)
+    fused = make(**args, fuse_permutation=fuse_permutation, grad_accumulation_fusion=True)
+    fused.load_state_dict(plain.state_dict())
+    assert fused.grad_accumulation_fusion and not plain.grad_accumulation_fusion
+    return plain, fused
+
+
+@pytest.mark.parametrize("fuse_permutation", [True, False], ids=["fused-ops", "unfused-ops"])
+@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"]
+)
+def test_grad_accumulation_fusion_gives_the_unfused_gradients(dtype, tol, glu, fuse_permutation):
+    """Two forward + backward calls accumulating into .grad: with the fusion on, every parameter's
+    gradient equals the plain layer's; the first call (no .grad yet) goes through autograd, the
+    second adds the expert gradients in place (their gradient hooks see None then)."""
+    backends = _fp32_cpu_backends() if dtype == torch.float32 else ["reference"]
+    for backend in backends:
+        plain, fused = _twins(dtype, glu, fuse_permutation)
+        seen: list[bool] = []
+        fused.w1.register_hook(seen.append)  # None once the gradient is added in place
+        with megablocks_core.use_backend(backend):
+            _micro_batches(plain, 1)
+            _micro_batches(fused, 1)
+            for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+                torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol, msg=backend)
+            _micro_batches(plain, 1)
+            _micro_batches(fused, 1)
+        for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=tol, atol=tol, msg=backend)
+        # The first call returned the gradient, the second added it in place.
+        assert [g is not None for g in seen] == [True, False], backend
+
+
+@pytest.mark.parametrize("fuse_permutation", [True, False], ids=["fused-ops", "unfused-ops"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_accumulation_fusion_into_float32_main_grad(dtype, fuse_permutation):
+    """Megatron's convention: each expert weight's float32 main_grad gets the sum of every call's
+    gradient (the first call's too), its .grad stays None; the router accumulates as usual."""
+    plain, fused = _twins(dtype, True, fuse_permutation)
+    for w in _expert_weights(fused):
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+    want = {name: torch.zeros(w.shape, dtype=torch.float64) for name, w in plain.named_parameters()}
+    for step in range(2):
+        plain.zero_grad(set_to_none=True)
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(12, 16, generator=gen).to(dtype)
+        for model in (plain, fused):
+            out, aux = model(x.clone().requires_grad_())
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+            ((out * grad.to(out.dtype)).sum() + aux).backward()
+        for name, w in plain.named_parameters():
+            want[name] += w.grad.double()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, w in fused.named_parameters():
+        if name == "router":
+            assert w.grad is not None and w.grad.dtype == dtype
+            torch.testing.assert_close(w.grad.double(), want[name], rtol=tol, atol=tol)
+        else:
+            assert w.grad is None and w.grad_added_to_main_grad, name
+            torch.testing.assert_close(w.main_grad.double(), want[name], rtol=tol, atol=tol)
+
+
+def test_grad_accumulation_fusion_under_compile():
+    """Compiled, the layer never fuses (the custom ops' autograd returns every gradient) and its
+    accumulated gradients stay right."""
+    torch._dynamo.reset()
+    plain, fused = _twins(torch.float32, True, True)
+    seen = []
+    fused.w2.register_hook(lambda g: seen.append(g is not None))
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    _micro_batches(plain, 2)
+    _micro_batches(fused, 2, compiled=compiled)
+    for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+    assert seen == [True, True]
+
+
+def test_grad_accumulation_fusion_is_a_settable_bool():
+    model = make(glu=True)
+    assert model.grad_accumulation_fusion is False
+    model.grad_accumulation_fusion = True
+    assert all(megablocks_core.is_grad_accumulation_fused(w) for w in _expert_weights(model))
+    assert not megablocks_core.is_grad_accumulation_fused(model.router)
+    model.grad_accumulation_fusion = False
+    assert not any(megablocks_core.is_grad_accumulation_fused(w) for w in _expert_weights(model))
+    with pytest.raises(TypeError, match="grad_accumulation_fusion must be a bool"):
+        DroplessMoE(8, 8, 2, grad_accumulation_fusion=1)
+
+
 def _hand_composed_moe(x, router, w1, w2, top_k):
     """A dropless MoE written with the routing primitives (sort, histogram, inclusive_cumsum) rather
     than ``ops.route``, exact GELU: the ops composed by hand, as a user of megablocks.ops would."""
@@ -418,6 +530,38 @@ def test_cuda_graph_replays_a_training_step():
             for p, q in zip(model.parameters(), reference.parameters(), strict=True):
                 torch.testing.assert_close(p.grad, q.grad)
                 torch.testing.assert_close(p, q)
+
+
+@cuda
+def test_cuda_grad_accumulation_fusion_is_sync_free_and_right():
+    """On the GPU (triton's fused gmm_weight_grad_accumulate): the fused micro-batch makes no host
+    sync, .grad matches the unfused layer's, and a float32 main_grad gets the sum."""
+    with megablocks_core.use_backend():
+        plain, x = _gpu_model()
+        fused = copy.deepcopy(plain)
+        fused.grad_accumulation_fusion = True
+        main = copy.deepcopy(plain)
+        main.grad_accumulation_fusion = True
+        for w in _expert_weights(main):
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
+        for model in (plain, fused, main):
+            _loss(model, x).backward()  # the first micro-batch: allocates .grad, ranks kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _loss(fused, x).backward()  # the expert gradients added in place
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for model in (plain, main):
+            _loss(model, x).backward()
+
+    def relative_error(got, want):  # the gradients are small (a mean loss): compare by norm
+        return float((got.double() - want.double()).norm() / want.double().norm())
+
+    for p, q in zip(plain.parameters(), fused.parameters(), strict=True):
+        assert relative_error(q.grad, p.grad) < 1e-2
+    for p, q in zip(_expert_weights(plain), _expert_weights(main), strict=True):
+        assert q.grad is None and relative_error(q.main_grad, p.grad) < 1e-2
 
 
 @cuda

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
+from ..autograd import fuse_grad_accumulation, is_grad_accumulation_fused
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -170,6 +171,18 @@ class DroplessMoE(torch.nn.Module):
             (1: no overlap; the same on every rank of the group). None (default):
             ``megablocks_core.layers.parallel.DEFAULT_CHUNKS`` (2). See
             :func:`megablocks_core.layers.parallel.expert_parallel_moe`.
+        grad_accumulation_fusion: opt the expert weights (``w1``, ``v1``, ``w2``) in to
+            gradient-accumulation fusion (:func:`megablocks_core.fuse_grad_accumulation`): when a
+            backward finds an expert weight's gradient already there (every micro-batch after
+            the first of a step that accumulates gradients), its weight-gradient GEMM adds into
+            it, or into the weight's ``main_grad`` when it has one (Megatron-LM's convention,
+            e.g. float32 for 16-bit weights, which then get no ``.grad``), instead of autograd
+            adding a fresh (E, ·, ·) gradient in a separate pass. Off by default because
+            autograd's accumulation is bypassed for those weights: their ``register_hook`` hooks
+            get None, and DDP/FSDP reducers are not supported. Both dataflows
+            (``fuse_permutation``) honour it; it has no effect with an ``expert_parallel_group``
+            (whose backward takes the expert gradients through ``torch.autograd.grad``) or under
+            ``torch.compile``. Settable later: ``layer.grad_accumulation_fusion = True``.
 
     ``forward(x)`` takes ``(..., hidden_size)`` and returns ``(out, aux_loss)``: ``out`` has x's
     shape and dtype; ``aux_loss`` is the 0-d load-balancing loss in float32 (float64 for float64
@@ -202,6 +215,7 @@ class DroplessMoE(torch.nn.Module):
         expert_parallel_group: dist.ProcessGroup | None = None,
         fuse_permutation: bool = True,
         expert_parallel_chunks: int | None = None,
+        grad_accumulation_fusion: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -259,6 +273,24 @@ class DroplessMoE(torch.nn.Module):
         self.v1 = param(local, hidden_size, ffn_hidden_size) if glu else None
         self.w2 = param(local, ffn_hidden_size, hidden_size)
         self.reset_parameters(init_std, seed)
+        self.grad_accumulation_fusion = grad_accumulation_fusion
+
+    def _expert_weights(self) -> list[torch.nn.Parameter]:
+        return [p for p in (self.w1, self.v1, self.w2) if p is not None]
+
+    @property
+    def grad_accumulation_fusion(self) -> bool:
+        """Whether the expert weights are opted in to gradient-accumulation fusion (see the
+        class docstring); assigning opts them in or out."""
+        return all(is_grad_accumulation_fused(p) for p in self._expert_weights())
+
+    @grad_accumulation_fusion.setter
+    def grad_accumulation_fusion(self, enabled: bool) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(
+                f"DroplessMoE: grad_accumulation_fusion must be a bool, got {enabled!r}"
+            )
+        fuse_grad_accumulation(*self._expert_weights(), enabled=enabled)
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, seed: int = 0) -> None:

@@ -35,7 +35,7 @@ from ..entries import ENTRIES
 from ..policy import use_backend
 from ..ranking import NoKernelError
 from ..validation import ContractError, ContractTypeError
-from .kit import REFERENCE, TOLERANCES, Mismatch, check_meta, compare
+from .kit import REFERENCE, TOLERANCES, Mismatch, call_on_copies, check_meta, compare
 
 __all__ = [
     "CASES",
@@ -351,6 +351,9 @@ def _routing_cases() -> list[BadCase]:
     return cases
 
 
+GMM_OPS = ("gmm", "gmm_weight_grad", "gmm_weight_grad_accumulate")
+
+
 def _gmm_cases() -> list[BadCase]:
     def gmm_args(device: torch.device, sizes: Sequence[int], op: str) -> Args:
         gen = torch.Generator().manual_seed(4)
@@ -358,7 +361,10 @@ def _gmm_cases() -> list[BadCase]:
         batch = torch.tensor(sizes, dtype=torch.int64, device=device)
         if op == "gmm":
             return a, torch.randn(3, 8, 5, generator=gen).to(device), batch, False
-        return a, torch.randn(12, 5, generator=gen).to(device), batch
+        grad = torch.randn(12, 5, generator=gen).to(device)
+        if op == "gmm_weight_grad_accumulate":  # the gradient added to: random, not zero
+            return a, grad, batch, torch.randn(len(sizes), 8, 5, generator=gen).to(device)
+        return a, grad, batch
 
     sizes = {
         "sizes summing past the rows": [6, 6, 9],
@@ -368,7 +374,7 @@ def _gmm_cases() -> list[BadCase]:
     }
     return [
         BadCase(f"{op}/{what}", op, functools.partial(gmm_args, sizes=s, op=op))
-        for op in ("gmm", "gmm_weight_grad")
+        for op in GMM_OPS
         for what, s in sizes.items()
     ]
 
@@ -628,6 +634,8 @@ def _check_routing(op: str, args: dict[str, Any], out: Any) -> None:
 
 
 def _check_gmm(op: str, args: dict[str, Any], out: torch.Tensor) -> None:
+    """``out``: gmm's or gmm_weight_grad's output, or the gradient gmm_weight_grad_accumulate
+    wrote in place (``args["out"]`` holds its value before the call)."""
     a = args["a"].double().cpu()
     rows, start, groups = a.shape[0], 0, []
     for size in args["batch_sizes"].cpu().tolist():
@@ -642,6 +650,8 @@ def _check_gmm(op: str, args: dict[str, Any], out: torch.Tensor) -> None:
     else:
         g = args["grad"].double().cpu()
         want = torch.stack([a[s : s + size].t() @ g[s : s + size] for s, size in groups])
+        if op == "gmm_weight_grad_accumulate":
+            want += args["out"].double().cpu()  # an expert without rows: exactly out[e]
     compare(
         out.cpu(),
         want.to(out.dtype),
@@ -658,12 +668,22 @@ def _check_fused(op: str, args: Args, out: torch.Tensor) -> None:
     compare(out.cpu(), want.cpu(), "output", "the composition on the reference")
 
 
-def check_result(op: str, args: Args, out: Any) -> None:
+def check_result(op: str, args: Args, out: Any, written: tuple[torch.Tensor, ...] = ()) -> None:
     """Raise :class:`Mismatch` unless ``out`` is the documented safe result of ``op`` on ``args``
-    (shape, dtype and device from the contract, then values)."""
+    (shape, dtype and device from the contract, then values). For an op that writes arguments in
+    place, ``out`` is what it returned (None) and ``written`` those arguments after the call
+    (``args`` holds them as they were before: see :func:`kit.call_on_copies`)."""
     contract = BY_NAME[op]
     check_meta(contract, args, out)
     bound = contract.bind(args)
+    if contract.mutated:
+        if len(written) != len(contract.mutated):
+            raise TypeError(f"check_result({op!r}): pass what the call wrote in place")
+        (after,) = written  # gmm_weight_grad_accumulate's out, the only such op
+        if after.shape != bound["out"].shape or after.dtype != bound["out"].dtype:
+            raise Mismatch(f"'out' became {tuple(after.shape)} {after.dtype}")
+        _check_gmm(op, bound, after)
+        return
     outs = out if isinstance(out, tuple) else (out,)
     tol = TOLERANCES.get(outs[0].dtype, 0.0)
     if op in ("gather", "padded_gather", "binned_gather"):
@@ -672,7 +692,7 @@ def check_result(op: str, args: Args, out: Any) -> None:
         _check_scatter(op, bound, out, tol)
     elif op.endswith("wgrad"):
         _check_wgrad(op, bound, out, tol)
-    elif op in ("gmm", "gmm_weight_grad"):
+    elif op in GMM_OPS:
         _check_gmm(op, bound, out)
     elif op in FUSED_OPS:
         _check_fused(op, args, out)
@@ -711,6 +731,12 @@ def _valid_args(op: str, device: torch.device) -> Args:
         "replicate_backward": (a[:2].contiguous(), bins),
         "gmm": (a, torch.randn(3, 8, 5, generator=gen).to(device), counts.to(device), False),
         "gmm_weight_grad": (a, torch.randn(10, 5, generator=gen).to(device), counts.to(device)),
+        "gmm_weight_grad_accumulate": (
+            a,
+            torch.randn(10, 5, generator=gen).to(device),
+            counts.to(device),
+            torch.randn(3, 8, 5, generator=gen).to(device),
+        ),
     }[op]
 
 
@@ -728,7 +754,7 @@ def check_call(backend: str, op: str, args: Args, must_raise: bool = False) -> s
     what is wrong. Also for generated inputs (e.g. hypothesis)."""
     try:
         with _force(backend, op):
-            out = ENTRIES[op](*args)
+            out, written = call_on_copies(ENTRIES[op], BY_NAME[op], args)
     except NoKernelError as exc:
         raise Declined(str(exc)) from None
     except (ContractError, ContractTypeError) as exc:
@@ -743,7 +769,7 @@ def check_call(backend: str, op: str, args: Args, must_raise: bool = False) -> s
     if must_raise:
         return "returned; no safe result exists, a ContractError is required"
     try:
-        check_result(op, args, out)
+        check_result(op, args, out, written)
     except Mismatch as exc:
         return str(exc)
     return None
@@ -754,10 +780,11 @@ def run_case(backend: str, name: str, device: torch.device | str = "cpu") -> Fai
     Raises :class:`Declined` when the backend does not serve the call."""
     case = _BY_NAME[name]
     device = torch.device(device)
+    contract = BY_NAME[case.op]
     call = ENTRIES[case.op]
     valid = _valid_args(case.op, device)
     with use_backend(REFERENCE):
-        want = call(*valid)
+        want, want_written = call_on_copies(call, contract, valid)
     problem = check_call(backend, case.op, case.build(device), case.must_raise)
     if problem is not None:
         return Failure(name, backend, problem)
@@ -765,12 +792,10 @@ def run_case(backend: str, name: str, device: torch.device | str = "cpu") -> Fai
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a device fault surfaces here, named by this case
         with _force(backend, case.op):
-            again = call(*valid)
-        for got, w in zip(
-            again if isinstance(again, tuple) else (again,),
-            want if isinstance(want, tuple) else (want,),
-            strict=True,
-        ):
+            again, again_written = call_on_copies(call, contract, valid)
+        outs = (again if isinstance(again, tuple) else (again,)) if contract.outputs else ()
+        wants = (want if isinstance(want, tuple) else (want,)) if contract.outputs else ()
+        for got, w in zip((*outs, *again_written), (*wants, *want_written), strict=True):
             compare(got, w, "the valid call after it")
     except Exception as exc:
         return Failure(

@@ -6,7 +6,10 @@ backward calls, on the reference) and compared with the reference
 backend: output shapes and dtypes against the contract, values against the
 reference (tolerances in :data:`TOLERANCES`; rows the reference gives as exact
 zeros, exactly), inputs unmodified, a repeated call equal, gradients of every
-differentiable input equal. Then, on the first sample the backend serves: bad
+differentiable input equal. An op that writes a mutable argument in place (e.g.
+``gmm_weight_grad_accumulate``'s ``out``) is called on a copy of it each time, and that
+copy, as the kernel left it, is compared like an output; every other input must
+still be unmodified. Then, on the first sample the backend serves: bad
 inputs raise the contract's error types, ``torch.library.opcheck`` passes, and
 a ``torch.compile(fullgraph=True)`` call matches eager. A backend with several
 kernels for one op (``Kernel.variant``, e.g. grouped-GEMM providers) has each
@@ -157,19 +160,51 @@ def _outputs(value: Any) -> tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
+#: What one call produced: its return value, and each mutable argument as the call left it.
+Effects = tuple[Any, tuple[torch.Tensor, ...]]
+
+
+def call_on_copies(fn: Callable[..., Any], contract: OpContract, args: tuple[Any, ...]) -> Effects:
+    """Call ``fn`` with a fresh copy of each mutable argument of the contract (so ``args`` stay as
+    they were, and a repeated call starts from the same values): (its return value, the copies as
+    it left them). For an op without mutable arguments, ``(fn(*args), ())``."""
+    if not contract.mutated:
+        return fn(*args), ()
+    copies = {
+        a.name: v.clone() for a, v in zip(contract.args, args, strict=True) if a in contract.mutated
+    }
+    result = fn(*(copies.get(a.name, v) for a, v in zip(contract.args, args, strict=True)))
+    return result, tuple(copies.values())
+
+
 def _compare_all(
-    contract: OpContract, got: Any, want: Any, what: str, source: str = "the reference"
+    contract: OpContract, got: Effects, want: Effects, what: str, source: str = "the reference"
 ) -> None:
-    got_t, want_t = _outputs(got), _outputs(want)
-    if len(got_t) != len(want_t):
-        raise Mismatch(f"{what} returned {len(got_t)} outputs, the contract says {len(want_t)}")
-    for out, g, w in zip(contract.outputs, got_t, want_t, strict=True):
-        compare(g, w, f"{what} output '{out.name}'", source)
+    """Compare two calls' outputs and what they wrote in place (:func:`call_on_copies`). The
+    return value of an op without outputs is not compared: :func:`check_meta` requires None."""
+    (got_out, got_written), (want_out, want_written) = got, want
+    if contract.outputs:
+        got_t, want_t = _outputs(got_out), _outputs(want_out)
+        if len(got_t) != len(want_t):
+            raise Mismatch(f"{what} returned {len(got_t)} outputs, the contract says {len(want_t)}")
+        for out, g, w in zip(contract.outputs, got_t, want_t, strict=True):
+            compare(g, w, f"{what} output '{out.name}'", source)
+    for spec, g, w in zip(contract.mutated, got_written, want_written, strict=True):
+        compare(g, w, f"{what} '{spec.name}' (written in place)", source)
 
 
 def check_meta(contract: OpContract, args: tuple[Any, ...], got: Any) -> None:
     """Output count, shapes, dtypes and device as the contract computes them (data-dependent
-    sizes read from the arguments; one that data makes negative counts as 0)."""
+    sizes read from the arguments; one that data makes negative counts as 0). An op without
+    outputs must return None."""
+    if not contract.outputs:
+        if got is not None:
+            raise Mismatch(
+                f"returned a {type(got).__name__}; the contract says None (it writes "
+                + ", ".join(f"'{a.name}'" for a in contract.mutated)
+                + " in place)"
+            )
+        return
     bound = contract.bind(args)
     scope = {**RULE_HELPERS, **bound}
     metas = output_meta(contract, bound, lambda dim: max(eval(dim.expr, scope), 0))
@@ -268,28 +303,40 @@ def _check_sample(backend: str, contract: OpContract, args: tuple[Any, ...]) -> 
     run = _caller(op)
     before = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     with _on(backend, op):
-        got = run(*args)
+        got = call_on_copies(run, contract, args)
     for spec, old, new in zip(contract.args, before, args, strict=True):
+        # A mutable argument is written on a copy: the sample's own must not change either.
         if isinstance(old, torch.Tensor) and not torch.equal(old, new):
             raise Mismatch(f"modified its input '{spec.name}'")
-    check_meta(contract, args, got)
+    check_meta(contract, args, got[0])
     with use_backend(REFERENCE):
-        want = run(*args)
+        want = call_on_copies(run, contract, args)
     _compare_all(contract, got, want, "forward")
     if not _with_grad_leaves(contract, args)[1]:
         with _on(backend, op):
-            again = run(*args)
+            again = call_on_copies(run, contract, args)
         _compare_all(contract, again, got, "repeated call", "the first call")
         return
     # The forward of the gradient run is the repeated call (one kernel launch fewer per sample:
     # under Triton's interpreter that is a third of the kit's time).
     with _on(backend, op):
         again, got_grads = _grads(run, contract, args)
-    _compare_all(contract, again, got, "repeated call", "the first call")
+    _compare_all(contract, (again, ()), got, "repeated call", "the first call")
     with use_backend(REFERENCE):
         _, want_grads = _grads(run, contract, args)
     for name, g in got_grads.items():
         compare(g, want_grads[name], f"gradient of '{name}'")
+
+
+def _non_contiguous(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s values in a non-contiguous view (every other slice of its first dimension longer
+    than 1); None when every dimension has size 1 (such a tensor is always contiguous)."""
+    dim = next((d for d, n in enumerate(t.shape) if n > 1), None)
+    if dim is None:
+        return None
+    wide = t.new_zeros(*t.shape[:dim], 2 * t.shape[dim], *t.shape[dim + 1 :])
+    view = wide[(slice(None),) * dim + (slice(None, None, 2),)]
+    return view.copy_(t)
 
 
 def bad_inputs(
@@ -319,6 +366,9 @@ def bad_inputs(
                 )
             if spec.name != primary and not spec.any_device and value.device.type != "cpu":
                 yield spec.name, "on the CPU", swap(value.cpu()), ValueError
+            strided = _non_contiguous(value) if spec.mutable else None
+            if strided is not None:  # written in place: the contract wants it contiguous
+                yield spec.name, "non-contiguous", swap(strided), ValueError
         elif isinstance(spec, IntArg) and value is not None:
             yield spec.name, "a float", swap(value + 0.5), TypeError
             if spec.min is not None:
@@ -350,6 +400,11 @@ def _check_bad_inputs(backend: str, contract: OpContract, args: tuple[Any, ...])
 
 def _check_opcheck(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:
     leaves, _ = _with_grad_leaves(contract, args)
+    # opcheck calls the op several times: mutable arguments get a copy (the sample stays as is).
+    leaves = tuple(
+        v.clone() if a in contract.mutated else v
+        for a, v in zip(contract.args, leaves, strict=True)
+    )
     with _on(backend, contract.name):
         try:
             torch.library.opcheck(
@@ -366,7 +421,13 @@ def _check_compile(backend: str, contract: OpContract, args: tuple[Any, ...]) ->
     differentiable = bool(_with_grad_leaves(contract, args)[1])
     with _on(backend, contract.name):
         if not differentiable:
-            _compare_all(contract, compiled(*args), run(*args), "torch.compile", "eager")
+            _compare_all(
+                contract,
+                call_on_copies(compiled, contract, args),
+                call_on_copies(run, contract, args),
+                "torch.compile",
+                "eager",
+            )
             return
         got, got_grads = _grads(compiled, contract, args)
         want, want_grads = _grads(run, contract, args)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ..contracts import BY_NAME
+
 #: Default padding granularity of padded_bins (small, so that padding rows really occur).
 BLOCK_SIZE = 4
 #: Column blocks per expert in topology samples.
@@ -50,6 +52,9 @@ class Scenario:
     """Padding granularity of padded_bins, route and topology (MegaBlocks uses 128)."""
     sizes_on_device: bool = False
     """gmm's batch_sizes on the device (the sync-free form) instead of MegaBlocks' CPU tensor."""
+    accumulate_dtype: torch.dtype | None = None
+    """Dtype of the gradient gmm_weight_grad_accumulate adds to (e.g. float32, a main_grad for
+    16-bit data); None: the scenario's dtype."""
     seed: int = 0
 
     @property
@@ -68,6 +73,10 @@ class Scenario:
                 (f"ffn={self.ffn}", self.ffn is not None),
                 (f"block={self.block_size}", self.block_size != BLOCK_SIZE),
                 ("sizes on device", self.sizes_on_device),
+                (
+                    f"accumulate in {_short(self.accumulate_dtype or self.dtype)}",
+                    self.accumulate_dtype not in (None, self.dtype),
+                ),
             )
             if on
         ]
@@ -114,6 +123,9 @@ class Routing:
     batch_sizes: torch.Tensor
     """Tokens per expert as int64, on the CPU (MegaBlocks' convention for gmm) unless the scenario
     puts them on the device."""
+    weight_grad_buffer: torch.Tensor
+    """The existing gradient gmm_weight_grad_accumulate adds ``rows.T @ gmm_grad`` to:
+    (experts, hidden, ffn) in the scenario's ``accumulate_dtype``."""
 
     @property
     def num_rows(self) -> int:
@@ -163,6 +175,9 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
         expert_weights=floats(*b_shape),
         gmm_grad=floats(rows, ffn),
         batch_sizes=counts.to(device=device if s.sizes_on_device else "cpu", dtype=torch.int64),
+        weight_grad_buffer=torch.randn(s.experts, s.hidden, ffn, generator=gen).to(
+            device=device, dtype=s.accumulate_dtype or s.dtype
+        ),
     )
 
 
@@ -217,6 +232,12 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "binned_scatter_wgrad": lambda r: (r.binned_x, r.grad, r.indices, r.bins, r.scenario.top_k),
     "gmm": lambda r: (r.rows, r.expert_weights, r.batch_sizes, r.scenario.trans_b),
     "gmm_weight_grad": lambda r: (r.rows, r.gmm_grad, r.batch_sizes),
+    "gmm_weight_grad_accumulate": lambda r: (
+        r.rows,
+        r.gmm_grad,
+        r.batch_sizes,
+        r.weight_grad_buffer,
+    ),
     "gather_gmm": lambda r: (
         r.x,
         r.expert_weights,
@@ -250,11 +271,16 @@ def strided(t: torch.Tensor) -> torch.Tensor:
 
 
 def sample(op: str, r: Routing) -> tuple[Any, ...]:
-    """``op``'s kernel-order arguments in routing ``r`` (strided views if the scenario says so)."""
+    """``op``'s kernel-order arguments in routing ``r`` (strided views if the scenario says so,
+    but for arguments the op writes in place: those must be contiguous)."""
     args = SAMPLES[op](r)
     if not r.scenario.non_contiguous:
         return args
-    return tuple(strided(a) if isinstance(a, torch.Tensor) else a for a in args)
+    specs = BY_NAME[op].args
+    return tuple(
+        strided(a) if isinstance(a, torch.Tensor) and not getattr(spec, "mutable", False) else a
+        for spec, a in zip(specs, args, strict=True)
+    )
 
 
 _I16, _I32, _I64 = torch.int16, torch.int32, torch.int64
@@ -275,6 +301,7 @@ QUICK: tuple[Scenario, ...] = (
         non_contiguous=True,
         trans_b=True,
         sizes_on_device=True,
+        accumulate_dtype=_F32,
         seed=1,
     ),
     Scenario(
@@ -296,7 +323,16 @@ QUICK: tuple[Scenario, ...] = (
 FULL: tuple[Scenario, ...] = (
     *QUICK,
     *(
-        Scenario(tokens=24, experts=6, top_k=2, hidden=16, dtype=f, index_dtype=i, seed=10 + n)
+        Scenario(
+            tokens=24,
+            experts=6,
+            top_k=2,
+            hidden=16,
+            dtype=f,
+            index_dtype=i,
+            accumulate_dtype=_F32 if i == _I64 else None,  # 16-bit data into a float32 main_grad
+            seed=10 + n,
+        )
         for n, (f, i) in enumerate(
             (f, i) for f in (_F32, _F16, _BF16, _F64) for i in (_I16, _I32, _I64)
         )
@@ -348,7 +384,15 @@ FULL: tuple[Scenario, ...] = (
 #: and multi-block launches are exercised. Too slow for a CPU (and Triton's interpreter).
 DEVICE_SIZED: tuple[Scenario, ...] = (
     Scenario(
-        tokens=4096, experts=8, top_k=2, hidden=1024, ffn=768, dtype=_BF16, block_size=128, seed=50
+        tokens=4096,
+        experts=8,
+        top_k=2,
+        hidden=1024,
+        ffn=768,
+        dtype=_BF16,
+        block_size=128,
+        accumulate_dtype=_F32,
+        seed=50,
     ),
     Scenario(
         tokens=4096,
@@ -387,6 +431,7 @@ DEVICE_SIZED: tuple[Scenario, ...] = (
         dtype=_BF16,
         block_size=128,
         empty_experts=True,
+        accumulate_dtype=_F32,
         seed=54,
     ),
     Scenario(

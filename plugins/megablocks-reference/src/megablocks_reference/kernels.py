@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor
 
-from megablocks_core.plugin import ContractError
+from megablocks_core.plugin import ContractError, call_op
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -328,6 +328,15 @@ def gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
             rows = slice(start, start + size)
             out[expert] = (a[rows].to(acc).t() @ grad[rows].to(acc)).to(a.dtype)
     return out
+
+
+def gmm_weight_grad_accumulate(a: Tensor, grad: Tensor, batch_sizes: Tensor, out: Tensor) -> None:
+    # The defining composition, through the *dispatched* gmm_weight_grad (a backend that provides
+    # it but no fused kernel serves this op with its own GEMM). Taken at out's precision where out
+    # is wider (16-bit a with a float32 main_grad): the gradient is not rounded to 16 bits first.
+    if out.dtype.itemsize > a.dtype.itemsize:
+        a, grad = a.to(out.dtype), grad.to(out.dtype)
+    out.add_(call_op("gmm_weight_grad", a, grad, batch_sizes))
 
 
 # --- fused permutation + grouped GEMM: their defining compositions ------------------

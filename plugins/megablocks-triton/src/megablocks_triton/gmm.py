@@ -1,9 +1,11 @@
 """Grouped GEMM (MegaBlocks ``gmm`` semantics) as persistent Triton kernels.
 
-Two entry points, called by the core with already-validated inputs:
+The grouped GEMMs, called by the core with already-validated inputs:
 
 * :func:`gmm` — ``out[rows of e] = a_e @ b[e]`` (or ``@ b[e].T`` with ``trans_b``).
-* :func:`gmm_weight_grad` — ``out[e] = a_e.T @ grad_e`` (variable-K grouped GEMM).
+* :func:`gmm_weight_grad` — ``out[e] = a_e.T @ grad_e`` (variable-K grouped GEMM);
+  :func:`gmm_weight_grad_accumulate` — ``out[e] += a_e.T @ grad_e`` in place, the same kernel
+  with the existing gradient added in its epilogue (gradient-accumulation fusion).
 
 Design
 ------
@@ -54,6 +56,7 @@ __all__ = [
     "gmm",
     "gmm_scatter",
     "gmm_weight_grad",
+    "gmm_weight_grad_accumulate",
 ]
 
 #: The in-register expert prefix holds next_pow2(E) values per program; beyond this the register
@@ -360,8 +363,11 @@ def _gmm_wgrad_kernel(
     stride_ce, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE_FP32: tl.constexpr,
+    IEEE_FP32: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):  # fmt: skip
+    # ACCUMULATE (gmm_weight_grad_accumulate): c holds a gradient to add to (its own dtype, e.g. a
+    # float32 main_grad for 16-bit a): the epilogue adds it to the float32 accumulator and rounds
+    # once; an empty expert's tiles are neither read nor written.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     e_idx = tl.arange(0, BLOCK_E)
@@ -402,7 +408,12 @@ def _gmm_wgrad_kernel(
         c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
                   + cols[None, :].to(tl.int64) * stride_cn)  # fmt: skip
         c_mask = (rows < KA)[:, None] & (cols < N)[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        if ACCUMULATE:
+            if size_e > 0:
+                prev = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+                tl.store(c_ptrs, (acc + prev).to(c_ptr.dtype.element_ty), mask=c_mask)
+        else:
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,13 +603,50 @@ def gmm_weight_grad(
     sum(batch_sizes) are never read (a worst-case-allocated buffer may be passed whole)."""
     a = _unit_last_stride(a)
     grad = _unit_last_stride(grad)
-    num_experts = batch_sizes.shape[0]
-    ka, n = a.shape[1], grad.shape[1]
-    out = torch.empty((num_experts, ka, n), dtype=a.dtype, device=a.device)
+    out = torch.empty(
+        (batch_sizes.shape[0], a.shape[1], grad.shape[1]), dtype=a.dtype, device=a.device
+    )
     if out.numel() == 0:
         return out
     if a.shape[0] == 0:
         return out.zero_()
+    _launch_wgrad(a, grad, batch_sizes, out, accumulate=False, config=config)
+    return out
+
+
+def gmm_weight_grad_accumulate(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    batch_sizes: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    config: GmmConfig | None = None,
+) -> None:
+    """``out[e] += a_e.T @ grad_e`` in place (gradient-accumulation fusion): the weight gradient
+    is added to the existing ``out`` (E, K, N) in the GEMM's epilogue, in float32, and rounded
+    once to out's dtype (a's dtype, or float32 for 16-bit a). No (E, K, N) temporary is written.
+    An empty expert's ``out[e]`` is left untouched; rows of a/grad beyond sum(batch_sizes) are
+    never read. ``out`` must be contiguous (the core checks it)."""
+    if out.numel() == 0 or a.shape[0] == 0:
+        return  # nothing to add
+    _launch_wgrad(
+        _unit_last_stride(a), _unit_last_stride(grad), batch_sizes, out, accumulate=True,
+        config=config,
+    )  # fmt: skip
+
+
+def _launch_wgrad(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    batch_sizes: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    accumulate: bool,
+    config: GmmConfig | None,
+) -> None:
+    """One weight-gradient launch writing (or, ``accumulate``, adding to) ``out`` (E, K, N)."""
+    num_experts = batch_sizes.shape[0]
+    ka, n = a.shape[1], grad.shape[1]
     block_e = _check_experts(num_experts)
     sizes = _device_sizes(batch_sizes, a.device)
     info = device_info(a.device)
@@ -613,8 +661,7 @@ def gmm_weight_grad(
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=block_e, GROUP_M=cfg.group_m,
-        IEEE_FP32=a.dtype == torch.float32,
+        IEEE_FP32=a.dtype == torch.float32, ACCUMULATE=accumulate,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_configs().launch_options("gmm_wgrad"),
     )  # fmt: skip
-    return out

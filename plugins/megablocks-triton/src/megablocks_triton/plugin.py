@@ -50,6 +50,8 @@ def _gmm_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
     return {
         "gmm": {"a": floats, "b": floats},
         "gmm_weight_grad": {"a": floats, "grad": floats},
+        # out: a's dtype or float32 (the contract's rule); float64 is left to the reference.
+        "gmm_weight_grad_accumulate": {"a": floats, "grad": floats, "out": _FLOATS},
         "gather_gmm": {"x": floats, "b": floats},
         "gmm_scatter": {"x": floats, "b": floats},
     }
