@@ -177,7 +177,7 @@ def call_on_copies(fn: Callable[..., Any], contract: OpContract, args: tuple[Any
     return result, tuple(copies.values())
 
 
-def _compare_all(
+def compare_calls(
     contract: OpContract, got: Effects, want: Effects, what: str, source: str = "the reference"
 ) -> None:
     """Compare two calls' outputs and what they wrote in place (:func:`call_on_copies`). The
@@ -311,17 +311,17 @@ def _check_sample(backend: str, contract: OpContract, args: tuple[Any, ...]) -> 
     check_meta(contract, args, got[0])
     with use_backend(REFERENCE):
         want = call_on_copies(run, contract, args)
-    _compare_all(contract, got, want, "forward")
+    compare_calls(contract, got, want, "forward")
     if not _with_grad_leaves(contract, args)[1]:
         with _on(backend, op):
             again = call_on_copies(run, contract, args)
-        _compare_all(contract, again, got, "repeated call", "the first call")
+        compare_calls(contract, again, got, "repeated call", "the first call")
         return
     # The forward of the gradient run is the repeated call (one kernel launch fewer per sample:
     # under Triton's interpreter that is a third of the kit's time).
     with _on(backend, op):
         again, got_grads = _grads(run, contract, args)
-    _compare_all(contract, (again, ()), got, "repeated call", "the first call")
+    compare_calls(contract, (again, ()), got, "repeated call", "the first call")
     with use_backend(REFERENCE):
         _, want_grads = _grads(run, contract, args)
     for name, g in got_grads.items():
@@ -421,7 +421,7 @@ def _check_compile(backend: str, contract: OpContract, args: tuple[Any, ...]) ->
     differentiable = bool(_with_grad_leaves(contract, args)[1])
     with _on(backend, contract.name):
         if not differentiable:
-            _compare_all(
+            compare_calls(
                 contract,
                 call_on_copies(compiled, contract, args),
                 call_on_copies(run, contract, args),
