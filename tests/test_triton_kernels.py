@@ -207,6 +207,16 @@ def test_route_recounting_tiles(
         np.testing.assert_array_equal(sorted_keys.numpy(), want[1])
 
 
+@pytest.mark.parametrize("n", [8, 1024, 3000])  # one program, recounting tiles, count table
+def test_routing_outputs_do_not_share_storage(n: int) -> None:
+    """The outputs of route and sort are separate tensors (a custom op's outputs may not alias:
+    torch.compile and torch.library.opcheck rely on it)."""
+    keys = torch.randint(0, 16, (n,), generator=_gen(n), dtype=torch.int32)
+    for outputs in (R.route(keys, 16, 4), R.sort(keys, 4)):
+        storages = {o.untyped_storage().data_ptr() for o in outputs}
+        assert len(storages) == len(outputs)
+
+
 @pytest.mark.parametrize("n", [0, 1])
 def test_sort_tiny(n: int) -> None:
     x = torch.zeros(n, dtype=torch.int32)

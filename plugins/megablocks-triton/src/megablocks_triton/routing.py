@@ -22,8 +22,7 @@ keys itself (a few in-register histograms) instead of reading a table that a fir
 wrote: one launch again, the rank chain still split over the tiles.
 
 The host side prepares each call shape's launches once (grid, scalars, compiled kernel:
-:func:`megablocks_triton.launch.bind`), so a call allocates its outputs and launches; ``route``
-with int32 ids (the layer's) allocates its five outputs at once.
+:func:`megablocks_triton.launch.bind`), so a call allocates its outputs and launches.
 
 Used with 2**end_bit bins it is ``sort``; with ``num_experts`` bins it is
 ``route``, which returns the whole routing metadata in those launches.
@@ -484,7 +483,7 @@ _RECOUNT_BLOCK = 1024
 
 
 def _route_plan(
-    configs: LaunchConfigs, shape: torch.Size, dtype: torch.dtype, num_experts: int, block_size: int
+    configs: LaunchConfigs, shape: torch.Size, num_experts: int, block_size: int
 ) -> Callable[[torch.Tensor], Routing]:
     n = shape.numel()
     if n == 0 or num_experts == 0:
@@ -494,19 +493,8 @@ def _route_plan(
     counting = _counting_plan(configs, n, num_experts, 0, None, False, block_size)
     flat = len(shape) == 1
     int32 = torch.int32
-    if dtype == int32 and n % 4 == 0 and num_experts % 4 == 0:
-        # int32 ids (the layer's): all five outputs in one allocation, each starting 16-byte
-        # aligned (the launches that read them later are pinned for aligned addresses).
-        sizes = [n, n, num_experts, num_experts, num_experts]
-        total = 2 * n + 3 * num_experts
-
-        def one_allocation(top_experts: torch.Tensor) -> Routing:
-            keys = top_experts if flat else top_experts.reshape(-1)
-            bin_ids, indices, tpe, bins, padded = keys.new_empty(total).split_with_sizes(sizes)
-            counting(keys, None, bin_ids, indices, (tpe, bins, padded))
-            return indices, bin_ids, tpe, bins, padded
-
-        return one_allocation
+    # Five allocations: one split five ways would be cheaper, but a custom op's outputs may not
+    # share storage (torch.compile and torch.library.opcheck rely on it).
 
     def run(top_experts: torch.Tensor) -> Routing:
         keys = top_experts if flat else top_experts.reshape(-1)
@@ -573,13 +561,7 @@ def route(top_experts: torch.Tensor, num_experts: int, block_size: int) -> Routi
         plan = remember(
             _ROUTE_PLANS,
             key,
-            _route_plan(
-                configs,
-                top_experts.shape,
-                top_experts.dtype,
-                int(num_experts),
-                int(block_size),
-            ),
+            _route_plan(configs, top_experts.shape, int(num_experts), int(block_size)),
         )
     return plan(top_experts)
 
