@@ -256,8 +256,8 @@ def _counting_scatter_kernel(
 
     # A radix pass places every key; route places its out-of-range ids too (bad data), after
     # every valid id and in input order, in a second pass over the tile that runs only where the
-    # histogram kernel (or, SINGLE, this program's own count) found some: valid ids pay one
-    # scalar load.
+    # histogram kernel (or, SINGLE and RECOUNT, this program's own count) found some: valid ids
+    # pay one scalar load.
     if not USE_MASK:
         if not (SINGLE or RECOUNT):
             strays = tl.load(counts_ptr + num_tiles * NB + pid)
@@ -558,10 +558,9 @@ def route(top_experts: torch.Tensor, num_experts: int, block_size: int) -> Routi
     )
     plan = _ROUTE_PLANS.get(key)
     if plan is None:
+        shape = top_experts.shape
         plan = remember(
-            _ROUTE_PLANS,
-            key,
-            _route_plan(configs, top_experts.shape, int(num_experts), int(block_size)),
+            _ROUTE_PLANS, key, _route_plan(configs, shape, int(num_experts), int(block_size))
         )
     return plan(top_experts)
 
