@@ -1,7 +1,9 @@
 """Host time per eager call beside GPU time, for the small-batch regime (JSON lines out).
 
-For each op at a decode-sized shape (default T=128 tokens, H=2048, E=128, top_k=8, qwen3
-widths) it reports:
+For each op at a decode-sized shape (default T=128 tokens, H=2048, F=768, E=128, top_k=8,
+qwen3 widths; ``--tokens 1 16 128`` for several, the case names then end in ``_T<tokens>``),
+the forward grouped GEMMs the dMoE layer calls (``gather_gmm``, ``gmm`` and ``gmm_scatter`` with
+device counts, bf16) included, it reports:
 
 * ``host_us``: wall time per call of N back-to-back eager calls without a sync in between
   (what the Python side costs while the GPU keeps up; the GPU work is a few µs);
@@ -10,7 +12,7 @@ widths) it reports:
 the dMoE layer's forward (``--layer``) at T = 1, 16, 128: eager and CUDA-graph µs; and
 (``--gmm``) ``ops.gmm``'s eager time with CPU counts beside device counts at the benchmark shapes.
 
-    python benchmarks/host_cost.py [--tokens 128] [--calls 2000] [--json PATH]
+    python benchmarks/host_cost.py [--tokens 128 ...] [--calls 2000] [--layer] [--json PATH]
 """
 
 from __future__ import annotations
@@ -86,6 +88,29 @@ def op_cases(tokens: int, hidden: int, experts: int, top_k: int) -> dict[str, Ca
     }
 
 
+def grouped_gemm_cases(
+    tokens: int, hidden: int, ffn: int, experts: int, top_k: int
+) -> dict[str, Callable[[], Any]]:
+    """The dMoE layer's grouped GEMMs at a decode-sized shape (bf16, routing from ``ops.route``,
+    counts on the device): ``gather_gmm`` (x by w1), ``gmm`` and ``gmm_scatter`` (rows by w2)."""
+    from megablocks_core import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    weights, top = torch.topk(logits.softmax(-1), top_k)
+    weights = weights.flatten().to(torch.bfloat16)
+    indices, bin_ids, counts, bins, _ = ops.route(top.flatten().int(), experts, 128)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w1 = torch.randn(experts, hidden, ffn, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w2 = torch.randn(experts, ffn, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    h = torch.randn(tokens * top_k, ffn, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return {
+        "gather_gmm": lambda: ops.gather_gmm(x, w1, indices, bin_ids, bins, top_k),
+        "gmm": lambda: ops.gmm(h, w2, counts),
+        "gmm_scatter": lambda: ops.gmm_scatter(h, w2, indices, bin_ids, weights, bins, top_k),
+    }
+
+
 def gmm_cases() -> dict[str, Callable[[], Any]]:
     """``ops.gmm`` forward at the three benchmark shapes, counts on the CPU vs on the device
     (eager: a CPU count tensor must reach the GPU without stalling the stream)."""
@@ -144,7 +169,7 @@ def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Ca
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128])
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--ffn", type=int, default=768)
     parser.add_argument("--experts", type=int, default=128)
@@ -161,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("host_cost.py: needs a CUDA/ROCm GPU", file=sys.stderr)
         return 2
-    cases = op_cases(args.tokens, args.hidden, args.experts, args.top_k)
+    cases: dict[str, Callable[[], Any]] = {}
+    for tokens in args.tokens:
+        suffix = f"_T{tokens}" if len(args.tokens) > 1 else ""
+        shaped = {
+            **op_cases(tokens, args.hidden, args.experts, args.top_k),
+            **grouped_gemm_cases(tokens, args.hidden, args.ffn, args.experts, args.top_k),
+        }
+        cases.update({name + suffix: fn for name, fn in shaped.items()})
     if args.layer:
         cases.update(layer_cases(args.hidden, args.ffn, args.experts, args.top_k))
     rows: list[dict[str, Any]] = []

@@ -1,14 +1,16 @@
 """The triton backend's small-call paths against its large-call ones, per op and token count
 (GPU µs from a CUDA graph, host µs per eager call; JSON lines).
 
-For T = 1, 16, 128, 256, 512 tokens (H=2048, E=128, top_k=8, the cases of host_cost.py) and
-sort, route, histogram, gather, scatter it measures three launch policies:
+For T = 1, 16, 128, 256, 512, 1024 tokens (H=2048, E=128, top_k=8, the cases of host_cost.py)
+and sort, route, histogram, gather, scatter it measures these launch policies:
 
 * ``default``: ``megablocks_triton.LaunchConfigs`` as installed;
 * ``large``: ``tests/launch_paths.py``'s ``LargeCallPaths`` (counting sort over several tiles,
   histogram adding into a zeroed output, inverse permutation + token-major gather/scatter);
 * ``small``: the one-launch paths up to 4096 keys/rows (one program sorts every key, one
-  program per histogram row, row-by-row gather, index-scanning scatter).
+  program per histogram row, row-by-row gather, index-scanning scatter);
+* ``recount``: sort and route in one launch of 256-key tiles whose programs each count every
+  key themselves, up to 8192 keys (the default takes it from 257 to 2048 keys).
 
 Used to set the default policy's limits between the two kinds of path. The host column is for
 comparing paths within one run (it reads higher than ``host_cost.py``'s for the same path).
@@ -58,9 +60,28 @@ class SmallCallPaths(LaunchConfigs):
         return min(next_power_of_2(num_tokens * top_k), 256)
 
 
-POLICIES = {"default": None, "large": LargeCallPaths(), "small": SmallCallPaths()}
-TOKENS = (1, 16, 128, 256, 512)
+class RecountPaths(LaunchConfigs):
+    """Sort and route: one launch of 256-key tiles, each program counting every key, for every
+    call of up to 8192 keys."""
+
+    def routing(self, n: int, nb: int) -> RoutingConfig:
+        if n <= 8192:
+            return RoutingConfig(
+                tile=256, chunk=64, tile_rows=max(1, min(32, 8192 // nb)), num_warps=4, recount=True
+            )
+        return super().routing(n, nb)
+
+
+POLICIES = {
+    "default": None,
+    "large": LargeCallPaths(),
+    "small": SmallCallPaths(),
+    "recount": RecountPaths(),
+}
+TOKENS = (1, 16, 128, 256, 512, 1024)
 OPS = ("sort", "route", "histogram", "gather", "scatter")
+#: Policies that change only some ops' paths (the others would repeat the default's figures).
+POLICY_OPS = {"recount": ("sort", "route")}
 
 
 def wrapped(fn: Callable[[], Any], policy: LaunchConfigs | None) -> Callable[[], Any]:
@@ -81,7 +102,7 @@ def main() -> None:
     for tokens in TOKENS:
         cases = host_cost.op_cases(tokens, 2048, 128, 8)
         for pname, policy in POLICIES.items():
-            for op in OPS:
+            for op in POLICY_OPS.get(pname, OPS):
                 fn = wrapped(cases[op], policy)
                 try:
                     if compile_only:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from .policy import Policy, policy_scope
-from .schema import OpContract
+from .schema import OpContract, TensorArg
 
 Call = Callable[..., torch.Tensor]
 Grads = dict[str, "torch.Tensor | None"]
@@ -430,22 +431,58 @@ def kept(rule: BackwardRule, name: str, needs: Mapping[str, bool]) -> bool:
 # The glue: what a forward keeps, and the autograd node of an eager call
 
 
+#: How an op's forward packs its arguments for one combination of inputs needing a gradient:
+#: those needs by name; per tensor argument (position, "<name>.shape", kept for backward); per
+#: other argument (position, name).
+_Packing = tuple[Mapping[str, bool], tuple[tuple[int, str, bool], ...], tuple[tuple[int, str], ...]]
+#: (op, each argument's needs-gradient flag) → its packing, worked out once (a training step
+#: calls each op with the same flags every time).
+_PACKINGS: dict[tuple[str, tuple[bool, ...]], _Packing] = {}
+
+
+def _packing(contract: OpContract, flags: tuple[bool, ...]) -> _Packing:
+    found = _PACKINGS.get((contract.name, flags))
+    if found is None:
+        rule = RULES[contract.name]
+        needs = MappingProxyType(
+            {a.name: bool(f) for a, f in zip(contract.args, flags, strict=True)}
+        )
+        tensor_slots = tuple(
+            (i, f"{a.name}.shape", kept(rule, a.name, needs))
+            for i, a in enumerate(contract.args)
+            if isinstance(a, TensorArg)
+        )
+        other_slots = tuple(
+            (i, a.name) for i, a in enumerate(contract.args) if not isinstance(a, TensorArg)
+        )
+        found = _PACKINGS[(contract.name, flags)] = (needs, tensor_slots, other_slots)
+    return found
+
+
+def _pack(
+    packing: _Packing, args: tuple[Any, ...]
+) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
+    _, tensor_slots, other_slots = packing
+    tensors: list[torch.Tensor | None] = []
+    consts: dict[str, Any] = {}
+    for i, shape_name, keep in tensor_slots:
+        value = args[i]
+        if value is None:  # an optional tensor not given
+            tensors.append(None)
+        else:
+            tensors.append(value if keep else None)
+            consts[shape_name] = tuple(value.shape)
+    for i, name in other_slots:
+        consts[name] = args[i]
+    return tensors, consts
+
+
 def pack_for_backward(
     contract: OpContract, args: tuple[Any, ...], needs: Mapping[str, bool]
 ) -> tuple[list[torch.Tensor | None], dict[str, Any]]:
     """Split the forward's arguments into tensors to save and constants to keep."""
-    rule = RULES[contract.name]
-    tensors: list[torch.Tensor | None] = []
-    consts: dict[str, Any] = {}
-    for spec, value in zip(contract.args, args, strict=True):
-        if isinstance(value, torch.Tensor):
-            tensors.append(value if kept(rule, spec.name, needs) else None)
-            consts[f"{spec.name}.shape"] = tuple(value.shape)
-        elif spec in contract.tensor_args:
-            tensors.append(None)
-        else:
-            consts[spec.name] = value
-    return tensors, consts
+    flags = tuple(bool(needs.get(a.name, False)) for a in contract.args)
+    return _pack(_packing(contract, flags), args)
 
 
 def unpack_for_backward(
@@ -473,11 +510,9 @@ class _OpFunction(torch.autograd.Function):
         call: Call,
         *args: Any,
     ) -> Any:
-        needs = {
-            a.name: bool(n)
-            for a, n in zip(contract.args, ctx.needs_input_grad[_NODE_ARGS:], strict=True)
-        }
-        tensors, consts = pack_for_backward(contract, args, needs)
+        packing = _packing(contract, ctx.needs_input_grad[_NODE_ARGS:])
+        needs = packing[0]
+        tensors, consts = _pack(packing, args)
         rule = RULES[contract.name]
         if rule.fusable:  # eager only: torch.compile's autograd (library.py) never fuses
             consts.update(_fusion_targets(rule, contract, args, needs))

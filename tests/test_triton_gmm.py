@@ -369,16 +369,20 @@ def test_choose_config_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGABLOCKS_TRITON_GMM_CONFIG", "64,128")
     with pytest.raises(ValueError):
         G.choose_config("gmm", 4096, 4096, 4096, 8, torch.bfloat16, H200)
-    # The override drives the kernel too (here: 32x16x16 tiles on the interpreter).
+    # The override drives the kernel of a call shape first seen after it is set (here: 32x16x16
+    # tiles on the interpreter); the prepared launch keeps it.
     monkeypatch.setenv("MEGABLOCKS_TRITON_GMM_CONFIG", "32,16,16,1,1,1")
-    sizes = [3, 0, 40]
-    a = _rand(43, 24, dtype=torch.float32, seed=15)
+    monkeypatch.setattr(G, "_FORWARD_PLANS", {})
+    sizes = [3, 0, 38]
+    a = _rand(41, 24, dtype=torch.float32, seed=15)
     b = _rand(3, 24, 20, dtype=torch.float32, seed=16)
     _close(
         G.gmm(a, b, torch.tensor(sizes), False),
         oracle.gmm(_np(a), _np(b), sizes, False),
         torch.float32,
     )
+    (plan,) = G._FORWARD_PLANS.values()
+    assert plan.config == G.GmmConfig(32, 16, 16, group_m=1, num_warps=1, num_stages=1)
 
 
 @needs_interpreter
@@ -398,3 +402,113 @@ def test_gmm_tma_path(dtype: torch.dtype, trans_b: bool) -> None:
     out = G.gmm(a, b, torch.tensor(sizes), trans_b, config=cfg)
     assert torch.isfinite(out).all()
     _close(out, oracle.gmm(_np(a), _np(b), sizes, trans_b), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prepared forward launches: one per call shape, never reused for another.
+# ---------------------------------------------------------------------------------------------
+
+TMA_SMALL = dataclasses.replace(SMALL, block_k=32, use_tma=True)
+
+
+def _a_operand(m: int, k: int, dtype: torch.dtype, layout: str, seed: int) -> torch.Tensor:
+    """(m, k) values laid out as asked: contiguous, rows of a wider buffer (row stride k + 8),
+    or starting one element past a 16-byte boundary (no TMA descriptor may be built on it)."""
+    values = _rand(m, k, dtype=dtype, seed=seed)
+    if layout == "wide rows":
+        buf = torch.full((m, k + 8), float("nan"), dtype=dtype)
+        buf[:, :k] = values
+        return buf[:, :k]
+    if layout == "unaligned":
+        flat = torch.full((m * k + 1,), float("nan"), dtype=dtype)
+        out = flat[1:].view(m, k)
+        out.copy_(values)
+        return out
+    return values
+
+
+@needs_interpreter
+def test_prepared_gmm_follows_each_call_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gmm calls that change one thing at a time (rows, experts, columns, trans_b, dtype, the
+    counts' dtype, a's row stride, a TMA config, an unaligned a) and come back to earlier
+    shapes with new data: every result against the float64 oracle, so a launch prepared for
+    another call shape would show."""
+    monkeypatch.setattr(G, "_FORWARD_PLANS", {})
+    cases = [
+        # sizes, k, n, trans_b, dtype, counts dtype, a's layout, config
+        ([5, 0, 12], 24, 16, False, torch.float32, torch.int64, "contiguous", SMALL),
+        ([17], 24, 16, False, torch.float32, torch.int64, "contiguous", SMALL),  # one expert
+        ([0, 0, 0], 24, 16, False, torch.float32, torch.int64, "contiguous", SMALL),  # no tokens
+        ([5, 0, 12], 24, 40, False, torch.float32, torch.int64, "contiguous", SMALL),
+        ([5, 0, 12], 24, 24, False, torch.float32, torch.int64, "contiguous", SMALL),
+        ([5, 0, 12], 24, 24, True, torch.float32, torch.int64, "contiguous", SMALL),  # b's shape
+        ([5, 0, 12], 24, 16, False, torch.float16, torch.int64, "contiguous", SMALL),
+        ([5, 0, 12], 24, 16, False, torch.float32, torch.int32, "contiguous", SMALL),
+        ([5, 0, 12], 24, 16, False, torch.float32, torch.int64, "wide rows", SMALL),
+        ([9, 1, 0, 30], 64, 24, False, torch.float32, torch.int32, "contiguous", TMA_SMALL),
+        ([9, 1, 0, 30], 64, 24, False, torch.float32, torch.int32, "unaligned", TMA_SMALL),
+        ([0, 7, 2], 40, 16, True, torch.float16, torch.int32, "contiguous", None),
+    ]
+    for seed, (sizes, k, n, trans_b, dtype, count_dtype, layout, cfg) in enumerate(cases * 2):
+        a = _a_operand(sum(sizes), k, dtype, layout, seed)
+        b = _rand(len(sizes), *((n, k) if trans_b else (k, n)), dtype=dtype, seed=100 + seed)
+        out = G.gmm(a, b, torch.tensor(sizes, dtype=count_dtype), trans_b, config=cfg)
+        assert out.shape == (sum(sizes), n) and out.dtype == dtype
+        _close(out, oracle.gmm(_np(a), _np(b), sizes, trans_b), dtype)
+    # The aligned and the unaligned TMA call share one prepared launch (the address decides per
+    # call); every other case has its own.
+    assert len(G._FORWARD_PLANS) == len(cases) - 1
+
+
+def _routing(tokens: int, top_k: int, experts: int, seed: int, empty: bool = False) -> dict:
+    r = oracle.make_routing(np.random.default_rng(seed), tokens, top_k, experts, empty=empty)
+    as_int32 = {
+        name: torch.from_numpy(r[name]).to(torch.int32) for name in ("indices", "bin_ids", "bins")
+    }
+    return {**r, **as_int32}
+
+
+@needs_interpreter
+def test_prepared_gather_gmm_and_gmm_scatter_follow_each_call_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gather_gmm and gmm_scatter over changing routings (tokens, top_k, experts, empty experts,
+    no tokens), weights absent or of two dtypes, trans_b, a TMA config for b: each result
+    against the float64 row loops; a launch kept for another call shape would show."""
+    monkeypatch.setattr(G, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(G, "_GMM_SCATTER_PLANS", {})
+    cases = [
+        # tokens, top_k, experts, empty experts, hidden, ffn, trans_b, weights dtype, config
+        (6, 2, 4, False, 24, 16, False, torch.float32, SMALL),
+        (6, 2, 4, False, 24, 16, False, None, SMALL),
+        (6, 2, 4, False, 24, 16, False, torch.float16, SMALL),
+        (5, 3, 4, True, 24, 16, False, torch.float32, SMALL),
+        (9, 1, 1, False, 24, 16, True, torch.float32, SMALL),  # one expert
+        (0, 2, 4, False, 24, 16, False, torch.float32, SMALL),  # no tokens
+        (7, 2, 5, False, 32, 40, False, torch.float32, TMA_SMALL),
+        (7, 2, 5, False, 32, 40, True, None, TMA_SMALL),
+    ]
+    dtype = torch.float32
+    for seed, case in enumerate(cases * 2):
+        tokens, top_k, experts, empty, hidden, ffn, trans_b, w_dtype, cfg = case
+        r = _routing(tokens, top_k, experts, seed, empty)
+        routing = (r["indices"], r["bin_ids"])
+        x = _rand(tokens, hidden, dtype=dtype, seed=seed)
+        w1 = _rand(experts, *((ffn, hidden) if trans_b else (hidden, ffn)), dtype=dtype, seed=seed)
+        rows = G.gather_gmm(x, w1, *routing, r["bins"], top_k, trans_b, config=cfg)
+        want = oracle.gather_gmm(_np(x), _np(w1), r["indices"], r["bins"], top_k, trans_b)
+        _close(rows, want, dtype)
+        h = _rand(tokens * top_k, ffn, dtype=dtype, seed=50 + seed)
+        w2 = _rand(experts, *((hidden, ffn) if trans_b else (ffn, hidden)), dtype=dtype, seed=seed)
+        weights = None
+        if w_dtype is not None:
+            weights = torch.rand(tokens * top_k, generator=_gen(seed)).to(w_dtype)
+        out = G.gmm_scatter(h, w2, *routing, weights, r["bins"], top_k, trans_b)
+        w_np = None if weights is None else _np(weights)
+        want = oracle.gmm_scatter(_np(h), _np(w2), r["indices"], w_np, r["bins"], top_k, trans_b)
+        assert out.shape == (tokens, hidden)
+        _close(out, want, dtype)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

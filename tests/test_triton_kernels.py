@@ -159,6 +159,64 @@ def test_sort(n: int, end_bit: int | None, dtype: torch.dtype, launch_paths: obj
     np.testing.assert_array_equal(values.numpy(), ref_values)
 
 
+def _stable_route(keys: np.ndarray, num_experts: int, block_size: int) -> tuple[np.ndarray, ...]:
+    """route's outputs from a stable argsort in which ids outside [0, num_experts) sort after
+    every valid id, in input order (the contract for bad ids), and a counting loop."""
+    wide = keys.astype(np.int64)
+    valid = (wide >= 0) & (wide < num_experts)
+    order = np.argsort(np.where(valid, wide, num_experts), kind="stable")
+    counts = np.zeros(num_experts, dtype=np.int64)
+    for k in wide[valid]:
+        counts[k] += 1
+    padded = -(-counts // block_size) * block_size
+    return order, keys[order], counts, np.cumsum(counts), np.cumsum(padded)
+
+
+@pytest.mark.parametrize(
+    ("n", "num_experts", "dtype", "stray_every"),
+    [
+        (1, 1, torch.int32, 0),
+        (63, 1, torch.int64, 0),  # one expert, one partial tile
+        (130, 7, torch.int16, 5),  # three tiles, the last partial; strays in each
+        (1500, 64, torch.int32, 97),  # 24 tiles, keys in two counting steps of 1024
+        (1024, 128, torch.int32, 0),  # the layer's shape at 128 tokens, top_k 8
+    ],
+)
+def test_route_recounting_tiles(
+    n: int, num_experts: int, dtype: torch.dtype, stray_every: int
+) -> None:
+    """route and sort on the one-launch path whose tile programs count every key themselves
+    (tests/launch_paths.py RecountPaths), out-of-range ids included."""
+    from launch_paths import RecountPaths
+
+    keys = torch.randint(0, num_experts, (n,), generator=_gen(n), dtype=torch.int64)
+    if stray_every:  # negative and too-large ids spread over the tiles
+        keys[::stray_every] = -1
+        keys[3::stray_every] = num_experts + 2
+    keys = keys.to(dtype)
+    with config.use_launch_configs(RecountPaths()):
+        routed = mt.route(keys, num_experts, 8)
+        if not stray_every:
+            end_bit = max((num_experts - 1).bit_length(), 1)
+            sorted_keys, order = mt.sort(keys, end_bit)
+    want = _stable_route(keys.numpy(), num_experts, 8)
+    for got, ref in zip(routed, want, strict=True):
+        np.testing.assert_array_equal(got.numpy(), ref)
+    if not stray_every:
+        np.testing.assert_array_equal(order.numpy(), want[0])
+        np.testing.assert_array_equal(sorted_keys.numpy(), want[1])
+
+
+@pytest.mark.parametrize("n", [8, 1024, 3000])  # one program, recounting tiles, count table
+def test_routing_outputs_do_not_share_storage(n: int) -> None:
+    """The outputs of route and sort are separate tensors (a custom op's outputs may not alias:
+    torch.compile and torch.library.opcheck rely on it)."""
+    keys = torch.randint(0, 16, (n,), generator=_gen(n), dtype=torch.int32)
+    for outputs in (R.route(keys, 16, 4), R.sort(keys, 4)):
+        storages = {o.untyped_storage().data_ptr() for o in outputs}
+        assert len(storages) == len(outputs)
+
+
 @pytest.mark.parametrize("n", [0, 1])
 def test_sort_tiny(n: int) -> None:
     x = torch.zeros(n, dtype=torch.int32)

@@ -49,6 +49,10 @@ class RoutingConfig:
     single: bool = False
     """One program sorts every key (n <= tile): it counts them itself, so one launch and no
     count table (few keys, e.g. decode)."""
+    recount: bool = False
+    """One program per tile, each counting every key itself (a few in-register histograms)
+    instead of reading a count table that a first launch wrote: one launch, no table. For a
+    few thousand keys (each program reads them all)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +225,17 @@ class LaunchConfigs:
                 tile_rows=max(1, min(32, 8192 // num_bins_pow2)),
                 num_warps=4,
                 single=True,
+            )
+        if n <= 2048:
+            # A few thousand keys: 256-key tiles (4 chunks of serial rank chain each), every
+            # program counting all keys itself: one launch instead of a histogram launch and a
+            # count table (the two-launch path took 9.7 µs of GPU time at 1024 keys on the H200).
+            return RoutingConfig(
+                tile=256,
+                chunk=64,
+                tile_rows=max(1, min(32, 8192 // num_bins_pow2)),
+                num_warps=4,
+                recount=True,
             )
         # Aim for ~128 tiles (16384*8 keys -> 1024-key tiles): enough programs
         # for the H200's 132 SMs and a short serial in-tile rank chain, few

@@ -29,6 +29,12 @@ interpreter). An optional forward path (``GmmConfig.use_tma``) loads tiles throu
 descriptors on Hopper/Blackwell; it is the default there for 16-bit inputs (measured on the H200,
 docs/performance.md). fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
 
+The forward ops (``gmm``, ``gather_gmm``, ``gmm_scatter``) prepare their launch once per call
+shape (tile config, grid, scalars, constexprs, the TMA block shapes) and keep it with the
+compiled kernel pinned (:mod:`megablocks_triton.launch`), so an eager call costs an output
+allocation and a native launch; the TMA descriptors of a pinned launch are encoded once per
+address (the expert weights' stay the same from call to call).
+
 Tile configs come from the launch policy (:meth:`megablocks_triton.config.LaunchConfigs.gmm`, which
 a vendor plugin may override) through :func:`choose_config`; they can be overridden per call
 (``config=``) or by environment variable for tuning, see :func:`choose_config`.
@@ -37,7 +43,9 @@ a vendor plugin may override) through :func:`choose_config`; they can be overrid
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 import triton  # type: ignore[import-untyped]
@@ -45,7 +53,8 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import DeviceInfo, arch_family, describe_device
 
-from .config import GmmConfig, launch_configs
+from .config import GmmConfig, LaunchConfigs, launch_configs
+from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
 
 __all__ = [
     "MAX_EXPERTS",
@@ -128,6 +137,10 @@ def choose_config(
        <megablocks_triton.config.LaunchConfigs.gmm>` / ``gmm_wgrad``; a vendor plugin may
        install its own).
     3. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (tuning).
+
+    The forward ops ask once per call shape and launch policy and keep the answer with their
+    prepared launch: the environment overrides apply to the forward call shapes first seen after
+    they are set (a sweep sets them before its process starts, or passes ``config=``).
     """
     env = os.environ.get(_ENV_VAR[op])
     if env:
@@ -450,19 +463,154 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _tma_ok(info: DeviceInfo, *tensors: torch.Tensor) -> bool:
-    """TMA needs sm90+ (or the interpreter, which emulates descriptors) and 16-byte aligned bases
-    and non-inner strides with a unit inner stride."""
+def _tma_layout_ok(info: DeviceInfo, t: torch.Tensor) -> bool:
+    """What TMA needs of a tensor besides a 16-byte aligned base (checked per call): sm90+ (or
+    the interpreter, which emulates descriptors), a unit inner stride and 16-byte aligned outer
+    strides."""
     on_sm90_plus = info.kind == "cuda" and arch_family(info) in ("hopper", "blackwell")
     if not (on_sm90_plus or info.kind == "cpu"):
         return False
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any((st * size) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
+    size = t.element_size()
+    return t.stride(-1) == 1 and not any((st * size) % 16 for st in t.stride()[:-1])
+
+
+# --------------------------------------------------------------------------------------------
+# The forward (gmm, gather_gmm, gmm_scatter): one launch of _gmm_kernel, prepared per call shape
+# --------------------------------------------------------------------------------------------
+
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _ForwardPlan:
+    """One call shape's ``_gmm_kernel`` launch, prepared once (tile config, grid, scalars and
+    constexprs; the compiled kernel is pinned by :mod:`.launch`): ``plan(a, b, sizes, indices)``
+    allocates the (m, n) output and launches. With a TMA config it takes the descriptor
+    variant when the operands it reads through descriptors are 16-byte aligned, else the plain
+    one (both as the call would have chosen without a plan)."""
+
+    __slots__ = ("config", "plain", "shape", "tma", "tma_reads_a")
+
+    def __init__(
+        self,
+        config: GmmConfig,
+        shape: tuple[int, int],
+        plain: BoundLaunch,
+        tma: BoundLaunch | None,
+        tma_reads_a: bool,
+    ) -> None:
+        self.config = config
+        self.shape = shape
+        self.plain = plain
+        self.tma = tma
+        self.tma_reads_a = tma_reads_a
+
+    def __call__(
+        self, a: torch.Tensor, b: torch.Tensor, sizes: torch.Tensor, indices: torch.Tensor
+    ) -> torch.Tensor:
+        out = a.new_empty(self.shape)
+        tma = self.tma
+        if tma is not None and not (b.data_ptr() | (a.data_ptr() if self.tma_reads_a else 0)) & 15:
+            tma(a, b, out, sizes, indices)
+        else:
+            self.plain(a, b, out, sizes, indices)
+        return out
+
+
+def _forward_plan(
+    configs: LaunchConfigs,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    gather_top_k: int | None,
+    from_ends: bool,
+    config: GmmConfig | None,
+) -> Forward:
+    """The launch of an (m, n) grouped GEMM of a (its token rows, read through the indices, with
+    ``gather_top_k``) by b; group sizes are counts, or cumulative ends (``from_ends``)."""
+    k = a.shape[1]
+    num_experts = b.shape[0]
+    n = b.shape[1] if trans_b else b.shape[2]
+    shape = (m, n)
+    if m == 0 or n == 0:
+        return lambda a, b, sizes, indices: a.new_empty(shape)
+    if k == 0:
+        return lambda a, b, sizes, indices: a.new_zeros(shape)
+    block_e = _check_experts(num_experts)
+    info = device_info(a.device)
+    cfg = config or choose_config("gmm", m, n, k, num_experts, a.dtype, info)
+    gather = gather_top_k is not None
+    # b[e] viewed as (K, N): for trans_b the (N, K) storage is read with swapped strides.
+    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
+    n_tiles = cdiv(n, cfg.block_n)
+    # Host-side upper bound on the tile count (no sync): each non-empty group adds <= 1 partial
+    # tile, and so may the rows no group covers (bad device-side batch_sizes).
+    max_tiles = (m // cfg.block_m + min(num_experts, m) + 1) * n_tiles
+    grid = (max(1, min(_num_sms(info) * cfg.programs_per_sm, max_tiles)),)
+    scalars = (
+        m, n, k, num_experts, gather_top_k if gather else 1,
+        a.stride(0), a.stride(1),
+        b.stride(0), stride_bk, stride_bn,
+        n, 1,  # the contiguous (m, n) output's strides
+    )  # fmt: skip
+    kw = {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "BLOCK_E": block_e,
+        "GROUP_M": cfg.group_m,
+        "EVEN_K": k % cfg.block_k == 0,
+        "IEEE_FP32": a.dtype == torch.float32,
+        "TRANS_B": trans_b,
+        "GATHER": gather,
+        "FROM_ENDS": from_ends,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **configs.launch_options("gmm"),
+    }
+    plain = bind(_gmm_kernel, grid, *scalars, USE_TMA=False, **kw)
+    tma: BoundLaunch | None = None
+    # Gathered rows cannot come through a TMA descriptor (no row gather before Blackwell): then
+    # only b does.
+    if cfg.use_tma and _tma_layout_ok(info, b) and (gather or _tma_layout_ok(info, a)):
+        b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]
+        blocks = {1: b_block} if gather else {0: [cfg.block_m, cfg.block_k], 1: b_block}
+        tma = bind_descriptors(_gmm_kernel, grid, *scalars, descriptors=blocks, USE_TMA=True, **kw)
+    return _ForwardPlan(cfg, shape, plain, tma, tma_reads_a=not gather)
+
+
+#: Per call shape, launch policy and config override: the prepared forward launches.
+_FORWARD_PLANS: dict[Any, Forward] = {}
+_GMM_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def _planned(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sizes: torch.Tensor,
+    indices: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    gather_top_k: int | None,
+    from_ends: bool,
+    config: GmmConfig | None,
+) -> Forward:
+    """The prepared launch for this call shape (made on first use). The key holds everything
+    the launch's scalars, constexprs and compiled kernel depend on: shapes, strides and dtypes
+    of every operand (the sizes' and indices' dtypes too), the device and the policy."""
+    configs = launch_configs()
+    key = (
+        a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
+        sizes.dtype, indices.dtype, m, trans_b, gather_top_k, from_ends, config, configs,
+    )  # fmt: skip
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _FORWARD_PLANS,
+            key,
+            _forward_plan(configs, a, b, trans_b, m, gather_top_k, from_ends, config),
+        )
+    return plan
 
 
 def gmm(
@@ -481,9 +629,10 @@ def gmm(
     made safe in the kernel: negative sizes count as 0, groups are cut at row M, and rows no
     group covers come out 0."""
     a = _unit_last_stride(a)
-    return _launch_gmm(
-        a, b, _device_sizes(batch_sizes, a.device), trans_b, a.shape[0], config=config
-    )
+    b = _unit_last_stride(b)
+    sizes = _device_sizes(batch_sizes, a.device)
+    plan = _planned(a, b, sizes, sizes, trans_b, a.shape[0], None, False, config)
+    return plan(a, b, sizes, sizes)
 
 
 def gather_gmm(
@@ -501,10 +650,11 @@ def gather_gmm(
     row i is ``x[indices[i] // top_k] @ b[e]``, groups from bins (cumulative). No gathered copy
     of x is written; ids outside [0, rows) give zero rows."""
     x = _unit_last_stride(x)
-    return _launch_gmm(
-        x, b, bins, trans_b, indices.shape[0], gather=(indices, top_k), from_ends=True,
-        config=config,
-    )  # fmt: skip
+    b = _unit_last_stride(b)
+    if not bins.is_contiguous():
+        bins = bins.contiguous()
+    plan = _planned(x, b, bins, indices, trans_b, indices.shape[0], int(top_k), True, config)
+    return plan(x, b, bins, indices)
 
 
 def gmm_scatter(
@@ -520,75 +670,57 @@ def gmm_scatter(
     """``scatter(gmm(x, b, counts), indices, bin_ids, weights, bins, top_k)``: the GEMM keeps its
     plain (TMA) stores and the token-major scatter kernel sums each token's rows once (reading
     its top_k rows, weighting and summing in fp32): no atomics, deterministic."""
-    from .permutation import scatter
-
     x = _unit_last_stride(x)
-    rows = _launch_gmm(x, b, bins, trans_b, x.shape[0], from_ends=True)
-    return scatter(rows, indices, bin_ids, weights, bins, top_k)
-
-
-def _launch_gmm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    sizes: torch.Tensor,
-    trans_b: bool,
-    m: int,
-    *,
-    gather: tuple[torch.Tensor, int] | None = None,
-    from_ends: bool = False,
-    config: GmmConfig | None = None,
-) -> torch.Tensor:
-    """One grouped-GEMM launch with m output rows. ``sizes``: per-expert counts on a's device,
-    or cumulative ends (``from_ends``). ``gather=(indices, top_k)``: a holds token rows, read
-    through the indices."""
     b = _unit_last_stride(b)
-    k = a.shape[1]
-    num_experts = b.shape[0]
-    n = b.shape[1] if trans_b else b.shape[2]
-    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    block_e = _check_experts(num_experts)
-    if not sizes.is_contiguous():
-        sizes = sizes.contiguous()
-    info = device_info(a.device)
-    cfg = config or choose_config("gmm", m, n, k, num_experts, a.dtype, info)
-    # b[e] viewed as (K, N): for trans_b the (N, K) storage is read with swapped strides.
-    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
-    a_arg: object = a
-    b_arg: object = b
-    # Gathered rows cannot come through a TMA descriptor (no row gather before Blackwell): then
-    # only b does.
-    use_tma = cfg.use_tma and _tma_ok(info, b) and (gather is not None or _tma_ok(info, a))
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
-
-        if gather is None:
-            a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-        b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]
-        b_arg = TensorDescriptor.from_tensor(b, b_block)
-    indices, top_k = gather if gather is not None else (sizes, 1)
-    n_tiles = triton.cdiv(n, cfg.block_n)
-    # Host-side upper bound on the tile count (no sync): each non-empty group adds <= 1 partial
-    # tile, and so may the rows no group covers (bad device-side batch_sizes).
-    max_tiles = (m // cfg.block_m + min(num_experts, m) + 1) * n_tiles
-    grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, max_tiles))
-    _gmm_kernel[(grid,)](
-        a_arg, b_arg, out, sizes, indices,
-        m, n, k, num_experts, top_k,
-        a.stride(0), a.stride(1),
-        b.stride(0), stride_bk, stride_bn,
-        out.stride(0), out.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_E=block_e, GROUP_M=cfg.group_m,
-        EVEN_K=k % cfg.block_k == 0, IEEE_FP32=a.dtype == torch.float32,
-        USE_TMA=use_tma, TRANS_B=trans_b, GATHER=gather is not None, FROM_ENDS=from_ends,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_configs().launch_options("gmm"),
+    if not bins.is_contiguous():
+        bins = bins.contiguous()
+    configs = launch_configs()
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, b.shape, b.stride(), b.dtype,
+        indices.shape, indices.dtype, bins.shape, bins.dtype,
+        None if weights is None else weights.dtype, top_k, trans_b, configs,
     )  # fmt: skip
-    return out
+    plan = _GMM_SCATTER_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _GMM_SCATTER_PLANS,
+            key,
+            _gmm_scatter_plan(
+                configs, x, b, indices, bins, weights is not None, int(top_k), trans_b
+            ),
+        )
+    return plan(x, b, indices, weights, bins)
+
+
+def _gmm_scatter_plan(
+    configs: LaunchConfigs,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    indices: torch.Tensor,
+    bins: torch.Tensor,
+    has_weights: bool,
+    top_k: int,
+    trans_b: bool,
+) -> Callable[..., torch.Tensor]:
+    """gmm_scatter's two prepared steps: the grouped GEMM into expert-sorted rows, then the plain
+    scatter of those rows (its plan taken once, for the rows' shape and dtype)."""
+    from .permutation import _scatter_plan
+
+    gemm = _forward_plan(configs, x, b, trans_b, x.shape[0], None, True, None)
+    n = b.shape[1] if trans_b else b.shape[2]
+    rows = torch.empty((x.shape[0], n), dtype=x.dtype, device="meta")
+    reduce = _scatter_plan(configs, rows, indices.numel(), bins.numel(), top_k, has_weights)
+
+    def run(
+        x: torch.Tensor,
+        b: torch.Tensor,
+        indices: torch.Tensor,
+        weights: torch.Tensor | None,
+        bins: torch.Tensor,
+    ) -> torch.Tensor:
+        return reduce(gemm(x, b, bins, bins), indices, weights, bins)
+
+    return run
 
 
 def gmm_weight_grad(

@@ -19,7 +19,8 @@ compile for it):
   arguments and the constexprs fixed: the op functions keep one per call shape, so a call
   computes no key at all. It passes the tensors' addresses as integers (the launcher then
   skips a driver query per pointer) and, with Triton's CUDA launcher, calls the native
-  launch function directly.
+  launch function directly. :class:`DescriptorLaunch` (:func:`bind_descriptors`) does the
+  same for a kernel that takes some tensors as TMA tensor descriptors.
 
 Where the fast paths cannot be used — the CPU interpreter (``TRITON_INTERPRET=1``),
 launch hooks installed (profilers such as proton) — every call goes through
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 import triton  # type: ignore[import-untyped]
 from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
+from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
 _INT32 = (-(2**31), 2**31 - 1)
 _Tensor = torch.Tensor
@@ -70,6 +72,10 @@ def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
             key.append(arg)
         elif kind is float:
             key.append(float)
+        elif kind is TensorDescriptor and not _HIP:
+            # Triton specialises a host-side descriptor on its dtype and block shape (its base
+            # address, shape and strides are runtime arguments).
+            key.append((arg.base.dtype, tuple(arg.block_shape), arg.padding))
         else:
             raise _Uncacheable
     return tuple(key)
@@ -280,6 +286,170 @@ class BoundLaunch:
         self._device = _current_device()
 
 
+#: Encoded descriptors a :class:`DescriptorLaunch` keeps per tensor position (by address);
+#: past this the position's cache starts over.
+DESCRIPTOR_CACHE_LIMIT = 64
+
+
+class _Address(int):
+    """A device address where Triton's descriptor code asks a tensor for ``data_ptr()``."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _DescriptorArgs:
+    """What Triton's ``make_tensordesc_arg`` reads of a host-side descriptor."""
+
+    __slots__ = ("base", "padding", "shape", "strides")
+
+    def __init__(self, address: int, shape: list[int], strides: list[int]) -> None:
+        self.base = _Address(address)
+        self.shape = shape
+        self.strides = strides
+        self.padding = "zero"  # TensorDescriptor.from_tensor's
+
+
+def _descriptor_expander(
+    make: Callable[[Any, Any], Sequence[Any]], meta: Any, tensor: torch.Tensor
+) -> Callable[[int], Sequence[Any]]:
+    """address → the native launch arguments that stand for a descriptor over ``tensor``'s shape
+    and strides at that address: what Triton's own launch wrapper passes (``make(desc, meta)``),
+    cached per address (the encoding depends on nothing else that can change for one
+    :class:`DescriptorLaunch`)."""
+    shape, strides = list(tensor.shape), list(tensor.stride())
+    cache: dict[int, tuple[Any, ...]] = {}
+
+    def expand(address: int) -> tuple[Any, ...]:
+        found = cache.get(address)
+        if found is None:
+            made = list(make(_DescriptorArgs(address, shape, strides), meta))
+            if isinstance(made[0], _Address):  # not lowered to TMA: the base is a plain pointer
+                made[0] = int(made[0])
+            if len(cache) >= DESCRIPTOR_CACHE_LIMIT:
+                cache.clear()
+            found = cache[address] = tuple(made)
+        return found
+
+    return expand
+
+
+def _native_descriptor_launch(
+    run: Any, count: int
+) -> tuple[Callable[..., Any], Any, list[Any]] | None:
+    """For Triton 3.6's CUDA launcher of a kernel with ``count`` descriptor arguments: the native
+    launch function behind its descriptor-expanding wrapper, the function that expands one
+    descriptor (``make_tensordesc_arg``) and each descriptor's metadata; None where the wrapper is
+    not the one this was checked against."""
+    wrapper = _direct_launch(run)
+    code = getattr(wrapper, "__code__", None)
+    closure = getattr(wrapper, "__closure__", None)
+    if code is None or closure is None:
+        return None
+    cells = dict(zip(code.co_freevars, closure, strict=True))
+    make = getattr(wrapper, "__globals__", {}).get("make_tensordesc_arg")
+    if make is None or not {"launcher", "tensordesc_meta"} <= cells.keys():
+        return None
+    metas = list(cells["tensordesc_meta"].cell_contents or [None] * count)
+    if len(metas) != count:
+        return None
+    return cells["launcher"].cell_contents, make, metas
+
+
+class DescriptorLaunch(BoundLaunch):
+    """A :class:`BoundLaunch` that passes some of its tensors as TMA tensor descriptors,
+    ``TensorDescriptor.from_tensor(tensor, block_shape)``: ``blocks`` maps their positions among
+    the tensor arguments to block shapes.
+
+    Whoever keeps one must key it also on those tensors' shapes and strides (a descriptor holds
+    them; they are fixed on the first pinned call). Once pinned (Triton 3.6's CUDA launcher), a
+    call hands the native launch function what Triton's descriptor wrapper would (the encoded
+    descriptor, kept per address, then shape and strides) without building descriptor objects.
+    Otherwise every call builds the descriptors and goes through :class:`Launcher`.
+    """
+
+    __slots__ = ("_blocks", "_expanders")
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        grid: Sequence[int],
+        scalars: Sequence[Any],
+        kw: Mapping[str, Any],
+        blocks: Mapping[int, Sequence[int]],
+    ) -> None:
+        super().__init__(launcher, grid, scalars, kw)
+        self._blocks = {i: list(block) for i, block in blocks.items()}
+        # Once pinned, per tensor: None (passed as its address) or its descriptor's expander.
+        self._expanders: tuple[Callable[[int], Sequence[Any]] | None, ...] = ()
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        run = self._run
+        runtime = _knobs.runtime
+        if run is not None and not (
+            runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls
+        ):
+            device = _current_device()
+            if device == self._device:
+                args: list[Any] = []
+                unaligned = 0
+                for tensor, expand in zip(tensors, self._expanders, strict=True):
+                    address = _data_ptr(tensor)
+                    unaligned |= address
+                    if expand is None:
+                        args.append(address)
+                    else:
+                        args += expand(address)
+                if not unaligned & 15:
+                    g0, g1, g2 = self._grid
+                    run(g0, g1, g2, _raw_stream(device), *self._pinned, *args, *self._args)
+                    return
+        self._slow(tensors)
+
+    def _slow(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        blocks = self._blocks
+        args = [
+            TensorDescriptor.from_tensor(t, blocks[i]) if i in blocks else t
+            for i, t in enumerate(tensors)
+        ]
+        hit = self._launcher(self._grid, *args, *self._scalars, **self._kw)
+        if hit is None or self._run is not None or _HIP:
+            return
+        if any(t.data_ptr() & 15 for t in tensors):
+            return
+        self._pin_descriptors(hit, tensors)
+
+    def _pin_descriptors(
+        self, hit: tuple[Any, tuple[Any, ...]], tensors: Sequence[torch.Tensor]
+    ) -> None:
+        compiled, tail = hit
+        run = compiled.run
+        native = _native_descriptor_launch(run, len(self._blocks))
+        if native is None:
+            return
+        launch_fn, make, metas = native
+        positions = sorted(self._blocks)  # the descriptors' order among the arguments
+        meta_of = dict(zip(positions, metas, strict=True))
+        self._expanders = tuple(
+            _descriptor_expander(make, meta_of[i], t) if i in meta_of else None
+            for i, t in enumerate(tensors)
+        )
+        self._run, self._native = launch_fn, True
+        self._pinned = (
+            compiled.function,
+            run.launch_cooperative_grid,
+            run.launch_pdl,
+            None,
+            None,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+        )
+        self._args = self._scalars + tail
+        self._device = _current_device()
+
+
 # id(kernel) → its Launcher (ids, not the kernels' own hash, which Triton computes in Python;
 # the Launcher keeps its kernel alive, so an id is never reused for another kernel).
 _LAUNCHERS: dict[int, Launcher] = {}
@@ -301,6 +471,18 @@ def launch(kernel: Any, grid: Sequence[int], *args: Any, **kw: Any) -> None:
 def bind(kernel: Any, grid: Sequence[int], *scalars: Any, **kw: Any) -> BoundLaunch:
     """A :class:`BoundLaunch` of ``kernel``: call it with the tensor arguments."""
     return BoundLaunch(launcher(kernel), grid, scalars, kw)
+
+
+def bind_descriptors(
+    kernel: Any,
+    grid: Sequence[int],
+    *scalars: Any,
+    descriptors: Mapping[int, Sequence[int]],
+    **kw: Any,
+) -> DescriptorLaunch:
+    """A :class:`DescriptorLaunch` of ``kernel``: call it with the tensor arguments; those at the
+    positions of ``descriptors`` go in as TMA descriptors with the given block shapes."""
+    return DescriptorLaunch(launcher(kernel), grid, scalars, kw, descriptors)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -17,7 +17,9 @@ than a third launch: ``_tile_scan_kernel`` then scans the table once (per bin,
 down the tiles) and each scatter program reads only its own row, which also
 allows smaller tiles (a shorter serial in-tile rank chain). With few keys (up to 256 by
 default, e.g. a decode step) a single program counts them itself and ranks them: one launch,
-no table.
+no table. With a few thousand keys (up to 2048 by default) every tile's program counts all
+keys itself (a few in-register histograms) instead of reading a table that a first launch
+wrote: one launch again, the rank chain still split over the tiles.
 
 The host side prepares each call shape's launches once (grid, scalars, compiled kernel:
 :func:`megablocks_triton.launch.bind`), so a call allocates its outputs and launches.
@@ -172,6 +174,8 @@ def _counting_scatter_kernel(
     WRITE_META: tl.constexpr,
     PRESCANNED: tl.constexpr,
     SINGLE: tl.constexpr,
+    RECOUNT: tl.constexpr = False,
+    COUNT_BLOCK: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, NB)
@@ -187,6 +191,28 @@ def _counting_scatter_kernel(
         total = tl.histogram(every_bin, NB, mask=every_valid)
         before = tl.zeros([NB], dtype=tl.int32)
         strays = tl.sum((every_inb & ~every_valid).to(tl.int32), axis=0)
+        stray_base = tl.sum(total, axis=0)
+    elif RECOUNT:  # few keys, several tiles: every program counts every key itself (no table)
+        total = tl.zeros([NB], dtype=tl.int32)
+        before = tl.zeros([NB], dtype=tl.int32)
+        strays = tl.zeros([], dtype=tl.int32)  # route: out-of-range ids in this tile
+        strays_before = tl.zeros([], dtype=tl.int32)  # ... and in earlier tiles
+        first = pid * TILE
+        count_lane = tl.arange(0, COUNT_BLOCK)
+        for start in range(0, n, COUNT_BLOCK):
+            offs = start + count_lane
+            inb = offs < n
+            raw = tl.load(keys_ptr + offs, mask=inb, other=0)
+            digit, valid = _digits(raw, inb, num_bins, shift, digit_mask, USE_MASK)
+            total += tl.histogram(digit, NB, mask=valid)
+            if start < first:  # this block holds keys of earlier tiles
+                before += tl.histogram(digit, NB, mask=valid & (offs < first))
+            if not USE_MASK:
+                stray = inb & ~valid
+                strays_before += tl.sum((stray & (offs < first)).to(tl.int32), axis=0)
+                mine = (offs >= first) & (offs < first + TILE)
+                strays += tl.sum((stray & mine).to(tl.int32), axis=0)
+        stray_base = tl.sum(total, axis=0) + strays_before
     elif PRESCANNED:  # many bins/tiles: _tile_scan_kernel did the column scans once for all
         total = tl.load(total_ptr + cols)
         before = tl.load(before_ptr + pid * NB + cols)
@@ -230,16 +256,15 @@ def _counting_scatter_kernel(
 
     # A radix pass places every key; route places its out-of-range ids too (bad data), after
     # every valid id and in input order, in a second pass over the tile that runs only where the
-    # histogram kernel (or, SINGLE, this program's own count) found some: valid ids pay one
-    # scalar load.
+    # histogram kernel (or, SINGLE and RECOUNT, this program's own count) found some: valid ids
+    # pay one scalar load.
     if not USE_MASK:
-        if not SINGLE:
+        if not (SINGLE or RECOUNT):
             strays = tl.load(counts_ptr + num_tiles * NB + pid)
         if strays > 0:
-            # Where this tile's first stray goes: every valid id, then earlier tiles' strays.
-            if SINGLE:
-                stray_base = tl.sum(total, axis=0)
-            else:
+            # Where this tile's first stray goes: every valid id, then earlier tiles' strays
+            # (SINGLE and RECOUNT counted them above).
+            if not (SINGLE or RECOUNT):
                 stray_base = tl.zeros([], dtype=tl.int32)
                 for r0 in range(0, num_tiles, TILE_ROWS):
                     rows = r0 + tl.arange(0, TILE_ROWS)
@@ -274,8 +299,12 @@ def _options(configs: LaunchConfigs | None = None) -> Mapping[str, Any]:
 
 Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 Routing = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-#: ``run(keys, payload=None, meta=None) -> (values, index)``: one prepared counting-sort pass.
-CountingPass = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+#: ``run(keys, payload, values, index, meta)``: one prepared counting-sort pass. It writes the
+#: sorted keys to ``values`` and the permutation (or, with a payload, the payload permuted) to
+#: ``index``, and with ``meta`` the routing metadata (tokens per expert, bins, padded bins).
+CountingPass = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, Meta | None], None
+]
 
 # Per call shape (and launch policy): the prepared launches of sort, route, histogram, cumsum.
 _SORT_PLANS: dict[Any, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -293,19 +322,18 @@ def _counting_plan(
     has_payload: bool,
     block_size: int | None,
 ) -> CountingPass:
-    """One stable counting-sort pass over ``n`` keys (two launches, three with the prescan),
-    prepared once per call shape: ``run(keys, payload, meta)`` returns (values, index).
+    """One stable counting-sort pass over ``n`` keys, prepared once per call shape: one launch
+    (few keys: :func:`_one_launch_plan`), else two (three with the prescan).
 
     ``digit_mask`` None (route): the key itself is the bin and keys outside [0, num_bins) are
     placed after the others; else the bin is ``(key >> shift) & digit_mask`` (a radix pass).
-    ``block_size`` not None: the pass also writes the routing metadata ``meta`` (tokens per
-    expert, bins, padded bins).
+    ``block_size`` not None: the pass also writes the routing metadata.
     """
     nb = next_power_of_2(num_bins)
     cfg = configs.routing(n, nb)
     opts = _options(configs)
-    if cfg.single and n <= cfg.tile:
-        return _single_pass_plan(
+    if (cfg.single and n <= cfg.tile) or cfg.recount:
+        return _one_launch_plan(
             configs, cfg, n, num_bins, shift, digit_mask, has_payload, block_size
         )
     num_tiles = cdiv(n, cfg.tile)
@@ -356,11 +384,13 @@ def _counting_plan(
     int32 = torch.int32
 
     def run(
-        keys: torch.Tensor, payload: torch.Tensor | None = None, meta: Meta | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys: torch.Tensor,
+        payload: torch.Tensor | None,
+        values: torch.Tensor,
+        index: torch.Tensor,
+        meta: Meta | None,
+    ) -> None:
         counts = keys.new_empty(table_size, dtype=int32)
-        values = torch.empty_like(keys)
-        index = torch.empty_like(keys)
         tile_histogram(keys, counts)
         before = total = counts  # unused unless prescanned
         if prescan:
@@ -380,12 +410,11 @@ def _counting_plan(
             bins,
             padded,
         )
-        return values, index
 
     return run
 
 
-def _single_pass_plan(
+def _one_launch_plan(
     configs: LaunchConfigs,
     cfg: RoutingConfig,
     n: int,
@@ -395,12 +424,16 @@ def _single_pass_plan(
     has_payload: bool,
     block_size: int | None,
 ) -> CountingPass:
-    """:func:`_counting_plan` for keys that fit one tile: one program, one launch, no table."""
+    """:func:`_counting_plan` in one launch and no count table: one program sorting every key
+    (``cfg.single``, n <= tile), or one program per tile that counts every key itself
+    (``cfg.recount``)."""
+    single = cfg.single and n <= cfg.tile
+    num_tiles = 1 if single else cdiv(n, cfg.tile)
     place = bind(
         _counting_scatter_kernel,
-        (1,),
+        (num_tiles,),
         n,
-        1,
+        num_tiles,
         num_bins,
         shift,
         digit_mask if digit_mask is not None else 0,
@@ -413,16 +446,20 @@ def _single_pass_plan(
         HAS_PAYLOAD=has_payload,
         WRITE_META=block_size is not None,
         PRESCANNED=False,
-        SINGLE=True,
+        SINGLE=single,
+        RECOUNT=not single,
+        COUNT_BLOCK=1 if single else min(next_power_of_2(n), _RECOUNT_BLOCK),
         num_warps=cfg.num_warps,
         **_options(configs),
     )
 
     def run(
-        keys: torch.Tensor, payload: torch.Tensor | None = None, meta: Meta | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        values = torch.empty_like(keys)
-        index = torch.empty_like(keys)
+        keys: torch.Tensor,
+        payload: torch.Tensor | None,
+        values: torch.Tensor,
+        index: torch.Tensor,
+        meta: Meta | None,
+    ) -> None:
         tpe, bins, padded = meta if meta is not None else (keys, keys, keys)
         # No count table: its three pointers are unused (keys stands in).
         place(
@@ -437,9 +474,12 @@ def _single_pass_plan(
             bins,
             padded,
         )
-        return values, index
 
     return run
+
+
+#: Keys counted per step by a recounting program (one in-register histogram each).
+_RECOUNT_BLOCK = 1024
 
 
 def _route_plan(
@@ -453,13 +493,17 @@ def _route_plan(
     counting = _counting_plan(configs, n, num_experts, 0, None, False, block_size)
     flat = len(shape) == 1
     int32 = torch.int32
+    # Five allocations: one split five ways would be cheaper, but a custom op's outputs may not
+    # share storage (torch.compile and torch.library.opcheck rely on it).
 
     def run(top_experts: torch.Tensor) -> Routing:
         keys = top_experts if flat else top_experts.reshape(-1)
+        bin_ids = torch.empty_like(keys)
+        indices = torch.empty_like(keys)
         tpe = keys.new_empty(num_experts, dtype=int32)
         bins = tpe.new_empty(num_experts)
         padded = tpe.new_empty(num_experts)
-        bin_ids, indices = counting(keys, None, (tpe, bins, padded))
+        counting(keys, None, bin_ids, indices, (tpe, bins, padded))
         return indices, bin_ids, tpe, bins, padded
 
     return run
@@ -492,7 +536,8 @@ def _route_many(top_experts: torch.Tensor, num_experts: int, block_size: int) ->
 
 
 def route(top_experts: torch.Tensor, num_experts: int, block_size: int) -> Routing:
-    """All routing metadata of a dropless MoE layer in two launches, no host sync.
+    """All routing metadata of a dropless MoE layer in one counting-sort pass (one launch for
+    up to a few thousand ids, else two), no host sync.
 
     Returns ``(indices, bin_ids, tokens_per_expert, bins, padded_bins)``:
     the same order as ``torch.sort(top_experts, stable=True)`` (indices and
@@ -530,15 +575,28 @@ def _sort_plan(
     if end_bit == 0:  # every key compares equal: identity permutation
         return _sort_identity
     if end_bit <= 10:
-        return _counting_plan(configs, n, 1 << end_bit, 0, (1 << end_bit) - 1, False, None)
+        one_pass = _counting_plan(configs, n, 1 << end_bit, 0, (1 << end_bit) - 1, False, None)
+
+        def sort_one_pass(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            values = torch.empty_like(x)
+            index = torch.empty_like(x)
+            one_pass(x, None, values, index, None)
+            return values, index
+
+        return sort_one_pass
     lo = end_bit // 2
     hi = end_bit - lo
     low_pass = _counting_plan(configs, n, 1 << lo, 0, (1 << lo) - 1, False, None)
     high_pass = _counting_plan(configs, n, 1 << hi, lo, (1 << hi) - 1, True, None)
 
     def two_passes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, index = low_pass(x)
-        return high_pass(keys, index)
+        keys = torch.empty_like(x)
+        order = torch.empty_like(x)
+        low_pass(x, None, keys, order, None)
+        values = torch.empty_like(x)
+        index = torch.empty_like(x)
+        high_pass(keys, order, values, index, None)
+        return values, index
 
     return two_passes
 
@@ -559,8 +617,9 @@ def _sort_identity(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sort(x: torch.Tensor, end_bit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable ascending sort of a 1-D int tensor over bits [0, end_bit).
 
-    end_bit <= 10: one counting-sort pass (two launches). 10 < end_bit <= 16:
-    two stable LSD radix passes (four launches). end_bit None or > 16: falls
+    end_bit <= 10: one counting-sort pass (one launch for up to a few thousand keys,
+    see :class:`~megablocks_triton.config.RoutingConfig`, else two). 10 < end_bit <= 16:
+    two stable LSD radix passes (twice that). end_bit None or > 16: falls
     back to ``torch.sort(stable=True)`` (a full-width sort; equal to the
     end_bit sort because the contract keeps keys inside [0, 2**end_bit)).
     Both outputs have x's dtype.
