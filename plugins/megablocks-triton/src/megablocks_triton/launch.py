@@ -189,6 +189,23 @@ def _direct_launch(run: Any) -> Callable[..., Any] | None:
     return getattr(run, "launch", None)
 
 
+def _native_pinned(compiled: Any, run: Any) -> tuple[Any, ...]:
+    """The fixed leading arguments of Triton 3.6's native launch after (grid, stream): function,
+    cooperative, pdl, global scratch, profile scratch, metadata, launch metadata, enter hook,
+    exit hook."""
+    return (
+        compiled.function,
+        run.launch_cooperative_grid,
+        run.launch_pdl,
+        None,
+        None,
+        compiled.packed_metadata,
+        None,
+        None,
+        None,
+    )
+
+
 class BoundLaunch:
     """A launch of one kernel with its grid, scalar arguments and constexprs fixed:
     ``bound(*tensors)`` runs ``kernel[grid](*tensors, *scalars, **kw)``.
@@ -265,20 +282,8 @@ class BoundLaunch:
         run = compiled.run
         direct = _direct_launch(run)
         if direct is not None:
-            # launch(grid, stream, function, cooperative, pdl, global scratch, profile scratch,
-            # metadata, launch metadata, enter hook, exit hook, *arguments)
             self._run, self._native = direct, True
-            self._pinned = (
-                compiled.function,
-                run.launch_cooperative_grid,
-                run.launch_pdl,
-                None,
-                None,
-                compiled.packed_metadata,
-                None,
-                None,
-                None,
-            )
+            self._pinned = _native_pinned(compiled, run)
         else:  # run(grid, stream, function, metadata, launch metadata, enter/exit hooks, ...)
             self._run, self._native = run, False
             self._pinned = (compiled.function, compiled.packed_metadata, None, None, None)
@@ -435,17 +440,7 @@ class DescriptorLaunch(BoundLaunch):
             for i, t in enumerate(tensors)
         )
         self._run, self._native = launch_fn, True
-        self._pinned = (
-            compiled.function,
-            run.launch_cooperative_grid,
-            run.launch_pdl,
-            None,
-            None,
-            compiled.packed_metadata,
-            None,
-            None,
-            None,
-        )
+        self._pinned = _native_pinned(compiled, run)
         self._args = self._scalars + tail
         self._device = _current_device()
 
