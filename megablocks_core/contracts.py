@@ -113,6 +113,14 @@ IS_PERMUTATION = Rule(
 )
 BINS_SORTED = Rule("nondecreasing(bins)", "bins is a cumulative sum", checked=True)
 BINS_TOTAL = Rule("last(bins) == indices.shape[0]", "bins ends at the number of rows", checked=True)
+# Ops that read rows by their flat ids (not by layout) also take sorted rows past bins[-1]: rows
+# routed to no expert, e.g. the (token, k) pairs whose expert lives on another rank (expert
+# parallelism routes them to a sentinel bin one past the last, then drops that bin).
+BINS_WITHIN = Rule(
+    "last(bins) <= indices.shape[0]",
+    "bins end at or before the last sorted row (rows past bins[-1] belong to no expert)",
+    checked=True,
+)
 BIN_IDS_MATCH = Rule("bins_match(bin_ids, bins)", "bin_ids agrees with bins", checked=True)
 PADDED_SORTED = Rule("nondecreasing(padded_bins)", "padded_bins is a cumulative sum", checked=True)
 PADDED_FITS = Rule(
@@ -129,6 +137,10 @@ PERMUTATION_RULES = (
     BINS_TOTAL,
     BIN_IDS_MATCH,
 )
+#: gather, scatter and gmm_scatter: as PERMUTATION_RULES, but bins may end before the last row.
+UNROUTED_PERMUTATION_RULES = tuple(
+    BINS_WITHIN if rule is BINS_TOTAL else rule for rule in PERMUTATION_RULES
+)
 PADDED_RULES = (PADDED_LENGTH, PADDED_SORTED, PADDED_FITS)
 BINNED_RULES = (WHOLE_TOKENS, WEIGHTS_LENGTH, INDICES_FIT, IS_PERMUTATION, BINS_SORTED, BINS_TOTAL)
 
@@ -137,6 +149,12 @@ TOKENS_OUT = Output(
 )
 WGRAD_OUT = Output("weights_grad", "x.dtype", ("indices.shape[0]",), "indexed by flat id")
 
+#: What sorted rows past bins[-1] are (their bin_ids hold the number of experts: a sentinel bin
+#: that sorts last, which bins_match expects).
+PAST_BINS = (
+    "Sorted rows past bins[-1] belong to no expert (bins[-1] < tokens * top_k is valid; their "
+    "bin_ids are the number of experts, a sentinel bin that sorts last)"
+)
 EMPTY_AND_ZERO = (
     "zero tokens: empty outputs, no kernel needs to run",
     "empty experts: contribute no rows",
@@ -422,10 +440,12 @@ GATHER = OpContract(
     family="permutation",
     summary="Copy each token's row to its top_k rows in expert-sorted order.",
     args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, TOP_K),
-    rules=(GATHER_ROWS, *PERMUTATION_RULES),
+    rules=(GATHER_ROWS, *UNROUTED_PERMUTATION_RULES),
     outputs=(Output("out", "x.dtype", ("indices.shape[0]", "x.shape[1]"), "expert-sorted rows"),),
     differentiable=("x",),
     semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level). "
+    + PAST_BINS
+    + ": they are gathered like any other row (bins only describe the layout). "
     + FP32_ACCUMULATION,
     edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES),
 )
@@ -435,11 +455,13 @@ SCATTER = OpContract(
     family="permutation",
     summary="Sum each token's top_k expert rows back into one row, optionally weighted.",
     args=(SORTED_ROWS, INDICES, BIN_IDS, WEIGHTS, BINS, TOP_K),
-    rules=(SORTED_ROWS_MATCH, *PERMUTATION_RULES),
+    rules=(SORTED_ROWS_MATCH, *UNROUTED_PERMUTATION_RULES),
     outputs=(TOKENS_OUT,),
     differentiable=("x", "weights"),
     semantics=(
         "out[t] = sum over k of weights[t*top_k + k] * x[i], where indices[i] = t*top_k + k. "
+        + PAST_BINS
+        + ": they are summed like any other row (bins only describe the layout). "
         + FP32_ACCUMULATION
     ),
     edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES),
@@ -620,14 +642,20 @@ GROUPS_WITHIN_A = Rule(
     "group sizes are not negative and none exceeds the rows of a",
     checked="batch_sizes",
 )
-GROUPS_COVER_A = Rule(
-    "total(batch_sizes, a.shape[0]) == a.shape[0]",
-    "the groups cover every row of a",
+# The groups may end before a's last row: the rows past them belong to no group (expert
+# parallelism's rows of other ranks' experts, seen through the fused ops' backward).
+GROUPS_FIT_A = Rule(
+    "total(batch_sizes, a.shape[0]) <= a.shape[0]",
+    "the groups fit in the rows of a",
     checked="batch_sizes",
+)
+ROWS_PAST_GROUPS = (
+    "batch_sizes may sum to less than the rows of a, and the rows past the last group belong to "
+    "no group"
 )
 
 GMM_BAD_SIZES = (
-    UNCHECKED + "device-side batch_sizes that are negative or do not sum to the rows of a: a "
+    UNCHECKED + "device-side batch_sizes that are negative or sum past the rows of a: a "
     "negative size counts as 0, groups are cut at a's last row, and output rows no group covers "
     "are 0"
 )
@@ -652,12 +680,15 @@ GMM = OpContract(
         Rule("batch_sizes.shape[0] == b.shape[0]", "one group size per expert"),
         Rule("a.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
         GROUPS_WITHIN_A,
-        GROUPS_COVER_A,
+        GROUPS_FIT_A,
     ),
     outputs=(Output("out", "a.dtype", ("a.shape[0]", "b.shape[1] if trans_b else b.shape[2]")),),
     differentiable=("a", "b"),
     semantics=(
         "Rows bins[e-1]:bins[e] of the output are a[those rows] @ b[e] (or b[e].T). "
+        + ROWS_PAST_GROUPS
+        + ": their output rows are 0, their rows of a's gradient are 0 and they add nothing to b's "
+        "gradient. "
         "Accumulates in float32. The gradient of b is a variable-K grouped GEMM (gmm_weight_grad). "
         "batch_sizes on the CPU is MegaBlocks' convention (sum and signs checked on the host); on "
         "a's device it is the sync-free form: nothing reads it on the host unless MEGABLOCKS_CHECK=1, "
@@ -679,7 +710,7 @@ WGRAD_RULES = (
     Rule("grad.dtype == a.dtype", "a and grad have the same dtype", error=TypeError),
     Rule("grad.shape[0] == a.shape[0]", "a and grad have the same rows"),
     GROUPS_WITHIN_A,
-    GROUPS_COVER_A,
+    GROUPS_FIT_A,
 )
 
 GMM_WEIGHT_GRAD = OpContract(
@@ -690,7 +721,11 @@ GMM_WEIGHT_GRAD = OpContract(
     args=WGRAD_ARGS,
     rules=WGRAD_RULES,
     outputs=(Output("out", "a.dtype", ("batch_sizes.shape[0]", "a.shape[1]", "grad.shape[1]")),),
-    semantics="out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32.",
+    semantics=(
+        "out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32. "
+        + ROWS_PAST_GROUPS
+        + ": they are ignored."
+    ),
     edge_cases=("an empty expert gets exactly 0", GMM_BAD_SIZES),
 )
 
@@ -727,7 +762,10 @@ GMM_WEIGHT_GRAD_ACCUMULATE = OpContract(
     ),
     outputs=(),
     semantics=(
-        "out[e] += a[rows of e].T @ grad[rows of e], in place. Defined as the composition "
+        "out[e] += a[rows of e].T @ grad[rows of e], in place; "
+        + ROWS_PAST_GROUPS.lower()[0]
+        + ROWS_PAST_GROUPS[1:]
+        + " and are ignored. Defined as the composition "
         "out.add_(gmm_weight_grad(a, grad, batch_sizes)), with a and grad first cast to out's "
         "dtype where out is wider (a float32 out for 16-bit a and grad: the gradient is never "
         "rounded to 16 bits); the reference backend runs exactly that through the dispatched "
@@ -741,7 +779,7 @@ GMM_WEIGHT_GRAD_ACCUMULATE = OpContract(
     edge_cases=(
         "an empty expert leaves out[e] unchanged (neither read nor written by a fused kernel)",
         "rows = 0: out unchanged",
-        UNCHECKED + "device-side batch_sizes that are negative or do not sum to the rows of a: "
+        UNCHECKED + "device-side batch_sizes that are negative or sum past the rows of a: "
         "as gmm_weight_grad (a negative size counts as 0, groups are cut at a's last row), "
         "and an expert left without rows leaves out[e] unchanged",
     ),
@@ -766,7 +804,7 @@ ROUTED_RULES = (
     INDICES_FIT,
     IS_PERMUTATION,
     BINS_SORTED,
-    BINS_TOTAL,
+    BINS_WITHIN,
     BIN_IDS_MATCH,
 )
 GROUPS_FROM_BINS = (
@@ -799,7 +837,8 @@ GATHER_GMM = OpContract(
         "(b[e].T with trans_b) for the expert e whose rows hold i. A fused kernel need never "
         "write the gathered (tokens * top_k, k) rows, and the backward keeps none: "
         "x's gradient is gmm_scatter of the output gradient; b's gradient gathers x again "
-        "(a transient copy) for gmm_weight_grad. " + GROUPS_FROM_BINS + " Accumulates in float32."
+        "(a transient copy) for gmm_weight_grad. " + GROUPS_FROM_BINS + " " + PAST_BINS + ": their "
+        "output rows are 0, and their rows of x's gradient add nothing. Accumulates in float32."
     ),
     edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS),
 )
@@ -809,7 +848,13 @@ GMM_SCATTER = OpContract(
     family="grouped_gemm",
     summary="Grouped GEMM whose rows are summed straight back into token order, optionally weighted (scatter fused).",
     args=(SORTED_ROWS, EXPERT_MATRICES, INDICES, BIN_IDS, WEIGHTS, BINS, TOP_K, TRANS_B),
-    rules=(SAME_DTYPE_B, ONE_MATRIX_PER_BIN, INNER_B, SORTED_ROWS_MATCH, *PERMUTATION_RULES),
+    rules=(
+        SAME_DTYPE_B,
+        ONE_MATRIX_PER_BIN,
+        INNER_B,
+        SORTED_ROWS_MATCH,
+        *UNROUTED_PERMUTATION_RULES,
+    ),
     outputs=(
         Output(
             "out",
@@ -827,7 +872,9 @@ GMM_SCATTER = OpContract(
         "<x[i], grad[t] @ b[e].T>, from the rows the input gradient needs anyway. "
         + GROUPS_FROM_BINS
         + " "
-        + FP32_ACCUMULATION
+        + PAST_BINS
+        + ": they are skipped (their product row is 0, so their (token, k) adds nothing to out, "
+        "and their rows of x's gradient and their weights' gradient are 0). " + FP32_ACCUMULATION
     ),
     edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS),
 )

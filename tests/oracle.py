@@ -327,7 +327,8 @@ def gmm_backward(
 
 
 def _expert_of_rows(bins: Any) -> Array:
-    """Expert of each sorted row, from the cumulative bins."""
+    """Expert of each sorted row up to bins[-1], from the cumulative bins; the sorted rows past
+    bins[-1] (this array's length) belong to no expert and the fused ops skip them."""
     ends = _i64(bins)
     rows = int(ends[-1]) if len(ends) else 0
     return np.searchsorted(ends, np.arange(rows), side="right")
@@ -343,7 +344,8 @@ def gather_gmm(x: Any, b: Any, indices: Any, bins: Any, top_k: int, trans_b: boo
     experts = _expert_of_rows(bins)
     out = np.zeros((len(indices), b.shape[1] if trans_b else b.shape[2]))
     for i, f in enumerate(_i64(indices)):
-        out[i] = x[f // top_k] @ _matrix(b, experts[i], trans_b)
+        if i < len(experts):  # rows of no expert stay 0
+            out[i] = x[f // top_k] @ _matrix(b, experts[i], trans_b)
     return out
 
 
@@ -355,6 +357,8 @@ def gather_gmm_backward(
     experts = _expert_of_rows(bins)
     gx, gb = np.zeros_like(x), np.zeros_like(b)
     for i, f in enumerate(_i64(indices)):
+        if i >= len(experts):  # a row of no expert: a constant 0, no gradient flows
+            continue
         e, t = experts[i], f // top_k
         gx[t] += grad[i] @ _matrix(b, e, trans_b).T
         if trans_b:
@@ -373,7 +377,8 @@ def gmm_scatter(
     experts = _expert_of_rows(bins)
     out = np.zeros((len(indices) // top_k, b.shape[1] if trans_b else b.shape[2]))
     for i, f in enumerate(_i64(indices)):
-        out[f // top_k] += _weight(w, f) * (x[i] @ _matrix(b, experts[i], trans_b))
+        if i < len(experts):  # a row of no expert adds nothing
+            out[f // top_k] += _weight(w, f) * (x[i] @ _matrix(b, experts[i], trans_b))
     return out
 
 
@@ -394,6 +399,8 @@ def gmm_scatter_backward(
     gx, gb = np.zeros_like(x), np.zeros_like(b)
     gw = None if w is None else np.zeros_like(w)
     for i, f in enumerate(_i64(indices)):
+        if i >= len(experts):  # skipped in forward: zero gradients (x's row and the weight)
+            continue
         e, t = experts[i], f // top_k
         m = _matrix(b, e, trans_b)
         row_grad = _weight(w, f) * grad[t]  # gradient of row i's product x[i] @ m
@@ -412,22 +419,33 @@ def gmm_scatter_backward(
 
 
 def make_routing(
-    rng: np.random.Generator, T: int, K: int, E: int, block: int = 4, empty: bool = False
+    rng: np.random.Generator,
+    T: int,
+    K: int,
+    E: int,
+    block: int = 4,
+    empty: bool = False,
+    unrouted: int = 0,
 ) -> dict[str, Any]:
     """Realistic MoE routing metadata, in numpy.
 
     top_experts (T*K,) -> indices/bin_ids by stable argsort -> tokens_per_expert by
     bincount -> bins (inclusive cumsum) and padded_bins (cumsum of counts rounded up
     to ``block``). ``empty`` leaves the first, the last and every other expert empty.
+    ``unrouted`` (token, k) pairs, picked at random, get the sentinel expert E (routed to no
+    expert, as expert parallelism routes other ranks' experts): they sort last, are not counted,
+    and bins ends before the last sorted row.
     """
     allowed = np.arange(1, E - 1)[::2] if empty and E >= 3 else np.arange(E)
     top = np.zeros((T, K), dtype=np.int64)
     for t in range(T):
         top[t] = rng.choice(allowed, size=K, replace=len(allowed) < K)
     top = top.reshape(-1)
+    if unrouted:
+        top[rng.choice(T * K, size=unrouted, replace=False)] = E
     indices = np.argsort(top, kind="stable").astype(np.int64)
     bin_ids = top[indices]
-    tpe = np.bincount(top, minlength=E).astype(np.int64)
+    tpe = np.bincount(top, minlength=E + 1)[:E].astype(np.int64)
     bins = np.cumsum(tpe).astype(np.int64)
     padded_tpe = ((tpe + block - 1) // block) * block
     padded_bins = np.cumsum(padded_tpe).astype(np.int64)

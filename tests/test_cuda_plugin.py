@@ -395,3 +395,31 @@ def test_grouped_gemm_provider_passes_host_int64_sizes(fake_grouped_gemm):
         ("cpu", torch.int64, False, False),
         ("cpu", torch.int64, True, False),
     ]
+
+
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_grouped_mm_gmm_zeroes_rows_past_host_sizes(trans_b):
+    """Host (CPU) sizes summing short of the rows are valid: the rows past the last group belong
+    to no group and come out 0, whatever the output buffer held (torch's grouped mm leaves them
+    unwritten)."""
+    a, b, _, sizes = _problem(18, 8, 16, [7, 0, 11], torch.float32, trans_b, seed=5)
+    a = torch.cat([a, torch.full((12, 8), 1e6)])  # rows past the groups: large, must not leak
+    out = gmm.grouped_mm_gmm(a, b, sizes, trans_b)
+    assert out.shape == (30, 16)
+    assert torch.equal(out[18:], torch.zeros(12, 16))
+    torch.testing.assert_close(
+        out[:18].double(), loop_gmm(a[:18], b, sizes, trans_b), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_grouped_gemm_provider_hands_short_host_sizes_to_grouped_mm(fake_grouped_gemm):
+    """grouped_gemm needs groups covering every row: sizes summing short go to grouped_mm."""
+    a, b, grad, sizes = _problem(22, 8, 16, [0, 12, 10], torch.float32)
+    a, grad = torch.cat([a, torch.randn(8, 8)]), torch.cat([grad, torch.randn(8, 16)])
+    out = gmm.grouped_gemm_gmm(a, b, sizes, False)
+    assert torch.equal(out[22:], torch.zeros(8, 16))
+    tol = {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(out[:22].double(), loop_gmm(a[:22], b, sizes, False), **tol)
+    wg = gmm.grouped_gemm_gmm_weight_grad(a, grad, sizes)
+    torch.testing.assert_close(wg.double(), loop_weight_grad(a[:22], grad[:22], sizes), **tol)
+    assert fake_grouped_gemm == []

@@ -104,6 +104,34 @@ def test_accumulate_matches_a_numpy_loop(name):
                 assert torch.equal(out[e], before[e]), (backend, e)
 
 
+@pytest.mark.parametrize("dtype,out_dtype", [(F32, F32), (F16, F32)])
+def test_accumulate_ignores_rows_past_the_groups(dtype, out_dtype):
+    """batch_sizes summing short of the rows (the fused ops' backward with rows routed to no
+    expert): the rows past the last group add nothing, on every backend."""
+    rng = np.random.default_rng(11)
+    sizes, extra, k, n = [5, 0, 8], 7, 6, 4
+    a_np = rng.standard_normal((sum(sizes) + extra, k))
+    g_np = rng.standard_normal((sum(sizes) + extra, n))
+    before = _tensor(rng.standard_normal((len(sizes), k, n)), out_dtype)
+    want = oracle.gmm_weight_grad_accumulate(
+        oracle.representable(a_np[: sum(sizes)], dtype),
+        oracle.representable(g_np[: sum(sizes)], dtype),
+        sizes,
+        before.double(),
+    )
+    for backend in _backends(dtype, out_dtype):
+        out = before.clone()
+        with megablocks_core.use_backend(backend):
+            call("gmm_weight_grad_accumulate", _tensor(a_np, dtype), _tensor(g_np, dtype),
+                 torch.tensor(sizes), out)  # fmt: skip
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(
+            out.double().numpy(), want, rtol=TOL[out_dtype], atol=TOL[out_dtype] * scale,
+            err_msg=backend,
+        )  # fmt: skip
+        assert torch.equal(out[1], before[1]), backend
+
+
 def test_two_accumulations_give_the_sum():
     """Two micro-batches into one float32 buffer (fp16 data): the sum of both gradients, at
     float32 precision."""
@@ -161,7 +189,9 @@ def test_a_non_contiguous_out_is_rejected_after_a_cached_call():
 
 def test_host_batch_sizes_are_checked():
     a, grad, out = torch.randn(6, 4), torch.randn(6, 5), torch.zeros(3, 4, 5)
-    for sizes in ([2, 4, 1], [-1, 4, 3], [2, 2, 1]):
+    # Sizes summing past the rows, or negative (sizes summing short are valid: the rows past the
+    # last group belong to none, test_accumulate_ignores_rows_past_the_groups).
+    for sizes in ([2, 4, 1], [-1, 4, 3], [7, 0, 0]):
         with pytest.raises(ValueError, match="gmm_weight_grad_accumulate"):
             call("gmm_weight_grad_accumulate", a, grad, torch.tensor(sizes), out)
     assert (out == 0).all()

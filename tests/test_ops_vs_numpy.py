@@ -707,6 +707,35 @@ def test_gmm(name):
         assert any(c == 0 for c in sizes)
 
 
+@pytest.mark.parametrize(
+    "sizes,extra,trans_b,fdt,on_device",
+    [
+        ([4, 0, 7], 5, False, torch.float32, False),
+        ([4, 0, 7], 5, True, torch.float64, True),
+        ([0, 0], 6, False, torch.float32, False),
+        ([3, 9, 2, 0], 1, True, torch.bfloat16, False),
+    ],
+)
+def test_gmm_rows_past_the_last_group(sizes, extra, trans_b, fdt, on_device):
+    """batch_sizes summing short of the rows: the rows past the last group belong to no group
+    (output 0, a's gradient 0) and add nothing to b's gradient."""
+    rng = np.random.default_rng(sum(sizes) + extra)
+    M, E, K, N = sum(sizes) + extra, len(sizes), 6, 5
+    av = rand(rng, (M, K), fdt)
+    bv = rand(rng, (E, N, K) if trans_b else (E, K, N), fdt)
+    a, b = leaf(av, fdt, False), leaf(bv, fdt, False)
+    bs = it(sizes, torch.int64)
+    out = ops.gmm(a, b, bs.to(a.device) if on_device else bs, trans_b)
+    check_sum(out, oracle.gmm(av, bv, sizes, trans_b), fdt)
+    assert (to64(out[sum(sizes) :]) == 0).all()
+    g = rand(rng, (M, N), fdt)
+    out.backward(ft(g, fdt))
+    ga, gb = oracle.gmm_backward(av, bv, g, sizes, trans_b)
+    check_sum(a.grad, ga, fdt)
+    check_sum(b.grad, gb, fdt)
+    assert (to64(a.grad[sum(sizes) :]) == 0).all()
+
+
 def test_gmm_default_trans_b_and_same_device_sizes():
     """trans_b defaults to False; batch_sizes may live on a's device."""
     rng = np.random.default_rng(77)
@@ -746,12 +775,37 @@ def check_sum(got: torch.Tensor, exp: np.ndarray, dtype: torch.dtype) -> None:
     np.testing.assert_allclose(to64(got), exp, rtol=1e-2, atol=1e-2 * scale)
 
 
+#: Cases with (token, k) pairs routed to no expert (sorted rows past bins[-1]), as expert
+#: parallelism's receiving rank has them: FUSED_CASES entry and the number of such pairs.
+UNROUTED_FUSED_CASES = {
+    "unrouted_basic": ("basic", 9),
+    "unrouted_trans_b": ("trans_b", 13),
+    "unrouted_top8_empty": ("top8_empty", 40),
+    "unrouted_bf16": ("bf16", 17),
+    "unrouted_noncontig": ("noncontig", 5),
+    "unrouted_all": ("top1_unweighted", 10),
+}
+
+
 @pytest.mark.parametrize("name", list(FUSED_CASES))
 def test_gather_gmm_and_gmm_scatter(name):
     """The fused ops against row-by-row numpy loops, forward and every gradient."""
-    T, K, E, H, F, trans_b, fdt, idt, weighted, empty, nc, seed = FUSED_CASES[name]
-    rng = np.random.default_rng(900 + seed)
-    r = oracle.make_routing(rng, T, K, E, empty=empty)
+    _fused_vs_loops(*FUSED_CASES[name])
+
+
+@pytest.mark.parametrize("name", list(UNROUTED_FUSED_CASES))
+def test_fused_ops_skip_rows_past_the_last_group(name):
+    """Sorted rows past bins[-1] belong to no expert: gather_gmm gives 0 rows for them,
+    gmm_scatter adds nothing for them, and every gradient is the numpy loop's that skips them."""
+    case, unrouted = UNROUTED_FUSED_CASES[name]
+    _fused_vs_loops(*FUSED_CASES[case], unrouted=unrouted)
+
+
+def _fused_vs_loops(T, K, E, H, F, trans_b, fdt, idt, weighted, empty, nc, seed, unrouted=0):
+    rng = np.random.default_rng(900 + seed + unrouted)
+    r = oracle.make_routing(rng, T, K, E, empty=empty, unrouted=unrouted)
+    routed = int(r["bins"][-1]) if E else 0
+    assert routed == T * K - unrouted
     idx = [it(r[n], idt, nc) for n in ("indices", "bin_ids", "bins")]
     xv, w1v = rand(rng, (T, H), fdt), rand(rng, (E, F, H) if trans_b else (E, H, F), fdt)
     w2v = rand(rng, (E, H, F) if trans_b else (E, F, H), fdt)
@@ -762,6 +816,7 @@ def test_gather_gmm_and_gmm_scatter(name):
     h = ops.gather_gmm(x, w1, *idx, K, trans_b)
     hv = oracle.gather_gmm(xv, w1v, r["indices"], r["bins"], K, trans_b)
     check_sum(h, hv, fdt)
+    assert (to64(h[routed:]) == 0).all()  # rows of no expert: exact zeros
     hin = leaf(to64(h), fdt, nc)  # the second GEMM on its own leaf: each op's gradients alone
     out = ops.gmm_scatter(hin, w2, idx[0], idx[1], w, idx[2], K, trans_b)
     check_sum(out, oracle.gmm_scatter(to64(h), w2v, r["indices"], wv, r["bins"], K, trans_b), fdt)
@@ -775,6 +830,9 @@ def test_gather_gmm_and_gmm_scatter(name):
     check_sum(w2.grad, gw2, fdt)
     if weighted:
         check_sum(w.grad, gw, fdt)
+        unrouted_ids = torch.from_numpy(r["indices"][routed:])
+        assert (to64(w.grad[unrouted_ids]) == 0).all()  # skipped pairs: exactly 0
+    assert (to64(hin.grad[routed:]) == 0).all()
     gout = rand(rng, tuple(h.shape), fdt)
     h.backward(ft(gout, fdt))
     gx, gw1 = oracle.gather_gmm_backward(xv, w1v, gout, r["indices"], r["bins"], K, trans_b)

@@ -126,8 +126,12 @@ def test_gmm_shape_errors():
         ops.gmm(a, b, torch.tensor([2, 2, 1]))
     with raises(ValueError, "ops.gmm", "inner dimensions agree", "a.shape[1]=3"):
         ops.gmm(a, b, torch.tensor([2, 3]), trans_b=True)
-    with raises(ValueError, "ops.gmm", "cover every row", "a.shape[0]=5"):
-        ops.gmm(a, b, torch.tensor([2, 2]))
+    with raises(ValueError, "ops.gmm", "fit in the rows of a", "a.shape[0]=5"):
+        ops.gmm(a, b, torch.tensor([3, 3]))
+    # Groups ending before the last row are valid: the rows past them belong to no group (0).
+    out = ops.gmm(a, b, torch.tensor([2, 2]))
+    assert torch.equal(out[4], torch.zeros(4))
+    torch.testing.assert_close(out[:2], a[:2] @ b[0])
     with raises(ValueError, "ops.gmm", "not negative"):
         ops.gmm(a, b, torch.tensor([7, -2]))
     with raises(TypeError, "ops.gmm", "'batch_sizes'", "int32/int64", "float32"):
@@ -171,12 +175,38 @@ def test_data_rules_run_only_in_checked_mode(checked_mode):
         ops.gather(x, bad, bin_ids, bins, 2)
     with raises(ValueError, "ops.sort", "keys lie in [0, 2**end_bit)"):
         ops.sort(torch.tensor([0, 9], dtype=torch.int32), 2)
-    with raises(ValueError, "ops.gather", "bins ends at the number of rows"):
-        ops.gather(x, indices, bin_ids, bins - 1, 2)
+    with raises(ValueError, "ops.padded_gather", "bins ends at the number of rows"):
+        ops.padded_gather(x, indices, bin_ids, bins - 1, padded_bins, 2)
+    with raises(ValueError, "ops.gather", "bins end at or before the last sorted row"):
+        ops.gather(x, indices, bin_ids, bins + 1, 2)
+    with raises(ValueError, "ops.gather_gmm", "bin_ids agrees with bins"):
+        ops.gather_gmm(x, torch.randn(4, 3, 2), indices, bin_ids, bins - 1, 2)
     with raises(ValueError, "ops.padded_gather", "each padded bin holds"):
         ops.padded_gather(x, indices, bin_ids, bins, bins // 2, 2)
     with raises(ValueError, "ops.inclusive_cumsum", "running sums fit"):
         ops.inclusive_cumsum(torch.full((3,), 30000, dtype=torch.int16), 0)
+
+
+def test_rows_routed_to_no_expert_pass_checked_mode(checked_mode):
+    """Sorted rows past bins[-1] whose bin_ids name the sentinel bin (the number of experts), as
+    expert parallelism routes the pairs of other ranks' experts, are valid for the fused ops and
+    for the gather and scatter their backward and reference composition call."""
+    x, _, _, _, _, _ = routing()
+    top = torch.tensor([0, 4, 1, 4, 4, 2, 0, 3, 4, 1, 4, 4], dtype=torch.int32)  # 4: no expert
+    bin_ids, indices = ops.sort(top, 3)
+    bins = ops.inclusive_cumsum(ops.histogram(top, 4), 0)
+    assert int(bins[-1]) == 6
+    w1, w2 = torch.randn(4, 3, 5), torch.randn(4, 5, 3)
+    weights = torch.rand(12, requires_grad=True)
+    leaf = x.clone().requires_grad_()
+    h = ops.gather_gmm(leaf, w1, indices, bin_ids, bins, 2)
+    assert torch.equal(h[6:], torch.zeros(6, 5))
+    out = ops.gmm_scatter(h, w2, indices, bin_ids, weights, bins, 2)
+    out.sum().backward()
+    unrouted = indices[6:].long()
+    assert torch.equal(weights.grad[unrouted], torch.zeros(6))
+    assert ops.gather(x, indices, bin_ids, bins, 2).shape == (12, 3)
+    assert ops.scatter(h, indices, bin_ids, None, bins, 2).shape == (6, 5)
 
 
 def test_data_rules_are_skipped_by_default():

@@ -396,7 +396,7 @@ class DroplessMoE(torch.nn.Module):
             weights,
             top_experts,
             self.num_experts,
-            self.experts,
+            self._fused_experts,
             [p for p in (self.w1, self.v1, self.w2) if p is not None],
             group,
             chunks=DEFAULT_CHUNKS if chunks is None else chunks,

@@ -6,8 +6,7 @@ their outputs; it moves each token once per rank that holds at least one of its 
 
 1. **Plan** (this rank's tokens). Every (token, rank) pair is a *slot*; a slot is used when the
    token has an expert on that rank. ``ops.route`` sorts the slots by (chunk, rank) with the unused
-   ones in a last bin, and ``ops.histogram`` counts the (token, expert) pairs per (chunk, rank).
-   The per-(chunk, rank) counts of tokens and pairs go to their ranks in one small
+   ones in a last bin. The per-(chunk, rank) token counts go to their ranks in one small
    ``all_to_all_single``, and the counts sent and received are read on the host with one
    ``.tolist()``: the one device→host sync of a layer call (``all_to_all_single`` takes its split
    sizes as Python ints).
@@ -15,11 +14,12 @@ their outputs; it moves each token once per rank that holds at least one of its 
    second exchange, its top-k expert ids and weights (int32 and the weights' dtype, as bytes).
 3. **Experts** (per chunk, on the receiving rank). The received tokens' k-th choices outside this
    rank become a sentinel expert ``E/W``; ``ops.route`` sorts the (token, k) pairs by local expert,
-   the sentinel ones last, and the pairs before them (their number came with the counts) are the
-   rows to compute: ``index_select`` copies each pair's token row (only those rows: the sentinel
-   pairs are never copied nor computed), the layer's ``experts`` function runs ``ops.gmm`` on
-   them, and ``ops.scatter`` with the top-k weights sums each token's outputs into **one partial
-   row per (token, rank)** (the sentinel pairs read zero rows and have weight 0).
+   the sentinel ones last, and the sentinel's bin is dropped (``bins[:E/W]``): the sorted rows
+   past ``bins[-1]`` belong to no expert, which the fused ops' contracts allow. The layer's
+   fused experts then run on the received tokens as they came: ``ops.gather_gmm`` reads each
+   pair's token row through the indices (no copy of the pairs' rows), the sentinel rows give
+   zero rows and no GEMM work, and ``ops.gmm_scatter`` sums each token's weighted outputs into
+   **one partial row per (token, rank)** (the sentinel pairs have weight 0 and add nothing).
 4. **Combine** (per chunk, asynchronous). The partial rows go back by the reverse exchange; the
    source rank sums the partials of each token over the ranks with ``ops.scatter`` (no weights).
 
@@ -41,7 +41,9 @@ while the exchange still uses it.
 Backward is exact: :class:`_ExpertParallelMoE` is one autograd Function whose backward returns the
 gradients of the tokens, of the top-k weights (they are applied on the receiving rank, so their
 gradient comes back through the exchange) and of the local expert parameters (the experts' own
-autograd graph, recorded per chunk in forward, is differentiated with ``torch.autograd.grad``).
+autograd graph, recorded per chunk in forward from the received tokens and weights, is
+differentiated with ``torch.autograd.grad``: the fused ops' own backward, with no copy of the
+pairs' rows and no zero padding of the rows the sentinel pairs would fill).
 
 :func:`expert_parallel_apply` is the earlier exchange, kept as a baseline for benchmarks: it moves
 one row per (token, expert) pair, so a token crosses the link up to top_k times.
@@ -73,7 +75,13 @@ DEFAULT_CHUNKS = 2
 _BLOCK = 128
 _NAME = "megablocks_core.layers.parallel.expert_parallel_moe"
 
+#: ``experts(rows, tokens_per_expert)``: this rank's experts over rows grouped by local expert
+#: (``DroplessMoE.experts``), as :func:`expert_parallel_apply` takes them.
 Experts = Callable[[Tensor, Tensor], Tensor]
+#: ``experts(x, weights, indices, bin_ids, bins)``: this rank's experts applied to tokens x through
+#: the routing and summed back into one row per token with the flat top-k weights
+#: (``DroplessMoE._fused_experts``), as :func:`expert_parallel_moe` takes them.
+FusedExperts = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -161,7 +169,6 @@ class _Plan:
     world: int
     send_splits: list[list[int]]  # [chunk][rank]: tokens sent to rank
     recv_splits: list[list[int]]  # [chunk][rank]: tokens received from rank
-    recv_pairs: list[int]  # [chunk]: (token, expert) pairs for this rank's experts received
     offsets: list[int]  # [chunk]: first sorted slot of the chunk
     sent: int
     slot_indices: Tensor
@@ -195,22 +202,20 @@ def _plan(top_experts: Tensor, num_experts: int, chunks: int, group: dist.Proces
     device = top_experts.device
     ranks = torch.div(top_experts, local, rounding_mode="floor").long()  # (T, K)
     chunk = _chunk_of_token(tokens, chunks, device).unsqueeze(1)
-    pairs = ops.histogram((chunk * world + ranks).flatten().int(), chunks * world)
     all_ranks = torch.arange(world, device=device)
     used = (ranks.unsqueeze(2) == all_ranks).any(1)  # (T, W): the token has an expert there
     keys = torch.where(used, chunk * world + all_ranks, chunks * world).flatten()
     indices, bin_ids, slots_per_bin, bins, _ = ops.route(keys.int(), chunks * world + 1, _BLOCK)
 
-    # send_counts[r, c] = (tokens, pairs) of chunk c for rank r; int64 so that no backend has to
-    # support a narrower integer collective.
-    counts = torch.stack([slots_per_bin[:-1], pairs], dim=1).view(chunks, world, 2)
-    send_counts = counts.transpose(0, 1).contiguous().long()
+    # send_counts[r, c] = tokens of chunk c for rank r; int64 so that no backend has to support a
+    # narrower integer collective.
+    send_counts = slots_per_bin[:-1].view(chunks, world).transpose(0, 1).contiguous().long()
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     # The one host read of the layer call: all chunks' split sizes at once.
     sent_to, received_from = torch.stack([send_counts, recv_counts]).tolist()
 
-    send_splits = [[sent_to[r][c][0] for r in range(world)] for c in range(chunks)]
+    send_splits = [[sent_to[r][c] for r in range(world)] for c in range(chunks)]
     offsets, total = [], 0
     for split in send_splits:
         offsets.append(total)
@@ -218,8 +223,7 @@ def _plan(top_experts: Tensor, num_experts: int, chunks: int, group: dist.Proces
     return _Plan(
         world=world,
         send_splits=send_splits,
-        recv_splits=[[received_from[r][c][0] for r in range(world)] for c in range(chunks)],
-        recv_pairs=[sum(received_from[r][c][1] for r in range(world)) for c in range(chunks)],
+        recv_splits=[[received_from[r][c] for r in range(world)] for c in range(chunks)],
         offsets=offsets,
         sent=total,
         slot_indices=indices,
@@ -244,54 +248,39 @@ def _unpack(meta: Tensor, top_k: int, dtype: torch.dtype) -> tuple[Tensor, Tenso
     return copy(meta[:, : 4 * top_k]).view(torch.int32), copy(meta[:, 4 * top_k :]).view(dtype)
 
 
-def _pad_rows(x: Tensor, rows: int) -> Tensor:
-    """x followed by zero rows up to ``rows`` rows."""
-    if x.shape[0] == rows:
-        return x
-    return torch.cat([x, x.new_zeros((rows - x.shape[0], *x.shape[1:]))])
-
-
 class _LocalChunk:
     """One chunk's received tokens through this rank's experts: one partial row per token.
 
-    With ``record``, the forward records the experts and the weighted sum (``ops.scatter``, whose
-    backward has the weights' gradient kernel) from two leaves, the token rows and the received
-    weights, and backward differentiates that graph with ``torch.autograd.grad``."""
+    The fused experts read the received rows in place (``ops.gather_gmm``) and sum each token's
+    weighted outputs (``ops.gmm_scatter``); the (token, k) pairs of other ranks' experts are
+    sorted past the last local bin, where they belong to no expert. With ``record``, the forward
+    records that graph from two leaves, the received rows and the received weights, and backward
+    differentiates it with ``torch.autograd.grad``."""
 
     def __init__(
         self,
         received: Tensor,
         ids: Tensor,
         weights: Tensor,
-        num_pairs: int,
         first_expert: int,
         local: int,
-        experts: Experts,
+        experts: FusedExperts,
         record: bool,
     ) -> None:
-        tokens, top_k = ids.shape
-        self.slots, self.top_k = tokens * top_k, top_k
         local_ids = ids - first_expert
         mine = (local_ids >= 0) & (local_ids < local)
         keys = torch.where(mine, local_ids, local).flatten()  # other ranks' experts: bin `local`
-        self.indices, self.bin_ids, counts, self.bins, _ = ops.route(keys, local + 1, _BLOCK)
-        pair_tokens = torch.div(self.indices[:num_pairs], top_k, rounding_mode="floor")
-        rows = received.index_select(0, pair_tokens)
+        indices, bin_ids, _, bins, _ = ops.route(keys, local + 1, _BLOCK)
         with torch.enable_grad() if record else torch.no_grad():
             if record:
-                rows.requires_grad_()
+                received = received.detach().requires_grad_()
                 weights = weights.detach().requires_grad_()
-            outputs = experts(rows, counts[:local])
-            # The sentinel pairs (other ranks' experts) read zero rows with weight 0.
-            partial = ops.scatter(
-                _pad_rows(outputs, self.slots),
-                self.indices,
-                self.bin_ids,
-                weights.masked_fill(~mine, 0).flatten(),
-                self.bins,
-                top_k,
+            # Dropping the sentinel's bin leaves its pairs past bins[-1]: no expert's rows, so
+            # they are neither gathered nor multiplied; weight 0 besides, so they add nothing.
+            partial = experts(
+                received, weights.masked_fill(~mine, 0).flatten(), indices, bin_ids, bins[:local]
             )
-        self.rows, self.weights = rows, weights
+        self.received, self.weights = received, weights
         self.graph: Tensor | None = partial if record else None
         self.partial: Tensor | None = partial.detach()
 
@@ -308,22 +297,13 @@ class _LocalChunk:
         assert self.graph is not None
         wanted = [p for p in parameters if p.requires_grad]
         grads = torch.autograd.grad(
-            self.graph, [self.rows, self.weights, *wanted], grad_partial, allow_unused=True
+            self.graph, [self.received, self.weights, *wanted], grad_partial, allow_unused=True
         )
         self.graph = None
-        grad_rows = grads[0] if grads[0] is not None else torch.zeros_like(self.rows)
+        grad_received = grads[0] if grads[0] is not None else torch.zeros_like(self.received)
         grad_weights = grads[1] if grads[1] is not None else torch.zeros_like(self.weights)
         by_parameter = iter(grads[2:])
         parameter_grads = tuple(next(by_parameter) if p.requires_grad else None for p in parameters)
-        # Each token's pair rows summed back into the token (the sentinel pairs add zero rows).
-        grad_received = ops.scatter(
-            _pad_rows(grad_rows, self.slots),
-            self.indices,
-            self.bin_ids,
-            None,
-            self.bins,
-            self.top_k,
-        )
         return grad_received, grad_weights, parameter_grads
 
 
@@ -337,7 +317,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
         weights: Tensor,
         top_experts: Tensor,
         num_experts: int,
-        experts: Experts,
+        experts: FusedExperts,
         group: dist.ProcessGroup,
         chunks: int,
         record: bool,
@@ -378,7 +358,6 @@ class _ExpertParallelMoE(torch.autograd.Function):
                 received,
                 ids,
                 received_weights,
-                plan.recv_pairs[c],
                 first_expert,
                 local,
                 experts,
@@ -468,7 +447,7 @@ def expert_parallel_moe(
     weights: Tensor,
     top_experts: Tensor,
     num_experts: int,
-    experts: Experts,
+    experts: FusedExperts,
     expert_parameters: Sequence[Tensor],
     group: dist.ProcessGroup,
     *,
@@ -486,8 +465,14 @@ def expert_parallel_moe(
         top_experts: their top-k global expert ids, ``(tokens, top_k)`` integer in ``[0, E)``.
         num_experts: E, a multiple of the group's size W; rank r holds experts
             ``[r * E/W, (r + 1) * E/W)``.
-        experts: ``experts(rows, tokens_per_expert)`` runs this rank's E/W experts over rows
-            grouped by local expert (``DroplessMoE.experts``); its output has ``rows``' shape.
+        experts: ``experts(x, weights, indices, bin_ids, bins)`` applies this rank's E/W experts
+            to tokens ``x`` (tokens, hidden) through the routing of their (token, k) pairs by
+            local expert (``ops.route``'s ``indices`` and ``bin_ids``, ``bins`` of length E/W)
+            and returns, per token, the sum of its pairs' outputs times ``weights`` (flat,
+            tokens * top_k): ``DroplessMoE._fused_experts`` (``ops.gather_gmm``, activation,
+            ``ops.gmm_scatter``). Sorted pairs past ``bins[-1]`` (those of other ranks' experts,
+            with weight 0) belong to no expert and must add nothing, as the fused ops' contracts
+            say.
         expert_parameters: the tensors ``experts`` uses that may need a gradient (they receive
             the gradient of every rank's tokens that reached them).
         group: the expert-parallel process group.

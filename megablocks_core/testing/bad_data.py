@@ -366,9 +366,10 @@ def _gmm_cases() -> list[BadCase]:
             return a, grad, batch, torch.randn(len(sizes), 8, 5, generator=gen).to(device)
         return a, grad, batch
 
+    # Sizes summing short of the rows are valid (the rows past the last group belong to none):
+    # the conformance kit's scenarios with unrouted pairs check them.
     sizes = {
         "sizes summing past the rows": [6, 6, 9],
-        "sizes summing short": [3, 2, 4],
         "negative size": [-4, 10, 6],
         "huge size": [2**40, 1, 1],
     }
@@ -406,6 +407,9 @@ def _fused_cases() -> list[BadCase]:
         for what, mut in {**INDEX_MUTATIONS, **BINS_MUTATIONS}.items()
         # Which row a duplicated id reads is unspecified for a scatter: no one safe value.
         if not (op == "gmm_scatter" and ("duplicate" in what or "equal" in what))
+        # bins ending before the last row are valid for the fused ops (rows routed to no
+        # expert; the kit's scenarios with unrouted pairs check them).
+        and what != "bins too short"
     ]
 
 

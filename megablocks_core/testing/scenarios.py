@@ -55,6 +55,11 @@ class Scenario:
     accumulate_dtype: torch.dtype | None = None
     """Dtype of the gradient gmm_weight_grad_accumulate adds to (e.g. float32, a main_grad for
     16-bit data); None: the scenario's dtype."""
+    unrouted: int = 0
+    """(token, k) pairs routed to no expert: their key is the sentinel ``experts`` (one past the
+    last), so they sort last, bins ends before the last sorted row and batch_sizes sums short, as
+    expert parallelism routes the pairs whose expert lives on another rank. Only the ops whose
+    contracts take such rows get this scenario's samples (see :func:`applies`)."""
     seed: int = 0
 
     @property
@@ -77,6 +82,7 @@ class Scenario:
                     f"accumulate in {_short(self.accumulate_dtype or self.dtype)}",
                     self.accumulate_dtype not in (None, self.dtype),
                 ),
+                (f"unrouted={self.unrouted}", self.unrouted > 0),
             )
             if on
         ]
@@ -138,8 +144,10 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
     rows = s.tokens * s.top_k
     used = (s.experts + 1) // 2 if s.empty_experts else s.experts
     keys = torch.randint(0, used, (rows,), generator=gen) * (2 if s.empty_experts else 1)
+    if s.unrouted:
+        keys[torch.randperm(rows, generator=gen)[: s.unrouted]] = s.experts  # the sentinel
     bin_ids, indices = torch.sort(keys, stable=True)
-    counts = torch.bincount(keys, minlength=s.experts)
+    counts = torch.bincount(keys, minlength=s.experts + 1)[: s.experts]  # the sentinel uncounted
     padded_counts = (counts + s.block_size - 1) // s.block_size * s.block_size
     padded_total = int(padded_counts.sum())
     bin_size = math.ceil(rows / s.experts)  # rows past an expert's fair share are dropped
@@ -156,7 +164,7 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
     return Routing(
         scenario=s,
         top_experts=index(keys),
-        end_bit=max((s.experts - 1).bit_length(), 1),
+        end_bit=max((s.experts if s.unrouted else s.experts - 1).bit_length(), 1),
         indices=index(indices),
         bin_ids=index(bin_ids),
         counts=index(counts),
@@ -259,6 +267,27 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.trans_b,
     ),
 }
+
+
+#: Ops whose contracts need every sorted row routed to an expert (bins ending at the last row,
+#: expert ids in range): they get no samples of scenarios with ``unrouted`` pairs.
+ROUTED_ONLY_OPS = frozenset(
+    {
+        "route",
+        "padded_gather",
+        "padded_scatter",
+        "padded_scatter_wgrad",
+        "binned_gather",
+        "binned_scatter",
+        "binned_scatter_wgrad",
+    }
+)
+
+
+def applies(scenario: Scenario, op: str) -> bool:
+    """Whether ``op`` gets a sample of ``scenario`` (every op but those of
+    :data:`ROUTED_ONLY_OPS` when some pairs are routed to no expert)."""
+    return not (scenario.unrouted and op in ROUTED_ONLY_OPS)
 
 
 def strided(t: torch.Tensor) -> torch.Tensor:
@@ -377,6 +406,25 @@ FULL: tuple[Scenario, ...] = (
     ),
     # MegaBlocks' block size: most experts are a single padded block of 128 rows, mostly padding.
     Scenario(tokens=9, experts=32, top_k=8, hidden=33, dtype=_F16, block_size=128, seed=46),
+    # Pairs routed to no expert (expert parallelism's pairs of other ranks' experts): sorted rows
+    # past bins[-1], batch_sizes summing short.
+    Scenario(tokens=21, experts=4, top_k=2, hidden=8, unrouted=17, seed=47),
+    Scenario(
+        tokens=10,
+        experts=6,
+        top_k=3,
+        hidden=5,
+        dtype=_BF16,
+        index_dtype=_I16,
+        empty_experts=True,
+        non_contiguous=True,
+        trans_b=True,
+        sizes_on_device=True,
+        accumulate_dtype=_F32,
+        unrouted=11,
+        seed=48,
+    ),
+    Scenario(tokens=6, experts=3, top_k=2, hidden=4, dtype=_F64, unrouted=12, seed=49),
 )
 
 #: Added to the full set on an accelerator: the shapes of real MoE layers (thousands of tokens,
@@ -470,6 +518,20 @@ DEVICE_SIZED: tuple[Scenario, ...] = (
         seed=57,
     ),
     Scenario(tokens=0, experts=8, top_k=2, hidden=256, dtype=_BF16, block_size=128, seed=58),
+    # Expert parallelism's receiving rank: half the pairs belong to other ranks' experts.
+    Scenario(
+        tokens=2048,
+        experts=16,
+        top_k=4,
+        hidden=512,
+        ffn=384,
+        dtype=_BF16,
+        block_size=128,
+        sizes_on_device=True,
+        accumulate_dtype=_F32,
+        unrouted=4096,
+        seed=59,
+    ),
 )
 
 

@@ -64,8 +64,8 @@ def _unchecked(batch_sizes: Tensor) -> bool:
 def _end_offsets(batch_sizes: Tensor, device: torch.device, rows: int) -> Tensor:
     """int32 end offset of each group on ``device``, without a host sync.
 
-    CPU sizes were checked by the core (non-negative, summing to ``rows``). Device-side sizes are
-    not, outside checked mode: negative sizes count as 0 and the groups are cut at ``rows``, so
+    CPU sizes were checked by the core (non-negative, summing to at most ``rows``: rows past the
+    last group belong to no group). Device-side sizes are not, outside checked mode: negative sizes count as 0 and the groups are cut at ``rows``, so
     torch's grouped mm never addresses a row outside a (three tiny launches on E values).
     """
     if not _unchecked(batch_sizes):
@@ -77,10 +77,16 @@ def _end_offsets(batch_sizes: Tensor, device: torch.device, rows: int) -> Tensor
 
 
 def _zero_uncovered_rows(out: Tensor, offs: Tensor, batch_sizes: Tensor) -> Tensor:
-    """Zero the rows past the last group end (device-side sizes summing short of the rows):
-    torch's grouped mm leaves them unwritten. One launch that writes only those rows."""
-    if not _unchecked(batch_sizes) or out.numel() == 0:
-        return out  # checked on the host: the groups cover every row
+    """Zero the rows past the last group end (sizes summing short of the rows, which the contract
+    allows: those rows belong to no group): torch's grouped mm leaves them unwritten. One launch
+    that writes only those rows."""
+    if out.numel() == 0:
+        return out
+    if not _unchecked(batch_sizes):  # host sizes: their sum is known without a sync
+        covered = int(batch_sizes.sum())
+        if covered < out.shape[0]:
+            out[covered:].zero_()
+        return out
     ext = extension.load() if extension.problem() is None else None
     if (
         out.is_cuda
@@ -187,7 +193,8 @@ def _host_sizes(batch_sizes: Tensor) -> Tensor:
 
 def _host_sizes_ok(sizes: Tensor, rows: int) -> bool:
     """Device-side sizes are unchecked outside checked mode; now on the host, check them for free.
-    grouped_gemm trusts them, so bad ones go to the grouped_mm path, which makes them safe."""
+    grouped_gemm trusts them and needs groups covering every row, so bad ones, and sizes summing
+    short (valid: the rows past the last group belong to none), go to the grouped_mm path."""
     return bool((sizes >= 0).all()) and int(sizes.sum()) == rows
 
 

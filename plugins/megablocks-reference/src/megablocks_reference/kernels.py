@@ -344,19 +344,15 @@ def gmm_weight_grad_accumulate(a: Tensor, grad: Tensor, batch_sizes: Tensor, out
 
 def _gmm_by_bins(a: Tensor, b: Tensor, bins: Tensor, trans_b: bool) -> Tensor:
     """ops.gmm with expert e's rows at bins[e-1]:bins[e], safe for any bins: a negative group
-    counts as 0 and groups are cut at a's last row (rows no group covers are 0), as the fused
-    kernels do. No host sync on an accelerator."""
+    counts as 0 and groups are cut at a's last row, as the fused kernels do. Rows past the last
+    group (sorted rows routed to no expert) are 0: gmm's contract gives them so. No host sync on
+    an accelerator."""
     from megablocks_core import ops
 
     rows = a.shape[0]
     sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp_(min=0)
     sizes = torch.diff(sizes.cumsum(0).clamp_(max=rows), prepend=sizes.new_zeros(1))
-    if sizes.device.type != "cpu":
-        return ops.gmm(a, b, sizes, trans_b)  # device sizes: the kernel zeroes uncovered rows
-    # CPU sizes are checked on the host (they must cover a): multiply the covered rows only.
-    covered = int(sizes.sum())
-    out = ops.gmm(a[:covered], b, sizes, trans_b)
-    return torch.cat([out, out.new_zeros(rows - covered, out.shape[1])]) if covered < rows else out
+    return ops.gmm(a, b, sizes, trans_b)
 
 
 def gather_gmm(
