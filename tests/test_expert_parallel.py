@@ -490,7 +490,7 @@ def test_bad_arguments_rejected_before_any_collective():
             args["weights"],
             args["top_experts"],
             4,
-            lambda r, c: r,
+            lambda x, weights, indices, bin_ids, bins: x,  # never reached
             [],
             None,
             chunks=args["chunks"],
