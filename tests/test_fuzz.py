@@ -206,7 +206,9 @@ def assert_close(
 class Routing:
     """Routing metadata for T tokens, top_k each, over E experts, built from random top-k ids."""
 
-    def __init__(self, T: int, K: int, E: int, used: str, seed: int, block: int = 4) -> None:
+    def __init__(
+        self, T: int, K: int, E: int, used: str, seed: int, block: int = 4, unrouted: int = 0
+    ) -> None:
         rng = np.random.default_rng(seed)
         self.rng = rng
         if used == "one":  # every row to one expert: all others empty
@@ -217,6 +219,10 @@ class Routing:
             allowed = np.arange(E)
         self.T, self.K, self.E, self.block = T, K, E, block
         self.top = rng.choice(allowed, size=T * K).astype(np.int64)
+        # Pairs routed to no expert (the sentinel id E, as expert parallelism routes the pairs of
+        # other ranks' experts): they sort last and bins ends before them.
+        if unrouted:
+            self.top[rng.choice(T * K, size=unrouted, replace=False)] = E
         (self.indices, self.bin_ids, self.counts, self.bins, self.padded_bins) = oracle.route(
             self.top, E, block
         )
@@ -230,14 +236,21 @@ class Routing:
 
 @st.composite
 def routings(
-    draw: st.DrawFn, limits: Budget = NATIVE, block: int | None = None, layout: bool = False
+    draw: st.DrawFn,
+    limits: Budget = NATIVE,
+    block: int | None = None,
+    layout: bool = False,
+    unrouted: bool = False,
 ) -> Routing:
+    """Random routing metadata; ``unrouted``: some (or all) pairs may be routed to no expert."""
     K = draw(st.integers(1, 8))
     T = draw(st.integers(0, min(MAX_TOKENS, limits.max_rows // K)))
     experts = [e for e in EXPERT_COUNTS if not layout or e <= limits.max_layout_experts]
     E = draw(st.sampled_from(experts))
     used = draw(st.sampled_from(["all", "some", "one"]))
     seed = draw(st.integers(0, 2**32 - 1))
+    if unrouted:
+        return Routing(T, K, E, used, seed, 4, draw(st.integers(0, T * K)))
     if block is not None:
         return Routing(T, K, E, used, seed, block)
     block = draw(st.sampled_from([1, 2, 4, 16]))
@@ -647,7 +660,8 @@ def test_gmm(backend: str) -> None:
 @heavy_backend_param
 def test_fused_gather_gmm_and_gmm_scatter(backend: str) -> None:
     """gather_gmm and gmm_scatter (and every gradient) against the float64 row loops, through
-    whichever kernels the backend serves (its fused ones or the defining composition)."""
+    whichever kernels the backend serves (its fused ones or the defining composition), pairs
+    routed to no expert (sorted past bins[-1]) included."""
     fused = ("gather_gmm", "gmm_scatter")
     dtypes = served_dtypes(backend, fused, FLOAT_DTYPES, ("x", "b"))
     limits = budget(backend)
@@ -656,7 +670,7 @@ def test_fused_gather_gmm_and_gmm_scatter(backend: str) -> None:
     @given(
         dtype=st.sampled_from(dtypes),
         index_dtype=st.sampled_from(INDEX_DTYPES),
-        r=routings(limits),
+        r=routings(limits, unrouted=True),
         hidden=st.integers(1, MAX_HIDDEN),
         ffn=st.integers(1, MAX_HIDDEN),
         trans_b=st.booleans(),
