@@ -61,9 +61,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megablocks_core import ops
-from megablocks_core.layers import DroplessMoE, load_balancing_loss
-from megablocks_core.layers.parallel import expert_parallel_apply
+from megablocks_core.layers import DroplessMoE
+from megablocks_core.layers.parallel import expert_parallel_baseline
 from megablocks_core.layers.shapes import SHAPES
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-9}
@@ -136,21 +135,6 @@ def worst_over_ranks(values: list[float], device: torch.device) -> list[float]:
     t = torch.tensor(clean, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def baseline_forward(layer: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sharded layer's forward with one row per (token, expert) on the link (the old exchange)."""
-    probs, weights, top_experts = layer.route(x)
-    with torch.no_grad():
-        indices, bin_ids, counts, bins, _ = ops.route(
-            top_experts.flatten(), layer.num_experts, layer.block_size
-        )
-    rows = ops.gather(x, indices, bin_ids, bins, layer.top_k)
-    assert layer.expert_parallel_group is not None
-    rows = expert_parallel_apply(rows, counts, layer.experts, layer.expert_parallel_group)
-    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, layer.top_k)
-    coefficient = layer.load_balancing_loss_coefficient
-    return out, load_balancing_loss(counts, probs, layer.top_k, coefficient)
 
 
 class Clock:
@@ -370,7 +354,7 @@ def run_shape(
                 want_experts[n] = shard
     want_router, want_x = full.router.grad, x_full.grad
     full.zero_grad(set_to_none=True)
-    schemes: dict[str, Step] = {"baseline": lambda t: baseline_forward(sharded, t)}
+    schemes: dict[str, Step] = {"baseline": lambda t: expert_parallel_baseline(sharded, t)}
     for chunks in args.chunks:
 
         def layer_step(t: torch.Tensor, chunks: int = chunks) -> tuple[torch.Tensor, torch.Tensor]:

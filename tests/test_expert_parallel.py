@@ -33,11 +33,10 @@ import torch
 import torch.multiprocessing as mp
 
 import megablocks_core
-from megablocks_core import ops
-from megablocks_core.layers import DroplessMoE, load_balancing_loss
+from megablocks_core.layers import DroplessMoE
 from megablocks_core.layers.parallel import (
     DEFAULT_CHUNKS,
-    expert_parallel_apply,
+    expert_parallel_baseline,
     expert_parallel_moe,
 )
 
@@ -61,7 +60,7 @@ class Case:
     normalize: float | None = None
     ep_size: int | None = None  # expert-parallel groups of consecutive ranks; None: the world
     chunks: int | None = None  # the layer's expert_parallel_chunks; None: its default
-    baseline: bool = False  # run parallel.expert_parallel_apply (one row per (token, expert))
+    baseline: bool = False  # run parallel.expert_parallel_baseline (one row per (token, expert))
 
     def ep(self) -> int:
         return self.ep_size or len(self.tokens)
@@ -129,20 +128,6 @@ def tokens(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def expert_params(layer: DroplessMoE) -> dict[str, torch.Tensor]:
     return {n: p for n in ("w1", "v1", "w2") if (p := getattr(layer, n)) is not None}
-
-
-def baseline_forward(layer: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's forward through parallel.expert_parallel_apply (one row per (token, expert))."""
-    probs, weights, top_experts = layer.route(x)
-    with torch.no_grad():
-        indices, bin_ids, counts, bins, _ = ops.route(
-            top_experts.flatten(), layer.num_experts, layer.block_size
-        )
-    rows = ops.gather(x, indices, bin_ids, bins, layer.top_k)
-    rows = expert_parallel_apply(rows, counts, layer.experts, layer.expert_parallel_group)
-    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, layer.top_k)
-    coefficient = layer.load_balancing_loss_coefficient
-    return out, load_balancing_loss(counts, probs, layer.top_k, coefficient)
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -251,7 +236,7 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                 x.requires_grad_()
                 log.clear()
                 pending.clear()
-                out, aux = baseline_forward(layer, x) if case.baseline else layer(x)
+                out, aux = expert_parallel_baseline(layer, x) if case.baseline else layer(x)
                 forward_splits = [  # the exchanges of rows (x's and the experts' outputs)
                     e["in"] for e in log if e["dtype"] == "torch.float64" and e["row"] == [HIDDEN]
                 ]
@@ -603,3 +588,9 @@ def test_exchange_makes_its_input_dense_and_refuses_a_strided_output():
             parallel._InFlight(torch.empty(3, 4).t(), strided, [4], [4], None)
     finally:
         dist.destroy_process_group()
+
+
+def test_baseline_needs_an_expert_parallel_layer():
+    layer = DroplessMoE(HIDDEN, 8, 4, top_k=2, seed=0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="no expert_parallel_group"):
+        expert_parallel_baseline(layer, torch.zeros(3, HIDDEN, dtype=torch.float64))

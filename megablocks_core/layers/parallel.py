@@ -58,13 +58,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
+
+if TYPE_CHECKING:  # moe imports this module lazily; only the annotations need the layer
+    from .moe import DroplessMoE
 
 #: Token chunks of :func:`expert_parallel_moe` when the caller gives none: two halves, so that
 #: one half's experts overlap the other half's exchange at the cost of one more set of
@@ -583,4 +586,31 @@ def expert_parallel_apply(
     return all_to_all(out, recv_splits, send_splits, group)
 
 
-__all__ = ["DEFAULT_CHUNKS", "all_to_all", "expert_parallel_apply", "expert_parallel_moe"]
+def expert_parallel_baseline(layer: DroplessMoE, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``layer``'s forward (output, load-balancing loss) with :func:`expert_parallel_apply`'s
+    exchange (one row per (token, expert) pair on the link) instead of
+    :func:`expert_parallel_moe`'s: the baseline the benchmark times, exact like the layer.
+    ``x`` is (tokens, hidden); ``layer`` has an ``expert_parallel_group``."""
+    from .moe import load_balancing_loss
+
+    if layer.expert_parallel_group is None:
+        raise ValueError("expert_parallel_baseline: the layer has no expert_parallel_group")
+    probs, weights, top_experts = layer.route(x)
+    with torch.no_grad():
+        indices, bin_ids, counts, bins, _ = ops.route(
+            top_experts.flatten(), layer.num_experts, layer.block_size
+        )
+    rows = ops.gather(x, indices, bin_ids, bins, layer.top_k)
+    rows = expert_parallel_apply(rows, counts, layer.experts, layer.expert_parallel_group)
+    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, layer.top_k)
+    coefficient = layer.load_balancing_loss_coefficient
+    return out, load_balancing_loss(counts, probs, layer.top_k, coefficient)
+
+
+__all__ = [
+    "DEFAULT_CHUNKS",
+    "all_to_all",
+    "expert_parallel_apply",
+    "expert_parallel_baseline",
+    "expert_parallel_moe",
+]
