@@ -338,19 +338,38 @@ def _row_scales(weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, weights.index_select(0, torch.where(valid, flat, 0)), 0)
 
 
+def _identity(indices: torch.Tensor) -> torch.Tensor:
+    """Sorted row i named by flat id i: the routing's own layout (bins, bin_ids) over rows that
+    are already sorted, for the ops that take one row per token with top_k 1. Shares the
+    indices' dtype (and its row limit)."""
+    return torch.arange(indices.shape[0], device=indices.device, dtype=indices.dtype)
+
+
 def _row_dots(
     call: Call,
     x: torch.Tensor,
     y: torch.Tensor,
+    identity: torch.Tensor,
     routing: tuple[torch.Tensor, ...],
     bins: torch.Tensor,
 ) -> torch.Tensor:
     """dot(x[i], y[i]) for each row, accumulated in float32: scatter_wgrad with identity indices
     and top_k 1 (its one-row-per-token form), a bandwidth-bound kernel where a batched GEMV of
     1x1 products runs several times slower."""
-    indices, bin_ids = routing  # identity rows share the indices' dtype (and its row limit)
-    identity = torch.arange(x.shape[0], device=x.device, dtype=indices.dtype)
-    return call("scatter_wgrad", x, y, identity, bin_ids, bins, 1)
+    return call("scatter_wgrad", x, y, identity, routing[1], bins, 1)
+
+
+def _scale_rows(
+    call: Call,
+    rows: torch.Tensor,
+    scale: torch.Tensor,
+    identity: torch.Tensor,
+    routing: tuple[torch.Tensor, ...],
+    bins: torch.Tensor,
+) -> torch.Tensor:
+    """rows[i] * scale[i]: a weighted gather with identity indices and top_k 1. A row-broadcast
+    multiply runs on torch's unvectorised strided path at about half the bandwidth."""
+    return call("gather", rows, identity, routing[1], scale, bins, 1)
 
 
 def _by_flat_id(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -371,15 +390,17 @@ def _gmm_scatter(
         # grad[t] @ b[e].T for each sorted row: x's gradient before weighting, and (dotted with
         # x) the weights' gradient, so the forward's (rows, n) product need not be kept.
         rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b)
+        identity = _identity(a["indices"])
         if needs["weights"]:
-            out["weights"] = _by_flat_id(
-                _row_dots(call, a["x"], rows_grad, routing, bins), a["indices"]
-            ).to(weights.dtype)
+            dots = _row_dots(call, a["x"], rows_grad, identity, routing, bins)
+            out["weights"] = _by_flat_id(dots, a["indices"]).to(weights.dtype)
         if needs["x"]:
             if weights is not None:
-                scale = _row_scales(weights, a["indices"]).to(rows_grad.dtype).unsqueeze(1)
-                # In place unless this backward is itself recorded (double backward).
-                rows_grad = rows_grad * scale if torch.is_grad_enabled() else rows_grad.mul_(scale)
+                scale = _row_scales(weights, a["indices"])
+                if torch.is_grad_enabled():  # this backward is itself recorded (double backward)
+                    rows_grad = rows_grad * scale.to(rows_grad.dtype).unsqueeze(1)
+                else:
+                    rows_grad = _scale_rows(call, rows_grad, scale, identity, routing, bins)
             out["x"] = rows_grad
     if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
         rows = call("gather", grad, *routing, weights, bins, top_k)
