@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from megablocks_core.layers import DroplessMoE
-from megablocks_core.layers.parallel import expert_parallel_baseline
+from megablocks_core.layers.parallel import _RoutingLayout, expert_parallel_baseline
 from megablocks_core.layers.shapes import SHAPES
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-9}
@@ -241,12 +241,12 @@ def exchange_counts(top_experts: torch.Tensor, experts: int, world: int) -> torc
 
 
 def bytes_per_step(
-    counts: torch.Tensor, rank: int, hidden: int, top_k: int, itemsize: int
+    counts: torch.Tensor, rank: int, hidden: int, top_k: int, dtype: torch.dtype, tokens: int
 ) -> dict[str, int]:
     """Bytes ``rank`` sends to the other ranks in one forward + backward, for both exchanges
     (without the split-size exchange: E/W int64 per rank for the baseline, 2 int64 per chunk and
     rank for the layer)."""
-    world = counts.shape[0]
+    world, itemsize = counts.shape[0], dtype.itemsize
     others = [r for r in range(world) if r != rank]
     tokens_out = sum(int(counts[rank, r, 0]) for r in others)
     tokens_in = sum(int(counts[s, rank, 0]) for s in others)
@@ -255,17 +255,23 @@ def bytes_per_step(
     row = hidden * itemsize
     # Baseline: rows out and results back, forward and again backward.
     baseline = 2 * (pairs_out + pairs_in) * row
-    # Layer: forward: rows + (ids int32, weights) out, partials back; backward: the partials'
-    # gradient out, the rows' and the weights' gradients back.
+    # Layer: forward: rows with their routing (ids int32, weights; padded) out, partials back;
+    # backward: the partials' gradient out, the rows' and the weights' gradients back.
+    routing = _RoutingLayout(top_k, dtype).row_bytes
     dedup = (
-        tokens_out * (row + top_k * (4 + itemsize))
+        tokens_out * (row + routing)
         + tokens_in * row
         + tokens_out * row
         + tokens_in * (row + top_k * itemsize)
     )
+    # All-gather dispatch: every token to each other rank: the rows and their routing in, the
+    # partials by reduce-scatter; backward: the output gradient in, the rows' and the weights'
+    # gradients by reduce-scatter.
+    allgather = (world - 1) * tokens * (4 * row + routing + top_k * itemsize)
     return {
         "baseline_bytes": baseline,
         "dedup_bytes": dedup,
+        "allgather_bytes": allgather,
         "rows_out_baseline": pairs_out,
         "rows_out_dedup": tokens_out,
         "rows_in_baseline": pairs_in,
@@ -358,10 +364,16 @@ def run_shape(
     for chunks in args.chunks:
 
         def layer_step(t: torch.Tensor, chunks: int = chunks) -> tuple[torch.Tensor, torch.Tensor]:
-            sharded.expert_parallel_chunks = chunks
+            sharded.expert_parallel_dispatch, sharded.expert_parallel_chunks = "alltoall", chunks
             return sharded(t)
 
         schemes[f"chunks{chunks}"] = layer_step
+
+    def allgather_step(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        sharded.expert_parallel_dispatch, sharded.expert_parallel_chunks = "allgather", 1
+        return sharded(t)
+
+    schemes["allgather"] = allgather_step
     tolerance = TOLERANCE[dtype]
     worst: dict[str, dict[str, float]] = {}
     for scheme, step in schemes.items():
@@ -447,11 +459,11 @@ def run_shape(
     with torch.no_grad():
         top = sharded.route(x)[2]
     counts = exchange_counts(top, experts, world)
-    per_rank_bytes = bytes_per_step(counts, rank, hidden, top_k, x.element_size())
+    per_rank_bytes = bytes_per_step(counts, rank, hidden, top_k, x.dtype, x.shape[0])
     b = per_rank_bytes
     say(
         f"{name} bytes sent per step by rank 0: baseline {size(b['baseline_bytes'])}, "
-        f"dedup {size(b['dedup_bytes'])}; rows out {b['rows_out_baseline']} -> "
+        f"dedup {size(b['dedup_bytes'])}, allgather {size(b['allgather_bytes'])}; rows out {b['rows_out_baseline']} -> "
         f"{b['rows_out_dedup']}"
     )
     alone = {}
@@ -618,6 +630,10 @@ def main() -> None:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if on_gpu else "gloo", **init)
     rank, world = dist.get_rank(), dist.get_world_size()
+    # torchrun sets one thread per process; the layers draw their parameters on the CPU (about
+    # 4·10⁹ values per expert tensor at dsv3), which takes minutes on one thread.
+    if on_gpu:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     clock = Clock(device)
     report = {
         "world": world,

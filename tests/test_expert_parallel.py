@@ -39,6 +39,7 @@ from megablocks_core.layers.parallel import (
     expert_parallel_baseline,
     expert_parallel_moe,
 )
+from megablocks_core.policy import overrides
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -61,6 +62,7 @@ class Case:
     ep_size: int | None = None  # expert-parallel groups of consecutive ranks; None: the world
     chunks: int | None = None  # the layer's expert_parallel_chunks; None: its default
     baseline: bool = False  # run parallel.expert_parallel_baseline (one row per (token, expert))
+    dispatch: str = "alltoall"  # the layer's expert_parallel_dispatch
 
     def ep(self) -> int:
         return self.ep_size or len(self.tokens)
@@ -78,6 +80,10 @@ CASES = {
         Case("E8-k8-more-chunks-than-tokens", 8, 8, False, (3, 0), chunks=5),
         Case("k2-chunks4", 4, 2, True, (9, 8), chunks=4),
         Case("baseline-k2-glu", 4, 2, True, (6, 0), baseline=True),
+        Case("allgather-k2-glu", 4, 2, True, (6, 6), normalize=1.0, dispatch="allgather"),
+        Case("allgather-E8-k8", 8, 8, False, (5, 5), dispatch="allgather"),
+        Case("allgather-k1-starved", 4, 1, True, (4, 4), starve=True, dispatch="allgather"),
+        Case("allgather-no-tokens", 4, 2, False, (0, 0), dispatch="allgather"),
     ],
     4: [
         Case("W4-k2-glu", 8, 2, True, (4, 0, 5, 3)),
@@ -86,6 +92,8 @@ CASES = {
         Case("W4-k1-more-chunks-than-tokens", 8, 1, False, (3, 4, 0, 2), chunks=6),
         # 2 data-parallel replicas × 2-way expert parallelism (dist.new_group, as in the docs)
         Case("W4-dp2-ep2-k2", 4, 2, True, (3, 5, 4, 0), ep_size=2),
+        Case("W4-allgather-k8-glu", 8, 8, True, (4, 4, 4, 4), dispatch="allgather"),
+        Case("W4-dp2-ep2-allgather", 4, 2, False, (3, 3, 5, 5), ep_size=2, dispatch="allgather"),
     ],
 }
 
@@ -103,6 +111,7 @@ def make_layer(case: Case, group: object | None = None) -> DroplessMoE:
         load_balancing_loss_coefficient=0.1,
         expert_parallel_group=group,
         expert_parallel_chunks=case.chunks,
+        expert_parallel_dispatch=case.dispatch,
     )
     # A larger router than the 0.02 default: clear top-k choices, no near-ties between experts.
     with torch.no_grad():
@@ -267,16 +276,34 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                 }
                 problems.clear()
             # The per-chunk graphs are freed by the first backward: a second one is refused
-            # (on every rank, before any collective).
-            case = CASES[world][0]
+            # (on every rank, before any collective), with either dispatch.
+            allgather = next(
+                c for c in CASES[world] if c.dispatch == "allgather" and c.ep() == world
+            )
+            for key, case in (
+                ("second_backward", CASES[world][0]),
+                ("second_backward_allgather", allgather),
+            ):
+                layer = make_layer(case, dist.group.WORLD)
+                out, aux = layer(tokens(case, rank)[0].requires_grad_())
+                out.sum().backward(retain_graph=True)
+                try:
+                    out.sum().backward()
+                    results[key] = "accepted"
+                except RuntimeError as error:
+                    results[key] = str(error)
+            # dispatch='allgather' with different token counts: refused in checked mode (on
+            # every rank, before the tokens are gathered).
+            case = Case("unequal", 4, 2, False, (5, 3), dispatch="allgather")
             layer = make_layer(case, dist.group.WORLD)
-            out, aux = layer(tokens(case, rank)[0].requires_grad_())
-            out.sum().backward(retain_graph=True)
+            overrides.checked, checked = True, overrides.checked
             try:
-                out.sum().backward()
-                results["second_backward"] = "accepted"
-            except RuntimeError as error:
-                results["second_backward"] = str(error)
+                layer(torch.zeros(case.tokens[rank % 2], HIDDEN, dtype=torch.float64))
+                results["allgather_unequal"] = "accepted"
+            except ValueError as error:
+                results["allgather_unequal"] = str(error)
+            finally:
+                overrides.checked = checked
             try:  # an indivisible expert count is refused before any collective
                 DroplessMoE(HIDDEN, FFN, 2 * world + 1, 1, expert_parallel_group=dist.group.WORLD)
                 results["indivisible"] = "accepted"
@@ -288,6 +315,11 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
         raise
     finally:
         dist.destroy_process_group()
+    # Results are saved: leave without the interpreter's teardown, where gloo's worker threads
+    # now and then abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _loopback_interface() -> str:
@@ -394,13 +426,14 @@ def test_exchanges_are_what_nccl_needs(results, world, case):
             assert res["problems"] == [], (rank, res["problems"])
             assert res["unwaited"] == [0, 0], rank
         logs = [got[rank][case.name]["exchanges"] for rank in ranks]
-        # The layer: one exchange of counts, then per chunk rows, metadata and partials back;
-        # backward per chunk: the partials' gradient out, the rows' and the weights' back.
+        # The layer: one exchange of counts, then per chunk rows, their routing and partials
+        # back; backward per chunk: the partials' gradient out, the rows' and the weights' back.
         # The baseline: counts, rows and results (synchronous), then those two reversed.
-        want = 5 if case.baseline else 1 + 6 * chunks
+        # The all-gather dispatch makes no all-to-all at all.
+        want = 5 if case.baseline else 0 if case.dispatch == "allgather" else 1 + 6 * chunks
         assert [len(log) for log in logs] == [want] * ep
         asynchronous = [got[rank][case.name]["async_exchanges"] for rank in ranks]
-        assert asynchronous == [0 if case.baseline else 6 * chunks] * ep
+        assert asynchronous == [0 if case.baseline or want == 0 else 6 * chunks] * ep
         for i, calls in enumerate(zip(*logs, strict=True)):
             kinds = {(c["dtype"], tuple(c["row"]), tuple(c["out_row"]), c["async"]) for c in calls}
             assert len(kinds) == 1, (i, calls)
@@ -447,6 +480,8 @@ def _expected_row_splits(case: Case, tops: list[list[list[int]]], me: int) -> li
         pairs = [sum(e // local == r for token in tops[me] for e in token) for r in range(world)]
         back = [sum(e // local == me for token in tops[s] for e in token) for s in range(world)]
         return [pairs, back]
+    if case.dispatch == "allgather":  # all-gather and reduce-scatter: no all-to-all
+        return []
     chunks = case.chunks or DEFAULT_CHUNKS
 
     def sent(source: int, c: int) -> list[int]:
@@ -462,6 +497,13 @@ def _expected_row_splits(case: Case, tops: list[list[list[int]]], me: int) -> li
 def test_second_backward_refused(results, world):
     for res in results(world):
         assert "retain_graph is not supported" in res["second_backward"]
+        assert "retain_graph is not supported" in res["second_backward_allgather"]
+
+
+@pytest.mark.parametrize("world", list(CASES))
+def test_allgather_refuses_unequal_tokens_in_checked_mode(results, world):
+    for res in results(world):
+        assert "same number of tokens on every rank" in res["allgather_unequal"]
 
 
 def test_bad_arguments_rejected_before_any_collective():
@@ -531,19 +573,18 @@ def test_benchmark_runs_with_gloo(tmp_path):
     assert report["complete"] and report["warmup"] == 3 and report["steps"] == 1
     result = report["results"][0]
     assert result["equality"]["passed"]
-    assert set(result["equality"]["max_rel_error"]) == {"baseline", "chunks1", "chunks3"}
-    assert set(result["step_ms_slowest_rank"]) >= {"one_device_WT", "ep_chunks1", "ep_chunks3"}
-    assert set(result["first_call_s_slowest_rank"]) == {
-        "one_device",
-        "baseline",
-        "chunks1",
-        "chunks3",
-    }
+    schemes = {"baseline", "chunks1", "chunks3", "allgather"}
+    assert set(result["equality"]["max_rel_error"]) == schemes
+    assert set(result["step_ms_slowest_rank"]) >= {"one_device_WT"} | {f"ep_{s}" for s in schemes}
+    assert set(result["first_call_s_slowest_rank"]) == {"one_device"} | schemes
     for rank in result["per_rank"]:
         counts = rank["bytes"]
         # tiny: 64 tokens, top_k 2: at most 64 rows out of one, 128 of the other
         assert 0 < counts["rows_out_dedup"] <= min(64, counts["rows_out_baseline"])
         assert counts["rows_out_baseline"] <= 128
+        # all-gather: all 64 tokens to the other rank: four exchanges of 64 float32 rows of 32,
+        # plus each token's routing and weights' gradient (2 int32 ids, 2 + 2 float32 values)
+        assert counts["allgather_bytes"] == 4 * 64 * 32 * 4 + 64 * (8 + 8 + 8)
     # Rank 0 alone prints progress: a phase line, then the figure, before the shape's summary.
     lines = done.stdout.splitlines()
     summary = lines.index(next(line for line in lines if line.startswith("== tiny")))
@@ -551,7 +592,7 @@ def test_benchmark_runs_with_gloo(tmp_path):
     for key, ms in result["step_ms_slowest_rank"].items():
         timing = progress.index(next(p for p in progress if p.startswith(f"tiny: timing {key} ")))
         assert progress[timing + 1].startswith(f"tiny {key}: {ms:.2f} ms (slowest rank)")
-    for scheme in ("baseline", "chunks1", "chunks3"):
+    for scheme in schemes:
         assert sum(p.startswith(f"tiny equality {scheme}: ok ") for p in progress) == 1
 
 

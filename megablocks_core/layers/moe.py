@@ -174,8 +174,16 @@ class DroplessMoE(torch.nn.Module):
             for backward; for comparison (expert parallelism has its own exchange).
         expert_parallel_chunks: token chunks whose exchanges overlap the experts of the others
             (1: no overlap; the same on every rank of the group). None (default):
-            ``megablocks_core.layers.parallel.DEFAULT_CHUNKS`` (2). See
+            ``megablocks_core.layers.parallel.DEFAULT_CHUNKS`` (1). See
             :func:`megablocks_core.layers.parallel.expert_parallel_moe`.
+        expert_parallel_dispatch: how tokens reach the experts' ranks. ``"alltoall"``
+            (default): each token goes once to each rank holding one of its top-k experts, with
+            one host sync per call for the split sizes. ``"allgather"``: every rank gathers every
+            rank's tokens, runs its experts on them and a reduce-scatter sums the outputs back:
+            no host sync (CUDA-graph friendly), about as many bytes as ``"alltoall"`` on 2 ranks
+            but W - 1 rows per token on W ranks; every rank of the group must pass the same
+            number of tokens (checked only with ``MEGABLOCKS_CHECK=1``). See
+            :mod:`megablocks_core.layers.parallel`.
         grad_accumulation_fusion: opt the expert weights (``w1``, ``v1``, ``w2``) in to
             gradient-accumulation fusion (:func:`megablocks_core.fuse_grad_accumulation`): when a
             backward finds an expert weight's gradient already there (every micro-batch after
@@ -221,6 +229,7 @@ class DroplessMoE(torch.nn.Module):
         fuse_permutation: bool = True,
         expert_parallel_chunks: int | None = None,
         grad_accumulation_fusion: bool = False,
+        expert_parallel_dispatch: str = "alltoall",
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -239,6 +248,17 @@ class DroplessMoE(torch.nn.Module):
                 f"{expert_parallel_chunks!r}"
             )
         self.expert_parallel_chunks = expert_parallel_chunks
+        if expert_parallel_dispatch not in ("alltoall", "allgather"):
+            raise ValueError(
+                "DroplessMoE: expert_parallel_dispatch must be 'alltoall' or 'allgather', got "
+                f"{expert_parallel_dispatch!r}"
+            )
+        if expert_parallel_dispatch == "allgather" and expert_parallel_chunks not in (None, 1):
+            raise ValueError(
+                "DroplessMoE: expert_parallel_dispatch='allgather' runs in one piece; "
+                f"expert_parallel_chunks must be None or 1, got {expert_parallel_chunks!r}"
+            )
+        self.expert_parallel_dispatch = expert_parallel_dispatch
         self.num_local_experts, self.expert_offset = num_experts, 0
         if expert_parallel_group is not None:
             import torch.distributed as dist  # only expert parallelism needs it
@@ -387,7 +407,10 @@ class DroplessMoE(torch.nn.Module):
         from .parallel import DEFAULT_CHUNKS, expert_parallel_moe
 
         group, chunks = self.expert_parallel_group, self.expert_parallel_chunks
+        dispatch = self.expert_parallel_dispatch
         assert group is not None
+        if chunks is None:
+            chunks = 1 if dispatch == "allgather" else DEFAULT_CHUNKS
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         probs, weights, top_experts = self.route(x)
@@ -399,7 +422,8 @@ class DroplessMoE(torch.nn.Module):
             self._fused_experts,
             [p for p in (self.w1, self.v1, self.w2) if p is not None],
             group,
-            chunks=DEFAULT_CHUNKS if chunks is None else chunks,
+            chunks=chunks,
+            dispatch=dispatch,
         )
         if self.training and self.load_balancing_loss_coefficient > 0:
             with torch.no_grad():

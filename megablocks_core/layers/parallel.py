@@ -6,14 +6,16 @@ their outputs; it moves each token once per rank that holds at least one of its 
 
 1. **Plan** (this rank's tokens). Every (token, rank) pair is a *slot*; a slot is used when the
    token has an expert on that rank. ``ops.route`` sorts the slots by (chunk, rank) with the unused
-   ones in a last bin. The per-(chunk, rank) token counts go to their ranks in one small
+   ones in a last bin, and each slot's routing for its destination is written: the token's
+   top-k expert ids as that rank's local ids (``E/W``, a sentinel, for experts elsewhere) and
+   its top-k weights (0 for those). The per-(chunk, rank) token counts go to their ranks in one small
    ``all_to_all_single``, and the counts sent and received are read on the host with one
    ``.tolist()``: the one device→host sync of a layer call (``all_to_all_single`` takes its split
    sizes as Python ints).
 2. **Dispatch** (per chunk, asynchronous). Each used slot sends the token's row once, and, in a
-   second exchange, its top-k expert ids and weights (int32 and the weights' dtype, as bytes).
-3. **Experts** (per chunk, on the receiving rank). The received tokens' k-th choices outside this
-   rank become a sentinel expert ``E/W``; ``ops.route`` sorts the (token, k) pairs by local expert,
+   second exchange, its routing (:class:`_RoutingLayout`: one row of bytes per token).
+3. **Experts** (per chunk, on the receiving rank). ``ops.route`` sorts the received (token, k)
+   pairs by their local expert keys,
    the sentinel ones last, and the sentinel's bin is dropped (``bins[:E/W]``): the sorted rows
    past ``bins[-1]`` belong to no expert, which the fused ops' contracts allow. The layer's
    fused experts then run on the received tokens as they came: ``ops.gather_gmm`` reads each
@@ -56,6 +58,7 @@ replacement lives in the private ``torch.distributed._functional_collectives``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -65,14 +68,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import ops
+from ..policy import overrides
 
 if TYPE_CHECKING:  # moe imports this module lazily; only the annotations need the layer
     from .moe import DroplessMoE
 
-#: Token chunks of :func:`expert_parallel_moe` when the caller gives none: two halves, so that
-#: one half's experts overlap the other half's exchange at the cost of one more set of
-#: collectives and kernel launches per call.
-DEFAULT_CHUNKS = 2
+#: Token chunks of :func:`expert_parallel_moe` when the caller gives none. One: on 2 H200s
+#: (qwen3 and dsv3 shapes) two chunks were slower than one (11.3–12.1 vs 10.6–10.9 ms, 70.0 vs
+#: 55.7–57.1 ms): each chunk repeats the collectives, the launches and the expert weights'
+#: gradient GEMMs, which costs more than the overlap gains (docs/performance.md).
+DEFAULT_CHUNKS = 1
 
 # ops.route's padded_bins are not used here; any block size will do.
 _BLOCK = 128
@@ -161,6 +166,40 @@ class _InFlight:
         return out
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class _RoutingLayout:
+    """A dispatched token's routing as one row of bytes: its top-k keys (int32), its top-k weights.
+
+    The keys are local expert ids on the destination rank, ``E/W`` (a sentinel that sorts last)
+    for the token's experts elsewhere, whose weights are 0: the receiver routes them as they
+    come. The weights start at a multiple of 8 bytes and rows are padded to 8, so both parts view
+    as their dtype in place (no copy)."""
+
+    top_k: int
+    weights_dtype: torch.dtype
+
+    @property
+    def weights_offset(self) -> int:
+        return _round_up(4 * self.top_k, 8)
+
+    @property
+    def row_bytes(self) -> int:
+        return _round_up(self.weights_offset + self.top_k * self.weights_dtype.itemsize, 8)
+
+    def keys(self, buffer: Tensor) -> Tensor:
+        return buffer[..., : 4 * self.top_k].view(torch.int32)
+
+    def weights(self, buffer: Tensor) -> Tensor:
+        start = self.weights_offset
+        return buffer[..., start : start + self.top_k * self.weights_dtype.itemsize].view(
+            self.weights_dtype
+        )
+
+
 @dataclass
 class _Plan:
     """Split sizes (host ints) and slot routing (device) of one call, shared by forward and backward.
@@ -177,7 +216,8 @@ class _Plan:
     slot_indices: Tensor
     slot_bin_ids: Tensor
     slot_bins: Tensor
-    send_tokens: Tensor  # token of each of the first `sent` sorted slots
+    slot_tokens: Tensor  # token of each sorted slot (the first `sent` are the rows sent)
+    slot_routing: Tensor  # (tokens * world, _RoutingLayout.row_bytes): each slot's routing
 
     def send_slice(self, chunk: int) -> slice:
         start = self.offsets[chunk]
@@ -190,31 +230,49 @@ class _Plan:
         )
 
 
-def _chunk_of_token(tokens: int, chunks: int, device: torch.device) -> Tensor:
-    """Chunk c holds tokens [c*T//C, (c+1)*T//C): the largest c with c*T//C <= t."""
+@functools.lru_cache(maxsize=16)
+def _slot_keys_base(
+    tokens: int, chunks: int, world: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(tokens, world) sort keys ``chunk(t) * world + r`` of the slots, and the ranks (1, W, 1).
+
+    Chunk c holds tokens [c*T//C, (c+1)*T//C): the largest c with c*T//C <= t. Cached: the same
+    few token counts recur call after call, and these are several small kernels each."""
     t = torch.arange(tokens, device=device)
-    if tokens == 0:
-        return t
-    return torch.div((t + 1) * chunks + tokens - 1, tokens, rounding_mode="floor") - 1
+    chunk = torch.div((t + 1) * chunks + tokens - 1, max(tokens, 1), rounding_mode="floor") - 1
+    ranks = torch.arange(world, device=device)
+    return (chunk.unsqueeze(1) * world + ranks).int(), ranks.int().view(1, world, 1)
 
 
-def _plan(top_experts: Tensor, num_experts: int, chunks: int, group: dist.ProcessGroup) -> _Plan:
+def _plan(
+    top_experts: Tensor,
+    weights: Tensor,
+    num_experts: int,
+    chunks: int,
+    layout: _RoutingLayout,
+    group: dist.ProcessGroup,
+) -> _Plan:
     world = dist.get_world_size(group)
     local = num_experts // world
     tokens = top_experts.shape[0]
-    device = top_experts.device
-    ranks = torch.div(top_experts, local, rounding_mode="floor").long()  # (T, K)
-    chunk = _chunk_of_token(tokens, chunks, device).unsqueeze(1)
-    all_ranks = torch.arange(world, device=device)
-    used = (ranks.unsqueeze(2) == all_ranks).any(1)  # (T, W): the token has an expert there
-    keys = torch.where(used, chunk * world + all_ranks, chunks * world).flatten()
-    indices, bin_ids, slots_per_bin, bins, _ = ops.route(keys.int(), chunks * world + 1, _BLOCK)
+    slot_base, all_ranks = _slot_keys_base(tokens, chunks, world, top_experts.device)
+    # mine[t, r, k]: token t's k-th expert lives on rank r. Each slot's routing (the keys and
+    # weights its destination receives) is written for every slot now, before the host sync,
+    # so that only row copies remain between the sync and the exchange.
+    mine = torch.div(top_experts, local, rounding_mode="floor").unsqueeze(1) == all_ranks
+    routing = top_experts.new_empty((tokens, world, layout.row_bytes), dtype=torch.uint8)
+    layout.keys(routing).copy_(torch.where(mine, top_experts.remainder(local).unsqueeze(1), local))
+    layout.weights(routing).copy_(torch.where(mine, weights.unsqueeze(1), 0))
+    keys = torch.where(mine.any(2), slot_base, chunks * world).flatten()
+    indices, bin_ids, slots_per_bin, bins, _ = ops.route(keys, chunks * world + 1, _BLOCK)
 
     # send_counts[r, c] = tokens of chunk c for rank r; int64 so that no backend has to support a
     # narrower integer collective.
-    send_counts = slots_per_bin[:-1].view(chunks, world).transpose(0, 1).contiguous().long()
+    per_chunk = slots_per_bin[:-1].view(chunks, world)
+    send_counts = per_chunk.new_empty((world, chunks), dtype=torch.int64).copy_(per_chunk.t())
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
+    slot_tokens = torch.div(indices, world, rounding_mode="floor")
     # The one host read of the layer call: all chunks' split sizes at once.
     sent_to, received_from = torch.stack([send_counts, recv_counts]).tolist()
 
@@ -232,58 +290,41 @@ def _plan(top_experts: Tensor, num_experts: int, chunks: int, group: dist.Proces
         slot_indices=indices,
         slot_bin_ids=bin_ids,
         slot_bins=bins,
-        send_tokens=torch.div(indices[:total], world, rounding_mode="floor"),
+        slot_tokens=slot_tokens,
+        slot_routing=routing.view(tokens * world, layout.row_bytes),
     )
-
-
-def _pack(ids: Tensor, weights: Tensor) -> Tensor:
-    """(rows, K) int32 ids and (rows, K) weights as one (rows, K * (4 + itemsize)) byte tensor."""
-    return torch.cat(
-        [ids.int().contiguous().view(torch.uint8), weights.contiguous().view(torch.uint8)], dim=1
-    )
-
-
-def _unpack(meta: Tensor, top_k: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    # Copies: a view of the bytes may start at an offset that the wider dtypes cannot view.
-    def copy(part: Tensor) -> Tensor:
-        return part.clone(memory_format=torch.contiguous_format)
-
-    return copy(meta[:, : 4 * top_k]).view(torch.int32), copy(meta[:, 4 * top_k :]).view(dtype)
 
 
 class _LocalChunk:
     """One chunk's received tokens through this rank's experts: one partial row per token.
 
     The fused experts read the received rows in place (``ops.gather_gmm``) and sum each token's
-    weighted outputs (``ops.gmm_scatter``); the (token, k) pairs of other ranks' experts are
-    sorted past the last local bin, where they belong to no expert. With ``record``, the forward
-    records that graph from two leaves, the received rows and the received weights, and backward
-    differentiates it with ``torch.autograd.grad``."""
+    weighted outputs (``ops.gmm_scatter``); the (token, k) pairs of other ranks' experts came
+    with the sentinel key ``local`` and weight 0, so they sort past the last local bin, where
+    they belong to no expert. With ``record``, the forward records that graph from two leaves,
+    the received rows and the received weights, and backward differentiates it with
+    ``torch.autograd.grad``."""
 
     def __init__(
         self,
-        received: Tensor,
-        ids: Tensor,
+        rows: Tensor,
+        keys: Tensor,
         weights: Tensor,
-        first_expert: int,
         local: int,
         experts: FusedExperts,
         record: bool,
     ) -> None:
-        local_ids = ids - first_expert
-        mine = (local_ids >= 0) & (local_ids < local)
-        keys = torch.where(mine, local_ids, local).flatten()  # other ranks' experts: bin `local`
-        indices, bin_ids, _, bins, _ = ops.route(keys, local + 1, _BLOCK)
+        """``keys``: (rows, K) local expert ids, ``local`` for other ranks' experts, whose
+        ``weights`` (rows, K) are 0."""
+        indices, bin_ids, _, bins, _ = ops.route(keys.flatten(), local + 1, _BLOCK)
         with torch.enable_grad() if record else torch.no_grad():
             if record:
-                received = received.detach().requires_grad_()
+                rows = rows.detach().requires_grad_()
                 weights = weights.detach().requires_grad_()
             # Dropping the sentinel's bin leaves its pairs past bins[-1]: no expert's rows, so
             # they are neither gathered nor multiplied; weight 0 besides, so they add nothing.
-            partial = experts(
-                received, weights.masked_fill(~mine, 0).flatten(), indices, bin_ids, bins[:local]
-            )
-        self.received, self.weights = received, weights
+            partial = experts(rows, weights.flatten(), indices, bin_ids, bins[:local])
+        self.received, self.weights = rows, weights
         self.graph: Tensor | None = partial if record else None
         self.partial: Tensor | None = partial.detach()
 
@@ -326,42 +367,44 @@ class _ExpertParallelMoE(torch.autograd.Function):
         record: bool,
         *parameters: Tensor,
     ) -> Tensor:
-        plan = _plan(top_experts, num_experts, chunks, group)
-        world, top_k, hidden = plan.world, top_experts.shape[1], x.shape[1]
+        world, top_k, hidden = dist.get_world_size(group), top_experts.shape[1], x.shape[1]
+        layout = _RoutingLayout(top_k, weights.dtype)
+        plan = _plan(top_experts, weights, num_experts, chunks, layout, group)
         local = num_experts // world
-        first_expert = dist.get_rank(group) * local
 
-        send_rows = x.index_select(0, plan.send_tokens)
-        send_meta = _pack(
-            top_experts.index_select(0, plan.send_tokens),
-            weights.index_select(0, plan.send_tokens),
-        )
+        sent = slice(0, plan.sent)
+        send_rows = x.index_select(0, plan.slot_tokens[sent])
+        send_routing = plan.slot_routing.index_select(0, plan.slot_indices[sent])
         dispatches = []
         for c in range(chunks):  # every chunk's rows are ready: start all their exchanges now
             rows = sum(plan.recv_splits[c])
-            out_rows = x.new_empty(rows, hidden)
-            out_meta = send_meta.new_empty(rows, send_meta.shape[1])
             part = plan.send_slice(c)
             split_in, split_out = plan.send_splits[c], plan.recv_splits[c]
             dispatches.append(
                 (
-                    _InFlight(out_rows, send_rows[part], split_out, split_in, group),
-                    _InFlight(out_meta, send_meta[part], split_out, split_in, group),
+                    _InFlight(
+                        x.new_empty(rows, hidden), send_rows[part], split_out, split_in, group
+                    ),
+                    _InFlight(
+                        send_routing.new_empty(rows, layout.row_bytes),
+                        send_routing[part],
+                        split_out,
+                        split_in,
+                        group,
+                    ),
                 )
             )
-        del send_rows, send_meta  # the exchanges hold them until they are done
+        del send_rows, send_routing  # the exchanges hold them until they are done
 
         slots = x.new_empty(x.shape[0] * world, hidden)  # partials back, by sorted slot
         slots[plan.sent :].zero_()
         chunk_states, returns = [], []
-        for c, (rows_in, meta_in) in enumerate(dispatches):
-            received = rows_in.wait()
-            ids, received_weights = _unpack(meta_in.wait(), top_k, weights.dtype)
+        for c, (rows_in, routing_in) in enumerate(dispatches):
+            routing = routing_in.wait()
             state = _LocalChunk(
-                received,
-                ids,
-                received_weights,
-                first_expert,
+                rows_in.wait(),
+                layout.keys(routing),
+                layout.weights(routing),
                 local,
                 experts,
                 record,
@@ -396,7 +439,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
         tokens = grad_out.shape[0]
         # Every chunk's output gradient is known: start all of their exchanges now. (The gradient
         # of a partial row is its token's output gradient: the source sums the partials.)
-        grad_partials = grad_out.index_select(0, plan.send_tokens)
+        grad_partials = grad_out.index_select(0, plan.slot_tokens[: plan.sent])
         arriving = []
         for c in range(len(states)):
             out = grad_out.new_empty(sum(plan.recv_splits[c]), hidden)
@@ -445,6 +488,110 @@ class _ExpertParallelMoE(torch.autograd.Function):
         return (grad_x, grad_w, None, None, None, None, None, None, *parameter_grads)
 
 
+# ---------------------------------------------------------------------------
+# Every token to every rank: all-gather in, reduce-scatter out (no host sync)
+
+
+def _all_gather(out: Tensor, inp: Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
+    """``out`` = every rank's ``inp`` stacked in rank order (equal sizes on every rank)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp.contiguous(), group=group, async_op=async_op)
+
+
+def _reduce_scatter(inp: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Rank r's ``1/W`` share of ``inp`` (rows ``[r*n, (r+1)*n)``) summed over the ranks."""
+    world = dist.get_world_size(group)
+    out = inp.new_empty((inp.shape[0] // world, *inp.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, inp.contiguous(), group=group)
+    return out
+
+
+def _check_same_tokens(tokens: int, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Checked mode only (a host read): every rank passes the same number of tokens."""
+    counts = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+    _all_gather(counts, torch.tensor([tokens], dtype=torch.int64, device=device), group)
+    seen = counts.tolist()
+    if len(set(seen)) > 1:
+        raise ValueError(
+            f"{_NAME}: dispatch='allgather' needs the same number of tokens on every rank of "
+            f"the group; got {seen}"
+        )
+
+
+class _AllGatherMoE(torch.autograd.Function):
+    """x, top-k weights and expert parameters → expert outputs, every token on every rank.
+
+    Forward: all-gather the tokens and their routing; each rank runs its experts on every
+    rank's tokens (the choices of other ranks' experts are the sentinel bin ``E/W`` with weight
+    0: sorted rows past ``bins[-1]``, no expert's) and sums each token's outputs into one
+    partial row; a reduce-scatter sums the partials over the ranks into each rank's tokens.
+    Backward: all-gather the output gradient, differentiate the recorded experts' graph, and
+    reduce-scatter the gradients of the tokens and of the weights. No split sizes, so no host
+    read."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weights: Tensor,
+        top_experts: Tensor,
+        num_experts: int,
+        experts: FusedExperts,
+        group: dist.ProcessGroup,
+        record: bool,
+        *parameters: Tensor,
+    ) -> Tensor:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        tokens, top_k = top_experts.shape
+        local = num_experts // world
+        all_x = x.new_empty(world * tokens, x.shape[1])
+        rows_in = _all_gather(all_x, x, group, async_op=True)
+        layout = _RoutingLayout(top_k, weights.dtype)
+        routing = top_experts.new_empty((tokens, layout.row_bytes), dtype=torch.uint8)
+        layout.keys(routing).copy_(top_experts)
+        layout.weights(routing).copy_(weights)
+        all_routing = routing.new_empty(world * tokens, layout.row_bytes)
+        _all_gather(all_routing, routing, group)
+        ids, all_weights = layout.keys(all_routing), layout.weights(all_routing)
+        mine = torch.div(ids, local, rounding_mode="floor") == rank
+        keys = torch.where(mine, ids.remainder(local), local)
+        all_weights = torch.where(mine, all_weights, 0)
+        rows_in.wait()
+        state = _LocalChunk(all_x, keys, all_weights, local, experts, record)
+        ctx.state = state if record else None
+        ctx.group, ctx.parameters = group, parameters
+        return _reduce_scatter(state.take_partial(), group)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        state: _LocalChunk | None = ctx.state
+        if state is None or state.graph is None:
+            raise RuntimeError(
+                f"{_NAME}: backward ran twice through one call (retain_graph is not supported), "
+                "or the forward recorded no graph"
+            )
+        group = ctx.group
+        grad_all = grad_out.new_empty(state.received.shape)
+        _all_gather(grad_all, grad_out, group)
+        grad_rows, grad_weights, parameter_grads = state.backward(grad_all, ctx.parameters)
+        ctx.state = None
+        # Every rank takes part in both exchanges, whatever it needs.
+        grad_x = _reduce_scatter(grad_rows, group)
+        grad_w = _reduce_scatter(grad_weights, group)
+        return (
+            grad_x if ctx.needs_input_grad[0] else None,
+            grad_w if ctx.needs_input_grad[1] else None,
+            *(None,) * 5,
+            *parameter_grads,
+        )
+
+
+#: The two ways :func:`expert_parallel_moe` moves tokens.
+DISPATCHES = ("alltoall", "allgather")
+
+
 def expert_parallel_moe(
     x: Tensor,
     weights: Tensor,
@@ -455,6 +602,7 @@ def expert_parallel_moe(
     group: dist.ProcessGroup,
     *,
     chunks: int = DEFAULT_CHUNKS,
+    dispatch: str = "alltoall",
 ) -> Tensor:
     """The MoE output of this rank's tokens when the experts are sharded over ``group``.
 
@@ -504,9 +652,26 @@ def expert_parallel_moe(
     world = dist.get_world_size(group)
     if num_experts % world:
         raise ValueError(f"{_NAME}: {num_experts} experts do not divide over {world} ranks")
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"{_NAME}: dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    if dispatch == "allgather" and chunks != 1:
+        raise ValueError(f"{_NAME}: dispatch='allgather' runs in one piece (chunks=1)")
     record = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, weights, *expert_parameters)
     )
+    if dispatch == "allgather":
+        if overrides.checked:  # MEGABLOCKS_CHECK=1
+            _check_same_tokens(x.shape[0], group, x.device)
+        return _AllGatherMoE.apply(
+            x,
+            weights,
+            top_experts.int(),
+            num_experts,
+            experts,
+            group,
+            record,
+            *expert_parameters,
+        )
     return _ExpertParallelMoE.apply(
         x,
         weights,
