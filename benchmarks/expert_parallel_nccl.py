@@ -324,9 +324,17 @@ def run_shape(
     grad_out = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     kwargs = dict(top_k=top_k, glu=args.glu, seed=0, dtype=dtype, device=device)
     full = DroplessMoE(hidden, ffn, experts, **kwargs)
-    sharded = DroplessMoE(hidden, ffn, experts, expert_parallel_group=dist.group.WORLD, **kwargs)
+    # The sharded layer is the full one's slice. Its own initialisation would draw every expert
+    # again on the CPU (minutes at dsv3): build it on the meta device and copy the slice.
+    meta = {**kwargs, "device": "meta"}
+    sharded = DroplessMoE(hidden, ffn, experts, expert_parallel_group=dist.group.WORLD, **meta)
+    sharded.to_empty(device=device)
     lo, hi = sharded.expert_offset, sharded.expert_offset + sharded.num_local_experts
     expert_names = [n for n in ("w1", "v1", "w2") if getattr(full, n) is not None]
+    with torch.no_grad():
+        sharded.router.copy_(full.router)
+        for n in expert_names:
+            getattr(sharded, n).copy_(getattr(full, n)[lo:hi])
 
     def first_call(step: Step) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Forward and backward of x (a new leaf) against grad_out: the seconds it took (the

@@ -605,7 +605,8 @@ def test_benchmark_timeout_names_the_phase():
     lines = done.stdout.splitlines()
     announced = [x.split("] ", 1)[1] for x in lines if x.startswith("[ep ") and x.endswith(" ...")]
     for rank in (0, 1):
-        line = next(x for x in lines if x.startswith(f"[ep rank {rank}] TIMEOUT"))
+        line = next((x for x in lines if x.startswith(f"[ep rank {rank}] TIMEOUT")), None)
+        assert line is not None, (rank, done.stdout[-3000:], done.stderr[-6000:])
         assert "--timeout 3 s reached in phase '" in line, line
         phase = line.split(" reached in phase '", 1)[1].split("' (in it for ", 1)[0]
         assert f"{phase} ..." in announced, (phase, announced)  # the phases rank 0 printed

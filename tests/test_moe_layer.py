@@ -243,6 +243,20 @@ def test_initialisation_is_seeded_and_scaled():
         DroplessMoE(8, 8, 4, 5)
 
 
+def test_meta_layer_draws_nothing_and_loads_values_after_to_empty(monkeypatch):
+    drawn = []
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: drawn.append(a) or randn(*a, **k))
+    layer = DroplessMoE(64, 128, 8, 2, glu=True, seed=3, device="meta")
+    assert drawn == [] and all(p.is_meta for p in layer.parameters())
+    monkeypatch.undo()
+    reference = DroplessMoE(64, 128, 8, 2, glu=True, seed=3)
+    layer.to_empty(device="cpu")
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(layer(x)[0], reference(x)[0], rtol=0, atol=0)
+
+
 def _compile_inputs(device="cpu", dtype=torch.float32):
     model = make(
         hidden=16,

@@ -323,8 +323,11 @@ class DroplessMoE(torch.nn.Module):
 
         Drawing on the CPU and copying makes the values identical on every device. With expert
         parallelism the full (E, ...) expert tensors are drawn and this rank's slice kept, so the
-        values match the single-process layer's with the same seed.
+        values match the single-process layer's with the same seed. On the meta device nothing is
+        drawn (``to_empty`` then loading values is the way to fill such a layer).
         """
+        if self.router.is_meta:  # meta parameters hold no values: nothing to draw
+            return
         generator = torch.Generator().manual_seed(seed)
         start, stop = self.expert_offset, self.expert_offset + self.num_local_experts
         for p in self.parameters():
