@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import contracts, validation
+from .dispatch import SHAPE_CACHE_LIMIT
 from .entries import ENTRIES
 
 _sort = ENTRIES["sort"]
@@ -170,9 +171,35 @@ def gmm_scatter(
 # --- composite ops: plain torch on every device ------------------------------------
 
 
+#: Call keys each composite op has validated. Their rules read only dtypes, shapes, devices and
+#: the int/sequence arguments (never data), so a repeated call shape skips validation (~30 µs of
+#: host time), as the dispatched ops' entries do; bounded like their caches.
+_validated: dict[str, set[tuple[object, ...]]] = {}
+
+
+def _key_item(arg: object) -> object:
+    if isinstance(arg, Tensor):
+        return (arg.dtype, arg.shape, arg.device)
+    if isinstance(arg, list | tuple):  # exact types: validation tells 2 from numpy.int64(2)
+        return (type(arg), tuple((type(a), a) for a in arg))
+    return (type(arg), arg)
+
+
 def _check(contract: contracts.OpContract, *args: object) -> None:
-    if not torch.compiler.is_compiling():  # dynamo traces the torch calls, not the checks
-        validation.validate(contract, args)
+    if torch.compiler.is_compiling():  # dynamo traces the torch calls, not the checks
+        return
+    seen = _validated.setdefault(contract.name, set())
+    try:
+        key: tuple[object, ...] | None = tuple(_key_item(a) for a in args)
+        if key in seen:
+            return
+    except TypeError:  # unhashable: validate every call
+        key = None
+    validation.validate(contract, args)
+    if key is not None:
+        if len(seen) >= SHAPE_CACHE_LIMIT:
+            seen.clear()
+        seen.add(key)
 
 
 def round_up(x: Tensor, value: int) -> Tensor:

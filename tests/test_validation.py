@@ -228,3 +228,38 @@ def test_a_traceback_through_an_entry_function_shows_its_generated_lines():
     assert entry[0].line == "chosen = _resolve(_contract, key, (x, num_bins,))"
     assert entry[0].line in ENTRIES["histogram"].__source__
     assert "chosen = _resolve(_contract, key" in "".join(traceback.format_exception(info.value))
+
+
+def test_composite_ops_remember_valid_call_shapes_and_reject_bad_calls_every_time(monkeypatch):
+    """round_up/repeat/sum validate a call shape once (their rules read no data); a call that
+    breaks the contract is never remembered, so it raises every time."""
+    from megablocks_core import validation
+
+    validated = []
+    real = validation.validate
+
+    def counting(op, args, *rest, **kw):
+        validated.append(op.name)
+        return real(op, args, *rest, **kw)
+
+    monkeypatch.setattr(validation, "validate", counting)
+    monkeypatch.setattr(ops, "_validated", {})
+    x = torch.tensor([0, 1, 5, 8], dtype=torch.int32)
+    for _ in range(3):
+        assert ops.round_up(x, 4).tolist() == [0, 4, 8, 8]
+    assert validated == ["round_up"]
+    assert ops.round_up(x, 8).tolist() == [0, 8, 8, 8]  # another value: validated once more
+    assert ops.round_up(x[:2], 4).tolist() == [0, 4]  # another shape
+    assert validated == ["round_up"] * 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="'value' must be an int >= 1"):
+            ops.round_up(x, 0)
+        with pytest.raises(TypeError, match="'value' must be an int >= 1; got bool"):
+            ops.round_up(x, True)  # == 1 and hashes like 1: the key tells the types apart
+        with pytest.raises(TypeError, match="argument 'x' must be a tensor of int"):
+            ops.round_up(x.float(), 4)
+        with pytest.raises(ValueError, match="one factor per dimension"):
+            ops.repeat(x.view(2, 2), (2,))
+    assert ops.repeat(x.view(2, 2), [1, 2]).shape == (2, 4)
+    assert ops.repeat(x.view(2, 2), [1, 2]).shape == (2, 4)
+    assert validated.count("repeat") == 3  # two refused calls, one valid shape
