@@ -47,6 +47,11 @@ autograd graph, recorded per chunk in forward from the received tokens and weigh
 differentiated with ``torch.autograd.grad``: the fused ops' own backward, with no copy of the
 pairs' rows and no zero padding of the rows the sentinel pairs would fill).
 
+``dispatch="allgather"`` (:class:`_AllGatherMoE`) is the other way: all-gather every rank's
+tokens and routing, run the local experts on all of them (other ranks' choices as the sentinel),
+reduce-scatter the partial rows; no split sizes, so no host sync, at the price of every token
+reaching every rank (W - 1 rows per token on the link).
+
 :func:`expert_parallel_apply` is the earlier exchange, kept as a baseline for benchmarks: it moves
 one row per (token, expert) pair, so a token crosses the link up to top_k times.
 
@@ -628,11 +633,15 @@ def expert_parallel_moe(
             the gradient of every rank's tokens that reached them).
         group: the expert-parallel process group.
         chunks: token chunks pipelined against each other (>= 1, the same on every rank;
-            1: no overlap). Chunks may be empty (more chunks than tokens).
+            1: no overlap). Chunks may be empty (more chunks than tokens). ``"alltoall"`` only.
+        dispatch: ``"alltoall"`` (each token once to each rank holding one of its experts; see
+            the module docstring) or ``"allgather"`` (:class:`_AllGatherMoE`: every rank's tokens
+            to every rank, the outputs summed back by a reduce-scatter; no host sync; every rank
+            must pass the same number of tokens, which ``MEGABLOCKS_CHECK=1`` checks).
 
     Returns ``(tokens, hidden)`` in x's dtype. Collective: every rank of the group calls it, once
-    per layer call, in the same order, and runs its backward. One device→host sync (all split
-    sizes at once).
+    per layer call, in the same order, and runs its backward. ``"alltoall"``: one device→host
+    sync (all split sizes at once); ``"allgather"``: none.
     """
     if x.dim() != 2 or weights.dim() != 2 or top_experts.shape != weights.shape:
         raise ValueError(
