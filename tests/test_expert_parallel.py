@@ -636,3 +636,18 @@ def test_baseline_needs_an_expert_parallel_layer():
     layer = DroplessMoE(HIDDEN, 8, 4, top_k=2, seed=0, dtype=torch.float64)
     with pytest.raises(ValueError, match="no expert_parallel_group"):
         expert_parallel_baseline(layer, torch.zeros(3, HIDDEN, dtype=torch.float64))
+
+
+def test_layer_refuses_an_unknown_dispatch_and_chunks_with_allgather():
+    with pytest.raises(ValueError, match="expert_parallel_dispatch must be 'alltoall' or"):
+        DroplessMoE(HIDDEN, FFN, 4, 2, expert_parallel_dispatch="all2all")
+    with pytest.raises(ValueError, match="runs in one piece; expert_parallel_chunks must be"):
+        DroplessMoE(
+            HIDDEN, FFN, 4, 2, expert_parallel_dispatch="allgather", expert_parallel_chunks=2
+        )
+    x, weights = torch.zeros(3, HIDDEN), torch.zeros(3, 2)
+    top = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        expert_parallel_moe(x, weights, top, 4, None, [], None, dispatch="broadcast")
+    with pytest.raises(ValueError, match="runs in one piece"):
+        expert_parallel_moe(x, weights, top, 4, None, [], None, chunks=2, dispatch="allgather")

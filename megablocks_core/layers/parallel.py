@@ -658,13 +658,13 @@ def expert_parallel_moe(
         )
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"{_NAME}: chunks must be an int >= 1, got {chunks!r}")
-    world = dist.get_world_size(group)
-    if num_experts % world:
-        raise ValueError(f"{_NAME}: {num_experts} experts do not divide over {world} ranks")
     if dispatch not in DISPATCHES:
         raise ValueError(f"{_NAME}: dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     if dispatch == "allgather" and chunks != 1:
         raise ValueError(f"{_NAME}: dispatch='allgather' runs in one piece (chunks=1)")
+    world = dist.get_world_size(group)
+    if num_experts % world:
+        raise ValueError(f"{_NAME}: {num_experts} experts do not divide over {world} ranks")
     record = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, weights, *expert_parameters)
     )
