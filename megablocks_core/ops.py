@@ -181,8 +181,14 @@ def _key_item(arg: object) -> object:
     if isinstance(arg, Tensor):
         return (arg.dtype, arg.shape, arg.device)
     if isinstance(arg, list | tuple):  # exact types: validation tells 2 from numpy.int64(2)
-        return (type(arg), tuple((type(a), a) for a in arg))
-    return (type(arg), arg)
+        return (type(arg), tuple(_scalar_key(a) for a in arg))
+    return _scalar_key(arg)
+
+
+def _scalar_key(value: object) -> object:
+    if isinstance(value, Tensor):  # a value held in a tensor: no key vouches for it
+        raise TypeError("not a key")
+    return (type(value), value)
 
 
 def _check(contract: contracts.OpContract, *args: object) -> None:

@@ -639,7 +639,9 @@ def test_baseline_needs_an_expert_parallel_layer():
 
 
 def test_layer_refuses_an_unknown_dispatch_and_chunks_with_allgather():
-    with pytest.raises(ValueError, match="expert_parallel_dispatch must be 'alltoall' or"):
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_dispatch must be one of \('alltoall', 'allgather'\)"
+    ):
         DroplessMoE(HIDDEN, FFN, 4, 2, expert_parallel_dispatch="all2all")
     with pytest.raises(ValueError, match="runs in one piece; expert_parallel_chunks must be"):
         DroplessMoE(

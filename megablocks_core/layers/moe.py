@@ -248,9 +248,11 @@ class DroplessMoE(torch.nn.Module):
                 f"{expert_parallel_chunks!r}"
             )
         self.expert_parallel_chunks = expert_parallel_chunks
-        if expert_parallel_dispatch not in ("alltoall", "allgather"):
+        from .parallel import DISPATCHES
+
+        if expert_parallel_dispatch not in DISPATCHES:
             raise ValueError(
-                "DroplessMoE: expert_parallel_dispatch must be 'alltoall' or 'allgather', got "
+                f"DroplessMoE: expert_parallel_dispatch must be one of {DISPATCHES}, got "
                 f"{expert_parallel_dispatch!r}"
             )
         if expert_parallel_dispatch == "allgather" and expert_parallel_chunks not in (None, 1):
