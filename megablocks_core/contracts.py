@@ -432,6 +432,54 @@ ROUTE = OpContract(
     ),
 )
 
+ROUTER_TOPK = OpContract(
+    name="router_topk",
+    family="routing",
+    summary="Each token's top_k experts by router score, and their weights (optionally softmax).",
+    args=(
+        TensorArg("scores", FLOAT_DTYPES, (2,), "router scores (logits), (tokens, experts)"),
+        IntArg("top_k", "experts per token", min=1),
+        BoolArg(
+            "softmax",
+            "weights are softmax(scores) over all experts (True) or the scores themselves (False)",
+        ),
+    ),
+    rules=(Rule("top_k <= scores.shape[1]", "top_k is at most the number of experts"),),
+    outputs=(
+        Output(
+            "weights",
+            "scores.dtype",
+            ("scores.shape[0]", "top_k"),
+            "the chosen experts' scores, or softmax probabilities",
+        ),
+        Output(
+            "experts",
+            "torch.int32",
+            ("scores.shape[0]", "top_k"),
+            "ids of the top_k largest scores of each row, largest first",
+        ),
+    ),
+    semantics=(
+        "experts[t] lists the ids of row t's top_k largest scores in descending order; equal "
+        "scores rank the lower id first (so the result is deterministic) and NaN ranks above "
+        "every number (as torch.topk), -0.0 equals 0.0. weights[t, j] is scores[t, e] for "
+        "e = experts[t, j], or with softmax the probability exp(scores[t, e]) / sum over all "
+        "experts of exp(scores[t, .]) computed in at least float32 and rounded to scores' dtype "
+        "(a row holding NaN, or only -inf, has NaN probabilities). Ranking by the scores is "
+        "ranking by the probabilities (softmax is monotonic) without their rounding. Not "
+        "differentiable: a layer that trains its router takes the weights' gradient through "
+        "softmax(scores).gather(1, experts)."
+    ),
+    edge_cases=(
+        "zero tokens: empty (0, top_k) outputs",
+        "top_k = experts: every expert, in descending order of score",
+    ),
+    deviations=(
+        "Not in MegaBlocks, whose router calls torch.topk on the probabilities (ties broken in "
+        "an unspecified order) and casts the ids separately.",
+    ),
+)
+
 # ---------------------------------------------------------------------------
 # Permutation
 
@@ -931,6 +979,7 @@ ALL: tuple[OpContract, ...] = (
     REPLICATE,
     REPLICATE_BACKWARD,
     ROUTE,
+    ROUTER_TOPK,
     GATHER,
     SCATTER,
     SCATTER_WGRAD,

@@ -51,7 +51,8 @@ class BackendHooks:
         """Return kernels for the routing ops.
 
         Routing ops: sort, histogram, inclusive_cumsum, exclusive_cumsum,
-        topology, replicate, replicate_backward.
+        topology, replicate, replicate_backward, route (all routing metadata in
+        one op) and router_topk (each token's top-k experts and weights).
 
         Example::
 

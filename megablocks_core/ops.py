@@ -25,6 +25,7 @@ _exclusive_cumsum = ENTRIES["exclusive_cumsum"]
 _topology = ENTRIES["topology"]
 _replicate = ENTRIES["replicate"]
 _route = ENTRIES["route"]
+_router_topk = ENTRIES["router_topk"]
 _gather = ENTRIES["gather"]
 _scatter = ENTRIES["scatter"]
 _padded_gather = ENTRIES["padded_gather"]
@@ -75,6 +76,12 @@ def route(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(indices, bin_ids, tokens_per_expert, bins, padded_bins) from the flat top-k expert ids."""
     return _route(top_experts, num_experts, block_size)
+
+
+def router_topk(scores: Tensor, top_k: int, softmax: bool = False) -> tuple[Tensor, Tensor]:
+    """(weights, experts int32), each (tokens, top_k): every row's top_k experts by score,
+    largest first (equal scores: lower id first), and their scores or softmax probabilities."""
+    return _router_topk(scores, top_k, softmax)
 
 
 # --- permutation -------------------------------------------------------------
@@ -246,6 +253,7 @@ __all__ = [
     "replicate",
     "round_up",
     "route",
+    "router_topk",
     "scatter",
     "sort",
     "sum",

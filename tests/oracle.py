@@ -140,6 +140,26 @@ def route(
     return indices, bin_ids, counts, inclusive_cumsum(counts, 0), inclusive_cumsum(padded, 0)
 
 
+def router_topk(scores: Any, top_k: int, softmax: bool) -> tuple[Array, Array]:
+    """(weights, experts): each row's top_k ids by descending score, NaN above every number and
+    equal scores by lower id; weights are the scores or their softmax over the whole row."""
+    s = _f64(scores)
+    weights = np.zeros((s.shape[0], top_k))
+    experts = np.zeros((s.shape[0], top_k), dtype=np.int64)
+    for t, row in enumerate(s):
+        ranked = sorted(
+            range(len(row)),
+            key=lambda e: (0, 0.0, e) if np.isnan(row[e]) else (1, -row[e], e),
+        )
+        if softmax:
+            peak = np.max(row)  # NaN if any is NaN; -inf - -inf is NaN too
+            ex = np.exp(row - peak)
+            row = ex / ex.sum()
+        experts[t] = ranked[:top_k]
+        weights[t] = [row[e] for e in ranked[:top_k]]
+    return weights, experts
+
+
 # --------------------------------------------------------------------------------------------
 # permutation: sorted row i holds flat id f = indices[i] = token * top_k + k
 

@@ -84,6 +84,7 @@ def _opcheck_samples():
         "replicate": (torch.randn(2, 4, requires_grad=True), bins, 8),
         "replicate_backward": (torch.randn(2, 8), bins),
         "route": (top, 4, 4),
+        "router_topk": (torch.randn(4, 6), 2, True),
         "gather": (x, indices, bin_ids, None, bins, 2),
         "scatter": (rows, indices, bin_ids, w, bins, 2),
         "scatter_wgrad": (rows.detach(), grad, indices, bin_ids, bins, 2),

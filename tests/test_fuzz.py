@@ -782,6 +782,8 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "num_experts": r.E,
             "block_size": r.block,
         }
+    if op == "router_topk":
+        return {"scores": torch.ones(r.T, r.E, dtype=dtype), "top_k": r.K, "softmax": True}
     routing = {"indices": t["indices"], "bin_ids": t["bin_ids"], "bins": t["bins"], "top_k": r.K}
     if op == "gather":
         return {"x": x_tokens, **routing}
@@ -837,6 +839,7 @@ PUBLIC_DISPATCHED = (
     "topology",
     "replicate",
     "route",
+    "router_topk",
     "gather",
     "scatter",
     "padded_gather",
@@ -976,6 +979,12 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
             "int16 keys past 32768",
             ContractError,
             put(key, lambda a: torch.zeros(32769, dtype=torch.int16)),
+        )
+    if op == "router_topk":
+        yield (
+            "top_k past the experts",
+            ContractError,
+            put("top_k", lambda a: a["scores"].shape[1] + 1),
         )
     if op in ("inclusive_cumsum", "exclusive_cumsum"):
         yield "dim past x's dimensions", ContractError, put("dim", lambda a: a["x"].dim())

@@ -31,7 +31,10 @@ def gpu_backends(op: str, dtype: torch.dtype) -> list[str]:
     )
 
 
-def route_and_permute(top: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:
+def route_and_permute(
+    logits: torch.Tensor, top: torch.Tensor, x: torch.Tensor, weights: torch.Tensor
+) -> None:
+    ops.router_topk(logits, TOP_K, True)
     end_bit = max((EXPERTS - 1).bit_length(), 1)
     bin_ids, indices = ops.sort(top, end_bit)
     ops.route(top, EXPERTS, 128)
@@ -51,10 +54,10 @@ def test_routing_and_permutation_do_not_sync_the_host():
     assert backends, "no GPU backend serves gather"
     for backend in backends:
         with mb.use_backend(backend):
-            route_and_permute(top, x, weights)  # warm up: selection happens once per signature
+            route_and_permute(logits, top, x, weights)  # warm up: selection once per signature
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                route_and_permute(top, x, weights)
+                route_and_permute(logits, top, x, weights)
             finally:
                 torch.cuda.set_sync_debug_mode(0)

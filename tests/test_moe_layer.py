@@ -233,6 +233,43 @@ def test_train_and_eval_modes():
     assert float(model(x)[1]) == 0.0
 
 
+@pytest.mark.parametrize("normalize", [None, 1.0])
+def test_inference_routing_equals_training_routing(normalize):
+    """Without grad the router takes ops.router_topk's softmax weights; with grad it gathers them
+    from the probabilities: the same experts and weights either way."""
+    model = make(experts=8, top_k=3, glu=True, normalize_expert_weights=normalize)
+    x = torch.randn(12, 8, dtype=torch.float64)
+    with_grad, _ = model(x)
+    with torch.no_grad():
+        without, _ = model(x)
+        probs, weights, experts = model.route(x)
+    torch.testing.assert_close(without, with_grad.detach())
+    want_w, want_e = torch.topk(torch.softmax(x @ model.router.detach().T, -1), 3)
+    if normalize is not None:
+        want_w = want_w / want_w.norm(p=normalize, dim=-1, keepdim=True)
+    assert experts.dtype == torch.int32 and torch.equal(experts.long(), want_e)
+    torch.testing.assert_close(weights, want_w)
+    torch.testing.assert_close(probs, torch.softmax(x @ model.router.detach().T, -1))
+
+
+def test_router_ties_take_the_lower_expert_first():
+    model = make(experts=6, top_k=2)
+    with torch.no_grad():
+        model.router.zero_()  # every logit equal
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            _, weights, experts = model.route(x)
+        assert experts.tolist() == [[0, 1]] * 4
+        torch.testing.assert_close(weights.detach(), torch.full((4, 2), 1 / 6, dtype=torch.float64))
+
+
+def test_bf16_layer_keeps_float32_router_weights():
+    model = make(hidden=16, ffn=32, dtype=torch.bfloat16)
+    probs, weights, _ = model.route(torch.randn(5, 16).bfloat16())
+    assert probs.dtype == weights.dtype == torch.float32
+
+
 def test_initialisation_is_seeded_and_scaled():
     a, b, c = (DroplessMoE(64, 128, 8, 2, glu=True, seed=s) for s in (3, 3, 4))
     for pa, pb, pc in zip(a.parameters(), b.parameters(), c.parameters(), strict=True):

@@ -860,3 +860,49 @@ def test_route(T, K, E, block, empty, dtype):
     check_int(bin_ids, r["bin_ids"], dtype)
     for got, want in ((counts, r["tpe"]), (bins, r["bins"]), (padded_bins, r["padded_bins"])):
         check_int(got, want, torch.int32)
+
+
+def _router_scores(rng, T, E, specials):
+    """Quarter steps (many equal scores, exact in every float dtype); with ``specials`` a NaN,
+    an all -inf row, +inf, and -0.0 beside 0.0."""
+    s = np.round(rng.standard_normal((T, E)) * 4) / 4
+    if specials and T >= 4 and E >= 3:
+        s[0, E - 1] = np.nan
+        s[1, :] = -np.inf
+        s[2, 1] = np.inf
+        s[3, 0], s[3, 1] = -0.0, 0.0
+    return s
+
+
+@pytest.mark.parametrize(
+    "T,E,K,dtype,softmax,noncontig,specials",
+    [
+        (0, 8, 2, torch.float32, True, False, False),
+        (5, 1, 1, torch.float32, False, False, False),
+        (6, 3, 3, torch.float64, True, False, True),
+        (33, 128, 8, torch.float32, True, False, True),
+        (17, 9, 4, torch.bfloat16, False, True, True),
+        (40, 64, 6, torch.float16, True, False, False),
+        (9, 256, 1, torch.float64, False, True, True),
+        (4, 5000, 8, torch.float32, True, False, True),
+    ],
+)
+def test_router_topk(T, E, K, dtype, softmax, noncontig, specials):
+    s = _router_scores(np.random.default_rng(T + E + K), T, E, specials)
+    weights, experts = ops.router_topk(ft(s, dtype, noncontig), K, softmax)
+    want_w, want_e = oracle.router_topk(s, K, softmax)
+    check_int(experts, want_e, torch.int32)
+    if dtype in TOL:
+        check(weights, want_w, dtype)
+    else:  # float16: ~1e-3 relative
+        assert weights.dtype == dtype
+        np.testing.assert_allclose(to64(weights), want_w, rtol=2e-3, atol=2e-3)
+    if specials and T >= 4 and E >= 3:
+        assert experts[0, 0] == E - 1  # NaN ranks first
+        assert experts[2, 0] == 1  # +inf next to it in its own row
+        assert bool(torch.isnan(weights[1]).all()) == softmax  # -inf only: softmax is NaN
+
+
+def test_router_topk_rejects_top_k_past_the_experts():
+    with pytest.raises(ValueError, match="top_k is at most the number of experts"):
+        ops.router_topk(torch.zeros(3, 4), 5)

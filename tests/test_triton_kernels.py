@@ -294,6 +294,58 @@ def test_replicate_backward(dtype: torch.dtype) -> None:
     assert out[:, 1].eq(0).all()  # an empty bin is exactly 0
 
 
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "dtype", "softmax"),
+    [
+        (0, 8, 2, torch.float32, True),
+        (7, 1, 1, torch.float16, False),  # one expert
+        (37, 128, 8, torch.float32, True),  # qwen3's router, rows spanning several programs
+        (19, 9, 9, torch.bfloat16, True),  # top_k = experts, not a power of two
+        (5, 300, 6, torch.float32, False),
+        (3, 5000, 8, torch.float32, True),  # one row per program (8192 lanes)
+    ],
+)
+def test_router_topk(
+    tokens: int, experts: int, top_k: int, dtype: torch.dtype, softmax: bool
+) -> None:
+    # Quarter steps: equal scores in every row; a NaN, an all -inf row, +inf, -0.0 beside 0.0.
+    s = (torch.randn(tokens, experts, generator=_gen(tokens + experts)) * 4).round() / 4
+    if tokens >= 4 and experts >= 3:
+        s[0, experts - 1] = float("nan")
+        s[1] = float("-inf")
+        s[2, 1] = float("inf")
+        s[3, :2] = torch.tensor([-0.0, 0.0])
+    scores = s.to(dtype)
+    weights, ids = mt.router_topk(scores, top_k, softmax)
+    want_w, want_e = oracle.router_topk(scores.double().numpy(), top_k, softmax)
+    assert ids.dtype == torch.int32 and ids.shape == (tokens, top_k)
+    np.testing.assert_array_equal(ids.numpy(), want_e)
+    _close(weights, want_w, dtype)
+
+
+def test_router_topk_past_its_expert_limit_goes_to_the_next_backend() -> None:
+    experts = R.MAX_TOPK_EXPERTS + 1
+    scores = torch.randn(3, experts, generator=_gen(5)).to(DEVICE)
+    assert "more than the 8192" in R.router_topk_supports(None, {"scores": scores})
+    with pytest.raises(ValueError, match="more than the 8192"):
+        R.router_topk(scores, 4, True)  # called directly: refused, not wrong
+    from megablocks_core import ops
+
+    weights, ids = ops.router_topk(scores, 4, True)  # through the core: another backend serves
+    want_w, want_e = oracle.router_topk(scores.double().cpu().numpy(), 4, True)
+    np.testing.assert_array_equal(ids.cpu().numpy(), want_e)
+    _close(weights.cpu(), want_w, torch.float32)
+
+
+def test_router_topk_non_contiguous_scores() -> None:
+    wide = torch.randn(12, 64, generator=_gen(3))
+    scores = wide[:, ::2]  # row stride 64, column stride 2
+    weights, ids = mt.router_topk(scores, 4, True)
+    want_w, want_e = oracle.router_topk(scores.double().numpy(), 4, True)
+    np.testing.assert_array_equal(ids.numpy(), want_e)
+    _close(weights, want_w, torch.float32)
+
+
 # =========================================================================== permutation
 
 

@@ -3,8 +3,8 @@
 It is small on purpose: besides being a usable layer it is the reference for how the ops fit
 together::
 
-    probs = softmax(x @ router)                      # (tokens, experts), float32 or wider
-    weights, top_experts = topk(probs, top_k)        # (tokens, top_k)
+    logits = x @ router                              # (tokens, experts), float32 or wider
+    weights, top_experts = ops.router_topk(logits, top_k, softmax=True)  # (tokens, top_k)
     indices, bin_ids, tokens_per_expert, bins, _ = ops.route(top_experts.flatten(), E, block)
     h = act(ops.gather_gmm(x, w1, indices, bin_ids, bins, top_k))   # (tokens * top_k, ffn), by expert
                                                      # [* ops.gather_gmm(x, v1, ...) for GLU]
@@ -21,7 +21,10 @@ Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all delib
   load-balancing inputs in a module-global list for ``batched_load_balancing_loss``. The loss here
   is the same formula for one layer (see :func:`load_balancing_loss`).
 * The router's logits and softmax run in float32 (float64 for float64 inputs), as with
-  MegaBlocks' ``moe_lbl_in_fp32``; MegaBlocks computes them in the input dtype.
+  MegaBlocks' ``moe_lbl_in_fp32``; MegaBlocks computes them in the input dtype. The top-k
+  weights stay in that precision (MegaBlocks' are in the input dtype), and the top-k ranks the
+  logits with equal ones taken in expert order (:func:`megablocks_core.ops.router_topk`;
+  MegaBlocks' ``torch.topk`` of the probabilities breaks ties in an unspecified order).
 * Expert weights are stored ``w1, v1: (E, hidden, ffn)`` and ``w2: (E, ffn, hidden)`` so no
   ``trans_b`` is needed; MegaBlocks stores ``(E * ffn, hidden)`` and uses ``trans_b=True`` for w1.
 * No router jitter, uniform assignment, sequence parallelism, or shared expert. Expert
@@ -342,17 +345,28 @@ class DroplessMoE(torch.nn.Module):
                 )
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Router: (probs (T, E), top-k weights (T, K) in x's dtype, top-k expert ids (T, K) int32)."""
+        """Router: (probs (T, E), top-k weights (T, K), top-k expert ids (T, K) int32); probs and
+        weights in the router's precision (float32, float64 for float64 input)."""
+        probs, weights, experts = self._route(x, need_probs=True)
+        assert probs is not None
+        return probs, weights, experts
+
+    def _route(self, x: Tensor, need_probs: bool) -> tuple[Tensor | None, Tensor, Tensor]:
         router = self.router
         if torch.is_grad_enabled() and (x.requires_grad or router.requires_grad):
             logits = _WideLogits.apply(x, router)
-        else:  # nothing to record (inference): no autograd node, ~10 µs less per call
+            probs = logits.softmax(dim=-1)
+            # ops.router_topk ranks the logits (the probabilities' order, without their
+            # rounding); the weights are taken from probs so that they carry its gradient.
+            _, experts = ops.router_topk(logits.detach(), self.top_k, False)
+            weights = probs.gather(1, experts.long())
+        else:  # inference: no autograd node, and one op gives the ids and softmax weights
             logits = _wide_logits(x, router)
-        probs = logits.softmax(dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            weights, experts = ops.router_topk(logits, self.top_k, True)
+            probs = logits.softmax(dim=-1) if need_probs else None
         if self.normalize_expert_weights is not None:
             weights = weights / weights.norm(p=self.normalize_expert_weights, dim=-1, keepdim=True)
-        return probs, weights.to(x.dtype), experts.int()
+        return probs, weights, experts
 
     def _activate(self, h: Tensor, up: Tensor | None) -> Tensor:
         """act(h), or act(h) * up for gated experts."""
@@ -386,7 +400,8 @@ class DroplessMoE(torch.nn.Module):
             return self._expert_parallel_forward(x)
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
-        probs, weights, top_experts = self.route(x)
+        aux_loss = self.training and self.load_balancing_loss_coefficient > 0
+        probs, weights, top_experts = self._route(x, need_probs=aux_loss)
         # Routing metadata (integer tensors) carries no gradient; counts stay on the device
         # (sync-free gmm).
         indices, bin_ids, tokens_per_expert, bins, _ = ops.route(
@@ -399,12 +414,13 @@ class DroplessMoE(torch.nn.Module):
                 ops.gather(x, indices, bin_ids, bins, self.top_k), tokens_per_expert
             )
             out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, self.top_k)
-        if self.training and self.load_balancing_loss_coefficient > 0:
+        if aux_loss:
+            assert probs is not None
             aux = load_balancing_loss(
                 tokens_per_expert, probs, self.top_k, self.load_balancing_loss_coefficient
             )
         else:
-            aux = probs.new_zeros(())
+            aux = weights.new_zeros(())
         return out.reshape(shape), aux
 
     def _expert_parallel_forward(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -132,6 +132,9 @@ class Routing:
     weight_grad_buffer: torch.Tensor
     """The existing gradient gmm_weight_grad_accumulate adds ``rows.T @ gmm_grad`` to:
     (experts, hidden, ffn) in the scenario's ``accumulate_dtype``."""
+    scores: torch.Tensor
+    """Router scores, (tokens, experts), in quarter steps (equal scores in most rows), with a
+    NaN in row 1 and row 2 all -inf where the shape allows (router_topk's tie and NaN rules)."""
 
     @property
     def num_rows(self) -> int:
@@ -186,7 +189,18 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
         weight_grad_buffer=torch.randn(s.experts, s.hidden, ffn, generator=gen).to(
             device=device, dtype=s.accumulate_dtype or s.dtype
         ),
+        scores=_router_scores(s, device),
     )
+
+
+def _router_scores(s: Scenario, device: torch.device | str) -> torch.Tensor:
+    # Its own generator: the other tensors stay what they were before router_topk existed.
+    gen = torch.Generator().manual_seed(s.seed + 1)
+    scores = (torch.randn(s.tokens, s.experts, generator=gen) * 4).round() / 4
+    if s.tokens > 2 and s.experts > 1:
+        scores[1, s.experts // 2] = float("nan")
+        scores[2] = float("-inf")
+    return scores.to(device=device, dtype=s.dtype)
 
 
 #: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;
@@ -205,6 +219,8 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "replicate": lambda r: (r.per_bin, r.bins, r.num_rows),
     "replicate_backward": lambda r: (r.per_row, r.bins),
     "route": lambda r: (r.top_experts, r.scenario.experts, r.scenario.block_size),
+    # Softmax weights in every other scenario (by seed), the scores themselves in the rest.
+    "router_topk": lambda r: (r.scores, r.scenario.top_k, r.scenario.seed % 2 == 0),
     "gather": lambda r: (r.x, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
     "scatter": lambda r: (r.rows, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
     "scatter_wgrad": lambda r: (r.rows, r.grad, r.indices, r.bin_ids, r.bins, r.scenario.top_k),

@@ -111,6 +111,20 @@ def route(
     return indices, bin_ids, counts, ops.inclusive_cumsum(counts, 0), padded
 
 
+def router_topk(scores: Tensor, top_k: int, softmax: bool) -> tuple[Tensor, Tensor]:
+    # Two stable descending sorts give the contract's order on every device: by value with -0.0
+    # as 0.0 (CUDA's radix sort ranks -0.0 below 0.0 and a negative NaN below -inf), then NaN
+    # first; equal keys keep the lower id first.
+    nan = torch.isnan(scores)
+    values = torch.where(nan | (scores == 0), 0, scores)
+    by_value = torch.sort(values, dim=1, descending=True, stable=True).indices
+    nan_first = torch.sort(nan.gather(1, by_value).byte(), dim=1, descending=True, stable=True)
+    order = by_value.gather(1, nan_first.indices[:, :top_k])
+    if softmax:
+        scores = scores.to(_acc(scores.dtype)).softmax(dim=1).to(scores.dtype)
+    return scores.gather(1, order), order.to(torch.int32)
+
+
 # --- permutation -------------------------------------------------------------------
 
 

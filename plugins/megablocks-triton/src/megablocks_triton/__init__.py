@@ -2,7 +2,8 @@
 
 The kernel functions take the op contracts' positional arguments and assume
 validated, contiguous inputs on one device (the core checks and copies).
-:func:`route` is an extra: the whole routing metadata in two launches.
+:func:`route` (the whole routing metadata in one or two launches) and :func:`router_topk` (a
+router's top-k in one launch) are extras beyond MegaBlocks' ops.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _EXPORTS = {
             "replicate",
             "replicate_backward",
             "route",
+            "router_topk",
             "sort",
             "topology",
         ],
@@ -71,6 +73,7 @@ __all__ = [
     "replicate",
     "replicate_backward",
     "route",
+    "router_topk",
     "scatter",
     "scatter_wgrad",
     "set_launch_configs",

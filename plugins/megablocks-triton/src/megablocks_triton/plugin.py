@@ -35,6 +35,7 @@ _ROUTING_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
     "replicate": {"x": _FLOATS | _INTS, "bins": _INTS},
     "replicate_backward": {"grad": _FLOATS, "bins": _INTS},
     "route": {"top_experts": _INTS},
+    "router_topk": {"scores": _FLOATS},
 }
 
 # Weights keep the contract's full float set: the kernels load any float and scale in fp32.
@@ -83,6 +84,7 @@ def _kernels(
             dtypes=dtypes[op],
             contiguous=True,
             cost=tuning.COST_HINTS.get(op),
+            supports=getattr(module, f"{op}_supports", None),  # a kernel's own shape limits
         )
         for op in ops
     ]

@@ -1,4 +1,4 @@
-"""Triton routing kernels: histogram, cumsum, sort, topology, replicate, and a fused route.
+"""Triton routing kernels: histogram, cumsum, sort, topology, replicate, a fused route, router top-k.
 
 None of these functions syncs the host: every size they allocate is known from
 input shapes. The central piece is a two-launch stable counting sort:
@@ -48,6 +48,7 @@ __all__ = [
     "replicate",
     "replicate_backward",
     "route",
+    "router_topk",
     "sort",
     "topology",
 ]
@@ -311,6 +312,7 @@ _SORT_PLANS: dict[Any, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor
 _ROUTE_PLANS: dict[Any, Callable[[torch.Tensor], Routing]] = {}
 _HISTOGRAM_PLANS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {}
 _CUMSUM_PLANS: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {}
+_ROUTER_TOPK_PLANS: dict[Any, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def _counting_plan(
@@ -631,6 +633,129 @@ def sort(x: torch.Tensor, end_bit: int | None) -> tuple[torch.Tensor, torch.Tens
         bits = None if end_bit is None else int(end_bit)
         plan = remember(_SORT_PLANS, key, _sort_plan(configs, x.numel(), bits))
     return plan(x)
+
+
+# --------------------------------------------------------------------------- router top-k
+
+
+@triton.jit
+def _router_topk_kernel(
+    scores_ptr,
+    weights_ptr,
+    experts_ptr,
+    tokens,
+    num_experts,
+    stride_t,
+    stride_e,
+    top_k,
+    ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+):
+    # ROWS whole rows per program, in registers; top_k rounds of (max, lowest id holding it).
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < tokens
+    ok = row_ok[:, None] & (cols < num_experts)[None, :]
+    ptrs = scores_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :] * stride_e
+    raw = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    # Order-preserving int32 keys: flip the magnitude bits of negative floats; -0.0 is 0.0, every
+    # NaN ranks above +inf, lanes past the experts rank below -inf (never picked: top_k <= E).
+    v = tl.where(raw == 0.0, 0.0, raw)
+    bits = v.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(v != v, 0x7FFFFFFF, key)
+    lowest = tl.full([ROWS, BLOCK_E], -2147483648, tl.int32)
+    key = tl.where(ok, key, lowest)
+    if SOFTMAX:  # a NaN anywhere, or a row of -inf only, makes the row's probabilities NaN
+        x = tl.where(ok, raw, float("-inf"))
+        e = tl.where(ok, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+        raw = e / tl.sum(e, axis=1)[:, None]
+    out = rows.to(tl.int64) * top_k
+    for j in range(0, top_k):
+        best = tl.max(key, axis=1)
+        pick = tl.min(tl.where(key == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == pick[:, None]
+        weight = tl.sum(tl.where(hit, raw, 0.0), axis=1)
+        tl.store(weights_ptr + out + j, weight.to(weights_ptr.dtype.element_ty), mask=row_ok)
+        tl.store(experts_ptr + out + j, pick, mask=row_ok)
+        key = tl.where(hit, lowest, key)
+
+
+#: Experts up to this many sit in registers (one row per program at the most); the plugin
+#: declines more (:func:`router_topk_supports`), so the core gives such calls to the next backend.
+MAX_TOPK_EXPERTS = 8192
+#: Elements of the (rows x experts) tile one program ranks.
+_TOPK_TILE = 4096
+
+
+def _too_many_experts(experts: int) -> str | None:
+    if experts > MAX_TOPK_EXPERTS:
+        return f"{experts} experts: more than the {MAX_TOPK_EXPERTS} one program holds"
+    return None
+
+
+def router_topk_supports(device: Any, call: Mapping[str, Any]) -> str | None:
+    """The plugin's shape predicate for router_topk (see :data:`MAX_TOPK_EXPERTS`)."""
+    return _too_many_experts(call["scores"].shape[1])
+
+
+def _router_topk_plan(
+    configs: LaunchConfigs,
+    shape: torch.Size,
+    strides: tuple[int, ...],
+    top_k: int,
+    softmax: bool,
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    tokens, experts = shape
+    int32 = torch.int32
+    if tokens == 0:
+        return lambda s: (s.new_empty((0, top_k)), s.new_empty((0, top_k), dtype=int32))
+    too_many = _too_many_experts(experts)
+    if too_many:
+        raise ValueError(f"router_topk: {too_many}")
+    block_e = next_power_of_2(experts)
+    rows = min(max(1, _TOPK_TILE // block_e), next_power_of_2(tokens))
+    select = bind(
+        _router_topk_kernel,
+        (cdiv(tokens, rows),),
+        tokens,
+        experts,
+        *strides,
+        top_k,
+        ROWS=rows,
+        BLOCK_E=block_e,
+        SOFTMAX=softmax,
+        num_warps=4,
+        **_options(configs),
+    )
+
+    def run(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = scores.new_empty((tokens, top_k))
+        ids = scores.new_empty((tokens, top_k), dtype=int32)
+        select(scores, weights, ids)
+        return weights, ids
+
+    return run
+
+
+def router_topk(
+    scores: torch.Tensor, top_k: int, softmax: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top_k experts by score (descending, equal scores by lower id, NaN first) and
+    their weights: the scores, or with ``softmax`` the softmax probabilities over the row, in
+    scores' dtype. One launch (whole rows in registers, up to :data:`MAX_TOPK_EXPERTS`
+    experts), no host sync."""
+    configs = launch_configs()
+    key = (scores.shape, scores.stride(), scores.dtype, scores.device, top_k, softmax, configs)
+    plan = _ROUTER_TOPK_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _ROUTER_TOPK_PLANS,
+            key,
+            _router_topk_plan(configs, scores.shape, scores.stride(), int(top_k), bool(softmax)),
+        )
+    return plan(scores)
 
 
 # --------------------------------------------------------------------------- histogram
