@@ -12,6 +12,13 @@ device counts, bf16) included, it reports:
 the dMoE layer's forward (``--layer``) at T = 1, 16, 128: eager and CUDA-graph µs; and
 (``--gmm``) ``ops.gmm``'s eager time with CPU counts beside device counts at the benchmark shapes.
 
+When MegaBlocks is importable (built from ``.peers/`` by ``benchmarks/gpu_session.sh``) the same
+run times its ops on the same inputs (``megablocks_<op>`` rows: sort, histogram, the cumsums,
+gather, scatter, and its ``route`` equivalent sort + histogram + inclusive_cumsum) and its dMoE's
+forward (``megablocks_dmoe_forward_T<tokens>``, grouped MLP, eval, no grad); each of our rows
+then carries ``vs_megablocks`` = our host µs / MegaBlocks' (the machines are noisy: only ratios
+within one run compare).
+
     python benchmarks/host_cost.py [--tokens 128 ...] [--calls 2000] [--layer] [--json PATH]
 """
 
@@ -77,15 +84,49 @@ def op_cases(tokens: int, hidden: int, experts: int, top_k: int) -> dict[str, Ca
     bins = ops.inclusive_cumsum(counts, 0)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     rows = ops.gather(x, indices, bin_ids, bins, top_k)
-    return {
+    cases: dict[str, Callable[[], Any]] = {
         "sort": lambda: ops.sort(top, end_bit),
         "histogram": lambda: ops.histogram(top, experts),
         "inclusive_cumsum": lambda: ops.inclusive_cumsum(counts, 0),
         "exclusive_cumsum": lambda: ops.exclusive_cumsum(counts, 0),
         "route": lambda: ops.route(top, experts, 128),
+        "router_topk": lambda: ops.router_topk(logits, top_k, True),
         "gather": lambda: ops.gather(x, indices, bin_ids, bins, top_k),
         "scatter": lambda: ops.scatter(rows, indices, bin_ids, weights, bins, top_k),
     }
+    mb = _megablocks("megablocks.ops")
+    if mb is not None:
+
+        def mb_route() -> Any:  # what a MegaBlocks layer calls for the metadata route returns
+            mb_bins, mb_indices = mb.sort(top, end_bit)
+            return mb_bins, mb_indices, mb.inclusive_cumsum(mb.histogram(top, experts), 0)
+
+        cases.update(
+            {
+                "megablocks_sort": lambda: mb.sort(top, end_bit),
+                "megablocks_histogram": lambda: mb.histogram(top, experts),
+                "megablocks_inclusive_cumsum": lambda: mb.inclusive_cumsum(counts, 0),
+                "megablocks_exclusive_cumsum": lambda: mb.exclusive_cumsum(counts, 0),
+                "megablocks_route": mb_route,
+                # MegaBlocks' router: softmax, torch.topk (its expert_weights, expert_indices)
+                "megablocks_router_topk": lambda: torch.topk(logits.softmax(-1), top_k, dim=-1),
+                "megablocks_gather": lambda: mb.gather(x, indices, bin_ids, bins, top_k),
+                "megablocks_scatter": lambda: mb.scatter(
+                    rows, indices, bin_ids, weights, bins, top_k
+                ),
+            }
+        )
+    return cases
+
+
+def _megablocks(module: str) -> Any:
+    """A MegaBlocks module, or None when MegaBlocks is not installed (or fails to import)."""
+    try:
+        import importlib
+
+        return importlib.import_module(module)
+    except Exception:
+        return None
 
 
 def grouped_gemm_cases(
@@ -155,7 +196,7 @@ def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Ca
         device="cuda", dtype=torch.bfloat16
     )
     layer.eval()
-    cases = {}
+    cases: dict[str, Callable[[], Any]] = {}
     for tokens in (1, 16, 128):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
 
@@ -164,6 +205,40 @@ def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Ca
                 return layer(x)
 
         cases[f"dmoe_forward_T{tokens}"] = forward
+    dmoe, arguments = (
+        _megablocks("megablocks.layers.dmoe"),
+        _megablocks("megablocks.layers.arguments"),
+    )
+    if dmoe is None or arguments is None:
+        return cases
+    try:  # MegaBlocks' grouped dMoE also needs the grouped_gemm package
+        theirs = dmoe.dMoE(
+            arguments.Arguments(
+                hidden_size=hidden,
+                ffn_hidden_size=ffn,
+                moe_num_experts=experts,
+                moe_top_k=top_k,
+                mlp_impl="grouped",
+                mlp_type="mlp",
+                bias=False,
+                return_bias=False,
+                moe_loss_weight=0.0,
+                bf16=True,
+                device=torch.device("cuda"),
+            )
+        )
+    except Exception as exc:
+        print(f"MegaBlocks' dMoE not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return cases
+    theirs.eval()
+    for tokens in (1, 16, 128):
+        x = torch.randn(tokens, 1, hidden, device="cuda", dtype=torch.bfloat16)
+
+        def mb_forward(x: torch.Tensor = x) -> Any:
+            with torch.no_grad():
+                return theirs(x)
+
+        cases[f"megablocks_dmoe_forward_T{tokens}"] = mb_forward
     return cases
 
 
@@ -204,13 +279,20 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     for name, fn in cases.items():
         calls = args.calls if not name.startswith("dmoe") else max(args.calls // 10, 50)
-        row = {
-            "case": name,
-            "host_us": round(_host_us(fn, calls), 2),
-            "gpu_us": round(_graph_us(fn), 2),
-        }
-        print(f"{name:24s} host {row['host_us']:8.1f} µs   gpu {row['gpu_us']:8.1f} µs", flush=True)
+        row: dict[str, Any] = {"case": name, "host_us": round(_host_us(fn, calls), 2)}
+        try:
+            row["gpu_us"] = round(_graph_us(fn), 2)
+        except Exception:  # e.g. a peer that syncs the host cannot be captured
+            row["gpu_us"] = None
+        gpu = "n/a" if row["gpu_us"] is None else f"{row['gpu_us']:8.1f}"
+        print(f"{name:32s} host {row['host_us']:8.1f} µs   gpu {gpu} µs", flush=True)
         rows.append(row)
+    host = {row["case"]: row["host_us"] for row in rows if "host_us" in row}
+    for row in rows:
+        theirs = host.get(f"megablocks_{row['case']}")
+        if theirs:
+            row["vs_megablocks"] = round(row["host_us"] / theirs, 2)
+            print(f"{row['case']:32s} host vs MegaBlocks {row['vs_megablocks']:.2f}", flush=True)
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
