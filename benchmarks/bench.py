@@ -14,6 +14,11 @@ uses the ``tiny`` shape (the model shapes need tens of GB and minutes per op the
 ``triton.testing.do_bench`` (median) when Triton is installed, else CUDA events. Each shape builds
 only the inputs its chosen ops need (the dsv3 expert weights alone are 7.5 GB in bfloat16).
 
+The ``host`` item (CUDA only): each op's host µs per eager call beside the GPU µs of the same call
+replayed in a CUDA graph, at 1, 16 and 128 tokens with each shape's widths, the dMoE forward
+included, and MegaBlocks' ops and dMoE on the same inputs when installed (rows carry ours /
+MegaBlocks' host time); see :func:`_host_rows` and benchmarks/host_cost.py.
+
 The ``layer`` item: a training step of :class:`megablocks_core.layers.DroplessMoE` (the default
 ranking for every op, no load-balancing loss) for each kind of expert in ``--layer-experts``
 (``mlp``: ``act(x @ w1) @ w2``; ``glu``: ``act(x @ w1) * (x @ v1) @ w2``), beside MegaBlocks' own
@@ -98,7 +103,10 @@ OPS = (
     "gmm",
     "gmm_train",
     "layer",
+    "host",
 )
+#: The host item's token counts (decode and small-batch sizes; CUDA only).
+HOST_TOKENS = (1, 16, 128)
 BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
 #: The kinds of expert MLP the layer item runs (``--layer-experts``): MegaBlocks' ``mlp_type``.
 LAYER_EXPERTS = ("mlp", "glu")
@@ -143,6 +151,7 @@ class Result:
     check: str  # "ok", "n/a" or what failed
     peak_mb: float | None = None  # the layer item: peak device memory of one step above its inputs
     layer: LayerFigures | None = None  # the layer item's figures (absent from other rows' JSON)
+    vs_megablocks: float | None = None  # the host item: our host µs / MegaBlocks' (same run)
 
 
 def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], float]:
@@ -789,6 +798,11 @@ def run(
 ) -> Iterator[Result]:
     timer = _timer(device, quick)
     named = [(s, SHAPES[s]) for s in shapes] + [(",".join(map(str, c)), c) for c in custom]
+    if "host" in ops_wanted:
+        yield from _host_rows(named, device, quick, peers, log)
+        ops_wanted = [op for op in ops_wanted if op != "host"]
+        if not ops_wanted:
+            return
     for label, shape in named:
         log(
             f"[{label}] building inputs T={shape[0]} H={shape[1]} F={shape[2]} E={shape[3]} K={shape[4]}"
@@ -914,6 +928,85 @@ def run(
                     )
 
 
+def _host_rows(
+    named: list[tuple[str, tuple[int, ...]]],
+    device: torch.device,
+    quick: bool,
+    peers: bool,
+    log: Callable[[str], None],
+) -> Iterator[Result]:
+    """The host item: what an eager call costs the host, beside its GPU time, at decode-sized
+    token counts (:data:`HOST_TOKENS`) with each shape's widths, bf16 (benchmarks/host_cost.py's
+    cases: routing, router_topk, permutation, the layer's grouped GEMMs, the dMoE forward; with
+    peers, MegaBlocks' ops and dMoE on the same inputs). ``us``: host µs per call of back-to-back
+    calls without a sync; a second row per case, "(CUDA graph)": the GPU µs of a replay. Our rows
+    carry ``vs_megablocks`` (host µs, ours / MegaBlocks'). ``check`` "ok": the call ran (values
+    are the other items' and the test suite's job)."""
+    if device.type != "cuda":
+        log("[host] the host item needs a CUDA device: skipped")
+        return
+    host_cost = _sibling("host_cost")
+    calls = 200 if quick else 1000
+    for label, shape in named:
+        _, hidden, ffn, experts, top_k = shape
+        cases: dict[str, Callable[[], Any]] = {}
+        for tokens in HOST_TOKENS:
+            log(f"[{label}] host item, T={tokens}")
+            shaped = {
+                **host_cost.op_cases(tokens, hidden, experts, top_k),
+                **host_cost.grouped_gemm_cases(tokens, hidden, ffn, experts, top_k),
+            }
+            cases.update({f"{name}@{tokens}": fn for name, fn in shaped.items()})
+        layer = host_cost.layer_cases(hidden, ffn, experts, top_k, HOST_TOKENS)
+        cases.update(
+            {
+                f"{name.rpartition('_T')[0]}@{name.rpartition('_T')[2]}": fn
+                for name, fn in layer.items()
+            }
+        )
+        rows: dict[str, Result] = {}
+        for key, fn in cases.items():
+            name, _, tokens_text = key.partition("@")
+            theirs = name.startswith("megablocks_")
+            if theirs and not peers:
+                continue
+            op = name.removeprefix("megablocks_")
+            where = f"{label}:{tokens_text}"
+            provider, kind = ("megablocks", "peer") if theirs else ("ours", "ours")
+            n = max(calls // 10, 30) if op == "dmoe_forward" else calls
+            rows[key] = Result(
+                where, op, provider, kind, host_cost.host_us(fn, n), None, "", None, "ok"
+            )
+            try:
+                graph_us = host_cost.graph_us(fn)
+            except Exception:  # a peer that syncs the host cannot be captured
+                graph_us = math.nan
+            graph = Result(
+                where, op, f"{provider} (CUDA graph)", kind, graph_us, None, "", None, "ok"
+            )
+            yield rows[key]
+            yield graph
+        for key, row in rows.items():
+            peer = rows.get(f"megablocks_{key}")
+            if row.kind == "ours" and peer is not None and peer.us > 0:
+                row.vs_megablocks = row.us / peer.us
+                log(f"[{label}] host {key}: {row.vs_megablocks:.2f}x MegaBlocks")
+
+
+def _sibling(name: str) -> Any:
+    """A module of this directory (benchmarks/), loaded by path: the CLI loads bench.py that way."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        f"megablocks_{name}", Path(__file__).with_name(f"{name}.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 OPS_HEADER = f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
 LAYER_HEADER = (
     f"{'layer':<9}{'experts':<8}{'provider':<31}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
@@ -929,9 +1022,10 @@ def format_row(r: Result) -> str:
     rate = f"{r.rate:.1f} {r.unit}" if r.rate is not None else ""
     vs = f"{r.vs_limit:.2f}x" if r.vs_limit is not None else ""
     peak = f"  peak {r.peak_mb:.0f} MiB" if r.peak_mb is not None else ""
+    peer = f"  {r.vs_megablocks:.2f}x MegaBlocks" if r.vs_megablocks is not None else ""
     return (
         f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}"
-        f"  {r.check}{peak}"
+        f"  {r.check}{peak}{peer}"
     )
 
 
@@ -989,10 +1083,12 @@ def stream(results: Iterator[Result], out: Any = None) -> Iterator[Result]:
 
 
 def _as_json(result: Result) -> dict[str, Any]:
-    """A result as a JSON object; only the layer item's rows have a ``layer`` key."""
+    """A result as a JSON object; only the layer item's rows have a ``layer`` key, only the host
+    item's our rows with a MegaBlocks peer a ``vs_megablocks`` key."""
     row = asdict(result)
-    if row["layer"] is None:
-        del row["layer"]
+    for optional in ("layer", "vs_megablocks"):  # only the layer / host items' rows have them
+        if row[optional] is None:
+            del row[optional]
     return row
 
 

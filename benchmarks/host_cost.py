@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 
-def _host_us(fn: Callable[[], Any], calls: int) -> float:
+def host_us(fn: Callable[[], Any], calls: int) -> float:
+    """Host µs per call: best of 3 runs of ``calls`` back-to-back calls without a sync."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -49,7 +50,8 @@ def _host_us(fn: Callable[[], Any], calls: int) -> float:
     return best
 
 
-def _graph_us(fn: Callable[[], Any], replays: int = 200) -> float:
+def graph_us(fn: Callable[[], Any], replays: int = 200) -> float:
+    """GPU µs per replay of one call captured in a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -186,7 +188,9 @@ def _eager_us(fn: Callable[[], Any], calls: int = 20) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Callable[[], Any]]:
+def layer_cases(
+    hidden: int, ffn: int, experts: int, top_k: int, token_counts: tuple[int, ...] = (1, 16, 128)
+) -> dict[str, Callable[[], Any]]:
     try:
         from megablocks_core.layers import dMoE
     except ImportError:
@@ -197,7 +201,7 @@ def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Ca
     )
     layer.eval()
     cases: dict[str, Callable[[], Any]] = {}
-    for tokens in (1, 16, 128):
+    for tokens in token_counts:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
 
         def forward(x: torch.Tensor = x) -> Any:
@@ -224,6 +228,7 @@ def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Ca
                 return_bias=False,
                 moe_loss_weight=0.0,
                 bf16=True,
+                fp16=False,  # MegaBlocks' Arguments default to fp16
                 device=torch.device("cuda"),
             )
         )
@@ -231,7 +236,7 @@ def layer_cases(hidden: int, ffn: int, experts: int, top_k: int) -> dict[str, Ca
         print(f"MegaBlocks' dMoE not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
         return cases
     theirs.eval()
-    for tokens in (1, 16, 128):
+    for tokens in token_counts:
         x = torch.randn(tokens, 1, hidden, device="cuda", dtype=torch.bfloat16)
 
         def mb_forward(x: torch.Tensor = x) -> Any:
@@ -279,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     for name, fn in cases.items():
         calls = args.calls if not name.startswith("dmoe") else max(args.calls // 10, 50)
-        row: dict[str, Any] = {"case": name, "host_us": round(_host_us(fn, calls), 2)}
+        row: dict[str, Any] = {"case": name, "host_us": round(host_us(fn, calls), 2)}
         try:
-            row["gpu_us"] = round(_graph_us(fn), 2)
+            row["gpu_us"] = round(graph_us(fn), 2)
         except Exception:  # e.g. a peer that syncs the host cannot be captured
             row["gpu_us"] = None
         gpu = "n/a" if row["gpu_us"] is None else f"{row['gpu_us']:8.1f}"

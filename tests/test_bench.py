@@ -37,9 +37,9 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
     assert code == 0, out
     data = json.loads(path.read_text())
     rows = data["results"]
-    assert {r["op"] for r in rows} == {"copy", *bench.OPS}
+    assert {r["op"] for r in rows} == {"copy", *bench.OPS} - {"host"}  # host: CUDA only
     ours = [r for r in rows if r["kind"] == "ours"]
-    assert {r["op"] for r in ours} == set(bench.OPS)
+    assert {r["op"] for r in ours} == set(bench.OPS) - {"host"}
     assert all(r["check"] == "ok" and r["us"] > 0 for r in ours), ours
     assert any(
         r["provider"] == "torch" and r["op"] == "gather" and r["check"] == "ok" for r in rows
@@ -364,3 +364,27 @@ def test_layer_item_memory_on_cuda():
         assert figures.activation_mib >= output_mib
         assert figures.peak_mib >= figures.activation_mib
         assert row.peak_mb == figures.peak_mib
+
+
+def test_host_item_needs_cuda_and_says_so():
+    said = []
+    rows = list(
+        bench.run(["tiny"], [], ["host"], torch.device("cpu"), torch.float32, log=said.append)
+    )
+    assert rows == [] and any("needs a CUDA device" in s for s in said)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_item_on_cuda_times_every_case_eager_and_in_a_graph():
+    rows = list(
+        bench.run(
+            ["tiny"], [], ["host"], torch.device("cuda"), torch.bfloat16, quick=True, peers=False
+        )
+    )
+    ours = {(r.shape, r.op, r.provider): r for r in rows if r.kind == "ours"}
+    for tokens in bench.HOST_TOKENS:
+        for op in ("sort", "route", "router_topk", "gather", "scatter", "gmm", "dmoe_forward"):
+            eager = ours[(f"tiny:{tokens}", op, "ours")]
+            graph = ours[(f"tiny:{tokens}", op, "ours (CUDA graph)")]
+            assert eager.us > 0 and graph.us > 0 and eager.check == "ok", (eager, graph)
+    assert all(r.vs_megablocks is None for r in rows)  # no peers asked for
