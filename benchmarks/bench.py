@@ -1007,7 +1007,7 @@ def _sibling(name: str) -> Any:
     return module
 
 
-OPS_HEADER = f"{'shape':<9}{'op':<16}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
+OPS_HEADER = f"{'shape':<10}{'op':<18}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
 LAYER_HEADER = (
     f"{'layer':<9}{'experts':<8}{'provider':<31}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
     f"{'floor ms':>10}{'eff':>6}{'fwd eff':>8}{'act MiB':>9}{'peak MiB':>10}"
@@ -1024,7 +1024,7 @@ def format_row(r: Result) -> str:
     peak = f"  peak {r.peak_mb:.0f} MiB" if r.peak_mb is not None else ""
     peer = f"  {r.vs_megablocks:.2f}x MegaBlocks" if r.vs_megablocks is not None else ""
     return (
-        f"{r.shape:<9}{r.op:<16}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}"
+        f"{r.shape:<10}{r.op:<18}{r.provider:<24}{r.kind:<6}{r.us:>10.1f}{rate:>16}{vs:>10}"
         f"  {r.check}{peak}{peer}"
     )
 
