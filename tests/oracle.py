@@ -152,9 +152,10 @@ def router_topk(scores: Any, top_k: int, softmax: bool) -> tuple[Array, Array]:
             key=lambda e: (0, 0.0, e) if np.isnan(row[e]) else (1, -row[e], e),
         )
         if softmax:
-            peak = np.max(row)  # NaN if any is NaN; -inf - -inf is NaN too
-            ex = np.exp(row - peak)
-            row = ex / ex.sum()
+            peak = np.max(row)  # NaN if any is NaN; -inf - -inf and inf - inf are NaN too
+            with np.errstate(invalid="ignore"):  # those NaN are the definition
+                ex = np.exp(row - peak)
+                row = ex / ex.sum()
         experts[t] = ranked[:top_k]
         weights[t] = [row[e] for e in ranked[:top_k]]
     return weights, experts
