@@ -112,9 +112,9 @@ def route(
 
 
 def router_topk(scores: Tensor, top_k: int, softmax: bool) -> tuple[Tensor, Tensor]:
-    # Two stable descending sorts give the contract's order on every device: by value with -0.0
-    # as 0.0 (CUDA's radix sort ranks -0.0 below 0.0 and a negative NaN below -inf), then NaN
-    # first; equal keys keep the lower id first.
+    # Two stable descending sorts give the contract's order on every device: by value with NaN
+    # and -0.0 as 0.0, then NaN first; equal keys keep the lower id first. (torch.sort alone did
+    # not put a bf16 NaN first on CUDA; where NaN and -0.0 go is left to the ranks here.)
     nan = torch.isnan(scores)
     values = torch.where(nan | (scores == 0), 0, scores)
     by_value = torch.sort(values, dim=1, descending=True, stable=True).indices
