@@ -940,8 +940,9 @@ def _host_rows(
     cases: routing, router_topk, permutation, the layer's grouped GEMMs, the dMoE forward; with
     peers, MegaBlocks' ops and dMoE on the same inputs). ``us``: host µs per call of back-to-back
     calls without a sync; a second row per case, "(CUDA graph)": the GPU µs of a replay. Our rows
-    carry ``vs_megablocks`` (host µs, ours / MegaBlocks'). ``check`` "ok": the call ran (values
-    are the other items' and the test suite's job)."""
+    carry ``vs_megablocks`` (host µs, ours / MegaBlocks'). ``check`` "ok": the call ran, and its
+    graph row was captured (values are the other items' and the test suite's job); a graph row
+    that could not be captured (a host sync) says so, which fails one of ours."""
     if device.type != "cuda":
         log("[host] the host item needs a CUDA device: skipped")
         return
@@ -958,12 +959,9 @@ def _host_rows(
             }
             cases.update({f"{name}@{tokens}": fn for name, fn in shaped.items()})
         layer = host_cost.layer_cases(hidden, ffn, experts, top_k, HOST_TOKENS)
-        cases.update(
-            {
-                f"{name.rpartition('_T')[0]}@{name.rpartition('_T')[2]}": fn
-                for name, fn in layer.items()
-            }
-        )
+        for name, fn in layer.items():  # "dmoe_forward_T16" -> "dmoe_forward@16"
+            base, _, tokens_text = name.rpartition("_T")
+            cases[f"{base}@{tokens_text}"] = fn
         rows: dict[str, Result] = {}
         for key, fn in cases.items():
             name, _, tokens_text = key.partition("@")
@@ -981,8 +979,9 @@ def _host_rows(
                 graph_us = host_cost.graph_us(fn)
             except Exception:  # a peer that syncs the host cannot be captured
                 graph_us = math.nan
+            check = "ok" if not math.isnan(graph_us) else "not capturable (host sync)"
             graph = Result(
-                where, op, f"{provider} (CUDA graph)", kind, graph_us, None, "", None, "ok"
+                where, op, f"{provider} (CUDA graph)", kind, graph_us, None, "", None, check
             )
             yield rows[key]
             yield graph

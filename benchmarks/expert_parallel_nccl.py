@@ -241,11 +241,17 @@ def exchange_counts(top_experts: torch.Tensor, experts: int, world: int) -> torc
 
 
 def bytes_per_step(
-    counts: torch.Tensor, rank: int, hidden: int, top_k: int, dtype: torch.dtype, tokens: int
+    counts: torch.Tensor,
+    rank: int,
+    hidden: int,
+    top_k: int,
+    dtype: torch.dtype,
+    weights_dtype: torch.dtype,
+    tokens: int,
 ) -> dict[str, int]:
     """Bytes ``rank`` sends to the other ranks in one forward + backward, for both exchanges
     (without the split-size exchange: E/W int64 per rank for the baseline, 2 int64 per chunk and
-    rank for the layer)."""
+    rank for the layer). ``dtype``: the tokens'; ``weights_dtype``: the top-k weights'."""
     world, itemsize = counts.shape[0], dtype.itemsize
     others = [r for r in range(world) if r != rank]
     tokens_out = sum(int(counts[rank, r, 0]) for r in others)
@@ -257,17 +263,18 @@ def bytes_per_step(
     baseline = 2 * (pairs_out + pairs_in) * row
     # Layer: forward: rows with their routing (ids int32, weights; padded) out, partials back;
     # backward: the partials' gradient out, the rows' and the weights' gradients back.
-    routing = _RoutingLayout(top_k, dtype).row_bytes
+    routing = _RoutingLayout(top_k, weights_dtype).row_bytes
+    weights_grad = top_k * weights_dtype.itemsize
     dedup = (
         tokens_out * (row + routing)
         + tokens_in * row
         + tokens_out * row
-        + tokens_in * (row + top_k * itemsize)
+        + tokens_in * (row + weights_grad)
     )
     # All-gather dispatch: every token to each other rank: the rows and their routing in, the
     # partials by reduce-scatter; backward: the output gradient in, the rows' and the weights'
     # gradients by reduce-scatter.
-    allgather = (world - 1) * tokens * (4 * row + routing + top_k * itemsize)
+    allgather = (world - 1) * tokens * (4 * row + routing + weights_grad)
     return {
         "baseline_bytes": baseline,
         "dedup_bytes": dedup,
@@ -465,9 +472,11 @@ def run_shape(
     # 3. Bytes and exchanges alone, from this step's routing.
     progress.enter(f"{name}: exchange sizes of one step")
     with torch.no_grad():
-        top = sharded.route(x)[2]
+        _, top_weights, top = sharded.route(x)
     counts = exchange_counts(top, experts, world)
-    per_rank_bytes = bytes_per_step(counts, rank, hidden, top_k, x.dtype, x.shape[0])
+    per_rank_bytes = bytes_per_step(
+        counts, rank, hidden, top_k, x.dtype, top_weights.dtype, x.shape[0]
+    )
     b = per_rank_bytes
     say(
         f"{name} bytes sent per step by rank 0: baseline {size(b['baseline_bytes'])}, "

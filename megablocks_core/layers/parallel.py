@@ -205,6 +205,17 @@ class _RoutingLayout:
         )
 
 
+def _as_received(
+    ids: Tensor, weights: Tensor, local: int, rank: Tensor | int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Top-k expert ``ids`` (global) and ``weights`` as ``rank`` routes them: (which choices are
+    its experts, their local ids with ``local`` for the others, weights with 0 for the others).
+    ``local`` is a sentinel expert that sorts past the rank's last one; ``rank`` may be a tensor
+    of ranks that broadcasts against ``ids``."""
+    mine = torch.div(ids, local, rounding_mode="floor") == rank
+    return mine, torch.where(mine, ids.remainder(local), local), torch.where(mine, weights, 0)
+
+
 @dataclass
 class _Plan:
     """Split sizes (host ints) and slot routing (device) of one call, shared by forward and backward.
@@ -264,10 +275,12 @@ def _plan(
     # mine[t, r, k]: token t's k-th expert lives on rank r. Each slot's routing (the keys and
     # weights its destination receives) is written for every slot now, before the host sync,
     # so that only row copies remain between the sync and the exchange.
-    mine = torch.div(top_experts, local, rounding_mode="floor").unsqueeze(1) == all_ranks
+    mine, slot_keys, slot_weights = _as_received(
+        top_experts.unsqueeze(1), weights.unsqueeze(1), local, all_ranks
+    )
     routing = top_experts.new_empty((tokens, world, layout.row_bytes), dtype=torch.uint8)
-    layout.keys(routing).copy_(torch.where(mine, top_experts.remainder(local).unsqueeze(1), local))
-    layout.weights(routing).copy_(torch.where(mine, weights.unsqueeze(1), 0))
+    layout.keys(routing).copy_(slot_keys)
+    layout.weights(routing).copy_(slot_weights)
     keys = torch.where(mine.any(2), slot_base, chunks * world).flatten()
     indices, bin_ids, slots_per_bin, bins, _ = ops.route(keys, chunks * world + 1, _BLOCK)
 
@@ -558,10 +571,9 @@ class _AllGatherMoE(torch.autograd.Function):
         layout.weights(routing).copy_(weights)
         all_routing = routing.new_empty(world * tokens, layout.row_bytes)
         _all_gather(all_routing, routing, group)
-        ids, all_weights = layout.keys(all_routing), layout.weights(all_routing)
-        mine = torch.div(ids, local, rounding_mode="floor") == rank
-        keys = torch.where(mine, ids.remainder(local), local)
-        all_weights = torch.where(mine, all_weights, 0)
+        _, keys, all_weights = _as_received(
+            layout.keys(all_routing), layout.weights(all_routing), local, rank
+        )
         rows_in.wait()
         state = _LocalChunk(all_x, keys, all_weights, local, experts, record)
         ctx.state = state if record else None
