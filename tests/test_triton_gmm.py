@@ -220,6 +220,49 @@ def test_weight_grad_accumulate_default_config_and_worst_case_buffer(
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weight_grad_accumulate_tma_path(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Hopper variant (interpreter-emulated descriptors): whole token chunks through TMA,
+    each group's partial last chunk masked; a and grad are worst-case buffers whose rows past
+    the groups are NaN, the gradient tile is read and written through a 3-D descriptor (odd K
+    and N clipped by its bounds), an empty expert's NaN buffer is left untouched."""
+    made = []
+    real = G.TensorDescriptor
+
+    class Counting:
+        @staticmethod
+        def from_tensor(t: torch.Tensor, block: list[int]) -> object:
+            made.append(tuple(block))
+            return real.from_tensor(t, block)
+
+    monkeypatch.setattr(G, "TensorDescriptor", Counting)
+    sizes, k, n = [32, 7, 0, 48, 16, 1], 40, 24
+    m = sum(sizes)
+    a = torch.full((m + 16, k), float("nan"), dtype=dtype)
+    g = torch.full((m + 16, n), float("nan"), dtype=dtype)
+    a[:m] = _rand(m, k, dtype=dtype, seed=40)
+    g[:m] = _rand(m, n, dtype=dtype, seed=41)
+    before = _rand(len(sizes), k, n, dtype=dtype, seed=42)
+    before[2] = float("nan")
+    out = before.clone()
+    cfg = G.GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1, use_tma=True)
+    G.gmm_weight_grad_accumulate(a, g, torch.tensor(sizes), out, config=cfg)
+    assert made == [(16, 16), (16, 16), (1, 16, 16)]  # a, grad and the gradient's descriptors
+    assert torch.isnan(out[2]).all()
+    full = [e for e, size in enumerate(sizes) if size]
+    want = _np(before) + oracle.gmm_weight_grad(_np(a[:m]), _np(g[:m]), sizes)
+    _close(out[full], want[full], dtype)
+    # A float32 gradient (main_grad) keeps the plain epilogue: no descriptor is made.
+    made.clear()
+    wide = before.float()
+    G.gmm_weight_grad_accumulate(a, g, torch.tensor(sizes), wide, config=cfg)
+    assert made == []
+    _close(wide[full], want[full], torch.float32)
+
+
+@needs_interpreter
 def test_weight_grad_accumulate_twice_equals_the_sum() -> None:
     """Two micro-batches accumulated into one buffer give the sum of their weight gradients."""
     sizes, k, n = [9, 0, 14], 16, 24
@@ -335,6 +378,23 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
             got = G.choose_config(op, 4096, 4096, 4096, 8, torch.float16, device)
             assert got == GMM_TILES[(op, family, "16bit")], (device.arch, op)
     assert G.device_info(torch.device("cpu")).kind == "cpu"
+    # Hopper, 16-bit: a short K loop is flattened into the tile loop (qwen3's K = 768), a long
+    # one is not; the accumulating weight gradient into a 16-bit gradient goes through TMA with
+    # 3 stages, into a float32 one (main_grad) it keeps the plain kernel's tiles.
+    assert G.choose_config("gmm", 131072, 2048, 768, 128, torch.bfloat16, H200).flatten
+    assert not G.choose_config("gmm", 131072, 768, 2048, 128, torch.bfloat16, H200).flatten
+    wgrad = G.choose_config("wgrad", 2048, 768, 131072, 128, torch.bfloat16, H200)
+    into_bf16 = G.choose_config(
+        "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.bfloat16
+    )
+    assert into_bf16 == dataclasses.replace(wgrad, use_tma=True, num_stages=3)
+    into_fp32 = G.choose_config(
+        "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.float32
+    )
+    assert into_fp32 == wgrad and not wgrad.use_tma
+    assert not G.choose_config(
+        "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, MI300, torch.bfloat16
+    ).use_tma
 
 
 @needs_interpreter

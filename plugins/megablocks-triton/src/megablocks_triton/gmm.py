@@ -25,9 +25,12 @@ tiles; the reduction runs over the expert's rows, masked (``other=0``) on both o
 beyond the group end are neither read nor accumulated, and an empty group stores exact zeros.
 
 The default path uses only plain ``tl.load``/``tl.dot`` with masks (portable: NVIDIA, AMD, the
-interpreter). An optional forward path (``GmmConfig.use_tma``) loads tiles through TMA tensor
-descriptors on Hopper/Blackwell; it is the default there for 16-bit inputs (measured on the H200,
-docs/performance.md). fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
+interpreter). An optional path (``GmmConfig.use_tma``) loads tiles through TMA tensor
+descriptors on Hopper/Blackwell; it is the default there for the forward ops' 16-bit inputs and,
+on Hopper, for the accumulating weight gradient into a 16-bit gradient, whose epilogue then reads
+and writes the gradient's tile through a descriptor too (measured on the H200,
+docs/performance.md). A short forward K loop is flattened into the persistent tile loop
+(``GmmConfig.flatten``) so the next tile's loads overlap the previous tile's epilogue. fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
 
 The forward ops (``gmm``, ``gather_gmm``, ``gmm_scatter``) prepare their launch once per call
 shape (tile config, grid, scalars, constexprs, the TMA block shapes) and keep it with the
@@ -50,6 +53,7 @@ from typing import Any
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
+from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import DeviceInfo, arch_family, describe_device
 
@@ -90,7 +94,11 @@ def _num_sms(info: DeviceInfo) -> int:
     return 4 if info.kind == "cpu" else info.multiprocessors or 1
 
 
-_ENV_VAR = {"gmm": "MEGABLOCKS_TRITON_GMM_CONFIG", "wgrad": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG"}
+_ENV_VAR = {
+    "gmm": "MEGABLOCKS_TRITON_GMM_CONFIG",
+    "wgrad": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG",
+    "wgrad_accumulate": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG",
+}
 
 
 def _pow2_at_least(x: int, floor: int) -> int:
@@ -124,18 +132,27 @@ def _tma_override(cfg: GmmConfig) -> GmmConfig:
 
 
 def choose_config(
-    op: str, m: int, n: int, k: int, num_experts: int, dtype: torch.dtype, info: DeviceInfo
+    op: str,
+    m: int,
+    n: int,
+    k: int,
+    num_experts: int,
+    dtype: torch.dtype,
+    info: DeviceInfo,
+    out_dtype: torch.dtype | None = None,
 ) -> GmmConfig:
-    """Pick tile sizes for one call. Pure function of the shapes, dtype, device and launch policy.
+    """Pick tile sizes for one call. Pure function of the shapes, dtypes, device and launch policy.
 
-    op: "gmm" (m = rows of a, n = output columns, k = reduction) or "wgrad" (m = a.shape[1],
-    n = grad.shape[1], k = total tokens). Steps:
+    op: "gmm" (m = rows of a, n = output columns, k = reduction), "wgrad" (m = a.shape[1],
+    n = grad.shape[1], k = total tokens) or "wgrad_accumulate" (the same, adding into an
+    ``out_dtype`` gradient). Steps:
 
     1. Env override ``MEGABLOCKS_TRITON_GMM_CONFIG`` / ``MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG``
-       ("BM,BN,BK[,GROUP_M[,WARPS[,STAGES[,PROGRAMS_PER_SM]]]]") wins, for tuning sweeps.
+       ("BM,BN,BK[,GROUP_M[,WARPS[,STAGES[,PROGRAMS_PER_SM]]]]") wins, for tuning sweeps (the
+       weight-gradient one for both weight-gradient ops).
     2. Else the launch policy in force decides (:meth:`LaunchConfigs.gmm
-       <megablocks_triton.config.LaunchConfigs.gmm>` / ``gmm_wgrad``; a vendor plugin may
-       install its own).
+       <megablocks_triton.config.LaunchConfigs.gmm>` / ``gmm_wgrad`` / ``gmm_wgrad_accumulate``;
+       a vendor plugin may install its own).
     3. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (tuning).
 
     The forward ops ask once per call shape and launch policy and keep the answer with their
@@ -148,6 +165,9 @@ def choose_config(
     policy = launch_configs()
     if op == "gmm":
         return _tma_override(policy.gmm(info, m, n, k, num_experts, dtype))
+    if op == "wgrad_accumulate":
+        out = dtype if out_dtype is None else out_dtype
+        return _tma_override(policy.gmm_wgrad_accumulate(info, m, n, k, num_experts, dtype, out))
     return _tma_override(policy.gmm_wgrad(info, m, n, k, num_experts, dtype))
 
 
@@ -299,7 +319,7 @@ def _gmm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr, USE_TMA: tl.constexpr, TRANS_B: tl.constexpr,
-    GATHER: tl.constexpr = False, FROM_ENDS: tl.constexpr = False,
+    GATHER: tl.constexpr = False, FROM_ENDS: tl.constexpr = False, FLATTEN: tl.constexpr = False,
 ):  # fmt: skip
     # USE_TMA: a_ptr is a (M, K) TensorDescriptor and b_ptr a 3-D one over b's storage
     # ((E, K, N), or (E, N, K) when TRANS_B); the strides are then unused.
@@ -318,7 +338,7 @@ def _gmm_kernel(
     # none at all on valid input.
     total_tiles = group_tiles + tl.cdiv(M - covered, BLOCK_M) * n_tiles
 
-    for tile in range(pid, group_tiles, num_programs):
+    for tile in tl.range(pid, group_tiles, num_programs, flatten=FLATTEN):
         # Experts wholly before this tile (empty experts included) give the expert id and bases.
         before = tile_end <= tile
         e = tl.sum(before.to(tl.int32), 0)
@@ -368,19 +388,50 @@ def _gmm_kernel(
 
 
 @triton.jit
+def _wgrad_tile_tma(
+    a_desc, g_desc, a_ptr, g_ptr, acc, row_start, size_e, rows, cols, col_a, col_g, KA, N,
+    stride_am, stride_ak, stride_gm, stride_gn,
+    BLOCK_K: tl.constexpr, IEEE_FP32: tl.constexpr,
+):  # fmt: skip
+    """Token loop of one weight-gradient tile through TMA (Hopper+): the group's whole BLOCK_K
+    chunks unmasked through the descriptors, then its last partial chunk with masked loads (a
+    descriptor cannot stop at the group end: the rows after it are another group's, or
+    uninitialised)."""
+    full = (size_e // BLOCK_K) * BLOCK_K
+    for t in range(0, full, BLOCK_K):
+        a = a_desc.load([row_start + t, col_a])
+        g = g_desc.load([row_start + t, col_g])
+        acc = _mma(tl.trans(a), g, acc, IEEE_FP32)
+    if full < size_e:
+        offs_t = tl.arange(0, BLOCK_K)
+        toks = (row_start + full).to(tl.int64) + offs_t
+        t_ok = (offs_t < size_e - full)[:, None]
+        a_ptrs = a_ptr + toks[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
+        g_ptrs = g_ptr + toks[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
+        a = tl.load(a_ptrs, mask=t_ok & (rows < KA)[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=t_ok & (cols < N)[None, :], other=0.0)
+        acc = _mma(tl.trans(a), g, acc, IEEE_FP32)
+    return acc
+
+
+@triton.jit
 def _gmm_wgrad_kernel(
-    a_ptr, g_ptr, c_ptr, sizes_ptr,
+    a_ptr, g_ptr, c_ptr, sizes_ptr, a_desc, g_desc, c_desc,
     M, KA, N, E,
     stride_am, stride_ak,
     stride_gm, stride_gn,
     stride_ce, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
-    IEEE_FP32: tl.constexpr, ACCUMULATE: tl.constexpr = False,
+    IEEE_FP32: tl.constexpr, ACCUMULATE: tl.constexpr = False, TMA: tl.constexpr = False,
 ):  # fmt: skip
     # ACCUMULATE (gmm_weight_grad_accumulate): c holds a gradient to add to (its own dtype, e.g. a
     # float32 main_grad for 16-bit a): the epilogue adds it to the float32 accumulator and rounds
     # once; an empty expert's tiles are neither read nor written.
+    # TMA (with ACCUMULATE): a_desc / g_desc are (M, KA) / (M, N) descriptors of a and grad, c_desc
+    # a 3-D (E, KA, N) one of c: the loads go through the descriptors (:func:`_wgrad_tile_tma`)
+    # and the epilogue reads and writes c's tile through c_desc, asynchronous copies that leave
+    # the warps free sooner. Otherwise the *_desc arguments are unused.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     e_idx = tl.arange(0, BLOCK_E)
@@ -399,34 +450,46 @@ def _gmm_wgrad_kernel(
 
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # columns of a = output rows
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of grad
-        toks0 = row_start.to(tl.int64) + offs_t0
-        # a^T tile loaded as (BLOCK_K tokens, BLOCK_M) — contiguous along a's rows — then transposed.
-        a_ptrs = a_ptr + toks0[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
-        g_ptrs = g_ptr + toks0[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
-        m_ok = (rows < KA)[None, :]
-        n_ok = (cols < N)[None, :]
-
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # An empty group runs zero iterations and stores exact zeros.
-        for t in range(0, size_e, BLOCK_K):
-            # Tokens masked on both operands: rows past the group end are never read (they may be
-            # another group's rows, or uninitialised memory of a worst-case buffer, NaN included).
-            t_ok = (offs_t0 < size_e - t)[:, None]
-            a = tl.load(a_ptrs, mask=t_ok & m_ok, other=0.0)
-            g = tl.load(g_ptrs, mask=t_ok & n_ok, other=0.0)
-            acc = _mma(tl.trans(a), g, acc, IEEE_FP32)
-            a_ptrs += BLOCK_K * stride_am
-            g_ptrs += BLOCK_K * stride_gm
-
-        c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
-                  + cols[None, :].to(tl.int64) * stride_cn)  # fmt: skip
-        c_mask = (rows < KA)[:, None] & (cols < N)[None, :]
-        if ACCUMULATE:
-            if size_e > 0:
-                prev = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-                tl.store(c_ptrs, (acc + prev).to(c_ptr.dtype.element_ty), mask=c_mask)
+        if TMA:
+            acc = _wgrad_tile_tma(
+                a_desc, g_desc, a_ptr, g_ptr, acc, row_start, size_e, rows, cols,
+                pid_m * BLOCK_M, pid_n * BLOCK_N, KA, N,
+                stride_am, stride_ak, stride_gm, stride_gn, BLOCK_K, IEEE_FP32,
+            )  # fmt: skip
+            if size_e > 0:  # (always ACCUMULATE) the descriptor's bounds clip the tile at KA, N
+                at = [e, pid_m * BLOCK_M, pid_n * BLOCK_N]
+                prev = c_desc.load(at).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+                c_desc.store(at, (acc + prev).to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+            toks0 = row_start.to(tl.int64) + offs_t0
+            # a^T tile loaded as (BLOCK_K tokens, BLOCK_M), contiguous along a's rows, then
+            # transposed.
+            a_ptrs = a_ptr + toks0[:, None] * stride_am + rows[None, :].to(tl.int64) * stride_ak
+            g_ptrs = g_ptr + toks0[:, None] * stride_gm + cols[None, :].to(tl.int64) * stride_gn
+            m_ok = (rows < KA)[None, :]
+            n_ok = (cols < N)[None, :]
+            # An empty group runs zero iterations and stores exact zeros.
+            for t in range(0, size_e, BLOCK_K):
+                # Tokens masked on both operands: rows past the group end are never read (they
+                # may be another group's rows, or uninitialised memory of a worst-case buffer,
+                # NaN included).
+                t_ok = (offs_t0 < size_e - t)[:, None]
+                a = tl.load(a_ptrs, mask=t_ok & m_ok, other=0.0)
+                g = tl.load(g_ptrs, mask=t_ok & n_ok, other=0.0)
+                acc = _mma(tl.trans(a), g, acc, IEEE_FP32)
+                a_ptrs += BLOCK_K * stride_am
+                g_ptrs += BLOCK_K * stride_gm
+
+            c_ptrs = (c_ptr + e.to(tl.int64) * stride_ce + rows[:, None].to(tl.int64) * stride_cm
+                      + cols[None, :].to(tl.int64) * stride_cn)  # fmt: skip
+            c_mask = (rows < KA)[:, None] & (cols < N)[None, :]
+            if ACCUMULATE:
+                if size_e > 0:
+                    prev = tl.load(c_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+                    tl.store(c_ptrs, (acc + prev).to(c_ptr.dtype.element_ty), mask=c_mask)
+            else:
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -564,6 +627,7 @@ def _forward_plan(
         "TRANS_B": trans_b,
         "GATHER": gather,
         "FROM_ENDS": from_ends,
+        "FLATTEN": cfg.flatten,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **configs.launch_options("gmm"),
@@ -782,18 +846,32 @@ def _launch_wgrad(
     block_e = _check_experts(num_experts)
     sizes = _device_sizes(batch_sizes, a.device)
     info = device_info(a.device)
-    cfg = config or choose_config("wgrad", ka, n, a.shape[0], num_experts, a.dtype, info)
+    op = "wgrad_accumulate" if accumulate else "wgrad"
+    cfg = config or choose_config(op, ka, n, a.shape[0], num_experts, a.dtype, info, out.dtype)
     total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
+    descriptors: tuple[Any, ...] = (a, grad, out)  # unused unless TMA
+    tma = (
+        accumulate
+        and cfg.use_tma
+        and out.element_size() == 2
+        and all(_tma_layout_ok(info, t) and not t.data_ptr() & 15 for t in descriptors)
+    )
+    if tma:
+        descriptors = (
+            TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m]),
+            TensorDescriptor.from_tensor(grad, [cfg.block_k, cfg.block_n]),
+            TensorDescriptor.from_tensor(out, [1, cfg.block_m, cfg.block_n]),
+        )
     _gmm_wgrad_kernel[(grid,)](
-        a, grad, out, sizes,
+        a, grad, out, sizes, *descriptors,
         a.shape[0], ka, n, num_experts,
         a.stride(0), a.stride(1),
         grad.stride(0), grad.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=block_e, GROUP_M=cfg.group_m,
-        IEEE_FP32=a.dtype == torch.float32, ACCUMULATE=accumulate,
+        IEEE_FP32=a.dtype == torch.float32, ACCUMULATE=accumulate, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_configs().launch_options("gmm_wgrad"),
     )  # fmt: skip
