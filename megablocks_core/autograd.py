@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .activations import activate, activate_backward
 from .policy import Policy, policy_scope
 from .schema import OpContract, TensorArg
 
@@ -45,6 +46,9 @@ class BackwardRule:
     """Tensor arguments the backward reads (others are not kept alive)."""
     saves_if: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     """Argument → the input(s) whose gradient needs it (``x`` only if ``weights`` needs grad)."""
+    saves_if_set: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """Argument → (an option, an input): also kept when that option is given (not None) and
+    that input needs a gradient (gmm_scatter's x when an activation is to be differentiated)."""
     fusable: tuple[str, ...] = ()
     """Weight arguments whose gradient the rule can add into the parameter's existing gradient
     (gradient-accumulation fusion); the rule finds an opted-in one as ``"<name>.fused"``."""
@@ -190,7 +194,27 @@ def _cast(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 def _gather(
     call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
 ) -> Grads:
-    return {"x": call("scatter", grad, a["indices"], a["bin_ids"], None, a["bins"], a["top_k"])}
+    # A kernel-level weighted gather (a backward's) is the adjoint of the weighted scatter.
+    routing = (a["indices"], a["bin_ids"])
+    return {"x": call("scatter", grad, *routing, a["weights"], a["bins"], a["top_k"])}
+
+
+def _weighted_rows(
+    call: Call,
+    grad: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """grad[indices[i] // top_k] * weights[indices[i]] for each sorted row: the weighted gather
+    kernel, or, when this backward is itself recorded (double backward), the plain gather times
+    the weights through torch, so that the weights' second-order terms are recorded too (the
+    gather kernel's weights carry no gradient)."""
+    if weights is None or not torch.is_grad_enabled():
+        return call("gather", grad, *routing, weights, bins, top_k)
+    rows = call("gather", grad, *routing, None, bins, top_k)
+    return rows * _row_scales(weights, routing[0]).to(rows.dtype).unsqueeze(1)
 
 
 def _scatter(
@@ -198,9 +222,8 @@ def _scatter(
 ) -> Grads:
     out: Grads = {}
     if needs["x"]:
-        out["x"] = call(
-            "gather", grad, a["indices"], a["bin_ids"], a["weights"], a["bins"], a["top_k"]
-        )
+        routing = (a["indices"], a["bin_ids"])
+        out["x"] = _weighted_rows(call, grad, routing, a["weights"], a["bins"], a["top_k"])
     if needs["weights"]:
         wgrad = call(
             "scatter_wgrad", a["x"], grad, a["indices"], a["bin_ids"], a["bins"], a["top_k"]
@@ -318,7 +341,7 @@ def _gather_gmm(
     routing = (a["indices"], a["bin_ids"])
     trans_b, top_k, bins = a["trans_b"], a["top_k"], a["bins"]
     if needs["x"]:  # every (token, k) row's gradient, summed back into its token
-        out["x"] = call("gmm_scatter", grad, a["b"], *routing, None, bins, top_k, not trans_b)
+        out["x"] = call("gmm_scatter", grad, a["b"], *routing, None, bins, top_k, not trans_b, None)
     if needs["b"]:
         # The gathered rows were not kept: gather them again, a transient copy (a gather kernel
         # and the best weight-gradient GEMM beat a GEMM reading rows through the indices).
@@ -386,13 +409,18 @@ def _gmm_scatter(
     out: Grads = {}
     routing = (a["indices"], a["bin_ids"])
     trans_b, top_k, weights, bins = a["trans_b"], a["top_k"], a["weights"], a["bins"]
+    activation = a["activation"]
+    # The GEMM's input rows: x, or act(x) recomputed (transient) from the kept pre-activation.
+    x_in = a["x"]
+    if activation is not None and (needs["weights"] or needs["b"]):
+        x_in = activate(x_in, activation)
     if needs["x"] or needs["weights"]:
-        # grad[t] @ b[e].T for each sorted row: x's gradient before weighting, and (dotted with
-        # x) the weights' gradient, so the forward's (rows, n) product need not be kept.
+        # grad[t] @ b[e].T for each sorted row: act(x)'s gradient before weighting, and (dotted
+        # with act(x)) the weights' gradient, so the forward's (rows, n) product need not be kept.
         rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b)
         identity = _identity(a["indices"])
         if needs["weights"]:
-            dots = _row_dots(call, a["x"], rows_grad, identity, routing, bins)
+            dots = _row_dots(call, x_in, rows_grad, identity, routing, bins)
             out["weights"] = _by_flat_id(dots, a["indices"]).to(weights.dtype)
         if needs["x"]:
             if weights is not None:
@@ -401,13 +429,15 @@ def _gmm_scatter(
                     rows_grad = rows_grad * scale.to(rows_grad.dtype).unsqueeze(1)
                 else:
                     rows_grad = _scale_rows(call, rows_grad, scale, identity, routing, bins)
+            if activation is not None:
+                rows_grad = activate_backward(rows_grad, a["x"], activation)
             out["x"] = rows_grad
     if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
-        rows = call("gather", grad, *routing, weights, bins, top_k)
-        if trans_b:  # b[e] is (n, k): rows_e^T @ x_e
-            out["b"] = _weight_grad_by_bins(call, a, rows, a["x"])
+        rows = _weighted_rows(call, grad, routing, weights, bins, top_k)
+        if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
+            out["b"] = _weight_grad_by_bins(call, a, rows, x_in)
         else:
-            out["b"] = _weight_grad_by_bins(call, a, a["x"], rows)
+            out["b"] = _weight_grad_by_bins(call, a, x_in, rows)
     return out
 
 
@@ -415,7 +445,7 @@ ROUTING_SAVES = ("indices", "bin_ids", "bins")
 
 #: Op name → its backward rule. Every differentiable contract has one (a test checks).
 RULES: dict[str, BackwardRule] = {
-    "gather": BackwardRule(_gather, ROUTING_SAVES),
+    "gather": BackwardRule(_gather, (*ROUTING_SAVES, "weights")),
     "scatter": BackwardRule(_scatter, (*ROUTING_SAVES, "weights"), {"x": "weights"}),
     "padded_gather": BackwardRule(_padded_gather, (*ROUTING_SAVES, "padded_bins")),
     "padded_scatter": BackwardRule(
@@ -429,10 +459,12 @@ RULES: dict[str, BackwardRule] = {
     "gmm": BackwardRule(_gmm, ("batch_sizes",), {"a": "b", "b": "a"}, fusable=("b",)),
     "gather_gmm": BackwardRule(_gather_gmm, ROUTING_SAVES, {"x": "b", "b": "x"}, fusable=("b",)),
     # x is needed for b's gradient and for the weights' (<x[i], grad[t] @ b[e].T>).
+    # With an activation, x (the pre-activation rows) is also needed for its own gradient.
     "gmm_scatter": BackwardRule(
         _gmm_scatter,
         (*ROUTING_SAVES, "weights"),
         {"x": ("b", "weights"), "b": ("x", "weights")},
+        saves_if_set={"x": ("activation", "x")},
         fusable=("b",),
     ),
 }
@@ -448,14 +480,28 @@ def kept(rule: BackwardRule, name: str, needs: Mapping[str, bool]) -> bool:
     return any(needs.get(d, False) for d in dependants)
 
 
+def _kept_if_set(
+    rule: BackwardRule, contract: OpContract, name: str, needs: Mapping[str, bool]
+) -> int:
+    """Position of the option that, when given, also keeps argument ``name``; -1 if none does
+    for these needs."""
+    option, dependant = rule.saves_if_set.get(name, ("", ""))
+    if not option or not needs.get(dependant, False):
+        return -1
+    return contract.arg_names.index(option)
+
+
 # ---------------------------------------------------------------------------
 # The glue: what a forward keeps, and the autograd node of an eager call
 
 
 #: How an op's forward packs its arguments for one combination of inputs needing a gradient:
-#: those needs by name; per tensor argument (position, "<name>.shape", kept for backward); per
-#: other argument (position, name).
-_Packing = tuple[Mapping[str, bool], tuple[tuple[int, str, bool], ...], tuple[tuple[int, str], ...]]
+#: those needs by name; per tensor argument (position, "<name>.shape", kept for backward, the
+#: position of an option that also keeps it when given or -1); per other argument (position,
+#: name).
+_Packing = tuple[
+    Mapping[str, bool], tuple[tuple[int, str, bool, int], ...], tuple[tuple[int, str], ...]
+]
 #: (op, each argument's needs-gradient flag) → its packing, worked out once (a training step
 #: calls each op with the same flags every time).
 _PACKINGS: dict[tuple[str, tuple[bool, ...]], _Packing] = {}
@@ -469,7 +515,12 @@ def _packing(contract: OpContract, flags: tuple[bool, ...]) -> _Packing:
             {a.name: bool(f) for a, f in zip(contract.args, flags, strict=True)}
         )
         tensor_slots = tuple(
-            (i, f"{a.name}.shape", kept(rule, a.name, needs))
+            (
+                i,
+                f"{a.name}.shape",
+                kept(rule, a.name, needs),
+                _kept_if_set(rule, contract, a.name, needs),
+            )
             for i, a in enumerate(contract.args)
             if isinstance(a, TensorArg)
         )
@@ -486,11 +537,12 @@ def _pack(
     _, tensor_slots, other_slots = packing
     tensors: list[torch.Tensor | None] = []
     consts: dict[str, Any] = {}
-    for i, shape_name, keep in tensor_slots:
+    for i, shape_name, keep, option in tensor_slots:
         value = args[i]
         if value is None:  # an optional tensor not given
             tensors.append(None)
         else:
+            keep = keep or (option >= 0 and args[option] is not None)
             tensors.append(value if keep else None)
             consts[shape_name] = tuple(value.shape)
     for i, name in other_slots:

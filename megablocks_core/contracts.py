@@ -13,11 +13,14 @@ arguments minus those marked ``public=False`` (passed as None).
 
 from __future__ import annotations
 
+from .activations import NAMES as ACTIVATION_NAMES
+from .activations import activate
 from .schema import (
     COUNT_DTYPES,
     FLOAT_DTYPES,
     INT_DTYPES,
     BoolArg,
+    ChoiceArg,
     DataDim,
     IntArg,
     OpContract,
@@ -842,6 +845,14 @@ EXPERT_MATRICES = TensorArg(
     "b", FLOAT_DTYPES, (3,), "expert matrices, (experts, k, n) or (experts, n, k) with trans_b"
 )
 TRANS_B = BoolArg("trans_b", "b holds (n, k) matrices", default=False)
+ACTIVATION = ChoiceArg(
+    "activation",
+    "applied to x's rows before the GEMM: 'gelu' (tanh approximation), 'silu' or 'relu' "
+    "(megablocks_core.activations); None: none",
+    ACTIVATION_NAMES,
+    applies_to="x",
+    apply=activate,
+)
 SAME_DTYPE_B = Rule("b.dtype == x.dtype", "x and b have the same dtype", error=TypeError)
 ONE_MATRIX_PER_BIN = Rule("bins.shape[0] == b.shape[0]", "one expert matrix per bin")
 INNER_B = Rule("x.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree")
@@ -895,7 +906,17 @@ GMM_SCATTER = OpContract(
     name="gmm_scatter",
     family="grouped_gemm",
     summary="Grouped GEMM whose rows are summed straight back into token order, optionally weighted (scatter fused).",
-    args=(SORTED_ROWS, EXPERT_MATRICES, INDICES, BIN_IDS, WEIGHTS, BINS, TOP_K, TRANS_B),
+    args=(
+        SORTED_ROWS,
+        EXPERT_MATRICES,
+        INDICES,
+        BIN_IDS,
+        WEIGHTS,
+        BINS,
+        TOP_K,
+        TRANS_B,
+        ACTIVATION,
+    ),
     rules=(
         SAME_DTYPE_B,
         ONE_MATRIX_PER_BIN,
@@ -913,11 +934,15 @@ GMM_SCATTER = OpContract(
     ),
     differentiable=("x", "b", "weights"),
     semantics=(
-        "Exactly scatter(gmm(x, b, batch_sizes, trans_b), indices, bin_ids, weights, bins, "
-        "top_k) with batch_sizes from bins: out[t] = sum over k of weights[t*top_k + k] * "
-        "(x[i] @ b[e]) where indices[i] = t*top_k + k. The backward keeps no (tokens * top_k, n) "
-        "product: the weights' gradient <grad[t], x[i] @ b[e]> is computed as "
-        "<x[i], grad[t] @ b[e].T>, from the rows the input gradient needs anyway. "
+        "Exactly scatter(gmm(act(x), b, batch_sizes, trans_b), indices, bin_ids, weights, bins, "
+        "top_k) with batch_sizes from bins, act the named activation (identity for None, "
+        "computed in float32 or wider and rounded to x's dtype): out[t] = sum over k of "
+        "weights[t*top_k + k] * (act(x[i]) @ b[e]) where indices[i] = t*top_k + k. The backward "
+        "keeps no (tokens * top_k, n) product: the weights' gradient <grad[t], act(x[i]) @ b[e]> "
+        "is computed as <act(x[i]), grad[t] @ b[e].T>, from the rows the input gradient needs "
+        "anyway; with an activation it keeps x only (the pre-activation rows: act(x) is "
+        "recomputed in backward), so an expert MLP's forward keeps one (tokens * top_k, ffn) "
+        "tensor. "
         + GROUPS_FROM_BINS
         + " "
         + PAST_BINS

@@ -35,7 +35,7 @@ from .contracts import ALL
 from .dispatch import Selected, new_cache, resolve
 from .policy import Policy, context_policy, current_policy, overrides
 from .ranking import NoKernelError
-from .schema import RULE_HELPERS, BoolArg, IntArg, OpContract, TensorArg
+from .schema import RULE_HELPERS, BoolArg, ChoiceArg, IntArg, OpContract, TensorArg
 from .validation import BackendError, ContractError, ContractTypeError
 
 
@@ -76,6 +76,9 @@ def fast_check_source(op: OpContract) -> str:
             parts.append(f"({spec.name} is None or {test})" if spec.optional else test)
         elif isinstance(spec, BoolArg):
             parts.append(f"type({spec.name}) is bool")
+        elif isinstance(spec, ChoiceArg):  # an exact str: kernels compare it by value
+            n = spec.name
+            parts.append(f"({n} is None or (type({n}) is str and {n} in {spec.choices!r}))")
     for rule in op.rules:
         if isinstance(rule.checked, str):
             parts.append(f"({rule.checked}.device.type != 'cpu' or ({rule.expr}))")

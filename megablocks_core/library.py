@@ -17,7 +17,7 @@ import torch
 
 from . import autograd, validation
 from .contracts import ALL
-from .schema import RULE_HELPERS, BoolArg, DataDim, IntArg, OpContract, TensorArg
+from .schema import RULE_HELPERS, BoolArg, ChoiceArg, DataDim, IntArg, OpContract, TensorArg
 
 NAMESPACE = "megablocks"
 _library = torch.library.Library(NAMESPACE, "DEF")
@@ -39,6 +39,8 @@ def schema(contract: OpContract) -> str:
             parts.append(f"SymInt{'?' if a.optional else ''} {a.name}")
         elif isinstance(a, BoolArg):
             parts.append(f"bool {a.name}")
+        elif isinstance(a, ChoiceArg):
+            parts.append(f"str? {a.name}=None")
         else:  # pragma: no cover - composite-only argument kinds
             raise TypeError(f"{contract.name}: no schema for {a!r}")
     outs = (
@@ -66,8 +68,17 @@ def output_meta(
     return result
 
 
+def _complete(contract: OpContract, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """All of the op's arguments: torch passes a trailing argument left at its schema default
+    (``str? activation=None``) on to the implementations only when it was given."""
+    missing = contract.args[len(args) :]
+    assert all(isinstance(a, ChoiceArg) for a in missing), contract.name
+    return (*args, *(None for _ in missing))
+
+
 def _fake(contract: OpContract) -> Callable[..., Any]:
     def fake(*args: Any) -> Any:
+        args = _complete(contract, args)
         validation.validate(contract, args, checked_mode=False, data_rules=False)
         bound = contract.bind(args)
         device = bound[contract.primary.name].device
@@ -81,10 +92,10 @@ def _fake(contract: OpContract) -> Callable[..., Any]:
     return fake
 
 
-def _real(entry: Callable[..., Any]) -> Callable[..., Any]:
+def _real(contract: OpContract, entry: Callable[..., Any]) -> Callable[..., Any]:
     def real(*args: Any) -> Any:
         with torch.no_grad():  # the custom op's own autograd formula records the graph
-            return entry(*args)
+            return entry(*_complete(contract, args))
 
     return real
 
@@ -98,19 +109,21 @@ def _register_autograd(contract: OpContract) -> None:
     diff_positions = [i for i, a in enumerate(contract.args) if a.name in contract.differentiable]
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        given = len(inputs)
+        inputs = _complete(contract, inputs)
         needs = {
             a.name: bool(i in diff_positions and isinstance(v, torch.Tensor) and v.requires_grad)
             for i, (a, v) in enumerate(zip(contract.args, inputs, strict=True))
         }
         tensors, consts = autograd.pack_for_backward(contract, inputs, needs)
         ctx.save_for_backward(*tensors)
-        ctx.meta = (consts, needs)
+        ctx.meta = (consts, needs, given)
 
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        consts, needs = ctx.meta
+        consts, needs, given = ctx.meta
         bound = autograd.unpack_for_backward(contract, ctx.saved_tensors, consts)
         grads = rule.fn(_custom_call, bound, grad, needs)
-        return tuple(grads.get(a.name) if needs[a.name] else None for a in contract.args)
+        return tuple(grads.get(a.name) if needs[a.name] else None for a in contract.args[:given])
 
     torch.library.register_autograd(
         f"{NAMESPACE}::{contract.name}", backward, setup_context=setup_context
@@ -123,7 +136,9 @@ def register(entries: Mapping[str, Callable[..., Any]]) -> None:
     for contract in ALL:
         if contract.dispatched:
             _library.define(schema(contract))
-            _library.impl(contract.name, _real(entries[contract.name]), "CompositeExplicitAutograd")
+            _library.impl(
+                contract.name, _real(contract, entries[contract.name]), "CompositeExplicitAutograd"
+            )
             torch.library.register_fake(
                 f"{NAMESPACE}::{contract.name}", _fake(contract), lib=_library
             )

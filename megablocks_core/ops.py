@@ -168,11 +168,14 @@ def gmm_scatter(
     bins: Tensor,
     top_k: int,
     trans_b: bool = False,
+    activation: str | None = None,
 ) -> Tensor:
-    """``scatter(gmm(x, b, counts, trans_b), indices, bin_ids, weights, bins, top_k)``: expert-sorted
-    rows (tokens * top_k, k) → (tokens, n), each token's (weighted) rows summed. Its backward keeps
-    no (tokens * top_k, n) product."""
-    return _gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b)
+    """``scatter(gmm(act(x), b, counts, trans_b), indices, bin_ids, weights, bins, top_k)``:
+    expert-sorted rows (tokens * top_k, k) → (tokens, n), each token's (weighted) rows summed.
+    ``activation`` ("gelu", "silu", "relu" or None) is applied to x's rows first (a transient
+    act(x)). Its backward keeps no (tokens * top_k, n) product, and with an activation only x
+    (act(x) is recomputed there)."""
+    return _gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation)
 
 
 # --- composite ops: plain torch on every device ------------------------------------

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Literal
@@ -26,6 +26,7 @@ from . import __version__
 from .contracts import BY_NAME
 from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
+from .schema import ChoiceArg
 
 log = logging.getLogger("megablocks_core")
 
@@ -130,21 +131,52 @@ def _is_device_kind(kind: str) -> bool:
         return False
 
 
-def _arity_problem(fn: Any, contract: Any) -> str | None:
-    """Why ``fn`` cannot take the contract's arguments positionally, or None (also when its
-    signature cannot be read, e.g. some builtins)."""
+def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
+    """(why ``fn`` cannot take the contract's arguments positionally, or None; how many of
+    them it takes). A function without the contract's trailing options (:class:`ChoiceArg`, added
+    to an op after kernels existed) takes the arguments before them; an unreadable signature
+    (some builtins) is taken to take them all."""
+    names = contract.arg_names
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return None
-    try:
-        signature.bind(*contract.arg_names)
-    except TypeError as exc:
-        return (
-            f"fn {getattr(fn, '__qualname__', fn)!s}{signature} cannot take the {len(contract.args)} "
-            f"arguments ({', '.join(contract.arg_names)}) the contract passes positionally: {exc}"
-        )
-    return None
+        return None, len(names)
+    taken = len(names)
+    while True:
+        try:
+            signature.bind(*names[:taken])
+            return None, taken
+        except TypeError as exc:
+            if taken == len(names):
+                problem = (
+                    f"fn {getattr(fn, '__qualname__', fn)!s}{signature} cannot take the "
+                    f"{len(names)} arguments ({', '.join(names)}) the contract passes "
+                    f"positionally: {exc}"
+                )
+            if taken == 0 or not isinstance(contract.args[taken - 1], ChoiceArg):
+                return problem, taken
+            taken -= 1
+
+
+def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
+    """``fn``, which takes the first ``taken`` arguments, as a kernel of the whole contract: each
+    option it lacks is applied to its argument first (``ChoiceArg.apply``), then ``fn`` runs."""
+    options = [
+        (i, contract.arg_names.index(a.applies_to), a.apply)
+        for i, a in enumerate(contract.args)
+        if i >= taken and isinstance(a, ChoiceArg)
+    ]
+
+    def kernel(*args: Any) -> Any:
+        given = list(args[:taken])
+        for at, target, apply in options:
+            if args[at] is not None:
+                given[target] = apply(given[target], args[at])
+        return fn(*given)
+
+    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
+    kernel.__qualname__ = getattr(fn, "__qualname__", "kernel")
+    return kernel
 
 
 def _check_kernel(item: Any, hook: str) -> Kernel:
@@ -162,9 +194,11 @@ def _check_kernel(item: Any, hook: str) -> Kernel:
         raise TypeError(f"{what}: variant must be a str, got {type(item.variant).__name__}")
     if not callable(item.fn):
         raise TypeError(f"{what}: fn is not callable")
-    problem = _arity_problem(item.fn, contract)
+    problem, taken = _arity_problem(item.fn, contract)
     if problem:
         raise TypeError(f"{what}: {problem}")
+    if taken < len(contract.args):
+        item = dataclasses.replace(item, fn=_without_options(item.fn, contract, taken))
     devices = item.devices
     if isinstance(devices, str) or not isinstance(devices, tuple | list | set | frozenset):
         raise TypeError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -98,6 +98,25 @@ class BoolArg:
 
 
 @dataclass(frozen=True)
+class ChoiceArg:
+    """One of a few names, or None (the default): e.g. ``gmm_scatter``'s ``activation``.
+
+    An option added to an op after kernels for it exist: ``apply(args[applies_to], value)`` is
+    what it does to one tensor argument before the op proper, and a kernel whose function does
+    not take the option (a plugin written before it) is called without it on the transformed
+    argument (:mod:`megablocks_core.registry`), so it keeps serving the op, option or not."""
+
+    name: str
+    doc: str
+    choices: tuple[str, ...]
+    applies_to: str
+    apply: Callable[[Any, str], Any]
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(repr(c) for c in self.choices) + ", or None"
+
+
+@dataclass(frozen=True)
 class SequenceArg:
     """A list or tuple of Python ints (``repeat``'s tiling)."""
 
@@ -108,7 +127,7 @@ class SequenceArg:
         return "sequence of int"
 
 
-Arg = TensorArg | IntArg | BoolArg | SequenceArg
+Arg = TensorArg | IntArg | BoolArg | ChoiceArg | SequenceArg
 
 
 @dataclass(frozen=True)
@@ -230,6 +249,8 @@ class OpContract:
                 a, BoolArg
             ):
                 parts.append(f"{a.name}={a.default!r}")
+            elif isinstance(a, ChoiceArg):
+                parts.append(f"{a.name}=None")
             else:
                 parts.append(a.name)
         return f"{self.name}({', '.join(parts)})"

@@ -22,6 +22,7 @@ import torch
 from .schema import (
     RULE_HELPERS,
     BoolArg,
+    ChoiceArg,
     DataDim,
     IntArg,
     OpContract,
@@ -111,6 +112,11 @@ def _check_arg(op: OpContract, spec: Any, value: Any) -> None:
             _fail(op, f"argument '{name}' must be an {spec.describe()}; got {value}", ValueError)
     elif isinstance(spec, BoolArg) and not isinstance(value, bool):
         _fail(op, f"argument '{name}' must be a bool; got {_what(value)}", TypeError)
+    elif isinstance(spec, ChoiceArg) and value is not None:
+        if not isinstance(value, str):
+            _fail(op, f"argument '{name}' must be {spec.describe()}; got {_what(value)}", TypeError)
+        if value not in spec.choices:
+            _fail(op, f"argument '{name}' must be {spec.describe()}; got {value!r}", ValueError)
     elif isinstance(spec, SequenceArg) and (
         not isinstance(value, Sequence) or not all(_is_int(v) and v >= 0 for v in value)
     ):

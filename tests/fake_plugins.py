@@ -29,6 +29,8 @@ import torch
 import megablocks_core
 
 PRELUDE = """\
+import functools
+
 import torch
 from megablocks_core import DeviceInfo, Kernel, hookimpl
 from megablocks_reference import kernels as _reference
@@ -40,11 +42,11 @@ CAP_CALLS = [0]
 def recording(op):
     reference = getattr(_reference, op)
 
+    @functools.wraps(reference)  # its signature too: the core passes what the reference takes
     def fn(*args):
         CALLS.append(op)
         return reference(*args)
 
-    fn.__name__ = op
     return fn
 
 

@@ -389,11 +389,46 @@ def gather_gmm_backward(
     return gx, gb
 
 
+def activation(x: Array, name: str | None) -> Array:
+    """The expert activations from their textbook formulas (GELU: the tanh approximation)."""
+    if name == "gelu":
+        return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+    if name == "silu":
+        return x / (1.0 + np.exp(-x))
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    assert name is None, name
+    return x
+
+
+def activation_slope(x: Array, name: str | None) -> Array:
+    """d activation(x) / dx, differentiated by hand."""
+    if name == "gelu":
+        c = np.sqrt(2.0 / np.pi)
+        t = np.tanh(c * (x + 0.044715 * x**3))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t**2) * c * (1.0 + 3 * 0.044715 * x**2)
+    if name == "silu":
+        s = 1.0 / (1.0 + np.exp(-x))
+        return s * (1.0 + x * (1.0 - s))
+    if name == "relu":
+        return (x > 0).astype(np.float64)
+    assert name is None, name
+    return np.ones_like(x)
+
+
 def gmm_scatter(
-    x: Any, b: Any, indices: Any, weights: Any | None, bins: Any, top_k: int, trans_b: bool
+    x: Any,
+    b: Any,
+    indices: Any,
+    weights: Any | None,
+    bins: Any,
+    top_k: int,
+    trans_b: bool,
+    act: str | None = None,
 ) -> Array:
-    """out[t] = sum over k of weights[t*top_k + k] * (x[i] @ b[e]), indices[i] = t*top_k + k."""
+    """out[t] = sum over k of weights[t*top_k + k] * (act(x[i]) @ b[e]), indices[i] = t*top_k + k."""
     x, b = _f64(x), _f64(b)
+    x = activation(x, act)
     w = None if weights is None else _f64(weights)
     experts = _expert_of_rows(bins)
     out = np.zeros((len(indices) // top_k, b.shape[1] if trans_b else b.shape[2]))
@@ -412,9 +447,11 @@ def gmm_scatter_backward(
     bins: Any,
     top_k: int,
     trans_b: bool,
+    act: str | None = None,
 ) -> tuple[Array, Array, Array | None]:
     """(grad of x, grad of b, grad of weights) of gmm_scatter, row by row."""
-    x, b, grad = _f64(x), _f64(b), _f64(grad)
+    pre, b, grad = _f64(x), _f64(b), _f64(grad)
+    x = activation(pre, act)
     w = None if weights is None else _f64(weights)
     experts = _expert_of_rows(bins)
     gx, gb = np.zeros_like(x), np.zeros_like(b)
@@ -425,7 +462,7 @@ def gmm_scatter_backward(
         e, t = experts[i], f // top_k
         m = _matrix(b, e, trans_b)
         row_grad = _weight(w, f) * grad[t]  # gradient of row i's product x[i] @ m
-        gx[i] = row_grad @ m.T
+        gx[i] = (row_grad @ m.T) * activation_slope(pre[i], act)
         if trans_b:
             gb[e] += np.outer(row_grad, x[i])
         else:

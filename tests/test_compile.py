@@ -113,9 +113,15 @@ def _opcheck_samples():
     }
 
 
-@pytest.mark.parametrize("name", [c.name for c in ALL if c.dispatched])
+def _with_activation() -> tuple:
+    """gmm_scatter with its optional last argument given (the samples above leave it out)."""
+    return (*_opcheck_samples()["gmm_scatter"], "gelu")
+
+
+@pytest.mark.parametrize("name", [*(c.name for c in ALL if c.dispatched), "gmm_scatter+gelu"])
 def test_opcheck(name):
-    args = _opcheck_samples()[name]
+    args = _with_activation() if name == "gmm_scatter+gelu" else _opcheck_samples()[name]
+    name = name.removesuffix("+gelu")
     # The data-dependent padded_gather output needs dynamic sizes, which aot_dispatch tests
     # cannot fabricate; everything else runs the full opcheck suite.
     skip = (

@@ -9,7 +9,7 @@ import torch
 
 from megablocks_core import contracts, docgen, library, ops
 from megablocks_core.entries import ENTRIES
-from megablocks_core.schema import BoolArg, IntArg
+from megablocks_core.schema import BoolArg, ChoiceArg, IntArg
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,8 @@ def test_public_signatures_match_the_contracts():
                 isinstance(a, IntArg) and (a.optional or a.default is not None)
             ):
                 assert default == a.default, (contract.name, a.name)
+            elif isinstance(a, ChoiceArg):
+                assert default is None, (contract.name, a.name)
             else:
                 assert default is inspect.Parameter.empty, (contract.name, a.name)
 

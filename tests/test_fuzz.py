@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import megablocks_core
 from megablocks_core import ContractError, ContractTypeError, ops
 from megablocks_core.contracts import BY_NAME
-from megablocks_core.schema import BoolArg, IntArg, TensorArg
+from megablocks_core.schema import BoolArg, ChoiceArg, IntArg, TensorArg
 
 settings.register_profile(
     "megablocks-fuzz",
@@ -783,7 +783,12 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "block_size": r.block,
         }
     if op == "router_topk":
-        return {"scores": torch.ones(r.T, r.E, dtype=dtype), "top_k": r.K, "softmax": True}
+        # The routing may draw more picks per token than experts; router_topk wants top_k <= E.
+        return {
+            "scores": torch.ones(r.T, r.E, dtype=dtype),
+            "top_k": min(r.K, r.E),
+            "softmax": True,
+        }
     routing = {"indices": t["indices"], "bin_ids": t["bin_ids"], "bins": t["bins"], "top_k": r.K}
     if op == "gather":
         return {"x": x_tokens, **routing}
@@ -820,7 +825,14 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
     if op == "gmm_scatter":
         rows = torch.ones(r.T * r.K, 4, dtype=dtype)
         b = torch.ones(r.E, 5, 4, dtype=dtype)
-        return {"x": rows, "b": b, **routing, "weights": weights, "trans_b": True}
+        return {
+            "x": rows,
+            "b": b,
+            **routing,
+            "weights": weights,
+            "trans_b": True,
+            "activation": "silu",
+        }
     if op == "gmm":
         return {
             "a": torch.ones(int(r.counts.sum()), 4, dtype=dtype),
@@ -914,6 +926,14 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
                 )
         if isinstance(spec, BoolArg):
             yield f"{name} as an int", ContractTypeError, lambda a, n=name: a.__setitem__(n, 1)
+        if isinstance(spec, ChoiceArg):
+            unknown = spec.choices[0].upper()
+            yield f"{name} as a bool", ContractTypeError, lambda a, n=name: a.__setitem__(n, True)
+            yield (
+                f"{name} an unknown name",
+                ContractError,
+                lambda a, n=name, bad=unknown: a.__setitem__(n, bad),
+            )
 
     def put(name: str, value: Callable[[dict[str, Any]], Any]) -> Mutation:
         return lambda a: a.__setitem__(name, value(a))

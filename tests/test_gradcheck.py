@@ -102,6 +102,24 @@ def test_fused_gather_gmm_and_gmm_scatter(top_k, trans_b):
     )
 
 
+@pytest.mark.parametrize("activation", [None, "gelu", "silu", "relu"])
+def test_gmm_scatter_first_and_second_order(activation):
+    """First and second order in x, b and the weights, through the activation gmm_scatter may
+    apply to its rows (relu's kink is away from the random inputs). The backward's weighted
+    gathers are recorded with the weights' own gradient (they once were not: the second order
+    in b and the weights came out wrong)."""
+    tokens, top_k, experts, hidden, ffn = 5, 2, 4, 3, 4
+    indices, bin_ids, bins, _, _ = routing(tokens, top_k, experts, seed=20)
+    w2 = f64(experts, ffn, hidden)
+
+    def op(x, b, w):
+        return ops.gmm_scatter(x, b, indices, bin_ids, w, bins, top_k, False, activation)
+
+    inputs = (f64(tokens * top_k, ffn), w2, w64(tokens * top_k))
+    assert torch.autograd.gradcheck(op, inputs)
+    assert torch.autograd.gradgradcheck(op, inputs)
+
+
 def test_gmm_empty_expert_gets_exactly_zero_weight_grad():
     sizes = torch.tensor([3, 0, 2])
     a, b = f64(5, 4), f64(3, 4, 2)
@@ -115,6 +133,12 @@ def test_second_order_through_the_registry():
     x = f64(6, 2)
     assert torch.autograd.gradgradcheck(
         lambda x: ops.scatter(x, indices, bin_ids, None, bins, 2), (x,)
+    )
+    # Weighted: the first-order x gradient is a weighted gather, whose own gradient in the
+    # output gradient and in the weights must both be recorded.
+    w = w64(6)
+    assert torch.autograd.gradgradcheck(
+        lambda x, w: ops.scatter(x, indices, bin_ids, w, bins, 2), (x, w)
     )
 
 

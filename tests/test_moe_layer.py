@@ -144,12 +144,25 @@ def test_fused_layer_equals_composed_ops(tokens, experts, top_k, glu):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=backend)
 
 
-@pytest.mark.parametrize("glu", [False, True], ids=["mlp", "glu"])
-def test_forward_keeps_no_token_times_top_k_hidden_tensor(glu):
+@pytest.mark.parametrize(
+    ("glu", "activation", "most"),
+    [(False, "gelu", 1), (False, "silu", 1), (False, torch.tanh, 2), (True, "silu", 3)],
+    ids=["mlp-gelu", "mlp-silu", "mlp-callable", "swiglu"],
+)
+def test_forward_keeps_no_token_times_top_k_hidden_tensor(glu, activation, most):
     """What the forward saves for backward: no (tokens * top_k, hidden) tensor at all, and at most
-    two (MLP) or three (GLU) (tokens * top_k, ffn) ones, whatever top_k is."""
+    ``most`` (tokens * top_k, ffn) ones whatever top_k is: one for MLP experts with a named
+    activation (gmm_scatter applies it and keeps its input), two with a callable, three for GLU."""
     tokens, hidden, ffn, top_k = 10, 24, 6, 4
-    model = make(hidden=hidden, ffn=ffn, experts=8, top_k=top_k, glu=glu, dtype=torch.float32)
+    model = make(
+        hidden=hidden,
+        ffn=ffn,
+        experts=8,
+        top_k=top_k,
+        glu=glu,
+        activation=activation,
+        dtype=torch.float32,
+    )
     x = torch.randn(tokens, hidden, requires_grad=True)
     shapes: list[tuple[int, ...]] = []
 
@@ -161,7 +174,7 @@ def test_forward_keeps_no_token_times_top_k_hidden_tensor(glu):
         out, _ = model(x)
     rows = tokens * top_k
     assert (rows, hidden) not in shapes, shapes
-    assert shapes.count((rows, ffn)) <= (3 if glu else 2), shapes
+    assert shapes.count((rows, ffn)) == most, shapes
     out.sum().backward()  # and the backward works from what was kept
     assert model.w1.grad is not None and x.grad is not None
 

@@ -801,7 +801,17 @@ def test_fused_ops_skip_rows_past_the_last_group(name):
     _fused_vs_loops(*FUSED_CASES[case], unrouted=unrouted)
 
 
-def _fused_vs_loops(T, K, E, H, F, trans_b, fdt, idt, weighted, empty, nc, seed, unrouted=0):
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
+@pytest.mark.parametrize("name", ["basic", "trans_b", "top8_empty", "bf16", "fp16_trans_b"])
+def test_gmm_scatter_with_an_activation(name, act):
+    """gmm_scatter(x, ..., activation=act) against the loops over act(x) (numpy's own formulas),
+    every gradient through the activation included."""
+    _fused_vs_loops(*FUSED_CASES[name], act=act)
+
+
+def _fused_vs_loops(
+    T, K, E, H, F, trans_b, fdt, idt, weighted, empty, nc, seed, unrouted=0, act=None
+):
     rng = np.random.default_rng(900 + seed + unrouted)
     r = oracle.make_routing(rng, T, K, E, empty=empty, unrouted=unrouted)
     routed = int(r["bins"][-1]) if E else 0
@@ -818,13 +828,14 @@ def _fused_vs_loops(T, K, E, H, F, trans_b, fdt, idt, weighted, empty, nc, seed,
     check_sum(h, hv, fdt)
     assert (to64(h[routed:]) == 0).all()  # rows of no expert: exact zeros
     hin = leaf(to64(h), fdt, nc)  # the second GEMM on its own leaf: each op's gradients alone
-    out = ops.gmm_scatter(hin, w2, idx[0], idx[1], w, idx[2], K, trans_b)
-    check_sum(out, oracle.gmm_scatter(to64(h), w2v, r["indices"], wv, r["bins"], K, trans_b), fdt)
+    out = ops.gmm_scatter(hin, w2, idx[0], idx[1], w, idx[2], K, trans_b, act)
+    want = oracle.gmm_scatter(to64(h), w2v, r["indices"], wv, r["bins"], K, trans_b, act)
+    check_sum(out, want, fdt)
 
     g = rand(rng, (T, H), fdt)
     out.backward(ft(g, fdt, nc))
     gh, gw2, gw = oracle.gmm_scatter_backward(
-        to64(h), w2v, wv, g, r["indices"], r["bins"], K, trans_b
+        to64(h), w2v, wv, g, r["indices"], r["bins"], K, trans_b, act
     )
     check_sum(hin.grad, gh, fdt)
     check_sum(w2.grad, gw2, fdt)

@@ -11,11 +11,12 @@ import sys
 
 import pytest
 import torch
-from fake_plugins import permutation, routing_inputs
+from fake_plugins import kernels_body, permutation, routing_inputs
 from megablocks_reference import kernels as reference
 
 import megablocks_core as mb
 from megablocks_core import BackendError, NoKernelError, PluginLoadError, ops, testing
+from megablocks_core.activations import ACTIVATIONS
 
 
 def gather_args():
@@ -362,3 +363,46 @@ def test_the_kit_blames_gather_not_scatter_whose_backward_calls_it(plugins):
     )
     assert results["scatter"].status == "pass", results["scatter"].message
     assert "scatter" in plugins.calls("halfright")  # scatter's own kernel was the one checked
+
+
+OLD_GMM_SCATTER = """
+SEEN = []
+
+
+def gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b):
+    # Written before gmm_scatter had its activation option: eight arguments. A plain loop.
+    SEEN.append(x.clone())
+    out = x.new_zeros(indices.shape[0] // top_k, b.shape[1] if trans_b else b.shape[2])
+    for i, flat in enumerate(indices.tolist()):
+        e = int(bin_ids[i])
+        w = 1.0 if weights is None else weights[flat]
+        out[flat // top_k] += w * (x[i] @ (b[e].T if trans_b else b[e]))
+    return out
+"""
+
+
+def test_a_kernel_written_before_an_option_existed_still_serves_the_op(plugins):
+    """A kernel function without gmm_scatter's trailing ``activation`` loads, and the core gives
+    it act(x) in place of x when an activation is asked for (the option's composition)."""
+    plugins.add(
+        "old",
+        kernels_body(
+            "megablocks_grouped_gemm_kernels",
+            "[Kernel(op='gmm_scatter', fn=gmm_scatter, devices=('cpu',))]",
+            OLD_GMM_SCATTER,
+        ),
+    )
+    record = plugins.reload().plugins["old"]
+    assert record.status == "ok", record.reason
+    module = plugins.module("old")
+    x, indices, bin_ids, bins, weights = routing_inputs(tokens=5, experts=3, top_k=2, hidden=4)
+    rows = torch.randn(10, 4, generator=torch.Generator().manual_seed(3))
+    b = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(4))
+    for activation in (None, "gelu", "silu", "relu"):
+        with mb.use_backend("old"):
+            got = mb.ops.gmm_scatter(rows, b, indices, bin_ids, weights, bins, 2, False, activation)
+        given = module.SEEN.pop()
+        want_rows = rows if activation is None else ACTIVATIONS[activation][0](rows)
+        assert torch.equal(given, want_rows), activation
+        want = reference.gmm_scatter(want_rows, b, indices, bin_ids, weights, bins, 2, False)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

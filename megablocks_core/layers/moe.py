@@ -6,14 +6,17 @@ together::
     logits = x @ router                              # (tokens, experts), float32 or wider
     weights, top_experts = ops.router_topk(logits, top_k, softmax=True)  # (tokens, top_k)
     indices, bin_ids, tokens_per_expert, bins, _ = ops.route(top_experts.flatten(), E, block)
-    h = act(ops.gather_gmm(x, w1, indices, bin_ids, bins, top_k))   # (tokens * top_k, ffn), by expert
-                                                     # [* ops.gather_gmm(x, v1, ...) for GLU]
-    out = ops.gmm_scatter(h, w2, indices, bin_ids, weights.flatten(), bins, top_k)  # (tokens, hidden)
+    h = ops.gather_gmm(x, w1, indices, bin_ids, bins, top_k)       # (tokens * top_k, ffn), by expert
+    out = ops.gmm_scatter(h, w2, indices, bin_ids, weights.flatten(), bins, top_k,
+                          activation="gelu")             # (tokens, hidden)
+    # GLU: h = act(h) * ops.gather_gmm(x, v1, ...), then gmm_scatter(h, w2, ...) without activation
 
-which is ``gmm`` between ``gather`` and ``scatter`` with the permutations fused into the GEMMs:
-no (tokens * top_k, hidden) tensor is written in the forward or kept for the backward (MegaBlocks
-keeps two: the gathered tokens and the expert outputs). What a step keeps for backward is the
-(tokens * top_k, ffn) activations (two for MLP experts, three for GLU) and the routing metadata.
+which is ``gmm`` between ``gather`` and ``scatter`` with the permutations fused into the GEMMs,
+the second of which also applies the activation (and recomputes it in backward): no
+(tokens * top_k, hidden) tensor is written in the forward or kept for the backward (MegaBlocks keeps two: the gathered tokens and the expert
+outputs). What a step keeps for backward is the routing metadata and the (tokens * top_k, ffn)
+activations: one for MLP experts with a named activation (its input: gmm_scatter recomputes
+act(h) in backward), two with a callable activation, three for GLU experts.
 
 Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all deliberate:
 
@@ -51,24 +54,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
+from ..activations import ACTIVATIONS, gelu_tanh
 from ..autograd import fuse_grad_accumulation, is_grad_accumulation_fused
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-
-def gelu_tanh(x: Tensor) -> Tensor:
-    """GELU with the tanh approximation: MegaBlocks' default ``activation_fn`` (layers/arguments.py)."""
-    return F.gelu(x, approximate="tanh")
-
-
-#: Activations by name: (function, its backward ``(grad, input) -> grad of input``). Named ones
-#: let gated experts recompute the activation in backward instead of keeping it.
-ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
-    "gelu": (gelu_tanh, lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
-    "silu": (F.silu, lambda g, x: torch.ops.aten.silu_backward(g, x)),
-    "relu": (F.relu, lambda g, x: g * (x > 0)),
-}
 
 
 class _Gated(torch.autograd.Function):
@@ -156,7 +146,8 @@ class DroplessMoE(torch.nn.Module):
             with ``activation="silu"`` this is SwiGLU (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3).
         activation: expert activation: ``"gelu"`` (tanh approximation; the default, as
             MegaBlocks), ``"silu"``, ``"relu"``, or any callable. With a named activation the
-            gated experts keep only the two projections for backward and recompute the rest.
+            experts keep only the first GEMM's output for backward (gated experts: the two
+            projections) and recompute the activation there (fused path).
         normalize_expert_weights: if set, divide each token's top-k weights by their p-norm with
             this p (MegaBlocks' ``moe_normalize_expert_weights``; 1 makes them sum to 1).
         load_balancing_loss_coefficient: MegaBlocks' ``moe_loss_weight``; 0 disables the loss.
@@ -389,11 +380,14 @@ class DroplessMoE(torch.nn.Module):
         (tokens * top_k, hidden) tensor: the first GEMM reads x through the indices, the second
         sums each token's weighted rows. Backward keeps only the (tokens * top_k, ffn) activations."""
         routing = (indices, bin_ids)
-        up = None
-        if self.v1 is not None:
-            up = ops.gather_gmm(x, self.v1, *routing, bins, self.top_k)
-        h = self._activate(ops.gather_gmm(x, self.w1, *routing, bins, self.top_k), up)
-        return ops.gmm_scatter(h, self.w2, *routing, weights, bins, self.top_k)
+        h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
+        if self.v1 is None and self.activation_name is not None:
+            # The activation runs inside the second GEMM, which keeps only h for backward.
+            return ops.gmm_scatter(
+                h, self.w2, *routing, weights, bins, self.top_k, False, self.activation_name
+            )
+        up = None if self.v1 is None else ops.gather_gmm(x, self.v1, *routing, bins, self.top_k)
+        return ops.gmm_scatter(self._activate(h, up), self.w2, *routing, weights, bins, self.top_k)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self.expert_parallel_group is not None:

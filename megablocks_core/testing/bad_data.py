@@ -394,7 +394,7 @@ def _fused_args(op: str, r: _Routing, mut: _Mut) -> Args:
     if op == "gather_gmm":
         return (r.x, rand(bins.shape[0], hidden, ffn), indices, r.bin_ids, bins, k, False)
     b = rand(bins.shape[0], ffn, hidden)
-    return (rand(n, ffn), b, indices, r.bin_ids, r.weights, bins, k, False)
+    return (rand(n, ffn), b, indices, r.bin_ids, r.weights, bins, k, False, None)
 
 
 def _fused_cases() -> list[BadCase]:

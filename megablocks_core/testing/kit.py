@@ -35,7 +35,7 @@ from ..dispatch import describe_call, explain, explain_call, registry
 from ..entries import ENTRIES
 from ..library import output_meta
 from ..policy import Policy, use_backend
-from ..schema import RULE_HELPERS, BoolArg, IntArg, OpContract, TensorArg
+from ..schema import RULE_HELPERS, BoolArg, ChoiceArg, IntArg, OpContract, TensorArg
 from .scenarios import Routing, Scenario, applies, routing, sample, scenarios
 
 REFERENCE = "reference"
@@ -382,6 +382,8 @@ def bad_inputs(
                 yield spec.name, f"{spec.min - 1}", swap(spec.min - 1), ValueError
         elif isinstance(spec, BoolArg):
             yield spec.name, "an int", swap(int(value)), TypeError
+        elif isinstance(spec, ChoiceArg):
+            yield spec.name, "an unknown name", swap("no such name"), ValueError
 
 
 def _check_bad_inputs(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..activations import NAMES as ACTIVATION_NAMES
 from ..contracts import BY_NAME
 
 #: Default padding granularity of padded_bins (small, so that padding rows really occur).
@@ -271,7 +272,8 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.top_k,
         r.scenario.trans_b,
     ),
-    # The second expert GEMM: sorted (rows, ffn) back to (tokens, hidden).
+    # The second expert GEMM: sorted (rows, ffn) back to (tokens, hidden), its activation (or
+    # none) taken in turn by seed.
     "gmm_scatter": lambda r: (
         r.gmm_grad,
         r.expert_weights.transpose(1, 2).contiguous(),
@@ -281,6 +283,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.bins,
         r.scenario.top_k,
         r.scenario.trans_b,
+        (None, *ACTIVATION_NAMES)[r.scenario.seed % (len(ACTIVATION_NAMES) + 1)],
     ),
 }
 

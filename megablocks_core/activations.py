@@ -1,0 +1,56 @@
+"""The expert activations an op may apply, by name, with their backward.
+
+One definition serves the contract of ``gmm_scatter``'s ``activation`` argument (the reference
+backend composes it with these functions, the core's autograd differentiates through them) and
+the layer's expert MLPs (:class:`megablocks_core.layers.DroplessMoE`). A kernel that applies one
+in its prologue must match the function here in its input dtype: computed in float32 (float64
+for float64 input) and rounded once to the input's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU with the tanh approximation: MegaBlocks' default ``activation_fn`` (layers/arguments.py)."""
+    return F.gelu(x, approximate="tanh")
+
+
+def _relu_backward(grad: Tensor, x: Tensor) -> Tensor:
+    return grad * (x > 0)
+
+
+def _silu_backward(grad: Tensor, x: Tensor) -> Tensor:
+    if torch.is_grad_enabled():  # recorded (double backward): aten's silu_backward has no formula
+        s = torch.sigmoid(x)
+        return grad * (s * (1 + x * (1 - s)))
+    return torch.ops.aten.silu_backward(grad, x)
+
+
+#: Name -> (function, its backward ``(grad of the output, input) -> grad of the input``).
+ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
+    "gelu": (gelu_tanh, lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
+    "silu": (F.silu, _silu_backward),
+    "relu": (F.relu, _relu_backward),
+}
+
+#: The names, in the order the docs list them.
+NAMES: tuple[str, ...] = tuple(ACTIVATIONS)
+
+
+def activate(x: Tensor, name: str | None) -> Tensor:
+    """``x`` through the named activation (``x`` itself for None)."""
+    return x if name is None else ACTIVATIONS[name][0](x)
+
+
+def activate_backward(grad: Tensor, x: Tensor, name: str) -> Tensor:
+    """The gradient of ``activate(x, name)`` times ``grad``, with respect to ``x``."""
+    return ACTIVATIONS[name][1](grad, x)
+
+
+__all__ = ["ACTIVATIONS", "NAMES", "activate", "activate_backward", "gelu_tanh"]
