@@ -13,8 +13,8 @@ together::
 
 which is ``gmm`` between ``gather`` and ``scatter`` with the permutations fused into the GEMMs,
 the second of which also applies the activation (and recomputes it in backward): no
-(tokens * top_k, hidden) tensor is written in the forward or kept for the backward (MegaBlocks keeps two: the gathered tokens and the expert
-outputs). What a step keeps for backward is the routing metadata and the (tokens * top_k, ffn)
+(tokens * top_k, hidden) tensor is written in the forward or kept for the backward (MegaBlocks
+keeps two: the gathered tokens and the expert outputs). What a step keeps for backward is the routing metadata and the (tokens * top_k, ffn)
 activations: one for MLP experts with a named activation (its input: gmm_scatter recomputes
 act(h) in backward), two with a callable activation, three for GLU experts.
 
@@ -378,7 +378,8 @@ class DroplessMoE(torch.nn.Module):
     ) -> Tensor:
         """The experts applied to tokens x and summed back per token, never writing a
         (tokens * top_k, hidden) tensor: the first GEMM reads x through the indices, the second
-        sums each token's weighted rows. Backward keeps only the (tokens * top_k, ffn) activations."""
+        sums each token's weighted rows, applying a named activation of MLP experts on its way in.
+        Backward keeps only (tokens * top_k, ffn) activations."""
         routing = (indices, bin_ids)
         h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
         if self.v1 is None and self.activation_name is not None:
