@@ -381,6 +381,17 @@ def gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b):
 """
 
 
+def test_only_trailing_options_may_be_missing_from_a_kernel(plugins):
+    """Leaving out gmm_scatter's trans_b (not an option) as well breaks the plugin at load."""
+    body = kernels_body(
+        "megablocks_grouped_gemm_kernels",
+        "[Kernel(op='gmm_scatter', fn=lambda x, b, indices, bin_ids, weights, bins, top_k: x,"
+        " devices=('cpu',))]",
+    )
+    reason = broken_reason(plugins, body)
+    assert "cannot take the 9 arguments" in reason and "activation" in reason, reason
+
+
 def test_a_kernel_written_before_an_option_existed_still_serves_the_op(plugins):
     """A kernel function without gmm_scatter's trailing ``activation`` loads, and the core gives
     it act(x) in place of x when an activation is asked for (the option's composition)."""
