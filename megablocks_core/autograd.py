@@ -214,7 +214,7 @@ def _weighted_rows(
     if weights is None or not torch.is_grad_enabled():
         return call("gather", grad, *routing, weights, bins, top_k)
     rows = call("gather", grad, *routing, None, bins, top_k)
-    return rows * _row_scales(weights, routing[0]).to(rows.dtype).unsqueeze(1)
+    return _scale_rows(call, rows, _row_scales(weights, routing[0]), routing, bins)
 
 
 def _scatter(
@@ -386,12 +386,18 @@ def _scale_rows(
     call: Call,
     rows: torch.Tensor,
     scale: torch.Tensor,
-    identity: torch.Tensor,
     routing: tuple[torch.Tensor, ...],
     bins: torch.Tensor,
+    identity: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """rows[i] * scale[i]: a weighted gather with identity indices and top_k 1. A row-broadcast
-    multiply runs on torch's unvectorised strided path at about half the bandwidth."""
+    """rows[i] * scale[i]: a weighted gather with identity indices and top_k 1 (a row-broadcast
+    multiply runs on torch's unvectorised strided path at about half the bandwidth). When this
+    backward is itself recorded (double backward), torch's multiply instead, so that the scale's
+    gradient is recorded too (the gather kernel's weights carry none)."""
+    if torch.is_grad_enabled():
+        return rows * scale.to(rows.dtype).unsqueeze(1)
+    if identity is None:
+        identity = _identity(routing[0])
     return call("gather", rows, identity, routing[1], scale, bins, 1)
 
 
@@ -425,10 +431,7 @@ def _gmm_scatter(
         if needs["x"]:
             if weights is not None:
                 scale = _row_scales(weights, a["indices"])
-                if torch.is_grad_enabled():  # this backward is itself recorded (double backward)
-                    rows_grad = rows_grad * scale.to(rows_grad.dtype).unsqueeze(1)
-                else:
-                    rows_grad = _scale_rows(call, rows_grad, scale, identity, routing, bins)
+                rows_grad = _scale_rows(call, rows_grad, scale, routing, bins, identity)
             if activation is not None:
                 rows_grad = activate_backward(rows_grad, a["x"], activation)
             out["x"] = rows_grad

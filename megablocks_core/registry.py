@@ -141,21 +141,23 @@ def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return None, len(names)
+    try:
+        signature.bind(*names)
+        return None, len(names)
+    except TypeError as exc:
+        problem = (
+            f"fn {getattr(fn, '__qualname__', fn)!s}{signature} cannot take the {len(names)} "
+            f"arguments ({', '.join(names)}) the contract passes positionally: {exc}"
+        )
     taken = len(names)
-    while True:
+    while taken and isinstance(contract.args[taken - 1], ChoiceArg):
+        taken -= 1
         try:
             signature.bind(*names[:taken])
             return None, taken
-        except TypeError as exc:
-            if taken == len(names):
-                problem = (
-                    f"fn {getattr(fn, '__qualname__', fn)!s}{signature} cannot take the "
-                    f"{len(names)} arguments ({', '.join(names)}) the contract passes "
-                    f"positionally: {exc}"
-                )
-            if taken == 0 or not isinstance(contract.args[taken - 1], ChoiceArg):
-                return problem, taken
-            taken -= 1
+        except TypeError:
+            continue
+    return problem, len(names)
 
 
 def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:

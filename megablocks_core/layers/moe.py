@@ -14,9 +14,10 @@ together::
 which is ``gmm`` between ``gather`` and ``scatter`` with the permutations fused into the GEMMs,
 the second of which also applies the activation (and recomputes it in backward): no
 (tokens * top_k, hidden) tensor is written in the forward or kept for the backward (MegaBlocks
-keeps two: the gathered tokens and the expert outputs). What a step keeps for backward is the routing metadata and the (tokens * top_k, ffn)
-activations: one for MLP experts with a named activation (its input: gmm_scatter recomputes
-act(h) in backward), two with a callable activation, three for GLU experts.
+keeps two: the gathered tokens and the expert outputs). What a step keeps for backward is the
+routing metadata and the (tokens * top_k, ffn) activations: one for MLP experts with a named
+activation (its input: gmm_scatter recomputes act(h) in backward), two with a callable
+activation, three for GLU experts.
 
 Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all deliberate:
 
@@ -383,7 +384,7 @@ class DroplessMoE(torch.nn.Module):
         routing = (indices, bin_ids)
         h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
         if self.v1 is None and self.activation_name is not None:
-            # The activation runs inside the second GEMM, which keeps only h for backward.
+            # gmm_scatter applies the activation to h and keeps only h for backward.
             return ops.gmm_scatter(
                 h, self.w2, *routing, weights, bins, self.top_k, False, self.activation_name
             )

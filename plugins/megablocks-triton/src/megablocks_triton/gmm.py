@@ -851,6 +851,8 @@ def _launch_wgrad(
     total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
     descriptors: tuple[Any, ...] = (a, grad, out)  # unused unless TMA
+    # A config may ask for TMA (the policy's, or one passed in); the kernel's TMA epilogue only
+    # fits shared memory for a 16-bit gradient tile, and the descriptors need aligned tensors.
     tma = (
         accumulate
         and cfg.use_tma
