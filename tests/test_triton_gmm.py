@@ -572,3 +572,32 @@ def test_prepared_gather_gmm_and_gmm_scatter_follow_each_call_shape(
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "bins, covered",
+    [
+        ([3, 7], 7),  # sorted rows 7.. belong to no expert (expert parallelism's sentinel pairs)
+        ([0, 0], 0),  # every pair unrouted
+        ([9, 4], 9),  # not cumulative: a negative group counts as 0, rows 0..8 are covered
+    ],
+)
+def test_gmm_scatter_reduction_reads_only_covered_rows(bins: list[int], covered: int) -> None:
+    """gmm_scatter's GEMM leaves the sorted rows no group covers unwritten, so its reduction
+    must never read them: NaN there must not reach the output, and every covered row counts."""
+    from megablocks_triton.permutation import _scatter_plan
+
+    tokens, top_k, hidden = 6, 2, 8
+    n = tokens * top_k
+    indices = torch.randperm(n, generator=_gen(0)).to(torch.int32)
+    weights = torch.rand(n, generator=_gen(1))
+    rows = _rand(n, hidden, dtype=torch.float32, seed=2)
+    rows[covered:] = float("nan")
+    plan = _scatter_plan(LaunchConfigs(), rows, n, len(bins), top_k, True, grouped_rows=True)
+    out = plan(rows, indices, weights, torch.tensor(bins, dtype=torch.int32))
+    want = np.zeros((tokens, hidden))
+    for p, f in enumerate(indices.tolist()):  # sorted row p holds flat id f = t * top_k + k
+        if p < covered:
+            want[f // top_k] += float(weights[f]) * _np(rows[p])
+    _close(out, want, torch.float32)

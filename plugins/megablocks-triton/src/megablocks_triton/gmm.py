@@ -320,6 +320,7 @@ def _gmm_kernel(
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr, USE_TMA: tl.constexpr, TRANS_B: tl.constexpr,
     GATHER: tl.constexpr = False, FROM_ENDS: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    ZERO_TAIL: tl.constexpr = True,
 ):  # fmt: skip
     # USE_TMA: a_ptr is a (M, K) TensorDescriptor and b_ptr a 3-D one over b's storage
     # ((E, K, N), or (E, N, K) when TRANS_B); the strides are then unused.
@@ -335,8 +336,11 @@ def _gmm_kernel(
     tile_end = tl.cumsum(tiles, 0)  # inclusive prefix: tiles of experts 0..e
     group_tiles = tl.sum(tiles, 0)
     # Rows [covered, M) belong to no group (batch_sizes summing to less than M): zero tiles,
-    # none at all on valid input.
-    total_tiles = group_tiles + tl.cdiv(M - covered, BLOCK_M) * n_tiles
+    # none at all on valid input. Not ZERO_TAIL (gmm_scatter's private product rows, whose
+    # reduction never reads them): left unwritten.
+    total_tiles = group_tiles
+    if ZERO_TAIL:
+        total_tiles += tl.cdiv(M - covered, BLOCK_M) * n_tiles
 
     for tile in tl.range(pid, group_tiles, num_programs, flatten=FLATTEN):
         # Experts wholly before this tile (empty experts included) give the expert id and bases.
@@ -588,9 +592,11 @@ def _forward_plan(
     gather_top_k: int | None,
     from_ends: bool,
     config: GmmConfig | None,
+    zero_tail: bool = True,
 ) -> Forward:
     """The launch of an (m, n) grouped GEMM of a (its token rows, read through the indices, with
-    ``gather_top_k``) by b; group sizes are counts, or cumulative ends (``from_ends``)."""
+    ``gather_top_k``) by b; group sizes are counts, or cumulative ends (``from_ends``). Rows no
+    group covers are zeros, or (not ``zero_tail``) left unwritten."""
     k = a.shape[1]
     num_experts = b.shape[0]
     n = b.shape[1] if trans_b else b.shape[2]
@@ -628,6 +634,7 @@ def _forward_plan(
         "GATHER": gather,
         "FROM_ENDS": from_ends,
         "FLATTEN": cfg.flatten,
+        "ZERO_TAIL": zero_tail,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **configs.launch_options("gmm"),
@@ -767,13 +774,17 @@ def _gmm_scatter_plan(
     trans_b: bool,
 ) -> Callable[..., torch.Tensor]:
     """gmm_scatter's two prepared steps: the grouped GEMM into expert-sorted rows, then the plain
-    scatter of those rows (its plan taken once, for the rows' shape and dtype)."""
+    scatter of those rows (its plan taken once, for the rows' shape and dtype). Sorted rows past
+    bins' groups (expert parallelism's pairs of other ranks' experts) are neither written by the
+    GEMM nor read by the scatter: their products are 0 by the contract."""
     from .permutation import _scatter_plan
 
-    gemm = _forward_plan(configs, x, b, trans_b, x.shape[0], None, True, None)
+    gemm = _forward_plan(configs, x, b, trans_b, x.shape[0], None, True, None, zero_tail=False)
     n = b.shape[1] if trans_b else b.shape[2]
     rows = torch.empty((x.shape[0], n), dtype=x.dtype, device="meta")
-    reduce = _scatter_plan(configs, rows, indices.numel(), bins.numel(), top_k, has_weights)
+    reduce = _scatter_plan(
+        configs, rows, indices.numel(), bins.numel(), top_k, has_weights, grouped_rows=True
+    )
 
     def run(
         x: torch.Tensor,

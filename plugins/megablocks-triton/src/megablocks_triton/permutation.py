@@ -53,6 +53,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 from megablocks_core.plugin import ContractError
 
 from .config import LaunchConfigs, launch_configs
+from .gmm import _group_sizes
 from .launch import bind, cdiv, launch, next_power_of_2, remember
 
 __all__ = [
@@ -504,9 +505,16 @@ def _scatter_kernel(
     HAS_WEIGHTS: tl.constexpr,
     SEARCH: tl.constexpr,
     K_PAD: tl.constexpr,
+    GROUPED_ROWS: tl.constexpr = False,
+    BLOCK_E: tl.constexpr = 1,
 ):
+    # GROUPED_ROWS (gmm_scatter's reduction of its own GEMM's rows, plain layout): only the rows
+    # bins' groups cover hold products (the GEMM, reading bins the same way, leaves the rest
+    # unwritten); a copy in a row past them contributes 0 and is never read.
     pid = tl.program_id(0)
     out_row = out_ptr + pid.to(tl.int64) * hidden
+    if GROUPED_ROWS:
+        _, covered = _group_sizes(bins_ptr, num_bins, n, BLOCK_E, True)
     if SEARCH > 0:  # few rows (plain layout): no inverse permutation, scan indices instead
         copies = tl.arange(0, K_PAD)
         found = _rows_naming(indices_ptr, pid * TOP_K, n, copies, SEARCH)
@@ -520,6 +528,8 @@ def _scatter_kernel(
             if SEARCH > 0:
                 p = tl.max(tl.where(copies == k, found, -1), axis=0)
                 keep = p >= 0
+                if GROUPED_ROWS:
+                    keep = keep & (p < covered)
                 f = pid * TOP_K + k
                 src = tl.where(keep, p, 0).to(tl.int64)
             else:
@@ -540,6 +550,8 @@ def _scatter_kernel(
                     LOG,
                     False,
                 )
+                if GROUPED_ROWS:
+                    keep = keep & (src < covered)
             row = tl.load(x_ptr + src * hidden + h, mask=keep & hm, other=0).to(tl.float32)
             if HAS_WEIGHTS:
                 row = row * tl.load(weights_ptr + f).to(tl.float32)
@@ -670,10 +682,13 @@ def _scatter_launch(
     num_rows: int,
     has_weights: bool,
     search: int = 0,
+    grouped_rows: bool = False,
 ) -> Launch:
     """Grid, scalars and keywords of a ``_scatter_kernel`` launch (its tensors come first);
-    ``search`` > 0: the token programs scan ``indices`` for their rows (no ``inv``)."""
+    ``search`` > 0: the token programs scan ``indices`` for their rows (no ``inv``);
+    ``grouped_rows``: rows past those bins' groups cover are never read (count as 0)."""
     cfg = configs.permutation(num_tokens, hidden, top_k, element_size)
+    grouped = {"GROUPED_ROWS": True, "BLOCK_E": next_power_of_2(num_bins)} if grouped_rows else {}
     kw = {
         "BLOCK_H": cfg.block_h,
         "SPLIT_H": cfg.split_h,
@@ -683,6 +698,7 @@ def _scatter_launch(
         "K_PAD": next_power_of_2(top_k),
         "num_warps": cfg.num_warps,
         **_meta(top_k, num_bins),
+        **grouped,
         **_options(configs),
     }
     return (num_tokens, cfg.split_h), (hidden, n, num_bins, bin_size, num_rows), kw
@@ -957,7 +973,10 @@ def _scatter_plan(
     num_bins: int,
     top_k: int,
     has_weights: bool,
+    grouped_rows: bool = False,
 ) -> Callable[..., torch.Tensor]:
+    """The prepared scatter of ``x``'s rows; ``grouped_rows``: only the rows bins' groups cover
+    are read (gmm_scatter's reduction: its GEMM writes no other row)."""
     num_tokens = n // top_k
     hidden = x.shape[-1]
     dtype = x.dtype
@@ -979,6 +998,7 @@ def _scatter_plan(
         0,
         has_weights,
         search,
+        grouped_rows,
     )
     reduce = bind(_scatter_kernel, grid, *scalars, **kw)
     if search:
