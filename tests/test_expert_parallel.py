@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 
 import megablocks_core
 from megablocks_core.layers import DroplessMoE
+from megablocks_core.layers.moe import expert_seed
 from megablocks_core.layers.parallel import (
     DEFAULT_CHUNKS,
     expert_parallel_baseline,
@@ -543,12 +544,17 @@ def test_indivisible_experts_rejected(results, world):
 
 
 def test_single_process_layer_unchanged():
-    """Without a group: all experts, offset 0, the same values as before expert parallelism."""
+    """Without a group: all experts, offset 0; the router drawn from the seed's generator and
+    each expert's matrices from the documented per-expert seeds (which a rank with a group
+    draws for its own experts only)."""
     layer = DroplessMoE(HIDDEN, FFN, 4, 2, glu=True, seed=3)
     assert layer.num_local_experts == 4 and layer.expert_offset == 0
-    g = torch.Generator().manual_seed(3)
-    for p in (layer.router, layer.w1, layer.v1, layer.w2):
-        assert torch.equal(p.detach(), torch.randn(p.shape, generator=g) * 0.02)
+    router = torch.randn(layer.router.shape, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(layer.router.detach(), router * 0.02)
+    for matrix, p in enumerate((layer.w1, layer.v1, layer.w2)):
+        for e in range(4):
+            g = torch.Generator().manual_seed(expert_seed(3, matrix, e))
+            assert torch.equal(p[e].detach(), torch.randn(p.shape[1:], generator=g) * 0.02)
 
 
 def _benchmark(*args: str) -> subprocess.CompletedProcess:

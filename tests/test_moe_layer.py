@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import megablocks_core
 from megablocks_core import cli
 from megablocks_core.layers import DroplessMoE, dMoE, load_balancing_loss
+from megablocks_core.layers.moe import expert_seed
 
 pytestmark = pytest.mark.usefixtures("reference_backend")
 
@@ -291,6 +292,27 @@ def test_initialisation_is_seeded_and_scaled():
     assert dMoE is DroplessMoE
     with pytest.raises(ValueError, match="top_k"):
         DroplessMoE(8, 8, 4, 5)
+
+
+def test_initialisation_draws_one_expert_at_a_time(monkeypatch):
+    """A full (experts, hidden, ffn) float32 draw is 15 GB at DeepSeek-V3's widths: the layer
+    draws each expert on its own, from a seed that depends on the expert's id alone, so the
+    experts of the MLP and gated layers with one seed agree and differ from one another."""
+    sizes = []
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: sizes.append(a[0]) or randn(*a, **k))
+    mlp = DroplessMoE(64, 128, 8, 2, seed=3)
+    assert max(torch.Size(s).numel() for s in sizes) == 64 * 128  # the router's or one expert's
+    assert len(sizes) == 1 + 2 * 8
+    monkeypatch.undo()
+    glu = DroplessMoE(64, 128, 8, 2, glu=True, seed=3)
+    assert torch.equal(mlp.w1, glu.w1) and torch.equal(mlp.w2, glu.w2)
+    assert torch.equal(mlp.router, glu.router)
+    flat = [m.flatten() for p in (glu.w1, glu.v1, glu.w2) for m in p]
+    assert len({tuple(m[:4].tolist()) for m in flat}) == len(flat)  # no two share a stream
+    # The seeds mix seed, matrix and expert: neighbouring triples give unrelated seeds.
+    seeds = {expert_seed(s, m, e) for s in range(3) for m in range(3) for e in range(64)}
+    assert len(seeds) == 3 * 3 * 64 and all(0 <= x < 2**63 for x in seeds)
 
 
 def test_meta_layer_draws_nothing_and_loads_values_after_to_empty(monkeypatch):

@@ -47,7 +47,9 @@ all-to-all split sizes (:func:`megablocks_core.layers.parallel.expert_parallel_m
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -133,6 +135,19 @@ def load_balancing_loss(
         return probs.new_zeros(())
     scale = coefficient * experts / (tokens * top_k)
     return scale * torch.dot(tokens_per_expert.to(probs.dtype), probs.mean(dim=0))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def expert_seed(seed: int, matrix: int, expert: int) -> int:
+    """The seed of expert ``expert``'s matrix ``matrix`` (0: w1, 1: v1, 2: w2) for a layer seeded
+    with ``seed``: splitmix64 over the three, so that nearby seeds, matrices and experts give
+    unrelated streams. Depends on nothing else (not the number of experts or ranks)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (matrix << 40) + expert) & _MASK64
+    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        z = ((z ^ (z >> shift)) * factor) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)  # torch seeds are < 2**64; keep it positive
 
 
 class DroplessMoE(torch.nn.Module):
@@ -316,25 +331,45 @@ class DroplessMoE(torch.nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, seed: int = 0) -> None:
-        """Draw every parameter from N(0, std²) with a CPU generator seeded with ``seed``.
+        """Draw every parameter from N(0, std²) with CPU generators derived from ``seed``.
 
-        Drawing on the CPU and copying makes the values identical on every device. With expert
-        parallelism the full (E, ...) expert tensors are drawn and this rank's slice kept, so the
-        values match the single-process layer's with the same seed. On the meta device nothing is
-        drawn (``to_empty`` then loading values is the way to fill such a layer).
+        The router comes from a generator seeded with ``seed``; each expert's matrix from its own
+        (:func:`expert_seed` of ``seed``, the matrix and the expert's global id), one expert at a
+        time. Drawing on the CPU and copying makes the values identical on every device; an
+        expert's values depend on nothing but its id, so with expert parallelism a rank draws
+        only its own experts and they equal the single-process layer's with the same seed. Never
+        more than one expert's float32 values are held on the host (a full (E, hidden, ffn) draw
+        is 15 GB at DeepSeek-V3's widths). On the meta device nothing is drawn (``to_empty`` then
+        loading values is the way to fill such a layer).
         """
         if self.router.is_meta:  # meta parameters hold no values: nothing to draw
             return
-        generator = torch.Generator().manual_seed(seed)
-        start, stop = self.expert_offset, self.expert_offset + self.num_local_experts
-        for p in self.parameters():
-            if p is self.router:
-                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32) * std)
-            else:  # every expert's values are drawn, in order; keep this rank's
-                full = (self.num_experts, *p.shape[1:])
-                p.copy_(
-                    (torch.randn(full, generator=generator, dtype=torch.float32) * std)[start:stop]
-                )
+        router = torch.Generator().manual_seed(seed)
+        self.router.copy_(
+            torch.randn(self.router.shape, generator=router, dtype=torch.float32) * std
+        )
+        jobs = [
+            (p[local], expert_seed(seed, matrix, self.expert_offset + local))
+            for matrix, p in enumerate((self.w1, self.v1, self.w2))
+            if p is not None
+            for local in range(self.num_local_experts)
+        ]
+
+        @torch.no_grad()  # grad mode is per thread
+        def draw(job: tuple[Tensor, int]) -> None:
+            out, stream = job
+            generator = torch.Generator().manual_seed(stream)
+            out.copy_(torch.randn(out.shape, generator=generator, dtype=torch.float32) * std)
+
+        # The experts' draws are independent and torch releases the GIL while drawing: large
+        # experts are drawn on a few threads (a single thread draws ~2e8 values a second).
+        workers = min(os.cpu_count() or 1, 8) if self.w1[0].numel() >= 1 << 20 else 1
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(draw, jobs))
+        else:
+            for job in jobs:
+                draw(job)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: (probs (T, E), top-k weights (T, K), top-k expert ids (T, K) int32); probs and
