@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -388,3 +390,48 @@ def test_host_item_on_cuda_times_every_case_eager_and_in_a_graph():
             graph = ours[(f"tiny:{tokens}", op, "ours (CUDA graph)")]
             assert eager.us > 0 and graph.us > 0 and eager.check == "ok", (eager, graph)
     assert all(r.vs_megablocks is None for r in rows)  # no peers asked for
+
+
+def _step_profile():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_profile.py"
+    spec = importlib.util.spec_from_file_location("step_profile", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_profile_sorts_kernels_into_the_layers_parts():
+    part_of = _step_profile().part_of
+    names = {  # kernel names from an H200 profile of the layer's step
+        "_gmm_kernel": "expert GEMMs",
+        "_gmm_wgrad_kernel": "weight gradients",
+        "_wgrad_kernel": "top-k weights' gradient",
+        "_gather_kernel": "permutation",
+        "_scatter_kernel": "permutation",
+        "_counting_scatter_kernel": "routing",
+        "_router_topk_kernel": "routing",
+        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "communication",
+        "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "communication",
+        "void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl": (
+            "activations"
+        ),
+        "nvjet_sm90_tss_128x128_64x6_1x2_h_bz_TNT": "dense GEMMs",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda": (
+            "copies"
+        ),
+        "void at::native::reduce_kernel<512, 1>": "other",
+    }
+    assert {name: part_of(name) for name in names} == names
+
+
+def test_step_profile_runs_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    result = _step_profile().main(
+        ["--shape", "tiny", "--steps", "1", "--warmup", "1", "--json", str(out)]
+    )
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["step_ms"] > 0 and result["busy_ms"] > 0
+    assert sum(result["parts_ms"].values()) == pytest.approx(result["busy_ms"])
+    assert sum(k["ms"] for k in result["kernels"].values()) == pytest.approx(result["busy_ms"])
+    assert "step" in capsys.readouterr().out
