@@ -12,6 +12,9 @@ count and their sum per part of the layer:
   ``activations`` (GELU, SiLU, ReLU, the gate × up product), ``copies`` (dtype casts and
   copies), ``dense GEMMs`` (the router's matmuls), ``communication`` (NCCL), ``other``.
 
+Parts go by kernel name only: the loss's own kernels (float casts, square, mean and their
+gradients) land in ``copies``, ``activations`` (multiplications) or ``other``.
+
 On a GPU the times are the CUDA kernels'; on the CPU (no CUDA) the operators' own CPU time, so
 the script runs anywhere (the CPU figures say little about a GPU). The step time beside it comes
 from CUDA events (or the wall clock) over steps run without the profiler.
