@@ -31,6 +31,9 @@ in bf16; tiny on the CPU, in float32; MLP experts unless --glu):
    alone (no computation) with each scheme's split sizes.
 4. scaling efficiency: ``one_device(W*T) / (W * ep_step)`` (1 = W ranks are W times as fast as
    one device on the same global work).
+5. with ``--profile``: each scheme's step under torch.profiler on every rank, device time per
+   part of the layer (expert GEMMs, weight gradients, permutation, communication, ...: the
+   parts of ``benchmarks/step_profile.py``), in the JSON's ``per_rank[r].profile_ms_per_step``.
 
 Progress: rank 0 prints (flushed) a line before each phase ("compiling/warming up ...",
 "timing ...") and one line per measured figure as soon as it is measured (equality errors and step
@@ -331,8 +334,8 @@ def run_shape(
     grad_out = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     kwargs = dict(top_k=top_k, glu=args.glu, seed=0, dtype=dtype, device=device)
     full = DroplessMoE(hidden, ffn, experts, **kwargs)
-    # The sharded layer is the full one's slice. Its own initialisation would draw every expert
-    # again on the CPU (minutes at dsv3): build it on the meta device and copy the slice.
+    # The sharded layer is the full one's slice (as its own initialisation would draw it, on the
+    # CPU): build it on the meta device and copy the slice on the device, which is quicker.
     meta = {**kwargs, "device": "meta"}
     sharded = DroplessMoE(hidden, ffn, experts, expert_parallel_group=dist.group.WORLD, **meta)
     sharded.to_empty(device=device)
@@ -469,6 +472,22 @@ def run_shape(
                 f"backward {syncs[scheme]['backward']}"
             )
 
+    # Where each scheme's step goes on every rank (--profile): device time per part of the layer.
+    profiles = None
+    if args.profile:
+        from step_profile import kernel_times, summarise  # benchmarks/, beside this script
+
+        profiles = {}
+        for scheme, step in schemes.items():
+            progress.enter(f"{name}: profiling {scheme} ({args.steps} steps, ranks together)")
+            run = step_fn(step, list(sharded.parameters()), x)
+            clock.sync()
+            profiles[scheme] = summarise(kernel_times(run, args.steps, device))
+            say(
+                f"{name} profile of {scheme} on rank 0, ms per step: "
+                + ", ".join(f"{part} {ms:.2f}" for part, ms in profiles[scheme].items())
+            )
+
     # 3. Bytes and exchanges alone, from this step's routing.
     progress.enter(f"{name}: exchange sizes of one step")
     with torch.no_grad():
@@ -510,6 +529,7 @@ def run_shape(
             "bytes": per_rank_bytes,
             "exchanges_alone_ms": alone,
             "host_syncs_per_call": syncs,
+            "profile_ms_per_step": profiles,
         },
     )
     one_wt = max(r["steps"]["one_device_WT"]["ms"] for r in everyone)
@@ -610,6 +630,11 @@ def parse_args() -> argparse.Namespace:
         "--dtype", default=None, choices=("bfloat16", "float16", "float32", "float64")
     )
     parser.add_argument("--glu", action="store_true", help="gated experts (default: MLP)")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also profile each scheme's step (torch.profiler, every rank): device time per part "
+        "of the layer, as benchmarks/step_profile.py sorts them",
+    )  # fmt: skip
     parser.add_argument("--json", default=None, help="rank 0 writes the results here")
     args = parser.parse_args()
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -29,6 +29,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,14 +102,15 @@ def step_ms(layer: DroplessMoE, x: torch.Tensor, steps: int, device: torch.devic
 
 
 def kernel_times(
-    layer: DroplessMoE, x: torch.Tensor, steps: int, device: torch.device
+    run: Callable[[], None], steps: int, device: torch.device
 ) -> dict[str, dict[str, float]]:
-    """{name: {"ms": per step, "calls": per step}} of every kernel (CUDA) or operator (CPU)."""
+    """{name: {"ms": per step, "calls": per step}} of every kernel (CUDA) or operator (CPU) over
+    ``steps`` calls of ``run`` (one training step each)."""
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            step(layer, x)
+            run()
         if on_gpu:
             torch.cuda.synchronize()
     totals: dict[str, dict[str, float]] = defaultdict(lambda: {"ms": 0.0, "calls": 0.0})
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for _ in range(args.warmup):
         step(layer, x)
     timed = step_ms(layer, x, args.steps, device)
-    kernels = kernel_times(layer, x, args.steps, device)
+    kernels = kernel_times(lambda: step(layer, x), args.steps, device)
     parts = summarise(kernels)
     result = {
         "shape": args.shape,

@@ -573,7 +573,7 @@ def test_benchmark_runs_with_gloo(tmp_path):
     """benchmarks/expert_parallel_nccl.py on the CPU: equality passes, bytes and times reported,
     each figure on its own line as soon as it is measured."""
     out = tmp_path / "ep.json"
-    done = _benchmark("--steps", "1", "--chunks", "1", "3", "--json", str(out))
+    done = _benchmark("--steps", "1", "--chunks", "1", "3", "--profile", "--json", str(out))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["complete"] and report["warmup"] == 3 and report["steps"] == 1
@@ -591,6 +591,11 @@ def test_benchmark_runs_with_gloo(tmp_path):
         # all-gather: all 64 tokens to the other rank: four exchanges of 64 float32 rows of 32,
         # plus each token's routing and weights' gradient (2 int32 ids, 2 + 2 float32 values)
         assert counts["allgather_bytes"] == 4 * 64 * 32 * 4 + 64 * (8 + 8 + 8)
+        # --profile: every scheme's step, its time by part of the layer (CPU operators here)
+        profile = rank["profile_ms_per_step"]
+        assert set(profile) == schemes
+        assert all(sum(parts.values()) > 0 for parts in profile.values())
+        assert all(ms >= 0 for parts in profile.values() for ms in parts.values())
     # Rank 0 alone prints progress: a phase line, then the figure, before the shape's summary.
     lines = done.stdout.splitlines()
     summary = lines.index(next(line for line in lines if line.startswith("== tiny")))
