@@ -171,7 +171,9 @@ class DroplessMoE(torch.nn.Module):
             which this grouped layer ignores).
         init_std: parameters are drawn from N(0, init_std²), MegaBlocks' default ``init_method``
             (std 0.02) for the router and both expert matrices.
-        seed: seed of the ``torch.Generator`` used for initialisation (deterministic across runs).
+        seed: initialisation seed (the same values across runs and devices): the router's CPU
+            generator's, and each expert's through :func:`expert_seed` (see
+            :meth:`reset_parameters`).
         dtype, device: of the parameters.
         expert_parallel_group: a ``torch.distributed`` process group of W ranks over which the
             experts are sharded (``num_experts % W == 0``); rank r of the group holds experts
