@@ -346,11 +346,8 @@ class DroplessMoE(torch.nn.Module):
         """
         if self.router.is_meta:  # meta parameters hold no values: nothing to draw
             return
-        router = torch.Generator().manual_seed(seed)
-        self.router.copy_(
-            torch.randn(self.router.shape, generator=router, dtype=torch.float32) * std
-        )
-        jobs = [
+        # (tensor, the seed of its generator): the router, then each local expert's matrices.
+        jobs = [(self.router, seed)] + [
             (p[local], expert_seed(seed, matrix, self.expert_offset + local))
             for matrix, p in enumerate((self.w1, self.v1, self.w2))
             if p is not None
@@ -366,12 +363,11 @@ class DroplessMoE(torch.nn.Module):
         # The experts' draws are independent and torch releases the GIL while drawing: large
         # experts are drawn on a few threads (a single thread draws ~2e8 values a second).
         workers = min(os.cpu_count() or 1, 8) if self.w1[0].numel() >= 1 << 20 else 1
-        if workers > 1:
-            with ThreadPoolExecutor(workers) as pool:
-                list(pool.map(draw, jobs))
-        else:
-            for job in jobs:
-                draw(job)
+        if workers == 1:
+            list(map(draw, jobs))
+            return
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(draw, jobs))
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Router: (probs (T, E), top-k weights (T, K), top-k expert ids (T, K) int32); probs and
