@@ -1,10 +1,11 @@
 """The expert activations an op may apply, by name, with their backward.
 
 One definition serves the contract of ``gmm_scatter``'s ``activation`` argument (the reference
-backend composes it with these functions, the core's autograd differentiates through them) and
-the layer's expert MLPs (:class:`megablocks_core.layers.DroplessMoE`). A kernel that applies one
-in its prologue must match the function here in its input dtype: computed in float32 (float64
-for float64 input) and rounded once to the input's dtype.
+backend composes it with these functions, the core's autograd differentiates through them),
+the ``glu`` op (gated experts: :func:`glu` and :func:`glu_backward` are its definition) and the
+layer's expert MLPs (:class:`megablocks_core.layers.DroplessMoE`). A kernel that applies one
+must match the function here in its input dtype: computed in float32 (float64 for float64
+input) and rounded once to the input's dtype.
 """
 
 from __future__ import annotations
@@ -53,4 +54,35 @@ def activate_backward(grad: Tensor, x: Tensor, name: str) -> Tensor:
     return ACTIVATIONS[name][1](grad, x)
 
 
-__all__ = ["ACTIVATIONS", "NAMES", "activate", "activate_backward", "gelu_tanh"]
+def _wide(x: Tensor) -> Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def glu(x: Tensor, name: str | None) -> Tensor:
+    """``act(gate) * up`` where ``x = [gate | up]`` holds the two halves of its last dimension
+    side by side (SwiGLU with "silu", GEGLU with "gelu"; None: the bilinear ``gate * up``),
+    computed in float32 (float64 for float64 x) and rounded once to x's dtype."""
+    gate, up = _wide(x).chunk(2, dim=-1)
+    return (activate(gate, name) * up).to(x.dtype)
+
+
+def glu_backward(grad: Tensor, x: Tensor, name: str | None) -> Tensor:
+    """The gradient of :func:`glu` with respect to ``x`` (gate half, then up half) for the
+    output gradient ``grad``, computed as :func:`glu` is."""
+    gate, up = _wide(x).chunk(2, dim=-1)
+    wide_grad = grad.to(gate.dtype)
+    grad_gate = wide_grad * up
+    if name is not None:
+        grad_gate = activate_backward(grad_gate, gate, name)
+    return torch.cat((grad_gate, wide_grad * activate(gate, name)), dim=-1).to(x.dtype)
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "NAMES",
+    "activate",
+    "activate_backward",
+    "gelu_tanh",
+    "glu",
+    "glu_backward",
+]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .activations import activate, activate_backward
+from .activations import activate, activate_backward, glu_backward
 from .policy import Policy, policy_scope
 from .schema import OpContract, TensorArg
 
@@ -444,6 +444,12 @@ def _gmm_scatter(
     return out
 
 
+def _glu(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+    if torch.is_grad_enabled():  # recorded (double backward): the differentiable definition
+        return {"x": glu_backward(grad, a["x"], a["activation"])}
+    return {"x": call("glu_backward", grad, a["x"], a["activation"])}
+
+
 ROUTING_SAVES = ("indices", "bin_ids", "bins")
 
 #: Op name → its backward rule. Every differentiable contract has one (a test checks).
@@ -470,6 +476,7 @@ RULES: dict[str, BackwardRule] = {
         saves_if_set={"x": ("activation", "x")},
         fusable=("b",),
     ),
+    "glu": BackwardRule(_glu, ("x",)),
 }
 
 

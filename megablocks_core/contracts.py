@@ -953,6 +953,71 @@ GMM_SCATTER = OpContract(
 )
 
 # ---------------------------------------------------------------------------
+# Activation: the gated unit between a gated expert's two GEMMs.
+
+GATE_UP = TensorArg(
+    "x",
+    FLOAT_DTYPES,
+    (2,),
+    "each row's gate and up projections side by side, (rows, 2 * n): a grouped GEMM's output "
+    "through [w1 | v1]",
+)
+GLU_ACTIVATION = ChoiceArg(
+    "activation",
+    "the gate's activation: 'gelu' (tanh approximation: GEGLU), 'silu' (SwiGLU) or 'relu' "
+    "(megablocks_core.activations); None: none (a bilinear unit)",
+    ACTIVATION_NAMES,
+)
+EVEN_WIDTH = Rule("x.shape[1] % 2 == 0", "x holds gate and up halves of equal width")
+GLU_ARITHMETIC = (
+    "Computed in float32 (float64 for float64 x) and rounded once to x's dtype, exactly as "
+    "megablocks_core.activations.{} (the reference backend runs it)."
+)
+
+GLU = OpContract(
+    name="glu",
+    family="activation",
+    summary="Gated linear unit of gated experts: act(gate) * up of each row's two halves.",
+    args=(GATE_UP, GLU_ACTIVATION),
+    rules=(EVEN_WIDTH,),
+    outputs=(Output("out", "x.dtype", ("x.shape[0]", "x.shape[1] // 2")),),
+    differentiable=("x",),
+    semantics=(
+        "out[i, j] = act(x[i, j]) * x[i, n + j] with n = x.shape[1] // 2: one pass over the "
+        "first GEMM's (rows, 2n) output of gated experts (SwiGLU, GEGLU), instead of separate "
+        "activation and product passes. The backward keeps x only (act is recomputed there) and "
+        "writes x's gradient, both halves, with glu_backward. " + GLU_ARITHMETIC.format("glu")
+    ),
+    edge_cases=("rows = 0 or n = 0: an empty result",),
+)
+
+GLU_BACKWARD = OpContract(
+    name="glu_backward",
+    family="activation",
+    public=False,
+    summary="The gradient of glu with respect to x (glu's backward).",
+    args=(
+        TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of glu's output, (rows, n)"),
+        GATE_UP,
+        GLU_ACTIVATION,
+    ),
+    rules=(
+        Rule("x.dtype == grad.dtype", "grad and x have the same dtype", error=TypeError),
+        EVEN_WIDTH,
+        Rule(
+            "grad.shape[0] == x.shape[0] and 2 * grad.shape[1] == x.shape[1]",
+            "grad has glu's output shape",
+        ),
+    ),
+    outputs=(Output("out", "x.dtype", "tuple(x.shape)", "(grad of the gate | grad of up)"),),
+    semantics=(
+        "out[i, j] = grad[i, j] * x[i, n + j] * act'(x[i, j]) and out[i, n + j] = grad[i, j] * "
+        "act(x[i, j]). " + GLU_ARITHMETIC.format("glu_backward")
+    ),
+    edge_cases=("rows = 0 or n = 0: an empty result",),
+)
+
+# ---------------------------------------------------------------------------
 # Composite ops: plain torch, run by the core itself on every device.
 
 ROUND_UP = OpContract(
@@ -1019,6 +1084,8 @@ ALL: tuple[OpContract, ...] = (
     GMM_WEIGHT_GRAD_ACCUMULATE,
     GATHER_GMM,
     GMM_SCATTER,
+    GLU,
+    GLU_BACKWARD,
     ROUND_UP,
     REPEAT,
     SUM,

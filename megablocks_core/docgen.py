@@ -9,6 +9,7 @@ FAMILIES = (
     ("routing", "Routing"),
     ("permutation", "Permutation"),
     ("grouped_gemm", "Grouped GEMM"),
+    ("activation", "Activation"),
     ("composite", "Composite ops (plain torch, run by the core on every device)"),
 )
 

@@ -92,10 +92,25 @@ class BackendHooks:
                                dtypes={"a": {torch.bfloat16}, "b": {torch.bfloat16}})]
         """
 
+    @hookspec
+    def megablocks_activation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+        """Return kernels for the activation ops.
+
+        Activation ops: glu (act(gate) * up of gated experts' (rows, 2n) GEMM output) and
+        glu_backward (its gradient).
+
+        Example::
+
+            @hookimpl
+            def megablocks_activation_kernels():
+                return [Kernel(op="glu", fn=my_glu, devices=("cuda",), priority=100)]
+        """
+
 
 #: Hook name → the op family its kernels must belong to.
 KERNEL_HOOKS = {
     "megablocks_routing_kernels": "routing",
     "megablocks_permutation_kernels": "permutation",
     "megablocks_grouped_gemm_kernels": "grouped_gemm",
+    "megablocks_activation_kernels": "activation",
 }

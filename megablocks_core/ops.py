@@ -35,6 +35,7 @@ _binned_scatter = ENTRIES["binned_scatter"]
 _gmm = ENTRIES["gmm"]
 _gather_gmm = ENTRIES["gather_gmm"]
 _gmm_scatter = ENTRIES["gmm_scatter"]
+_glu = ENTRIES["glu"]
 
 # --- routing ---------------------------------------------------------------
 
@@ -178,6 +179,17 @@ def gmm_scatter(
     return _gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation)
 
 
+# --- activation --------------------------------------------------------------
+
+
+def glu(x: Tensor, activation: str | None = None) -> Tensor:
+    """Gated experts' unit: ``act(x[:, :n]) * x[:, n:]`` for x of (rows, 2n), the first GEMM's
+    output through ``[w1 | v1]`` side by side (``activation`` "silu": SwiGLU; "gelu" (tanh):
+    GEGLU; "relu"; None: bilinear) → (rows, n), in float32 rounded once. Its backward keeps x
+    only."""
+    return _glu(x, activation)
+
+
 # --- composite ops: plain torch on every device ------------------------------------
 
 
@@ -246,6 +258,7 @@ __all__ = [
     "exclusive_cumsum",
     "gather",
     "gather_gmm",
+    "glu",
     "gmm",
     "gmm_scatter",
     "histogram",

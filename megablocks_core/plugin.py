@@ -16,13 +16,17 @@ backends in this repository use nothing else, like any third-party plugin.
 - :func:`gmm_cost_hint` turns a grouped-GEMM provider's measured points (:data:`GmmPoint`) into a
   ``Kernel.cost`` hint (:func:`gmm_estimate_us` and :func:`gmm_problem` are its parts);
 - :class:`ContractError` / :class:`ContractTypeError` are what a kernel raises for input it
-  cannot serve safely (the core names the op and backend).
+  cannot serve safely (the core names the op and backend);
+- :func:`glu_definition` and :func:`glu_backward_definition` are the ``glu`` ops' arithmetic in
+  plain torch (float32, rounded once), which a kernel must match.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .activations import glu as glu_definition
+from .activations import glu_backward as glu_backward_definition
 from .contracts import BY_NAME, family_ops
 from .costs import GmmPoint, gmm_cost_hint, gmm_estimate_us, gmm_problem
 from .descriptors import (
@@ -79,6 +83,8 @@ __all__ = [
     "dense_tflops",
     "describe_device",
     "family_ops",
+    "glu_backward_definition",
+    "glu_definition",
     "gmm_cost_hint",
     "gmm_estimate_us",
     "gmm_problem",

@@ -131,6 +131,11 @@ def _is_device_kind(kind: str) -> bool:
         return False
 
 
+def _is_option(arg: Any) -> bool:
+    """A trailing argument a kernel may lack: a :class:`ChoiceArg` the core can apply itself."""
+    return isinstance(arg, ChoiceArg) and arg.apply is not None
+
+
 def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
     """(why ``fn`` cannot take the contract's arguments positionally, or None; how many of
     them it takes). A function without the contract's trailing options (:class:`ChoiceArg`, added
@@ -150,7 +155,7 @@ def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
             f"arguments ({', '.join(names)}) the contract passes positionally: {exc}"
         )
     taken = len(names)
-    while taken and isinstance(contract.args[taken - 1], ChoiceArg):
+    while taken and _is_option(contract.args[taken - 1]):
         taken -= 1
         try:
             signature.bind(*names[:taken])
@@ -166,7 +171,10 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
     options = [
         (i, contract.arg_names.index(a.applies_to), a.apply)
         for i, a in enumerate(contract.args)
-        if i >= taken and isinstance(a, ChoiceArg)
+        if i >= taken
+        and isinstance(a, ChoiceArg)
+        and a.applies_to is not None
+        and a.apply is not None
     ]
 
     def kernel(*args: Any) -> Any:

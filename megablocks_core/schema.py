@@ -24,7 +24,7 @@ INT_DTYPES = frozenset({torch.int16, torch.int32, torch.int64})
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 COUNT_DTYPES = frozenset({torch.int32, torch.int64})
 
-Family = Literal["routing", "permutation", "grouped_gemm", "composite"]
+Family = Literal["routing", "permutation", "grouped_gemm", "activation", "composite"]
 
 
 def dtype_names(dtypes: frozenset[torch.dtype]) -> str:
@@ -101,16 +101,18 @@ class BoolArg:
 class ChoiceArg:
     """One of a few names, or None (the default): e.g. ``gmm_scatter``'s ``activation``.
 
-    An option added to an op after kernels for it exist: ``apply(args[applies_to], value)`` is
-    what it does to one tensor argument before the op proper, and a kernel whose function does
-    not take the option (a plugin written before it) is called without it on the transformed
-    argument (:mod:`megablocks_core.registry`), so it keeps serving the op, option or not."""
+    With ``apply`` set it is an option added to an op after kernels for it exist:
+    ``apply(args[applies_to], value)`` is what it does to one tensor argument before the op
+    proper, and a kernel whose function does not take the option (a plugin written before it) is
+    called without it on the transformed argument (:mod:`megablocks_core.registry`), so it keeps
+    serving the op, option or not. Without ``apply`` every kernel must take it (``glu``'s
+    activation is the op itself)."""
 
     name: str
     doc: str
     choices: tuple[str, ...]
-    applies_to: str
-    apply: Callable[[Any, str], Any]
+    applies_to: str | None = None
+    apply: Callable[[Any, str], Any] | None = None
 
     def describe(self) -> str:
         return "one of " + ", ".join(repr(c) for c in self.choices) + ", or None"

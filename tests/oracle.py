@@ -544,3 +544,17 @@ def representable(a: Any, dtype: Any) -> Array:
     if dtype_name == "bfloat16":
         return bf16_round(a)
     raise ValueError(f"no float dtype named {dtype_name!r}")
+
+
+def glu(x: Array, name: str | None) -> Array:
+    """act(gate) * up for x = [gate | up] (halves of the last dimension)."""
+    gate, up = np.split(x, 2, axis=-1)
+    return activation(gate, name) * up
+
+
+def glu_backward(grad: Array, x: Array, name: str | None) -> Array:
+    """d glu / d x for the output gradient grad: (gate half | up half)."""
+    gate, up = np.split(x, 2, axis=-1)
+    return np.concatenate(
+        (grad * up * activation_slope(gate, name), grad * activation(gate, name)), axis=-1
+    )

@@ -110,6 +110,8 @@ def _opcheck_samples():
             2,
             True,
         ),
+        "glu": (torch.randn(8, 6, requires_grad=True), "silu"),
+        "glu_backward": (torch.randn(8, 3), torch.randn(8, 6), "gelu"),
     }
 
 

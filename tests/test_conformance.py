@@ -31,6 +31,7 @@ HOOKS = {
     "routing": "megablocks_routing_kernels",
     "permutation": "megablocks_permutation_kernels",
     "grouped_gemm": "megablocks_grouped_gemm_kernels",
+    "activation": "megablocks_activation_kernels",
 }
 
 

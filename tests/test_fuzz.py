@@ -833,6 +833,8 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "trans_b": True,
             "activation": "silu",
         }
+    if op == "glu":
+        return {"x": torch.ones(r.T * r.K, 6, dtype=dtype), "activation": "silu"}
     if op == "gmm":
         return {
             "a": torch.ones(int(r.counts.sum()), 4, dtype=dtype),
@@ -861,6 +863,7 @@ PUBLIC_DISPATCHED = (
     "gmm",
     "gather_gmm",
     "gmm_scatter",
+    "glu",
 )
 WRONG_DTYPES = (
     torch.bool,

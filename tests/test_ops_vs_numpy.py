@@ -917,3 +917,33 @@ def test_router_topk(T, E, K, dtype, softmax, noncontig, specials):
 def test_router_topk_rejects_top_k_past_the_experts():
     with pytest.raises(ValueError, match="top_k is at most the number of experts"):
         ops.router_topk(torch.zeros(3, 4), 5)
+
+
+# --------------------------------------------------------------------------------------
+# glu (gated experts' unit)
+# --------------------------------------------------------------------------------------
+
+GLU_CASES = {
+    "basic": (33, 24, torch.float32, False),
+    "fp64": (7, 5, torch.float64, False),
+    "non_contiguous": (12, 16, torch.float32, True),
+    "bf16": (16, 8, torch.bfloat16, False),
+    "zero_rows": (0, 4, torch.float32, False),
+    "zero_width": (5, 0, torch.float32, False),
+}
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "silu", "relu"])
+@pytest.mark.parametrize("name", list(GLU_CASES))
+def test_glu(name, act):
+    """ops.glu and its gradient (glu_backward) against numpy's act(gate) * up and the
+    hand-differentiated slopes; values spread to reach every activation's tails."""
+    rows, n, dtype, nc = GLU_CASES[name]
+    rng = np.random.default_rng(70 + rows + n)
+    xv = oracle.representable(3 * rng.standard_normal((rows, 2 * n)), dtype)
+    x = leaf(xv, dtype, nc)
+    out = ops.glu(x, act)
+    check(out, oracle.glu(xv, act), dtype)
+    g = rand(rng, (rows, n), dtype)
+    out.backward(ft(g, dtype, nc))
+    check(x.grad, oracle.glu_backward(g, xv, act), dtype)

@@ -521,6 +521,32 @@ def test_weights_any_float_dtype() -> None:
     _close(out, ref, torch.float32)
 
 
+# =========================================================================== activation
+
+
+@pytest.mark.parametrize("activation", [None, "gelu", "silu", "relu"])
+@pytest.mark.parametrize(
+    ("rows", "n", "dtype"),
+    [
+        (0, 8, torch.float32),  # no rows
+        (5, 0, torch.float32),  # no columns
+        (5, 1, torch.float32),
+        (37, 24, torch.float32),
+        (3, 5, torch.float16),  # rows not 16-byte aligned
+        (9, 600, torch.float32),  # two column blocks
+        (70, 8, torch.bfloat16),  # several row blocks
+    ],
+)
+def test_glu(rows: int, n: int, dtype: torch.dtype, activation: str | None) -> None:
+    x = (torch.randn(rows, 2 * n, generator=_gen(rows + n)) * 3).to(dtype)
+    grad = torch.randn(rows, n, generator=_gen(7)).to(dtype)
+    x64, grad64 = x.double().numpy(), grad.double().numpy()
+    _close(mt.glu(x, activation), oracle.glu(x64, activation), dtype)
+    got = mt.glu_backward(grad, x, activation)
+    assert got.shape == x.shape
+    _close(got, oracle.glu_backward(grad64, x64, activation), dtype)
+
+
 # =========================================================================== plugin
 
 

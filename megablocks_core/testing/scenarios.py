@@ -136,6 +136,8 @@ class Routing:
     scores: torch.Tensor
     """Router scores, (tokens, experts), in quarter steps (equal scores in most rows), with a
     NaN in row 1 and row 2 all -inf where the shape allows (router_topk's tie and NaN rules)."""
+    gate_up: torch.Tensor
+    """A gated expert's first GEMM output, (tokens * top_k, 2 * ffn): glu's input."""
 
     @property
     def num_rows(self) -> int:
@@ -191,7 +193,14 @@ def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
             device=device, dtype=s.accumulate_dtype or s.dtype
         ),
         scores=_router_scores(s, device),
+        gate_up=_gate_up(s, rows, device),
     )
+
+
+def _gate_up(s: Scenario, rows: int, device: torch.device | str) -> torch.Tensor:
+    # Its own generator (as the scores'), values wide enough to reach every activation's tails.
+    gen = torch.Generator().manual_seed(s.seed + 2)
+    return (torch.randn(rows, 2 * s.ffn_size, generator=gen) * 3).to(device=device, dtype=s.dtype)
 
 
 def _router_scores(s: Scenario, device: torch.device | str) -> torch.Tensor:
@@ -202,6 +211,10 @@ def _router_scores(s: Scenario, device: torch.device | str) -> torch.Tensor:
         scores[1, s.experts // 2] = float("nan")
         scores[2] = float("-inf")
     return scores.to(device=device, dtype=s.dtype)
+
+
+def _activation(r: Routing) -> str | None:
+    return (None, *ACTIVATION_NAMES)[r.scenario.seed % (len(ACTIVATION_NAMES) + 1)]
 
 
 #: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;
@@ -283,8 +296,11 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.bins,
         r.scenario.top_k,
         r.scenario.trans_b,
-        (None, *ACTIVATION_NAMES)[r.scenario.seed % (len(ACTIVATION_NAMES) + 1)],
+        _activation(r),
     ),
+    # The gated unit, its activation (or none) taken in turn by seed as gmm_scatter's.
+    "glu": lambda r: (r.gate_up, _activation(r)),
+    "glu_backward": lambda r: (r.gmm_grad, r.gate_up, _activation(r)),
 }
 
 

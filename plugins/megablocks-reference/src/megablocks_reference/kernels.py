@@ -17,7 +17,12 @@ import math
 import torch
 from torch import Tensor
 
-from megablocks_core.plugin import ContractError, call_op
+from megablocks_core.plugin import (
+    ContractError,
+    call_op,
+    glu_backward_definition,
+    glu_definition,
+)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -398,3 +403,11 @@ def gmm_scatter(
     from megablocks_core import ops
 
     return ops.scatter(_gmm_by_bins(x, b, bins, trans_b), indices, bin_ids, weights, bins, top_k)
+
+
+def glu(x: Tensor, activation: str | None) -> Tensor:
+    return glu_definition(x, activation)
+
+
+def glu_backward(grad: Tensor, x: Tensor, activation: str | None) -> Tensor:
+    return glu_backward_definition(grad, x, activation)

@@ -34,3 +34,8 @@ def megablocks_permutation_kernels() -> list[Kernel]:
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     return _kernels("grouped_gemm")
+
+
+@hookimpl
+def megablocks_activation_kernels() -> list[Kernel]:
+    return _kernels("activation")

@@ -1,11 +1,12 @@
 """The ``rocm`` backend's hooks: what it provides, and where.
 
-Provides every op of the triton backend (routing, permutation, grouped GEMM) for device kind
-``"rocm"`` only, at priority 150 (above triton's 100), on the architectures it has launch
-configurations for (gfx90a, gfx942, gfx950; see :func:`megablocks_rocm.arch.unsupported`). The
-kernels are the triton backend's, with the same dtype restrictions, run under
-:class:`megablocks_rocm.launch.RocmLaunchConfigs`. Not provided: ``torch._grouped_mm`` (on ROCm a
-per-group loop with host syncs, its CK path opt-in and not yet fast) and hipBLASLt.
+Provides every op of the triton backend (routing, permutation, grouped GEMM, activation) for
+device kind ``"rocm"`` only, at priority 150 (above triton's 100), on the architectures it has
+launch configurations for (gfx90a, gfx942, gfx950; see
+:func:`megablocks_rocm.arch.unsupported`). The kernels are the triton backend's, with the same
+dtype restrictions, run under :class:`megablocks_rocm.launch.RocmLaunchConfigs`. Not provided:
+``torch._grouped_mm`` (on ROCm a per-group loop with host syncs, its CK path opt-in and not yet
+fast) and hipBLASLt.
 
 Importing this module needs neither triton nor a GPU (the core imports every plugin to list it).
 """
@@ -86,3 +87,10 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     from megablocks_triton import plugin as triton_plugin
 
     return _rocm_kernels(triton_plugin.megablocks_grouped_gemm_kernels())
+
+
+@hookimpl
+def megablocks_activation_kernels() -> list[Kernel]:
+    from megablocks_triton import plugin as triton_plugin
+
+    return _rocm_kernels(triton_plugin.megablocks_activation_kernels())

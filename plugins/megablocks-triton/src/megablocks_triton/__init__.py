@@ -44,6 +44,7 @@ _EXPORTS = {
         ],
         "routing",
     ),
+    **dict.fromkeys(["glu", "glu_backward"], "activation"),
 }
 
 
@@ -64,6 +65,8 @@ __all__ = [
     "binned_scatter_wgrad",
     "exclusive_cumsum",
     "gather",
+    "glu",
+    "glu_backward",
     "histogram",
     "inclusive_cumsum",
     "launch_configs",

@@ -21,6 +21,7 @@ ROUTING = family_ops("routing")
 PERMUTATION = family_ops("permutation")
 
 GROUPED_GEMM = family_ops("grouped_gemm")
+ACTIVATION = family_ops("activation")
 
 _INTS = frozenset({torch.int16, torch.int32, torch.int64})
 #: fp64 data is left to the reference backend (it accumulates in fp64; we use fp32).
@@ -36,6 +37,11 @@ _ROUTING_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
     "replicate_backward": {"grad": _FLOATS, "bins": _INTS},
     "route": {"top_experts": _INTS},
     "router_topk": {"scores": _FLOATS},
+}
+
+_ACTIVATION_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
+    "glu": {"x": _FLOATS},
+    "glu_backward": {"grad": _FLOATS, "x": _FLOATS},
 }
 
 # Weights keep the contract's full float set: the kernels load any float and scale in fp32.
@@ -138,3 +144,8 @@ def megablocks_permutation_kernels() -> list[Kernel]:
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
     return _kernels("gmm", GROUPED_GEMM, _gmm_dtypes())
+
+
+@hookimpl
+def megablocks_activation_kernels() -> list[Kernel]:
+    return _kernels("activation", ACTIVATION, _ACTIVATION_DTYPES)

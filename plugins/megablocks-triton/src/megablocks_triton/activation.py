@@ -1,0 +1,151 @@
+"""The gated unit of gated experts (``glu``) and its gradient (``glu_backward``), one pass each.
+
+``x`` holds each row's gate and up projections side by side, ``(rows, 2n)``. Composed from torch,
+SwiGLU is a SiLU pass and a product pass forward and four passes backward, each a round trip
+through memory of a ``(rows, n)`` tensor; here the forward reads x once and writes the
+``(rows, n)`` product, the backward reads ``grad`` and x once and writes both halves of x's
+gradient. Arithmetic in float32, rounded once to the data's dtype (as
+``megablocks_core.activations.glu``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from .config import launch_configs
+from .launch import cdiv, launch, next_power_of_2
+
+#: The ``ACTIVATION`` constexpr of the kernels, by the contract's name.
+_CODES = {None: 0, "gelu": 1, "silu": 2, "relu": 3}
+# Globals a jit function reads must be constexprs.
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _activate(gate, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 1:  # GELU, tanh approximation: 0.5 g (1 + tanh(z)) = g sigmoid(2z)
+        inner = _SQRT_2_OVER_PI * (gate + _GELU_CUBIC * gate * gate * gate)
+        return gate / (1.0 + tl.exp(-2.0 * inner))
+    elif ACTIVATION == 2:  # SiLU
+        return gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == 3:  # ReLU
+        return tl.maximum(gate, 0.0)
+    else:
+        return gate
+
+
+@triton.jit
+def _derivative(gate, ACTIVATION: tl.constexpr):
+    """d act(gate) / d gate (torch's formulas: ReLU's is 0 at 0), written without the
+    cancellation of 1 + tanh(z) where tanh(z) is near -1."""
+    if ACTIVATION == 1:
+        # With s = sigmoid(2z): 1 + tanh(z) = 2s and 1 - tanh(z)^2 = 4s(1 - s).
+        inner = _SQRT_2_OVER_PI * (gate + _GELU_CUBIC * gate * gate * gate)
+        s = 1.0 / (1.0 + tl.exp(-2.0 * inner))
+        slope = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * gate * gate)
+        return s + 2.0 * gate * s * (1.0 - s) * slope
+    elif ACTIVATION == 2:
+        s = 1.0 / (1.0 + tl.exp(-gate))
+        return s * (1.0 + gate * (1.0 - s))
+    elif ACTIVATION == 3:
+        return tl.where(gate > 0.0, 1.0, 0.0)
+    else:
+        return tl.full(gate.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _glu_kernel(
+    x_ptr,
+    out_ptr,
+    rows,
+    n,
+    ACTIVATION: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (r < rows) & (c < n)
+    gate_at = x_ptr + r * (2 * n) + c
+    gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_at + n, mask=mask, other=0.0).to(tl.float32)
+    out = _activate(gate, ACTIVATION) * up
+    tl.store(out_ptr + r * n + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_backward_kernel(
+    grad_ptr,
+    x_ptr,
+    out_ptr,
+    rows,
+    n,
+    ACTIVATION: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (r < rows) & (c < n)
+    grad = tl.load(grad_ptr + r * n + c, mask=mask, other=0.0).to(tl.float32)
+    row_at = r * (2 * n) + c
+    gate = tl.load(x_ptr + row_at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row_at + n, mask=mask, other=0.0).to(tl.float32)
+    grad_gate = grad * up * _derivative(gate, ACTIVATION)
+    grad_up = grad * _activate(gate, ACTIVATION)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row_at, grad_gate.to(dtype), mask=mask)
+    tl.store(out_ptr + row_at + n, grad_up.to(dtype), mask=mask)
+
+
+def _tiles(rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
+    """The grid and block sizes: 4096 elements of each half per program, columns first (rows
+    of 16-bit data whose n is a multiple of 8 load in 16-byte vectors)."""
+    block_c = min(next_power_of_2(n), 512)
+    block_r = min(max(4096 // block_c, 1), next_power_of_2(rows))
+    grid = (cdiv(rows, block_r), cdiv(n, block_c))
+    return grid, {
+        "BLOCK_R": block_r,
+        "BLOCK_C": block_c,
+        "num_warps": 8 if block_r * block_c >= 4096 else 4,
+    }
+
+
+def _options() -> dict[str, object]:
+    return dict(launch_configs().launch_options("permutation"))  # bandwidth-bound, like a copy
+
+
+def glu(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    rows, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    grid, blocks = _tiles(rows, n)
+    launch(
+        _glu_kernel, grid, x, out, rows, n, ACTIVATION=_CODES[activation], **blocks, **_options()
+    )
+    return out
+
+
+def glu_backward(grad: torch.Tensor, x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    rows, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty_like(x)
+    if out.numel() == 0:
+        return out
+    grid, blocks = _tiles(rows, n)
+    launch(
+        _glu_backward_kernel,
+        grid,
+        grad,
+        x,
+        out,
+        rows,
+        n,
+        ACTIVATION=_CODES[activation],
+        **blocks,
+        **_options(),
+    )
+    return out
