@@ -46,7 +46,7 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("expert GEMMs", ("_gmm_kernel", "gather_gmm", "gmm_scatter", "grouped", "::gmm")),
     ("routing", ("router", "topk", "sort", "histogram", "scan", "cumsum", "softmax", "counting")),
     ("permutation", ("gather", "scatter", "_inverse", "index_select", "index_copy")),
-    ("activations", ("gelu", "silu", "relu", "sigmoid", "::mul", "mulfunctor")),
+    ("activations", ("gelu", "silu", "relu", "glu", "sigmoid", "::mul", "mulfunctor")),
     ("copies", ("copy", "::to", "memcpy", "memset", "fill")),
     ("dense GEMMs", ("gemm", "nvjet", "cutlass", "matmul", "::mm", "addmm", "linear")),
 )

@@ -137,7 +137,7 @@ def tokens(case: Case, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def expert_params(layer: DroplessMoE) -> dict[str, torch.Tensor]:
-    return {n: p for n in ("w1", "v1", "w2") if (p := getattr(layer, n)) is not None}
+    return {n: getattr(layer, n) for n in ("w1", "w2")}
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -551,7 +551,8 @@ def test_single_process_layer_unchanged():
     assert layer.num_local_experts == 4 and layer.expert_offset == 0
     router = torch.randn(layer.router.shape, generator=torch.Generator().manual_seed(3))
     assert torch.equal(layer.router.detach(), router * 0.02)
-    for matrix, p in enumerate((layer.w1, layer.v1, layer.w2)):
+    gate, up = layer.w1[..., :FFN], layer.w1[..., FFN:]  # gated experts: side by side
+    for matrix, p in enumerate((gate, up, layer.w2)):
         for e in range(4):
             g = torch.Generator().manual_seed(expert_seed(3, matrix, e))
             assert torch.equal(p[e].detach(), torch.randn(p.shape[1:], generator=g) * 0.02)

@@ -31,7 +31,9 @@ def make(hidden=8, ffn=12, experts=8, top_k=2, glu=False, dtype=torch.float64, d
 def loop_reference(model: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer token by token in float64 with plain matrix products, and its aux loss, no MoE op."""
     router, w1, w2 = (p.double() for p in (model.router, model.w1, model.w2))
-    v1 = model.v1.double() if model.v1 is not None else None
+    v1 = None
+    if model.glu:  # gate and up side by side
+        w1, v1 = w1[..., : model.ffn_hidden_size], w1[..., model.ffn_hidden_size :]
     x = x.double().reshape(-1, model.hidden_size)
     probs = torch.softmax(x @ router.T, dim=-1)
     weights, top = torch.topk(probs, model.top_k, dim=-1)
@@ -62,7 +64,7 @@ def loop_reference(model: DroplessMoE, x: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def params(model: DroplessMoE) -> list[torch.Tensor]:
-    return [p for p in (model.router, model.w1, model.v1, model.w2) if p is not None]
+    return [model.router, model.w1, model.w2]
 
 
 CASES = [(1, 1), (8, 1), (8, 2), (8, 4)]  # (experts, top_k)
@@ -152,8 +154,9 @@ def test_fused_layer_equals_composed_ops(tokens, experts, top_k, glu):
 )
 def test_forward_keeps_no_token_times_top_k_hidden_tensor(glu, activation, most):
     """What the forward saves for backward: no (tokens * top_k, hidden) tensor at all, and at most
-    ``most`` (tokens * top_k, ffn) ones whatever top_k is: one for MLP experts with a named
-    activation (gmm_scatter applies it and keeps its input), two with a callable, three for GLU."""
+    ``most`` (tokens * top_k, ffn) ones' worth whatever top_k is: one for MLP experts with a
+    named activation (gmm_scatter applies it and keeps its input), two with a callable, three
+    for GLU (glu keeps its (tokens * top_k, 2 * ffn) input, gmm_scatter the product)."""
     tokens, hidden, ffn, top_k = 10, 24, 6, 4
     model = make(
         hidden=hidden,
@@ -175,7 +178,7 @@ def test_forward_keeps_no_token_times_top_k_hidden_tensor(glu, activation, most)
         out, _ = model(x)
     rows = tokens * top_k
     assert (rows, hidden) not in shapes, shapes
-    assert shapes.count((rows, ffn)) == most, shapes
+    assert shapes.count((rows, ffn)) + 2 * shapes.count((rows, 2 * ffn)) == most, shapes
     out.sum().backward()  # and the backward works from what was kept
     assert model.w1.grad is not None and x.grad is not None
 
@@ -192,9 +195,7 @@ def test_empty_experts_and_normalized_weights():
     out.sum().backward()
     used = set(torch.topk(x.detach() @ model.router.detach().T, 2).indices.flatten().tolist())
     for e in set(range(16)) - used:  # an expert with no tokens gets exactly zero gradient
-        assert (
-            not model.w1.grad[e].any() and not model.w2.grad[e].any() and not model.v1.grad[e].any()
-        )
+        assert not model.w1.grad[e].any() and not model.w2.grad[e].any()
 
 
 def test_zero_tokens():
@@ -306,9 +307,9 @@ def test_initialisation_draws_one_expert_at_a_time(monkeypatch):
     assert len(sizes) == 1 + 2 * 8
     monkeypatch.undo()
     glu = DroplessMoE(64, 128, 8, 2, glu=True, seed=3)
-    assert torch.equal(mlp.w1, glu.w1) and torch.equal(mlp.w2, glu.w2)
+    assert torch.equal(mlp.w1, glu.w1[..., :128]) and torch.equal(mlp.w2, glu.w2)
     assert torch.equal(mlp.router, glu.router)
-    flat = [m.flatten() for p in (glu.w1, glu.v1, glu.w2) for m in p]
+    flat = [m.flatten() for p in (glu.w1[..., :128], glu.w1[..., 128:], glu.w2) for m in p]
     assert len({tuple(m[:4].tolist()) for m in flat}) == len(flat)  # no two share a stream
     # The seeds mix seed, matrix and expert: neighbouring triples give unrelated seeds.
     seeds = {expert_seed(s, m, e) for s in range(3) for m in range(3) for e in range(64)}
@@ -368,7 +369,7 @@ def test_compile_fullgraph_matches_eager(backend):
 
 
 def _expert_weights(model: DroplessMoE) -> list[torch.Tensor]:
-    return [p for p in (model.w1, model.v1, model.w2) if p is not None]
+    return [model.w1, model.w2]
 
 
 def _micro_batches(model: DroplessMoE, steps: int, tokens: int = 12, compiled=None) -> None:

@@ -9,7 +9,9 @@ together::
     h = ops.gather_gmm(x, w1, indices, bin_ids, bins, top_k)       # (tokens * top_k, ffn), by expert
     out = ops.gmm_scatter(h, w2, indices, bin_ids, weights.flatten(), bins, top_k,
                           activation="gelu")             # (tokens, hidden)
-    # GLU: h = act(h) * ops.gather_gmm(x, v1, ...), then gmm_scatter(h, w2, ...) without activation
+    # GLU: w1 holds the gate and up projections side by side, (E, hidden, 2 * ffn): one
+    # gather_gmm gives (tokens * top_k, 2 * ffn), h = ops.glu(h, "silu") (SwiGLU) halves it,
+    # then gmm_scatter(h, w2, ...) without activation
 
 which is ``gmm`` between ``gather`` and ``scatter`` with the permutations fused into the GEMMs,
 the second of which also applies the activation (and recomputes it in backward): no
@@ -17,7 +19,8 @@ the second of which also applies the activation (and recomputes it in backward):
 keeps two: the gathered tokens and the expert outputs). What a step keeps for backward is the
 routing metadata and the (tokens * top_k, ffn) activations: one for MLP experts with a named
 activation (its input: gmm_scatter recomputes act(h) in backward), two with a callable
-activation, three for GLU experts.
+activation, three for GLU experts (the gate and up rows, which ``glu`` keeps, and their
+product).
 
 Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all deliberate:
 
@@ -29,8 +32,10 @@ Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all delib
   weights stay in that precision (MegaBlocks' are in the input dtype), and the top-k ranks the
   logits with equal ones taken in expert order (:func:`megablocks_core.ops.router_topk`;
   MegaBlocks' ``torch.topk`` of the probabilities breaks ties in an unspecified order).
-* Expert weights are stored ``w1, v1: (E, hidden, ffn)`` and ``w2: (E, ffn, hidden)`` so no
+* Expert weights are stored ``w1: (E, hidden, ffn)`` and ``w2: (E, ffn, hidden)`` so no
   ``trans_b`` is needed; MegaBlocks stores ``(E * ffn, hidden)`` and uses ``trans_b=True`` for w1.
+  Gated experts keep MegaBlocks' ``w1`` (gate) and ``v1`` (up) side by side in one
+  ``w1: (E, hidden, 2 * ffn)``, ``w1[..., :ffn]`` the gate: one GEMM computes both projections.
 * No router jitter, uniform assignment, sequence parallelism, or shared expert. Expert
   parallelism is optional (``expert_parallel_group``, see :mod:`megablocks_core.layers.parallel` and
   docs/expert-parallelism.md).
@@ -62,23 +67,6 @@ from ..autograd import fuse_grad_accumulation, is_grad_accumulation_fused
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-
-class _Gated(torch.autograd.Function):
-    """``act(gate) * up`` keeping only gate and up for backward: act(gate) is recomputed there
-    (an elementwise pass) instead of holding a third (tokens * top_k, ffn) tensor."""
-
-    @staticmethod
-    def forward(ctx: Any, gate: Tensor, up: Tensor, name: str) -> Tensor:
-        ctx.save_for_backward(gate, up)
-        ctx.name = name
-        return ACTIVATIONS[name][0](gate) * up
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        gate, up = ctx.saved_tensors
-        act, act_backward = ACTIVATIONS[ctx.name]
-        return act_backward(grad * up, gate), grad * act(gate), None
 
 
 def _tensor_cores(x: Tensor, router: Tensor) -> bool:
@@ -141,7 +129,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def expert_seed(seed: int, matrix: int, expert: int) -> int:
-    """The seed of expert ``expert``'s matrix ``matrix`` (0: w1, 1: v1, 2: w2) for a layer seeded
+    """The seed of expert ``expert``'s matrix ``matrix`` (0: w1, the gate half of gated experts'
+    w1; 1: its up half, MegaBlocks' v1; 2: w2) for a layer seeded
     with ``seed``: splitmix64 over the three, so that nearby seeds, matrices and experts give
     unrelated streams. Depends on nothing else (not the number of experts or ranks)."""
     z = (seed * 0x9E3779B97F4A7C15 + (matrix << 40) + expert) & _MASK64
@@ -158,12 +147,16 @@ class DroplessMoE(torch.nn.Module):
         ffn_hidden_size: width of each expert's MLP.
         num_experts: number of experts E.
         top_k: experts per token (1 ≤ top_k ≤ E).
-        glu: gated experts, ``act(x @ w1) * (x @ v1) @ w2`` (MegaBlocks' ``mlp_type="glu"``);
-            with ``activation="silu"`` this is SwiGLU (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3).
+        glu: gated experts, ``act(x @ gate) * (x @ up) @ w2`` (MegaBlocks' ``mlp_type="glu"``,
+            whose ``w1`` and ``v1`` are the gate and up here); with ``activation="silu"`` this
+            is SwiGLU (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3). The two projections are one
+            parameter, ``w1`` of ``(E, hidden, 2 * ffn)`` with the gate in ``w1[..., :ffn]``
+            and up in ``w1[..., ffn:]``, so that one grouped GEMM computes both and ``ops.glu``
+            combines them in one pass.
         activation: expert activation: ``"gelu"`` (tanh approximation; the default, as
             MegaBlocks), ``"silu"``, ``"relu"``, or any callable. With a named activation the
-            experts keep only the first GEMM's output for backward (gated experts: the two
-            projections) and recompute the activation there (fused path).
+            experts keep only the first GEMM's output for backward (gated experts: both
+            projections and their product) and recompute the activation there.
         normalize_expert_weights: if set, divide each token's top-k weights by their p-norm with
             this p (MegaBlocks' ``moe_normalize_expert_weights``; 1 makes them sum to 1).
         load_balancing_loss_coefficient: MegaBlocks' ``moe_loss_weight``; 0 disables the loss.
@@ -177,7 +170,7 @@ class DroplessMoE(torch.nn.Module):
         dtype, device: of the parameters.
         expert_parallel_group: a ``torch.distributed`` process group of W ranks over which the
             experts are sharded (``num_experts % W == 0``); rank r of the group holds experts
-            ``[r * E/W, (r + 1) * E/W)`` only (``w1``, ``v1``, ``w2`` have E/W rows), the router is
+            ``[r * E/W, (r + 1) * E/W)`` only (``w1`` and ``w2`` have E/W rows), the router is
             replicated. None (default): one process holds every expert. With the same seed, every
             rank's parameters are the matching slices of the single-process layer's.
         fuse_permutation: True (default): ``gather_gmm`` and ``gmm_scatter`` (no (tokens * top_k,
@@ -196,7 +189,7 @@ class DroplessMoE(torch.nn.Module):
             but W - 1 rows per token on W ranks; every rank of the group must pass the same
             number of tokens (checked only with ``MEGABLOCKS_CHECK=1``). See
             :mod:`megablocks_core.layers.parallel`.
-        grad_accumulation_fusion: opt the expert weights (``w1``, ``v1``, ``w2``) in to
+        grad_accumulation_fusion: opt the expert weights (``w1``, ``w2``) in to
             gradient-accumulation fusion (:func:`megablocks_core.fuse_grad_accumulation`): when a
             backward finds an expert weight's gradient already there (every micro-batch after
             the first of a step that accumulates gradients), its weight-gradient GEMM adds into
@@ -308,14 +301,14 @@ class DroplessMoE(torch.nn.Module):
 
         self.router = param(num_experts, hidden_size)  # torch.nn.Linear's layout, no bias
         local = self.num_local_experts
-        self.w1 = param(local, hidden_size, ffn_hidden_size)
-        self.v1 = param(local, hidden_size, ffn_hidden_size) if glu else None
+        # Gated experts: the gate and up projections side by side (one GEMM computes both).
+        self.w1 = param(local, hidden_size, (2 if glu else 1) * ffn_hidden_size)
         self.w2 = param(local, ffn_hidden_size, hidden_size)
         self.reset_parameters(init_std, seed)
         self.grad_accumulation_fusion = grad_accumulation_fusion
 
     def _expert_weights(self) -> list[torch.nn.Parameter]:
-        return [p for p in (self.w1, self.v1, self.w2) if p is not None]
+        return [self.w1, self.w2]
 
     @property
     def grad_accumulation_fusion(self) -> bool:
@@ -336,7 +329,8 @@ class DroplessMoE(torch.nn.Module):
         """Draw every parameter from N(0, std²) with CPU generators derived from ``seed``.
 
         The router comes from a generator seeded with ``seed``; each expert's matrix from its own
-        (:func:`expert_seed` of ``seed``, the matrix and the expert's global id), one expert at a
+        (:func:`expert_seed` of ``seed``, the matrix and the expert's global id: 0 for ``w1``,
+        or its gate half with gated experts, 1 for their up half, 2 for ``w2``), one expert at a
         time. Drawing on the CPU and copying makes the values identical on every device; an
         expert's values depend on nothing but its id, so with expert parallelism a rank draws
         only its own experts and they equal the single-process layer's with the same seed. Never
@@ -347,9 +341,19 @@ class DroplessMoE(torch.nn.Module):
         if self.router.is_meta:  # meta parameters hold no values: nothing to draw
             return
         # (tensor, the seed of its generator): the router, then each local expert's matrices.
+        ffn = self.ffn_hidden_size
+        matrices = (
+            [self.w1[..., :ffn], self.w1[..., ffn:], self.w2]
+            if self.glu
+            else [
+                self.w1,
+                None,
+                self.w2,
+            ]
+        )
         jobs = [(self.router, seed)] + [
             (p[local], expert_seed(seed, matrix, self.expert_offset + local))
-            for matrix, p in enumerate((self.w1, self.v1, self.w2))
+            for matrix, p in enumerate(matrices)
             if p is not None
             for local in range(self.num_local_experts)
         ]
@@ -393,18 +397,18 @@ class DroplessMoE(torch.nn.Module):
             weights = weights / weights.norm(p=self.normalize_expert_weights, dim=-1, keepdim=True)
         return probs, weights, experts
 
-    def _activate(self, h: Tensor, up: Tensor | None) -> Tensor:
-        """act(h), or act(h) * up for gated experts."""
-        if up is None:
+    def _activate(self, h: Tensor) -> Tensor:
+        """act(h), or for gated experts act(gate) * up of h = [gate | up]."""
+        if not self.glu:
             return self.activation(h)
-        if self.activation_name is not None:
-            return _Gated.apply(h, up, self.activation_name)
-        return self.activation(h) * up
+        if self.activation_name is not None:  # one pass; its backward recomputes act(gate)
+            return ops.glu(h, self.activation_name)
+        gate, up = h.chunk(2, dim=-1)
+        return self.activation(gate) * up
 
     def experts(self, rows: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """Each expert's MLP over its contiguous group of rows (groups sized by tokens_per_expert)."""
-        up = None if self.v1 is None else ops.gmm(rows, self.v1, tokens_per_expert)
-        h = self._activate(ops.gmm(rows, self.w1, tokens_per_expert), up)
+        h = self._activate(ops.gmm(rows, self.w1, tokens_per_expert))
         return ops.gmm(h, self.w2, tokens_per_expert)
 
     def _fused_experts(
@@ -416,13 +420,12 @@ class DroplessMoE(torch.nn.Module):
         Backward keeps only (tokens * top_k, ffn) activations."""
         routing = (indices, bin_ids)
         h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
-        if self.v1 is None and self.activation_name is not None:
+        if not self.glu and self.activation_name is not None:
             # gmm_scatter applies the activation to h and keeps only h for backward.
             return ops.gmm_scatter(
                 h, self.w2, *routing, weights, bins, self.top_k, False, self.activation_name
             )
-        up = None if self.v1 is None else ops.gather_gmm(x, self.v1, *routing, bins, self.top_k)
-        return ops.gmm_scatter(self._activate(h, up), self.w2, *routing, weights, bins, self.top_k)
+        return ops.gmm_scatter(self._activate(h), self.w2, *routing, weights, bins, self.top_k)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self.expert_parallel_group is not None:
@@ -470,7 +473,7 @@ class DroplessMoE(torch.nn.Module):
             top_experts,
             self.num_experts,
             self._fused_experts,
-            [p for p in (self.w1, self.v1, self.w2) if p is not None],
+            self._expert_weights(),
             group,
             chunks=chunks,
             dispatch=dispatch,
