@@ -378,10 +378,11 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
             got = G.choose_config(op, 4096, 4096, 4096, 8, torch.float16, device)
             assert got == GMM_TILES[(op, family, "16bit")], (device.arch, op)
     assert G.device_info(torch.device("cpu")).kind == "cpu"
-    # Hopper, 16-bit: a short K loop is flattened into the tile loop (qwen3's K = 768), a long
-    # one is not; the accumulating weight gradient into a 16-bit gradient goes through TMA with
+    # Hopper, 16-bit: a short K loop is flattened into the tile loop (qwen3's K = 768, and 1536
+    # for gated experts' x gradient), a long one is not; the accumulating weight gradient into a 16-bit gradient goes through TMA with
     # 3 stages, into a float32 one (main_grad) it keeps the plain kernel's tiles.
     assert G.choose_config("gmm", 131072, 2048, 768, 128, torch.bfloat16, H200).flatten
+    assert G.choose_config("gmm", 131072, 2048, 1536, 128, torch.bfloat16, H200).flatten
     assert not G.choose_config("gmm", 131072, 768, 2048, 128, torch.bfloat16, H200).flatten
     wgrad = G.choose_config("wgrad", 2048, 768, 131072, 128, torch.bfloat16, H200)
     into_bf16 = G.choose_config(
