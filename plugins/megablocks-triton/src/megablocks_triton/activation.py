@@ -10,12 +10,14 @@ gradient. Arithmetic in float32, rounded once to the data's dtype (as
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from .config import launch_configs
-from .launch import cdiv, launch, next_power_of_2
+from .launch import BoundLaunch, bind, cdiv, next_power_of_2, remember
 
 #: The ``ACTIVATION`` constexpr of the kernels, by the contract's name.
 _CODES = {None: 0, "gelu": 1, "silu": 2, "relu": 3}
@@ -107,45 +109,40 @@ def _tiles(rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
     block_c = min(next_power_of_2(n), 512)
     block_r = min(max(4096 // block_c, 1), next_power_of_2(rows))
     grid = (cdiv(rows, block_r), cdiv(n, block_c))
-    return grid, {
-        "BLOCK_R": block_r,
-        "BLOCK_C": block_c,
-        "num_warps": 8 if block_r * block_c >= 4096 else 4,
-    }
+    warps = 8 if block_r * block_c >= 4096 else 4
+    return grid, {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
 
 
-def _options() -> dict[str, object]:
-    return dict(launch_configs().launch_options("permutation"))  # bandwidth-bound, like a copy
+#: (kernel, dtype, rows, n, activation, policy) -> the bound launch (its compiled kernel is
+#: pinned per dtype): a call computes no launch key, most of a small call's host cost.
+_PLANS: dict[tuple[Any, ...], BoundLaunch] = {}
+
+
+def _launch(
+    kernel: Any, dtype: torch.dtype, rows: int, n: int, activation: str | None
+) -> BoundLaunch:
+    configs = launch_configs()
+    key = (kernel, dtype, rows, n, activation, configs)
+    plan = _PLANS.get(key)
+    if plan is None:
+        grid, blocks = _tiles(rows, n)
+        options = configs.launch_options("permutation")  # bandwidth-bound, like a copy
+        bound = bind(kernel, grid, rows, n, ACTIVATION=_CODES[activation], **blocks, **options)
+        plan = remember(_PLANS, key, bound)
+    return plan
 
 
 def glu(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    grid, blocks = _tiles(rows, n)
-    launch(
-        _glu_kernel, grid, x, out, rows, n, ACTIVATION=_CODES[activation], **blocks, **_options()
-    )
+    if out.numel():
+        _launch(_glu_kernel, x.dtype, rows, n, activation)(x, out)
     return out
 
 
 def glu_backward(grad: torch.Tensor, x: torch.Tensor, activation: str | None) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty_like(x)
-    if out.numel() == 0:
-        return out
-    grid, blocks = _tiles(rows, n)
-    launch(
-        _glu_backward_kernel,
-        grid,
-        grad,
-        x,
-        out,
-        rows,
-        n,
-        ACTIVATION=_CODES[activation],
-        **blocks,
-        **_options(),
-    )
+    if out.numel():
+        _launch(_glu_backward_kernel, x.dtype, rows, n, activation)(grad, x, out)
     return out
