@@ -59,6 +59,19 @@ def _derivative(gate, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _halves(x_ptr, rows, n, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's (BLOCK_R, BLOCK_C) tile of gate and up (float32), the tile's offsets in a
+    (rows, n) tensor and in x, and its mask."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+    mask = (r < rows) & (c < n)
+    in_x = r * (2 * n) + c
+    gate = tl.load(x_ptr + in_x, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + in_x + n, mask=mask, other=0.0).to(tl.float32)
+    return gate, up, r * n + c, in_x, mask
+
+
+@triton.jit
 def _glu_kernel(
     x_ptr,
     out_ptr,
@@ -68,14 +81,9 @@ def _glu_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    mask = (r < rows) & (c < n)
-    gate_at = x_ptr + r * (2 * n) + c
-    gate = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_at + n, mask=mask, other=0.0).to(tl.float32)
+    gate, up, at, _, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C)
     out = _activate(gate, ACTIVATION) * up
-    tl.store(out_ptr + r * n + c, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -89,18 +97,11 @@ def _glu_backward_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
-    mask = (r < rows) & (c < n)
-    grad = tl.load(grad_ptr + r * n + c, mask=mask, other=0.0).to(tl.float32)
-    row_at = r * (2 * n) + c
-    gate = tl.load(x_ptr + row_at, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row_at + n, mask=mask, other=0.0).to(tl.float32)
-    grad_gate = grad * up * _derivative(gate, ACTIVATION)
-    grad_up = grad * _activate(gate, ACTIVATION)
+    gate, up, at, in_x, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C)
+    grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + row_at, grad_gate.to(dtype), mask=mask)
-    tl.store(out_ptr + row_at + n, grad_up.to(dtype), mask=mask)
+    tl.store(out_ptr + in_x, (grad * up * _derivative(gate, ACTIVATION)).to(dtype), mask=mask)
+    tl.store(out_ptr + in_x + n, (grad * _activate(gate, ACTIVATION)).to(dtype), mask=mask)
 
 
 def _tiles(rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
