@@ -665,3 +665,20 @@ def test_cuda_compile_fullgraph_matches_eager():
 def test_gelu_default_is_tanh_approximation():
     x = torch.linspace(-3, 3, 7)
     torch.testing.assert_close(DroplessMoE(4, 4, 2).activation(x), F.gelu(x, approximate="tanh"))
+
+
+def test_gated_layer_loads_gate_and_up_saved_apart():
+    """A state dict with w1 and v1 of (E, hidden, ffn) each (MegaBlocks' layout) loads into the
+    joined w1 = [w1 | v1], and the layer then computes the loop reference of those matrices."""
+    model = make(glu=True)
+    ffn = model.ffn_hidden_size
+    gate = torch.randn(8, 8, ffn, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    up = torch.randn(8, 8, ffn, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    apart = {**model.state_dict(), "w1": gate, "v1": up}
+    model.load_state_dict(apart)
+    assert torch.equal(model.w1[..., :ffn], gate) and torch.equal(model.w1[..., ffn:], up)
+    assert "v1" in apart  # the caller's dict is left as it was
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(model(x)[0], loop_reference(model, x)[0])
+    with pytest.raises(RuntimeError, match="v1"):  # an MLP layer has no up projection
+        make().load_state_dict({**make().state_dict(), "v1": up})

@@ -152,7 +152,8 @@ class DroplessMoE(torch.nn.Module):
             is SwiGLU (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3). The two projections are one
             parameter, ``w1`` of ``(E, hidden, 2 * ffn)`` with the gate in ``w1[..., :ffn]``
             and up in ``w1[..., ffn:]``, so that one grouped GEMM computes both and ``ops.glu``
-            combines them in one pass.
+            combines them in one pass. ``load_state_dict`` also takes the two apart, as ``w1``
+            and ``v1`` of ``(E, hidden, ffn)`` each (joined on load).
         activation: expert activation: ``"gelu"`` (tanh approximation; the default, as
             MegaBlocks), ``"silu"``, ``"relu"``, or any callable. With a named activation the
             experts keep only the first GEMM's output for backward (gated experts: both
@@ -309,6 +310,18 @@ class DroplessMoE(torch.nn.Module):
 
     def _expert_weights(self) -> list[torch.nn.Parameter]:
         return [self.w1, self.w2]
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # Gated experts saved with the gate and up projections apart (MegaBlocks' layout, this
+        # layer's before they were joined): w1 (E, hidden, ffn) and v1 load as w1 = [w1 | v1].
+        up = state_dict.get(prefix + "v1")
+        gate = state_dict.get(prefix + "w1")
+        if self.glu and up is not None and gate is not None and gate.shape == up.shape:
+            state_dict[prefix + "w1"] = torch.cat((gate, up), dim=-1)
+            del state_dict[prefix + "v1"]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @property
     def grad_accumulation_fusion(self) -> bool:
