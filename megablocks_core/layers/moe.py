@@ -130,9 +130,9 @@ _MASK64 = (1 << 64) - 1
 
 def expert_seed(seed: int, matrix: int, expert: int) -> int:
     """The seed of expert ``expert``'s matrix ``matrix`` (0: w1, the gate half of gated experts'
-    w1; 1: its up half, MegaBlocks' v1; 2: w2) for a layer seeded
-    with ``seed``: splitmix64 over the three, so that nearby seeds, matrices and experts give
-    unrelated streams. Depends on nothing else (not the number of experts or ranks)."""
+    w1; 1: its up half, MegaBlocks' v1; 2: w2) for a layer seeded with ``seed``: splitmix64 over
+    the three, so that nearby seeds, matrices and experts give unrelated streams. Depends on
+    nothing else (not the number of experts or ranks)."""
     z = (seed * 0x9E3779B97F4A7C15 + (matrix << 40) + expert) & _MASK64
     for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
         z = ((z ^ (z >> shift)) * factor) & _MASK64
