@@ -392,6 +392,16 @@ def test_only_trailing_options_may_be_missing_from_a_kernel(plugins):
     assert "cannot take the 9 arguments" in reason and "activation" in reason, reason
 
 
+def test_a_glu_kernel_must_take_its_activation(plugins):
+    """glu's activation is the op itself, not an option the core could apply: a kernel without
+    it breaks the plugin at load."""
+    body = kernels_body(
+        "megablocks_activation_kernels", "[Kernel(op='glu', fn=lambda x: x, devices=('cpu',))]"
+    )
+    reason = broken_reason(plugins, body)
+    assert "cannot take the 2 arguments" in reason and "activation" in reason, reason
+
+
 def test_a_kernel_written_before_an_option_existed_still_serves_the_op(plugins):
     """A kernel function without gmm_scatter's trailing ``activation`` loads, and the core gives
     it act(x) in place of x when an activation is asked for (the option's composition)."""
