@@ -657,6 +657,43 @@ def test_gmm(backend: str) -> None:
     check()
 
 
+@backend_param
+def test_glu(backend: str) -> None:
+    """glu and its gradient against numpy's act(gate) * up and the hand-written slopes. The
+    bound adds |gate * up|: a float32 evaluation of GELU through 1 + tanh cancels to an absolute
+    error of a few units of |gate| where the result is near 0."""
+    dtypes = served_dtypes(backend, ("glu", "glu_backward"), FLOAT_DTYPES, ("x", "grad"))
+
+    @fuzz(backend)
+    @given(
+        dtype=st.sampled_from(dtypes),
+        rows=st.integers(0, 64),
+        n=st.integers(0, MAX_HIDDEN),
+        activation=st.sampled_from([None, "gelu", "silu", "relu"]),
+        seed=st.integers(0, 2**32 - 1),
+        how=LAYOUTS,
+    )
+    def check(
+        dtype: torch.dtype, rows: int, n: int, activation: str | None, seed: int, how: str
+    ) -> None:
+        rng = np.random.default_rng(seed)
+        xv = oracle.representable(3 * rng.standard_normal((rows, 2 * n)), dtype)
+        gate, up = np.abs(xv[:, :n]), np.abs(xv[:, n:])
+        x = tensor(xv, dtype, how).requires_grad_()
+        with megablocks_core.use_backend(backend):
+            out = ops.glu(x, activation)
+            want = oracle.glu(xv, activation)
+            assert_close(out, want, np.abs(want) + gate * up, dtype)
+            grad = floats(rng, (rows, n), dtype)
+            out.backward(tensor(grad, dtype, how))
+        want_grad = oracle.glu_backward(grad, xv, activation)
+        size = np.abs(grad) * (1 + gate)
+        bound = np.abs(want_grad) + np.concatenate((size * up, size * (1 + gate)), axis=1)
+        assert_close(x.grad, want_grad, bound, dtype)
+
+    check()
+
+
 @heavy_backend_param
 def test_fused_gather_gmm_and_gmm_scatter(backend: str) -> None:
     """gather_gmm and gmm_scatter (and every gradient) against the float64 row loops, through
