@@ -171,10 +171,7 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
     options = [
         (i, contract.arg_names.index(a.applies_to), a.apply)
         for i, a in enumerate(contract.args)
-        if i >= taken
-        and isinstance(a, ChoiceArg)
-        and a.applies_to is not None
-        and a.apply is not None
+        if i >= taken and _is_option(a)
     ]
 
     def kernel(*args: Any) -> Any:

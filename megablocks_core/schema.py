@@ -114,6 +114,10 @@ class ChoiceArg:
     applies_to: str | None = None
     apply: Callable[[Any, str], Any] | None = None
 
+    def __post_init__(self) -> None:
+        if (self.applies_to is None) != (self.apply is None):
+            raise ValueError(f"choice argument {self.name!r}: give applies_to and apply together")
+
     def describe(self) -> str:
         return "one of " + ", ".join(repr(c) for c in self.choices) + ", or None"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 
 from megablocks_core import contracts, docgen, library, ops
@@ -83,3 +84,13 @@ def test_this_repositorys_backends_cover_every_dispatched_op():
     assert set(plugins["reference"].ops) == dispatched
     if "triton" in plugins and plugins["triton"].status != "broken":
         assert set(plugins["triton"].ops) == dispatched, plugins["triton"].reason
+
+
+def test_a_choice_argument_names_its_target_and_transform_together():
+    """An option the core applies for kernels without it needs both; glu's needs neither."""
+    with pytest.raises(ValueError, match="applies_to and apply together"):
+        ChoiceArg("activation", "doc", ("gelu",), applies_to="x")
+    with pytest.raises(ValueError, match="applies_to and apply together"):
+        ChoiceArg("activation", "doc", ("gelu",), apply=lambda x, name: x)
+    assert contracts.GLU.arg("activation").apply is None
+    assert contracts.GMM_SCATTER.arg("activation").apply is not None

@@ -355,15 +355,8 @@ class DroplessMoE(torch.nn.Module):
             return
         # (tensor, the seed of its generator): the router, then each local expert's matrices.
         ffn = self.ffn_hidden_size
-        matrices = (
-            [self.w1[..., :ffn], self.w1[..., ffn:], self.w2]
-            if self.glu
-            else [
-                self.w1,
-                None,
-                self.w2,
-            ]
-        )
+        gate_up = (self.w1[..., :ffn], self.w1[..., ffn:]) if self.glu else (self.w1, None)
+        matrices = (*gate_up, self.w2)
         jobs = [(self.router, seed)] + [
             (p[local], expert_seed(seed, matrix, self.expert_offset + local))
             for matrix, p in enumerate(matrices)

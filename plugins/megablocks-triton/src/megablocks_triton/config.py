@@ -355,7 +355,7 @@ class LaunchConfigs:
             # A short K loop (12 steps at K = 768): the epilogue and the next tile's pipeline
             # fill weigh unless they overlap. H200, qwen3's K = 768 GEMMs, two runs: x's
             # gradient (trans_b) 0.90 -> 0.99-1.02 of dense, the forward 0.91 -> 0.99 and
-            # 0.91 -> 0.89; gated experts' x gradient (K = 1536) 0.68 -> 0.77; at K = 2048
+            # 0.91 -> 0.89; gated experts' x gradient (K = 1536) 0.68 -> 0.71-0.77; at K = 2048
             # flattening was 2-9 % slower (docs/performance.md).
             cfg = replace(cfg, flatten=True)
         return cfg
