@@ -260,6 +260,13 @@ def test_weight_grad_accumulate_tma_path(
     G.gmm_weight_grad_accumulate(a, g, torch.tensor(sizes), wide, config=cfg)
     assert made == []
     _close(wide[full], want[full], torch.float32)
+    # The interpreter has no TMA reduction: a config asking for it reads, adds and writes.
+    made.clear()
+    out = before.clone()
+    reducing = dataclasses.replace(cfg, reduce_epilogue=True)
+    G.gmm_weight_grad_accumulate(a, g, torch.tensor(sizes), out, config=reducing)
+    assert made == [(16, 16), (16, 16), (1, 16, 16)]
+    _close(out[full], want[full], dtype)
 
 
 @needs_interpreter
@@ -379,8 +386,9 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
             assert got == GMM_TILES[(op, family, "16bit")], (device.arch, op)
     assert G.device_info(torch.device("cpu")).kind == "cpu"
     # Hopper, 16-bit: a short K loop is flattened into the tile loop (qwen3's K = 768, and 1536
-    # for gated experts' x gradient), a long one is not; the accumulating weight gradient into a 16-bit gradient goes through TMA with
-    # 3 stages, into a float32 one (main_grad) it keeps the plain kernel's tiles.
+    # for gated experts' x gradient), a long one is not; the accumulating weight gradient goes
+    # through TMA with a reduction epilogue: 3 stages into a 16-bit gradient, 128-wide tiles and
+    # 4 stages into a float32 one (main_grad). Not on AMD.
     assert G.choose_config("gmm", 131072, 2048, 768, 128, torch.bfloat16, H200).flatten
     assert G.choose_config("gmm", 131072, 2048, 1536, 128, torch.bfloat16, H200).flatten
     assert not G.choose_config("gmm", 131072, 768, 2048, 128, torch.bfloat16, H200).flatten
@@ -388,14 +396,21 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     into_bf16 = G.choose_config(
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.bfloat16
     )
-    assert into_bf16 == dataclasses.replace(wgrad, use_tma=True, num_stages=3)
+    tma_reduce = {"use_tma": True, "reduce_epilogue": True}
+    assert into_bf16 == dataclasses.replace(wgrad, num_stages=3, **tma_reduce)
     into_fp32 = G.choose_config(
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.float32
     )
-    assert into_fp32 == wgrad and not wgrad.use_tma
-    assert not G.choose_config(
+    assert into_fp32 == dataclasses.replace(wgrad, block_n=128, num_stages=4, **tma_reduce)
+    assert not wgrad.use_tma and not wgrad.reduce_epilogue
+    fp32_data = G.choose_config(
+        "wgrad_accumulate", 2048, 768, 131072, 128, torch.float32, H200, torch.float32
+    )
+    assert not fp32_data.use_tma and not fp32_data.reduce_epilogue
+    on_amd = G.choose_config(
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, MI300, torch.bfloat16
-    ).use_tma
+    )
+    assert not on_amd.use_tma and not on_amd.reduce_epilogue
 
 
 @needs_interpreter

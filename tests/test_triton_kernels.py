@@ -547,6 +547,48 @@ def test_glu(rows: int, n: int, dtype: torch.dtype, activation: str | None) -> N
     _close(got, oracle.glu_backward(grad64, x64, activation), dtype)
 
 
+# =========================================================================== grouped GEMM
+
+
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),  # a float32 main_grad
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize(("k", "n"), [(72, 40), (37, 20)], ids=["aligned", "unaligned"])
+def test_gmm_weight_grad_accumulate(
+    dtype: torch.dtype, out_dtype: torch.dtype, k: int, n: int
+) -> None:
+    """out[e] += a_e.T @ grad_e under the default launch policy (on Hopper: TMA loads and the
+    TMA-reduction epilogue where the strides are 16-byte aligned, the plain kernel where not)
+    against the float64 oracle; empty experts' NaN and -0.0 are left untouched."""
+    from megablocks_triton import gmm
+
+    sizes = [40, 0, 33, 1, 70, 0]
+    rows = sum(sizes)
+    a = torch.randn(rows, k, generator=_gen(11)).to(dtype)
+    grad = torch.randn(rows, n, generator=_gen(12)).to(dtype)
+    before = torch.randn(len(sizes), k, n, generator=_gen(13)).to(out_dtype)
+    before[1] = float("nan")
+    before[5] = -0.0
+    out = before.clone().to(DEVICE)  # (.to alone would alias before on the CPU)
+    gmm.gmm_weight_grad_accumulate(a.to(DEVICE), grad.to(DEVICE), torch.tensor(sizes), out)
+    got = out.cpu()
+    assert torch.isnan(got[1]).all()
+    assert (got[5] == 0).all() and torch.signbit(got[5]).all()
+    want = before.double().numpy() + oracle.gmm_weight_grad(
+        a.double().numpy(), grad.double().numpy(), sizes
+    )
+    full = [e for e, size in enumerate(sizes) if size]
+    # A 16-bit gradient may be rounded twice (the product, then the sum), as the composition is.
+    _close(got[full], want[full], out_dtype)
+
+
 # =========================================================================== plugin
 
 

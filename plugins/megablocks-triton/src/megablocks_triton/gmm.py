@@ -428,6 +428,7 @@ def _gmm_wgrad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     IEEE_FP32: tl.constexpr, ACCUMULATE: tl.constexpr = False, TMA: tl.constexpr = False,
+    REDUCE: tl.constexpr = False,
 ):  # fmt: skip
     # ACCUMULATE (gmm_weight_grad_accumulate): c holds a gradient to add to (its own dtype, e.g. a
     # float32 main_grad for 16-bit a): the epilogue adds it to the float32 accumulator and rounds
@@ -436,6 +437,9 @@ def _gmm_wgrad_kernel(
     # a 3-D (E, KA, N) one of c: the loads go through the descriptors (:func:`_wgrad_tile_tma`)
     # and the epilogue reads and writes c's tile through c_desc, asynchronous copies that leave
     # the warps free sooner. Otherwise the *_desc arguments are unused.
+    # REDUCE (with TMA): the epilogue rounds the tile to c's dtype and adds it to c with a TMA
+    # reduction (done by the memory system, asynchronous): the program goes on to its next tile
+    # at once instead of waiting for c's tile to arrive.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     e_idx = tl.arange(0, BLOCK_E)
@@ -463,8 +467,11 @@ def _gmm_wgrad_kernel(
             )  # fmt: skip
             if size_e > 0:  # (always ACCUMULATE) the descriptor's bounds clip the tile at KA, N
                 at = [e, pid_m * BLOCK_M, pid_n * BLOCK_N]
-                prev = c_desc.load(at).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
-                c_desc.store(at, (acc + prev).to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
+                if REDUCE:
+                    c_desc.atomic_add(at, acc.to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
+                else:
+                    prev = c_desc.load(at).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+                    c_desc.store(at, (acc + prev).to(c_desc.dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:
             toks0 = row_start.to(tl.int64) + offs_t0
             # a^T tile loaded as (BLOCK_K tokens, BLOCK_M), contiguous along a's rows, then
@@ -831,7 +838,10 @@ def gmm_weight_grad_accumulate(
 ) -> None:
     """``out[e] += a_e.T @ grad_e`` in place (gradient-accumulation fusion): the weight gradient
     is added to the existing ``out`` (E, K, N) in the GEMM's epilogue, in float32, and rounded
-    once to out's dtype (a's dtype, or float32 for 16-bit a). No (E, K, N) temporary is written.
+    once to out's dtype (a's dtype, or float32 for 16-bit a); with the TMA reduction (the Hopper
+    policy's ``reduce_epilogue``) the product is rounded to out's dtype and the memory system
+    adds it, as the composition ``out += gmm_weight_grad(...)`` rounds. No (E, K, N) temporary
+    is written.
     An empty expert's ``out[e]`` is left untouched; rows of a/grad beyond sum(batch_sizes) are
     never read. ``out`` must be contiguous (the core checks it)."""
     if out.numel() == 0 or a.shape[0] == 0:
@@ -864,10 +874,13 @@ def _launch_wgrad(
     descriptors: tuple[Any, ...] = (a, grad, out)  # unused unless TMA
     # A config may ask for TMA (the policy's, or one passed in); the kernel's TMA epilogue only
     # fits shared memory for a 16-bit gradient tile, and the descriptors need aligned tensors.
+    # The TMA reduction (cfg.reduce_epilogue) needs the hardware (the interpreter has none) and
+    # stages no (BLOCK_M, BLOCK_N) tile to read, so a float32 gradient fits too.
+    reduce = accumulate and cfg.reduce_epilogue and info.kind == "cuda"
     tma = (
         accumulate
         and cfg.use_tma
-        and out.element_size() == 2
+        and (out.element_size() == 2 or reduce)
         and all(_tma_layout_ok(info, t) and not t.data_ptr() & 15 for t in descriptors)
     )
     if tma:
@@ -884,7 +897,7 @@ def _launch_wgrad(
         out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_E=block_e, GROUP_M=cfg.group_m,
-        IEEE_FP32=a.dtype == torch.float32, ACCUMULATE=accumulate, TMA=tma,
+        IEEE_FP32=a.dtype == torch.float32, ACCUMULATE=accumulate, TMA=tma, REDUCE=tma and reduce,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_configs().launch_options("gmm_wgrad"),
     )  # fmt: skip
