@@ -387,8 +387,8 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     assert G.device_info(torch.device("cpu")).kind == "cpu"
     # Hopper, 16-bit: a short K loop is flattened into the tile loop (qwen3's K = 768, and 1536
     # for gated experts' x gradient), a long one is not; the accumulating weight gradient goes
-    # through TMA with a reduction epilogue: 3 stages into a 16-bit gradient, 128-wide tiles and
-    # 4 stages into a float32 one (main_grad). Not on AMD.
+    # through TMA with a reduction epilogue and 32-token steps: 6 stages into a 16-bit gradient,
+    # 128-wide tiles and 8 stages into a float32 one (main_grad). Not on AMD.
     assert G.choose_config("gmm", 131072, 2048, 768, 128, torch.bfloat16, H200).flatten
     assert G.choose_config("gmm", 131072, 2048, 1536, 128, torch.bfloat16, H200).flatten
     assert not G.choose_config("gmm", 131072, 768, 2048, 128, torch.bfloat16, H200).flatten
@@ -397,11 +397,13 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.bfloat16
     )
     tma_reduce = {"use_tma": True, "reduce_epilogue": True}
-    assert into_bf16 == dataclasses.replace(wgrad, num_stages=3, **tma_reduce)
+    assert into_bf16 == dataclasses.replace(wgrad, block_k=32, num_stages=6, **tma_reduce)
     into_fp32 = G.choose_config(
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.float32
     )
-    assert into_fp32 == dataclasses.replace(wgrad, block_n=128, num_stages=4, **tma_reduce)
+    assert into_fp32 == dataclasses.replace(
+        wgrad, block_n=128, block_k=32, num_stages=8, **tma_reduce
+    )
     assert not wgrad.use_tma and not wgrad.reduce_epilogue
     fp32_data = G.choose_config(
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.float32, H200, torch.float32

@@ -391,16 +391,19 @@ class LaunchConfigs:
         """Tiles of ``gmm_weight_grad_accumulate`` (``gmm_wgrad``'s, adding into an ``out_dtype``
         gradient). Hopper, 16-bit operands: TMA loads, and the epilogue adds the tile to the
         gradient with a TMA reduction, so a program starts its next tile without waiting for the
-        gradient's tile to arrive. 3 stages for a 16-bit gradient, 128-wide tiles and 4 stages
-        for a float32 one (the reduction stages the tile in shared memory). H200, the qwen3 and
-        dsv3 layers' weight gradients, against reading, adding and writing the tile: 7-12 %
-        faster into bf16, 11-21 % into float32 (docs/performance.md)."""
+        gradient's tile to arrive; 32-token steps, 6 stages deep into a 16-bit gradient, 8 deep
+        with 128-wide tiles into a float32 one (the reduction stages the tile in shared memory):
+        each expert has only ~512-1024 tokens, and the deeper pipeline hides more of each tile's
+        start. H200, the qwen3 and dsv3 layers' weight gradients, against reading, adding and
+        writing the tile (64-token steps): 9-18 % faster into bf16, 14-24 % into float32 at
+        five of six shapes (docs/performance.md)."""
         cfg = self.gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)
         if gmm_tile_family(device) == "hopper" and dtype_class(dtype) == "16bit":
             if dtype_class(out_dtype) == "16bit":
-                stages = min(cfg.num_stages, 3)
+                cfg, stages = replace(cfg, block_k=min(cfg.block_k, 32)), 6
             else:
-                cfg, stages = replace(cfg, block_n=min(cfg.block_n, 128)), 4
+                cfg = replace(cfg, block_n=min(cfg.block_n, 128), block_k=min(cfg.block_k, 32))
+                stages = 8
             cfg = replace(cfg, use_tma=True, reduce_epilogue=True, num_stages=stages)
         return cfg
 
