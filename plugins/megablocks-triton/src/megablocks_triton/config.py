@@ -394,9 +394,9 @@ class LaunchConfigs:
         gradient's tile to arrive; 32-token steps, 6 stages deep into a 16-bit gradient, 8 deep
         with 128-wide tiles into a float32 one (the reduction stages the tile in shared memory):
         each expert has only ~512-1024 tokens, and the deeper pipeline hides more of each tile's
-        start. H200, the qwen3 and dsv3 layers' weight gradients, against reading, adding and
-        writing the tile (64-token steps): 9-18 % faster into bf16, 14-24 % into float32 at
-        five of six shapes (docs/performance.md)."""
+        start. H200, the qwen3 and dsv3 layers' six weight gradients, against the kernel that
+        read, added and wrote the tile (same day, separate runs): 9-20 % faster into bf16,
+        17-30 % into float32 (docs/performance.md)."""
         cfg = self.gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)
         if gmm_tile_family(device) == "hopper" and dtype_class(dtype) == "16bit":
             if dtype_class(out_dtype) == "16bit":
