@@ -80,7 +80,8 @@ class GmmConfig:
     prologue/epilogue when occupancy allows).
     use_tma: load A/B tiles through TMA tensor descriptors (NVIDIA sm90+, or the interpreter):
     the forward ops; of the weight gradients only the accumulating one, whose epilogue then also
-    reads and writes the gradient it adds to through a descriptor (16-bit gradients). Silently
+    reads and writes the gradient it adds to through a descriptor (16-bit gradients; any
+    gradient with ``reduce_epilogue``, which only writes it). Silently
     falls back to the portable path when the device or the operands' alignment (16-byte
     base/strides, unit inner stride) do not allow it.
     flatten: forward only; the persistent tile loop and the K loop are pipelined as one loop
