@@ -2,8 +2,9 @@
 
 One definition serves the contract of ``gmm_scatter``'s ``activation`` argument (the reference
 backend composes it with these functions, the core's autograd differentiates through them),
-the ``glu`` op (gated experts: :func:`glu` and :func:`glu_backward` are its definition) and the
-layer's expert MLPs (:class:`megablocks_core.layers.DroplessMoE`). A kernel that applies one
+the ``glu`` op (gated experts: :func:`glu` and :func:`glu_backward` are its definition), the
+``activation_backward`` op (:func:`activation_backward` is its definition) and the layer's
+expert MLPs (:class:`megablocks_core.layers.DroplessMoE`). A kernel that applies one
 must match the function here in its input dtype: computed in float32 (float64 for float64
 input) and rounded once to the input's dtype.
 """
@@ -77,11 +78,34 @@ def glu_backward(grad: Tensor, x: Tensor, name: str | None) -> Tensor:
     return torch.cat((grad_gate, wide_grad * activate(gate, name)), dim=-1).to(x.dtype)
 
 
+def activation_backward(
+    grad: Tensor, x: Tensor, scale: Tensor | None, name: str | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """What the backward of an activation that feeds a weighted GEMM needs, from its GEMM's row
+    gradients ``grad`` (before the rows' ``scale``) and the pre-activation rows ``x``:
+
+    - ``grad_x = scale[i] * grad * act'(x)``, the gradient of x (float32, rounded once);
+    - ``act = act(x)`` rounded to x's dtype, the GEMM's input again (for its weight gradient);
+    - ``dots[i] = <act[i], grad[i]>`` accumulated in float32 (float64 for float64 x): the
+      gradient of the row's scale.
+
+    ``scale`` None means 1; ``name`` None is the identity (act = x, act' = 1)."""
+    wide_x, wide_grad = _wide(x), _wide(grad)
+    # copy=True: the results never alias the inputs (the identity with float32 data would).
+    act = activate(wide_x, name).to(x.dtype, copy=True)
+    dots = (_wide(act) * wide_grad).sum(dim=-1)
+    if scale is not None:
+        wide_grad = wide_grad * _wide(scale).unsqueeze(-1)
+    grad_x = wide_grad if name is None else activate_backward(wide_grad, wide_x, name)
+    return grad_x.to(x.dtype, copy=True), act, dots
+
+
 __all__ = [
     "ACTIVATIONS",
     "NAMES",
     "activate",
     "activate_backward",
+    "activation_backward",
     "gelu_tanh",
     "glu",
     "glu_backward",

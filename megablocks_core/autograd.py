@@ -416,25 +416,35 @@ def _gmm_scatter(
     routing = (a["indices"], a["bin_ids"])
     trans_b, top_k, weights, bins = a["trans_b"], a["top_k"], a["weights"], a["bins"]
     activation = a["activation"]
+    # With an activation whose input needs a gradient, one activation_backward pass gives that
+    # gradient, act(x) and the weights' dots together (when this backward is itself recorded,
+    # the differentiable composition below runs instead).
+    one_pass = activation is not None and needs["x"] and not torch.is_grad_enabled()
     # The GEMM's input rows: x, or act(x) recomputed (transient) from the kept pre-activation.
     x_in = a["x"]
-    if activation is not None and (needs["weights"] or needs["b"]):
+    if activation is not None and not one_pass and (needs["weights"] or needs["b"]):
         x_in = activate(x_in, activation)
     if needs["x"] or needs["weights"]:
         # grad[t] @ b[e].T for each sorted row: act(x)'s gradient before weighting, and (dotted
         # with act(x)) the weights' gradient, so the forward's (rows, n) product need not be kept.
         rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b)
-        identity = _identity(a["indices"])
+        if one_pass:
+            scale = None if weights is None else _row_scales(weights, a["indices"])
+            out["x"], x_in, dots = call("activation_backward", rows_grad, a["x"], scale, activation)
+            del rows_grad  # the allocator may reuse it for the weight gradient's rows
+        else:
+            identity = _identity(a["indices"])
+            if needs["weights"]:
+                dots = _row_dots(call, x_in, rows_grad, identity, routing, bins)
+            if needs["x"]:
+                if weights is not None:
+                    scale = _row_scales(weights, a["indices"])
+                    rows_grad = _scale_rows(call, rows_grad, scale, routing, bins, identity)
+                if activation is not None:
+                    rows_grad = activate_backward(rows_grad, a["x"], activation)
+                out["x"] = rows_grad
         if needs["weights"]:
-            dots = _row_dots(call, x_in, rows_grad, identity, routing, bins)
             out["weights"] = _by_flat_id(dots, a["indices"]).to(weights.dtype)
-        if needs["x"]:
-            if weights is not None:
-                scale = _row_scales(weights, a["indices"])
-                rows_grad = _scale_rows(call, rows_grad, scale, routing, bins, identity)
-            if activation is not None:
-                rows_grad = activate_backward(rows_grad, a["x"], activation)
-            out["x"] = rows_grad
     if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
         rows = _weighted_rows(call, grad, routing, weights, bins, top_k)
         if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e

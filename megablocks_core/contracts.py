@@ -1021,6 +1021,59 @@ GLU_BACKWARD = OpContract(
     edge_cases=("rows = 0 or n = 0: an empty result",),
 )
 
+ACTIVATION_BACKWARD = OpContract(
+    name="activation_backward",
+    family="activation",
+    public=False,
+    summary="One pass over an expert MLP's activation in backward: x's gradient, act(x) again, "
+    "and the rows' dots.",
+    args=(
+        TensorArg(
+            "grad", FLOAT_DTYPES, (2,), "gradient of the GEMM's input rows act(x), (rows, n)"
+        ),
+        TensorArg("x", FLOAT_DTYPES, (2,), "the pre-activation rows, (rows, n)"),
+        TensorArg(
+            "scale",
+            FLOAT_DTYPES,
+            (1,),
+            "each row's factor on grad (its top-k weight), length rows; None means 1",
+            optional=True,
+        ),
+        ChoiceArg(
+            "activation",
+            "'gelu' (tanh approximation), 'silu' or 'relu' (megablocks_core.activations); "
+            "None: the identity",
+            ACTIVATION_NAMES,
+        ),
+    ),
+    rules=(
+        Rule("x.dtype == grad.dtype", "grad and x have the same dtype", error=TypeError),
+        Rule("scale is None or scale.shape[0] == x.shape[0]", "one scale per row"),
+    ),
+    outputs=(
+        Output("grad_x", "x.dtype", "tuple(x.shape)", "scale[i] * grad * act'(x)"),
+        Output("act", "x.dtype", "tuple(x.shape)", "act(x)"),
+        Output(
+            "dots",
+            "torch.float64 if x.dtype == torch.float64 else torch.float32",
+            ("x.shape[0]",),
+            "<act[i], grad[i]>",
+        ),
+    ),
+    semantics=(
+        "act = act(x) rounded to x's dtype; dots[i] = sum over j of act[i, j] * grad[i, j], "
+        "accumulated in float32 (float64 for float64 x); grad_x[i, j] = scale[i] * grad[i, j] * "
+        "act'(x[i, j]), computed in float32 or wider and rounded once. The backward of "
+        "gmm_scatter with an activation, where grad holds each sorted row's gradient before its "
+        "top-k weight (grad[t] @ b[e].T): act is the weight gradient's operand, dots the "
+        "weights' gradient, grad_x the gradient of the kept pre-activation rows, in one read of "
+        "grad and x instead of four passes. megablocks_core.plugin.activation_backward_definition "
+        "is the definition (the reference backend runs it; a kernel matches it within the "
+        "conformance kit's tolerances)."
+    ),
+    edge_cases=("rows = 0: empty results; n = 0: empty grad_x and act, dots 0",),
+)
+
 # ---------------------------------------------------------------------------
 # Composite ops: plain torch, run by the core itself on every device.
 
@@ -1090,6 +1143,7 @@ ALL: tuple[OpContract, ...] = (
     GMM_SCATTER,
     GLU,
     GLU_BACKWARD,
+    ACTIVATION_BACKWARD,
     ROUND_UP,
     REPEAT,
     SUM,

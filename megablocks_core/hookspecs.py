@@ -96,8 +96,9 @@ class BackendHooks:
     def megablocks_activation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
         """Return kernels for the activation ops.
 
-        Activation ops: glu (act(gate) * up of gated experts' (rows, 2n) GEMM output) and
-        glu_backward (its gradient).
+        Activation ops: glu (act(gate) * up of gated experts' (rows, 2n) GEMM output),
+        glu_backward (its gradient) and activation_backward (an expert MLP's activation in
+        gmm_scatter's backward: x's gradient, act(x) and the rows' dots in one pass).
 
         Example::
 

@@ -17,14 +17,16 @@ backends in this repository use nothing else, like any third-party plugin.
   ``Kernel.cost`` hint (:func:`gmm_estimate_us` and :func:`gmm_problem` are its parts);
 - :class:`ContractError` / :class:`ContractTypeError` are what a kernel raises for input it
   cannot serve safely (the core names the op and backend);
-- :func:`glu_definition` and :func:`glu_backward_definition` are the ``glu`` ops' arithmetic in
-  plain torch (float32, rounded once), which a kernel must match.
+- :func:`glu_definition`, :func:`glu_backward_definition` and
+  :func:`activation_backward_definition` are the activation ops' arithmetic in plain torch
+  (float32, rounded once), which a kernel must match.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .activations import activation_backward as activation_backward_definition
 from .activations import glu as glu_definition
 from .activations import glu_backward as glu_backward_definition
 from .contracts import BY_NAME, family_ops
@@ -77,6 +79,7 @@ __all__ = [
     "OpContract",
     "ShapeCheck",
     "TensorMeta",
+    "activation_backward_definition",
     "arch_family",
     "call_op",
     "contract",

@@ -552,6 +552,15 @@ def glu(x: Array, name: str | None) -> Array:
     return activation(gate, name) * up
 
 
+def activation_backward(
+    grad: Array, x: Array, scale: Array | None, name: str | None, dtype: Any
+) -> tuple[Array, Array, Array]:
+    """(scale[i] * grad * act'(x), act(x) as ``dtype`` stores it, <that act(x)[i], grad[i]>)."""
+    act = representable(activation(x, name), dtype)
+    factor = np.ones(x.shape[0]) if scale is None else scale
+    return factor[:, None] * grad * activation_slope(x, name), act, (act * grad).sum(axis=1)
+
+
 def glu_backward(grad: Array, x: Array, name: str | None) -> Array:
     """d glu / d x for the output gradient grad: (gate half | up half)."""
     gate, up = np.split(x, 2, axis=-1)

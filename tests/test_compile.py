@@ -112,6 +112,7 @@ def _opcheck_samples():
         ),
         "glu": (torch.randn(8, 6, requires_grad=True), "silu"),
         "glu_backward": (torch.randn(8, 3), torch.randn(8, 6), "gelu"),
+        "activation_backward": (torch.randn(8, 3), torch.randn(8, 3), torch.rand(8), "silu"),
     }
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megablocks_core import ops
+from megablocks_core.plugin import activation_backward_definition
 
 pytestmark = pytest.mark.usefixtures("reference_backend")
 
@@ -931,6 +932,29 @@ GLU_CASES = {
     "zero_rows": (0, 4, torch.float32, False),
     "zero_width": (5, 0, torch.float32, False),
 }
+
+
+@pytest.mark.parametrize("act", [None, "gelu", "silu", "relu"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_activation_backward_definition(dtype, act):
+    """The definition of activation_backward (what the reference backend runs) against numpy's
+    slopes; scaled and unscaled rows."""
+    rng = np.random.default_rng(90)
+    xv = oracle.representable(3 * rng.standard_normal((11, 7)), dtype)
+    g = rand(rng, (11, 7), dtype)
+    scale = oracle.representable(rng.random(11), dtype)
+    for s in (scale, None):
+        got = activation_backward_definition(
+            ft(g, dtype), ft(xv, dtype), None if s is None else ft(s, dtype), act
+        )
+        want = oracle.activation_backward(g, xv, s, act, dtype)
+        check(got[0], want[0], dtype)
+        check(got[1], want[1], dtype)
+        assert got[2].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        np.testing.assert_allclose(
+            got[2].double().numpy(), (got[1].double() * ft(g, dtype).double()).sum(1).numpy(),
+            rtol=1e-5, atol=1e-5,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("act", [None, "gelu", "silu", "relu"])

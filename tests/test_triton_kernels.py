@@ -547,6 +547,40 @@ def test_glu(rows: int, n: int, dtype: torch.dtype, activation: str | None) -> N
     _close(got, oracle.glu_backward(grad64, x64, activation), dtype)
 
 
+@pytest.mark.parametrize("activation", [None, "gelu", "silu", "relu"])
+@pytest.mark.parametrize(
+    ("rows", "n", "dtype", "scale_dtype"),
+    [
+        (0, 8, torch.float32, torch.float32),  # no rows
+        (5, 0, torch.float32, None),  # no columns: dots 0
+        (5, 1, torch.float32, torch.float32),
+        (37, 24, torch.float32, None),
+        (3, 5, torch.float16, torch.float32),  # rows not 16-byte aligned
+        (9, 1100, torch.float32, torch.float16),  # three column steps, the last partial
+        (70, 8, torch.bfloat16, torch.bfloat16),  # several row blocks
+    ],
+)
+def test_activation_backward(
+    rows: int, n: int, dtype: torch.dtype, scale_dtype: torch.dtype | None, activation: str | None
+) -> None:
+    x = (torch.randn(rows, n, generator=_gen(rows + n)) * 3).to(dtype)
+    grad = torch.randn(rows, n, generator=_gen(8)).to(dtype)
+    scale = None if scale_dtype is None else torch.rand(rows, generator=_gen(9)).to(scale_dtype)
+    grad_x, act, dots = mt.activation_backward(grad, x, scale, activation)
+    assert grad_x.dtype == act.dtype == dtype and dots.dtype == torch.float32
+    assert grad_x.shape == act.shape == x.shape and dots.shape == (rows,)
+    scale64 = None if scale is None else scale.double().numpy()
+    want = oracle.activation_backward(
+        grad.double().numpy(), x.double().numpy(), scale64, activation, dtype
+    )
+    _close(grad_x, want[0], dtype)
+    _close(act, want[1], dtype)
+    # The dots are of the act written (checked above: within a rounding of the oracle's) and grad,
+    # summed in float32: compare with their float64 sum.
+    exact = (act.double() * grad.double()).sum(dim=1).numpy() if n else np.zeros(rows)
+    np.testing.assert_allclose(dots.double().numpy(), exact, rtol=1e-5, atol=1e-5 * max(n, 1))
+
+
 # =========================================================================== grouped GEMM
 
 

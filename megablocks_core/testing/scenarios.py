@@ -301,6 +301,14 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     # The gated unit, its activation (or none) taken in turn by seed as gmm_scatter's.
     "glu": lambda r: (r.gate_up, _activation(r)),
     "glu_backward": lambda r: (r.gmm_grad, r.gate_up, _activation(r)),
+    # An expert MLP's activation in backward: the gate half of gate_up as the pre-activation rows
+    # (a strided view), the rows' top-k weights as their scale.
+    "activation_backward": lambda r: (
+        r.gmm_grad,
+        r.gate_up[:, : r.gmm_grad.shape[1]],
+        r.weights,
+        _activation(r),
+    ),
 }
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from megablocks_core.plugin import (
     ContractError,
+    activation_backward_definition,
     call_op,
     glu_backward_definition,
     glu_definition,
@@ -411,3 +412,9 @@ def glu(x: Tensor, activation: str | None) -> Tensor:
 
 def glu_backward(grad: Tensor, x: Tensor, activation: str | None) -> Tensor:
     return glu_backward_definition(grad, x, activation)
+
+
+def activation_backward(
+    grad: Tensor, x: Tensor, scale: Tensor | None, activation: str | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    return activation_backward_definition(grad, x, scale, activation)

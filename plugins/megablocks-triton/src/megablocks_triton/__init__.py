@@ -44,7 +44,7 @@ _EXPORTS = {
         ],
         "routing",
     ),
-    **dict.fromkeys(["glu", "glu_backward"], "activation"),
+    **dict.fromkeys(["activation_backward", "glu", "glu_backward"], "activation"),
 }
 
 
@@ -60,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LaunchConfigs",
+    "activation_backward",
     "binned_gather",
     "binned_scatter",
     "binned_scatter_wgrad",

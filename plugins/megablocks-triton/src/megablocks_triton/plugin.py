@@ -42,6 +42,7 @@ _ROUTING_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
 _ACTIVATION_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
     "glu": {"x": _FLOATS},
     "glu_backward": {"grad": _FLOATS, "x": _FLOATS},
+    "activation_backward": {"grad": _FLOATS, "x": _FLOATS},
 }
 
 # Weights keep the contract's full float set: the kernels load any float and scale in fp32.
