@@ -9,7 +9,8 @@ count and their sum per part of the layer:
   (``_gmm_wgrad_kernel``);
 * ``permutation`` (gathers, scatters, the inverse permutation), ``top-k weights' gradient``
   (the row dots, ``_wgrad_kernel``), ``routing`` (router top-k, sort, histogram, scans),
-  ``activations`` (GELU, SiLU, ReLU, the gate × up product), ``copies`` (dtype casts and
+  ``activations`` (GELU, SiLU, ReLU, the gate × up product, ``activation_backward``: the MLP's
+  activation in backward with the rows' weighting and the top-k weights' gradient), ``copies`` (dtype casts and
   copies), ``dense GEMMs`` (the router's matmuls), ``communication`` (NCCL), ``other``.
 
 Parts go by kernel name only: the loss's own kernels (float casts, square, mean and their
@@ -46,7 +47,10 @@ PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("expert GEMMs", ("_gmm_kernel", "gather_gmm", "gmm_scatter", "grouped", "::gmm")),
     ("routing", ("router", "topk", "sort", "histogram", "scan", "cumsum", "softmax", "counting")),
     ("permutation", ("gather", "scatter", "_inverse", "index_select", "index_copy")),
-    ("activations", ("gelu", "silu", "relu", "glu", "sigmoid", "::mul", "mulfunctor")),
+    (
+        "activations",
+        ("gelu", "silu", "relu", "glu", "sigmoid", "activation", "::mul", "mulfunctor"),
+    ),
     ("copies", ("copy", "::to", "memcpy", "memset", "fill")),
     ("dense GEMMs", ("gemm", "nvjet", "cutlass", "matmul", "::mm", "addmm", "linear")),
 )

@@ -411,6 +411,7 @@ def test_step_profile_sorts_kernels_into_the_layers_parts():
         "_scatter_kernel": "permutation",
         "_counting_scatter_kernel": "routing",
         "_router_topk_kernel": "routing",
+        "_activation_backward_kernel": "activations",
         "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)": "communication",
         "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "communication",
         "void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl": (
