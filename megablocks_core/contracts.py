@@ -1048,6 +1048,7 @@ ACTIVATION_BACKWARD = OpContract(
     ),
     rules=(
         Rule("x.dtype == grad.dtype", "grad and x have the same dtype", error=TypeError),
+        Rule("grad.shape == x.shape", "grad has x's shape"),
         Rule("scale is None or scale.shape[0] == x.shape[0]", "one scale per row"),
     ),
     outputs=(

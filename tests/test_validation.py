@@ -140,6 +140,20 @@ def test_gmm_shape_errors():
         ops.gmm(a, b, torch.tensor([2, 3]), 1)
 
 
+def test_activation_backward_errors():
+    from megablocks_core.plugin import call_op
+
+    grad, x = torch.randn(4, 3), torch.randn(4, 3)
+    with raises(ValueError, "activation_backward", "grad has x's shape", "torch.Size([4, 2])"):
+        call_op("activation_backward", grad, x[:, :2], None, "gelu")
+    with raises(ValueError, "activation_backward", "one scale per row", "scale.shape[0]=5"):
+        call_op("activation_backward", grad, x, torch.rand(5), "gelu")
+    with raises(TypeError, "activation_backward", "x.dtype == grad.dtype"):
+        call_op("activation_backward", grad.half(), x, None, "silu")
+    with raises(ValueError, "activation_backward", "'activation'", "'tanh'"):
+        call_op("activation_backward", grad, x, None, "tanh")
+
+
 def test_composite_op_errors():
     with raises(TypeError, "ops.round_up", "'x'", "float32"):
         ops.round_up(torch.rand(3), 4)
