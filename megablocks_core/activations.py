@@ -86,14 +86,14 @@ def activation_backward(
 
     - ``grad_x = scale[i] * grad * act'(x)``, the gradient of x (float32, rounded once);
     - ``act = act(x)`` rounded to x's dtype, the GEMM's input again (for its weight gradient);
-    - ``dots[i] = <act[i], grad[i]>`` accumulated in float32 (float64 for float64 x): the
-      gradient of the row's scale.
+    - ``dots[i] = <act[i], grad[i]>`` accumulated in float32 (float64 for float64 x), rounded to
+      x's dtype: the gradient of the row's scale.
 
     ``scale`` None means 1; ``name`` None is the identity (act = x, act' = 1)."""
     wide_x, wide_grad = _wide(x), _wide(grad)
     # copy=True: the results never alias the inputs (the identity with float32 data would).
     act = activate(wide_x, name).to(x.dtype, copy=True)
-    dots = (_wide(act) * wide_grad).sum(dim=-1)
+    dots = (_wide(act) * wide_grad).sum(dim=-1).to(x.dtype)
     if scale is not None:
         wide_grad = wide_grad * _wide(scale).unsqueeze(-1)
     grad_x = wide_grad if name is None else activate_backward(wide_grad, wide_x, name)

@@ -1054,16 +1054,13 @@ ACTIVATION_BACKWARD = OpContract(
     outputs=(
         Output("grad_x", "x.dtype", "tuple(x.shape)", "scale[i] * grad * act'(x)"),
         Output("act", "x.dtype", "tuple(x.shape)", "act(x)"),
-        Output(
-            "dots",
-            "torch.float64 if x.dtype == torch.float64 else torch.float32",
-            ("x.shape[0]",),
-            "<act[i], grad[i]>",
-        ),
+        Output("dots", "x.dtype", ("x.shape[0]",), "<act[i], grad[i]>"),
     ),
     semantics=(
         "act = act(x) rounded to x's dtype; dots[i] = sum over j of act[i, j] * grad[i, j], "
-        "accumulated in float32 (float64 for float64 x); grad_x[i, j] = scale[i] * grad[i, j] * "
+        "accumulated in float32 (float64 for float64 x) and rounded to x's dtype (a kernel's act "
+        "may differ from the definition's by a rounding, so the dots are only as exact as x's "
+        "dtype); grad_x[i, j] = scale[i] * grad[i, j] * "
         "act'(x[i, j]), computed in float32 or wider and rounded once. The backward of "
         "gmm_scatter with an activation, where grad holds each sorted row's gradient before its "
         "top-k weight (grad[t] @ b[e].T): act is the weight gradient's operand, dots the "

@@ -567,7 +567,7 @@ def test_activation_backward(
     grad = torch.randn(rows, n, generator=_gen(8)).to(dtype)
     scale = None if scale_dtype is None else torch.rand(rows, generator=_gen(9)).to(scale_dtype)
     grad_x, act, dots = mt.activation_backward(grad, x, scale, activation)
-    assert grad_x.dtype == act.dtype == dtype and dots.dtype == torch.float32
+    assert grad_x.dtype == act.dtype == dots.dtype == dtype
     assert grad_x.shape == act.shape == x.shape and dots.shape == (rows,)
     scale64 = None if scale is None else scale.double().numpy()
     want = oracle.activation_backward(
@@ -576,9 +576,9 @@ def test_activation_backward(
     _close(grad_x, want[0], dtype)
     _close(act, want[1], dtype)
     # The dots are of the act written (checked above: within a rounding of the oracle's) and grad,
-    # summed in float32: compare with their float64 sum.
+    # summed in float32 and rounded to the data's dtype: compare with their float64 sum.
     exact = (act.double() * grad.double()).sum(dim=1).numpy() if n else np.zeros(rows)
-    np.testing.assert_allclose(dots.double().numpy(), exact, rtol=1e-5, atol=1e-5 * max(n, 1))
+    _close(dots, exact, dtype)
 
 
 # =========================================================================== grouped GEMM

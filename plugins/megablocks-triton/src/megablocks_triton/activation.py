@@ -140,7 +140,7 @@ def _activation_backward_kernel(
             grad = grad * scale
         grad_x = grad * _derivative(x, ACTIVATION)
         tl.store(grad_x_ptr + at, grad_x.to(dtype), mask=mask)
-    tl.store(dots_ptr + r, dots, mask=r_ok)
+    tl.store(dots_ptr + r, dots.to(dtype), mask=r_ok)
 
 
 def _tiles(rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
@@ -198,8 +198,8 @@ def activation_backward(
     rows, n = x.shape
     grad_x, act = torch.empty_like(x), torch.empty_like(x)
     if not grad_x.numel():  # no row, or rows of no element (their dots are 0)
-        return grad_x, act, torch.zeros(rows, dtype=torch.float32, device=x.device)
-    dots = torch.empty(rows, dtype=torch.float32, device=x.device)  # the kernel writes every row
+        return grad_x, act, x.new_zeros(rows)
+    dots = x.new_empty(rows)  # the kernel writes every row
     configs = launch_configs()
     key = (x.dtype, rows, n, None if scale is None else scale.dtype, activation, configs)
     plan = _BACKWARD_PLANS.get(key)
