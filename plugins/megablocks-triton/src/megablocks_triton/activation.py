@@ -153,8 +153,9 @@ def _tiles(rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
     return grid, {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
 
 
-#: (kernel, dtype, rows, n, activation, policy) -> the bound launch (its compiled kernel is
-#: pinned per dtype): a call computes no launch key, most of a small call's host cost.
+#: (kernel, dtype, rows, n, activation, policy[, scale's dtype]) -> the bound launch (its
+#: compiled kernel is pinned per dtype): a call computes no launch key, most of a small call's
+#: host cost.
 _PLANS: dict[tuple[Any, ...], BoundLaunch] = {}
 
 
@@ -188,10 +189,6 @@ def glu_backward(grad: torch.Tensor, x: torch.Tensor, activation: str | None) ->
     return out
 
 
-#: (dtype, rows, n, scale's dtype, activation, policy) -> the bound launch.
-_BACKWARD_PLANS: dict[tuple[Any, ...], BoundLaunch] = {}
-
-
 def activation_backward(
     grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None, activation: str | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -201,8 +198,9 @@ def activation_backward(
         return grad_x, act, x.new_zeros(rows)
     dots = x.new_empty(rows)  # the kernel writes every row
     configs = launch_configs()
-    key = (x.dtype, rows, n, None if scale is None else scale.dtype, activation, configs)
-    plan = _BACKWARD_PLANS.get(key)
+    kernel = _activation_backward_kernel
+    key = (kernel, x.dtype, rows, n, activation, configs, None if scale is None else scale.dtype)
+    plan = _PLANS.get(key)
     if plan is None:
         # Whole rows per program, columns in steps of up to 256, 2048 elements per step: the
         # best of 36 tilings on the H200 at n = 768, 1536 and 2048 (docs/performance.md).
@@ -210,7 +208,7 @@ def activation_backward(
         block_r = min(max(2048 // block_c, 1), next_power_of_2(rows))
         options = configs.launch_options("permutation")
         bound = bind(
-            _activation_backward_kernel,
+            kernel,
             (cdiv(rows, block_r),),
             rows,
             n,
@@ -221,6 +219,7 @@ def activation_backward(
             num_warps=4,
             **options,
         )
-        plan = remember(_BACKWARD_PLANS, key, bound)
+        plan = remember(_PLANS, key, bound)
+    # Without a scale the kernel reads none (HAS_SCALE is false): dots only fills the slot.
     plan(grad, x, scale if scale is not None else dots, grad_x, act, dots)
     return grad_x, act, dots
