@@ -1,7 +1,8 @@
 """The expert activations an op may apply, by name, with their backward.
 
 One definition serves the contract of ``gmm_scatter``'s ``activation`` argument (the reference
-backend composes it with these functions, the core's autograd differentiates through them),
+backend composes it with these functions, the core's autograd differentiates through them;
+its gated names, :data:`GATED`, apply :func:`glu` to rows holding gate and up side by side),
 the ``glu`` op (gated experts: :func:`glu` and :func:`glu_backward` are its definition), the
 ``activation_backward`` op (:func:`activation_backward` is its definition) and the layer's
 expert MLPs (:class:`megablocks_core.layers.DroplessMoE`). A kernel that applies one
@@ -44,14 +45,38 @@ ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tenso
 #: The names, in the order the docs list them.
 NAMES: tuple[str, ...] = tuple(ACTIVATIONS)
 
+#: Gated activations by name → the gate's activation: ``act(gate) * up`` of rows that hold gate
+#: and up side by side, ``(rows, 2n)`` → ``(rows, n)`` (:func:`glu`; the GLU variants GEGLU,
+#: SwiGLU, ReGLU and the bilinear unit).
+GATED: dict[str, str | None] = {
+    "geglu": "gelu",
+    "swiglu": "silu",
+    "reglu": "relu",
+    "bilinear": None,
+}
+
+#: Every name an op that activates its input rows takes (``gmm_scatter``, ``activation_backward``).
+ROW_NAMES: tuple[str, ...] = NAMES + tuple(GATED)
+
+
+def activated_width(width: int, name: str | None) -> int:
+    """The width of ``activate(x, name)`` for rows of ``width`` columns: a gated one halves it."""
+    return width // 2 if name in GATED else width
+
 
 def activate(x: Tensor, name: str | None) -> Tensor:
-    """``x`` through the named activation (``x`` itself for None)."""
-    return x if name is None else ACTIVATIONS[name][0](x)
+    """``x`` through the named activation (``x`` itself for None; a gated name: :func:`glu`)."""
+    if name is None:
+        return x
+    if name in GATED:
+        return glu(x, GATED[name])
+    return ACTIVATIONS[name][0](x)
 
 
 def activate_backward(grad: Tensor, x: Tensor, name: str) -> Tensor:
     """The gradient of ``activate(x, name)`` times ``grad``, with respect to ``x``."""
+    if name in GATED:
+        return glu_backward(grad, x, GATED[name])
     return ACTIVATIONS[name][1](grad, x)
 
 
@@ -89,7 +114,9 @@ def activation_backward(
     - ``dots[i] = <act[i], grad[i]>`` accumulated in float32 (float64 for float64 x), rounded to
       x's dtype: the gradient of the row's scale.
 
-    ``scale`` None means 1; ``name`` None is the identity (act = x, act' = 1)."""
+    ``scale`` None means 1; ``name`` None is the identity (act = x, act' = 1). With a gated name
+    (:data:`GATED`) x is ``(rows, 2n)``, [gate | up], and grad, act are ``(rows, n)``: act is
+    :func:`glu`'s output and grad_x both halves of :func:`glu_backward`'s, scaled."""
     wide_x, wide_grad = _wide(x), _wide(grad)
     # copy=True: the results never alias the inputs (the identity with float32 data would).
     act = activate(wide_x, name).to(x.dtype, copy=True)
@@ -102,9 +129,12 @@ def activation_backward(
 
 __all__ = [
     "ACTIVATIONS",
+    "GATED",
     "NAMES",
+    "ROW_NAMES",
     "activate",
     "activate_backward",
+    "activated_width",
     "activation_backward",
     "gelu_tanh",
     "glu",

@@ -13,8 +13,10 @@ arguments minus those marked ``public=False`` (passed as None).
 
 from __future__ import annotations
 
+from torch import Tensor
+
+from .activations import GATED, ROW_NAMES, activate
 from .activations import NAMES as ACTIVATION_NAMES
-from .activations import activate
 from .schema import (
     COUNT_DTYPES,
     FLOAT_DTYPES,
@@ -848,13 +850,36 @@ EXPERT_MATRICES = TensorArg(
     "b", FLOAT_DTYPES, (3,), "expert matrices, (experts, k, n) or (experts, n, k) with trans_b"
 )
 TRANS_B = BoolArg("trans_b", "b holds (n, k) matrices", default=False)
+
+
+def _activate_rows(x: Tensor, name: str) -> Tensor:
+    """gmm_scatter's activation for a kernel that does not apply it itself: a gated one through
+    the dispatched glu op (a backend's one-pass kernel), the others with torch."""
+    if name in GATED:
+        from .ops import glu  # the op surface imports the contracts
+
+        return glu(x, GATED[name])
+    return activate(x, name)
+
+
+ROW_ACTIVATION_DOC = (
+    "'gelu' (tanh approximation), 'silu' or 'relu'; or gated, on rows that hold gate and up side "
+    "by side, (rows, 2n) -> (rows, n) as glu: 'geglu', 'swiglu', 'reglu' (act(gate) * up with "
+    "GELU, SiLU, ReLU) or 'bilinear' (gate * up) (megablocks_core.activations)"
+)
 ACTIVATION = ChoiceArg(
     "activation",
-    "applied to x's rows before the GEMM: 'gelu' (tanh approximation), 'silu' or 'relu' "
-    "(megablocks_core.activations); None: none",
-    ACTIVATION_NAMES,
+    "applied to x's rows before the GEMM: " + ROW_ACTIVATION_DOC + "; None: none",
+    ROW_NAMES,
     applies_to="x",
-    apply=activate,
+    apply=_activate_rows,
+)
+GATED_NAMES = repr(tuple(GATED))
+# x's width as the GEMM sees it: a gated activation halves it.
+ACTIVATED_WIDTH = f"(x.shape[1] // 2 if activation in {GATED_NAMES} else x.shape[1])"
+GATED_EVEN = Rule(
+    f"activation not in {GATED_NAMES} or x.shape[1] % 2 == 0",
+    "a gated activation's x holds gate and up halves of equal width",
 )
 SAME_DTYPE_B = Rule("b.dtype == x.dtype", "x and b have the same dtype", error=TypeError)
 ONE_MATRIX_PER_BIN = Rule("bins.shape[0] == b.shape[0]", "one expert matrix per bin")
@@ -923,7 +948,11 @@ GMM_SCATTER = OpContract(
     rules=(
         SAME_DTYPE_B,
         ONE_MATRIX_PER_BIN,
-        INNER_B,
+        GATED_EVEN,
+        Rule(
+            f"{ACTIVATED_WIDTH} == (b.shape[2] if trans_b else b.shape[1])",
+            "inner dimensions agree (a gated activation halves x's width)",
+        ),
         SORTED_ROWS_MATCH,
         *UNROUTED_PERMUTATION_RULES,
     ),
@@ -939,13 +968,15 @@ GMM_SCATTER = OpContract(
     semantics=(
         "Exactly scatter(gmm(act(x), b, batch_sizes, trans_b), indices, bin_ids, weights, bins, "
         "top_k) with batch_sizes from bins, act the named activation (identity for None, "
-        "computed in float32 or wider and rounded to x's dtype): out[t] = sum over k of "
+        "computed in float32 or wider and rounded to x's dtype; a gated one is glu of x's two "
+        "halves): out[t] = sum over k of "
         "weights[t*top_k + k] * (act(x[i]) @ b[e]) where indices[i] = t*top_k + k. The backward "
         "keeps no (tokens * top_k, n) product: the weights' gradient <grad[t], act(x[i]) @ b[e]> "
         "is computed as <act(x[i]), grad[t] @ b[e].T>, from the rows the input gradient needs "
         "anyway; with an activation it keeps x only (the pre-activation rows: act(x) is "
-        "recomputed in backward), so an expert MLP's forward keeps one (tokens * top_k, ffn) "
-        "tensor. "
+        "recomputed in backward, by activation_backward), so an expert MLP's forward keeps one "
+        "(tokens * top_k, ffn) tensor, a gated expert's one (tokens * top_k, 2 * ffn) tensor. "
+        "A kernel that does not take the activation gets act(x) (a gated one from the glu op). "
         + GROUPS_FROM_BINS
         + " "
         + PAST_BINS
@@ -1031,7 +1062,9 @@ ACTIVATION_BACKWARD = OpContract(
         TensorArg(
             "grad", FLOAT_DTYPES, (2,), "gradient of the GEMM's input rows act(x), (rows, n)"
         ),
-        TensorArg("x", FLOAT_DTYPES, (2,), "the pre-activation rows, (rows, n)"),
+        TensorArg(
+            "x", FLOAT_DTYPES, (2,), "the pre-activation rows, (rows, n); (rows, 2n) if gated"
+        ),
         TensorArg(
             "scale",
             FLOAT_DTYPES,
@@ -1039,21 +1072,20 @@ ACTIVATION_BACKWARD = OpContract(
             "each row's factor on grad (its top-k weight), length rows; None means 1",
             optional=True,
         ),
-        ChoiceArg(
-            "activation",
-            "'gelu' (tanh approximation), 'silu' or 'relu' (megablocks_core.activations); "
-            "None: the identity",
-            ACTIVATION_NAMES,
-        ),
+        ChoiceArg("activation", ROW_ACTIVATION_DOC + "; None: the identity", ROW_NAMES),
     ),
     rules=(
         Rule("x.dtype == grad.dtype", "grad and x have the same dtype", error=TypeError),
-        Rule("grad.shape == x.shape", "grad has x's shape"),
+        GATED_EVEN,
+        Rule(
+            f"grad.shape[0] == x.shape[0] and grad.shape[1] == {ACTIVATED_WIDTH}",
+            "grad has act(x)'s shape",
+        ),
         Rule("scale is None or scale.shape[0] == x.shape[0]", "one scale per row"),
     ),
     outputs=(
         Output("grad_x", "x.dtype", "tuple(x.shape)", "scale[i] * grad * act'(x)"),
-        Output("act", "x.dtype", "tuple(x.shape)", "act(x)"),
+        Output("act", "x.dtype", "tuple(grad.shape)", "act(x)"),
         Output("dots", "x.dtype", ("x.shape[0]",), "<act[i], grad[i]>"),
     ),
     semantics=(
@@ -1061,7 +1093,8 @@ ACTIVATION_BACKWARD = OpContract(
         "accumulated in float32 (float64 for float64 x) and rounded to x's dtype (a kernel's act "
         "may differ from the definition's by a rounding, so the dots are only as exact as x's "
         "dtype); grad_x[i, j] = scale[i] * grad[i, j] * "
-        "act'(x[i, j]), computed in float32 or wider and rounded once. The backward of "
+        "act'(x[i, j]), computed in float32 or wider and rounded once; for a gated activation "
+        "act is glu(x) and grad_x glu_backward(scale[i] * grad, x), both halves. The backward of "
         "gmm_scatter with an activation, where grad holds each sorted row's gradient before its "
         "top-k weight (grad[t] @ b[e].T): act is the weight gradient's operand, dots the "
         "weights' gradient, grad_x the gradient of the kept pre-activation rows, in one read of "

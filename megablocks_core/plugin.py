@@ -19,13 +19,15 @@ backends in this repository use nothing else, like any third-party plugin.
   cannot serve safely (the core names the op and backend);
 - :func:`glu_definition`, :func:`glu_backward_definition` and
   :func:`activation_backward_definition` are the activation ops' arithmetic in plain torch
-  (float32, rounded once), which a kernel must match.
+  (float32, rounded once), which a kernel must match; :data:`GATED_ACTIVATIONS` maps the gated
+  activation names (``gmm_scatter``, ``activation_backward``) to their gate's activation.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from .activations import GATED as GATED_ACTIVATIONS
 from .activations import activation_backward as activation_backward_definition
 from .activations import glu as glu_definition
 from .activations import glu_backward as glu_backward_definition
@@ -67,6 +69,7 @@ __all__ = [
     "ARCH_FAMILIES",
     "DENSE_BF16_TFLOPS",
     "ENTRY_POINT_GROUP",
+    "GATED_ACTIVATIONS",
     "BackendHooks",
     "CallInfo",
     "CapabilityCheck",

@@ -416,6 +416,22 @@ def activation_slope(x: Array, name: str | None) -> Array:
     return np.ones_like(x)
 
 
+#: Gated activations: name → the gate's activation of act(gate) * up (glu).
+GATED = {"geglu": "gelu", "swiglu": "silu", "reglu": "relu", "bilinear": None}
+
+
+def activate_rows(x: Array, name: str | None) -> Array:
+    """What gmm_scatter applies to its rows: an activation, or a gated one (glu of the halves)."""
+    return glu(x, GATED[name]) if name in GATED else activation(x, name)
+
+
+def activate_rows_backward(grad: Array, x: Array, name: str | None) -> Array:
+    """The gradient of :func:`activate_rows` with respect to x, for its output gradient grad."""
+    if name in GATED:
+        return glu_backward(grad, x, GATED[name])
+    return grad * activation_slope(x, name)
+
+
 def gmm_scatter(
     x: Any,
     b: Any,
@@ -428,7 +444,7 @@ def gmm_scatter(
 ) -> Array:
     """out[t] = sum over k of weights[t*top_k + k] * (act(x[i]) @ b[e]), indices[i] = t*top_k + k."""
     x, b = _f64(x), _f64(b)
-    x = activation(x, act)
+    x = activate_rows(x, act)
     w = None if weights is None else _f64(weights)
     experts = _expert_of_rows(bins)
     out = np.zeros((len(indices) // top_k, b.shape[1] if trans_b else b.shape[2]))
@@ -451,10 +467,10 @@ def gmm_scatter_backward(
 ) -> tuple[Array, Array, Array | None]:
     """(grad of x, grad of b, grad of weights) of gmm_scatter, row by row."""
     pre, b, grad = _f64(x), _f64(b), _f64(grad)
-    x = activation(pre, act)
+    x = activate_rows(pre, act)
     w = None if weights is None else _f64(weights)
     experts = _expert_of_rows(bins)
-    gx, gb = np.zeros_like(x), np.zeros_like(b)
+    gx, gb = np.zeros_like(pre), np.zeros_like(b)
     gw = None if w is None else np.zeros_like(w)
     for i, f in enumerate(_i64(indices)):
         if i >= len(experts):  # skipped in forward: zero gradients (x's row and the weight)
@@ -462,7 +478,7 @@ def gmm_scatter_backward(
         e, t = experts[i], f // top_k
         m = _matrix(b, e, trans_b)
         row_grad = _weight(w, f) * grad[t]  # gradient of row i's product x[i] @ m
-        gx[i] = (row_grad @ m.T) * activation_slope(pre[i], act)
+        gx[i] = activate_rows_backward(row_grad @ m.T, pre[i], act)
         if trans_b:
             gb[e] += np.outer(row_grad, x[i])
         else:
@@ -555,10 +571,12 @@ def glu(x: Array, name: str | None) -> Array:
 def activation_backward(
     grad: Array, x: Array, scale: Array | None, name: str | None, dtype: Any
 ) -> tuple[Array, Array, Array]:
-    """(scale[i] * grad * act'(x), act(x) as ``dtype`` stores it, <that act(x)[i], grad[i]>)."""
-    act = representable(activation(x, name), dtype)
+    """(scale[i] * grad * act'(x), act(x) as ``dtype`` stores it, <that act(x)[i], grad[i]>);
+    a gated name: x is [gate | up] and act glu's."""
+    act = representable(activate_rows(x, name), dtype)
     factor = np.ones(x.shape[0]) if scale is None else scale
-    return factor[:, None] * grad * activation_slope(x, name), act, (act * grad).sum(axis=1)
+    grad_x = activate_rows_backward(factor[:, None] * grad, x, name)
+    return grad_x, act, (act * grad).sum(axis=1)
 
 
 def glu_backward(grad: Array, x: Array, name: str | None) -> Array:

@@ -116,15 +116,24 @@ def _opcheck_samples():
     }
 
 
-def _with_activation() -> tuple:
-    """gmm_scatter with its optional last argument given (the samples above leave it out)."""
-    return (*_opcheck_samples()["gmm_scatter"], "gelu")
+def _with_activation(name: str) -> tuple:
+    """gmm_scatter and activation_backward with the named activation (the samples above leave
+    gmm_scatter's out), a gated one on rows twice as wide."""
+    if name == "activation_backward+swiglu":
+        return (torch.randn(8, 3), torch.randn(8, 6), torch.rand(8), "swiglu")
+    x, b, *rest = _opcheck_samples()["gmm_scatter"]
+    if name == "gmm_scatter+swiglu":
+        x = torch.randn(8, 2 * x.shape[1], requires_grad=True)
+    return (x, b, *rest, name.split("+")[1])
 
 
-@pytest.mark.parametrize("name", [*(c.name for c in ALL if c.dispatched), "gmm_scatter+gelu"])
+WITH_ACTIVATION = ("gmm_scatter+gelu", "gmm_scatter+swiglu", "activation_backward+swiglu")
+
+
+@pytest.mark.parametrize("name", [*(c.name for c in ALL if c.dispatched), *WITH_ACTIVATION])
 def test_opcheck(name):
-    args = _with_activation() if name == "gmm_scatter+gelu" else _opcheck_samples()[name]
-    name = name.removesuffix("+gelu")
+    args = _with_activation(name) if name in WITH_ACTIVATION else _opcheck_samples()[name]
+    name = name.split("+")[0]
     # The data-dependent padded_gather output needs dynamic sizes, which aot_dispatch tests
     # cannot fabricate; everything else runs the full opcheck suite.
     skip = (

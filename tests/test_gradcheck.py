@@ -102,7 +102,9 @@ def test_fused_gather_gmm_and_gmm_scatter(top_k, trans_b):
     )
 
 
-@pytest.mark.parametrize("activation", [None, "gelu", "silu", "relu"])
+@pytest.mark.parametrize(
+    "activation", [None, "gelu", "silu", "relu", "geglu", "swiglu", "reglu", "bilinear"]
+)
 def test_gmm_scatter_first_and_second_order(activation):
     """First and second order in x, b and the weights, through the activation gmm_scatter may
     apply to its rows (relu's kink is away from the random inputs). The backward's weighted
@@ -115,7 +117,8 @@ def test_gmm_scatter_first_and_second_order(activation):
     def op(x, b, w):
         return ops.gmm_scatter(x, b, indices, bin_ids, w, bins, top_k, False, activation)
 
-    inputs = (f64(tokens * top_k, ffn), w2, w64(tokens * top_k))
+    width = 2 * ffn if activation in ("geglu", "swiglu", "reglu", "bilinear") else ffn
+    inputs = (f64(tokens * top_k, width), w2, w64(tokens * top_k))
     assert torch.autograd.gradcheck(op, inputs)
     assert torch.autograd.gradgradcheck(op, inputs)
 

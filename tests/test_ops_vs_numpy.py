@@ -802,11 +802,11 @@ def test_fused_ops_skip_rows_past_the_last_group(name):
     _fused_vs_loops(*FUSED_CASES[case], unrouted=unrouted)
 
 
-@pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu", "geglu", "swiglu", "reglu", "bilinear"])
 @pytest.mark.parametrize("name", ["basic", "trans_b", "top8_empty", "bf16", "fp16_trans_b"])
 def test_gmm_scatter_with_an_activation(name, act):
-    """gmm_scatter(x, ..., activation=act) against the loops over act(x) (numpy's own formulas),
-    every gradient through the activation included."""
+    """gmm_scatter(x, ..., activation=act) against the loops over act(x) (numpy's own formulas;
+    a gated one: act(gate) * up of x's halves), every gradient through the activation included."""
     _fused_vs_loops(*FUSED_CASES[name], act=act)
 
 
@@ -818,7 +818,8 @@ def _fused_vs_loops(
     routed = int(r["bins"][-1]) if E else 0
     assert routed == T * K - unrouted
     idx = [it(r[n], idt, nc) for n in ("indices", "bin_ids", "bins")]
-    xv, w1v = rand(rng, (T, H), fdt), rand(rng, (E, F, H) if trans_b else (E, H, F), fdt)
+    F1 = 2 * F if act in oracle.GATED else F  # a gated activation halves the first GEMM's width
+    xv, w1v = rand(rng, (T, H), fdt), rand(rng, (E, F1, H) if trans_b else (E, H, F1), fdt)
     w2v = rand(rng, (E, H, F) if trans_b else (E, F, H), fdt)
     wv = oracle.representable(rng.uniform(0.1, 1.0, T * K), fdt) if weighted else None
     x, w1, w2 = leaf(xv, fdt, nc), leaf(w1v, fdt, False), leaf(w2v, fdt, False)
@@ -934,13 +935,16 @@ GLU_CASES = {
 }
 
 
-@pytest.mark.parametrize("act", [None, "gelu", "silu", "relu"])
+@pytest.mark.parametrize(
+    "act", [None, "gelu", "silu", "relu", "geglu", "swiglu", "reglu", "bilinear"]
+)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_activation_backward_definition(dtype, act):
     """The definition of activation_backward (what the reference backend runs) against numpy's
-    slopes; scaled and unscaled rows."""
+    slopes; scaled and unscaled rows; a gated activation's x twice grad's width."""
     rng = np.random.default_rng(90)
-    xv = oracle.representable(3 * rng.standard_normal((11, 7)), dtype)
+    width = 14 if act in oracle.GATED else 7
+    xv = oracle.representable(3 * rng.standard_normal((11, width)), dtype)
     g = rand(rng, (11, 7), dtype)
     scale = oracle.representable(rng.random(11), dtype)
     for s in (scale, None):

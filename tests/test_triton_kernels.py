@@ -547,7 +547,9 @@ def test_glu(rows: int, n: int, dtype: torch.dtype, activation: str | None) -> N
     _close(got, oracle.glu_backward(grad64, x64, activation), dtype)
 
 
-@pytest.mark.parametrize("activation", [None, "gelu", "silu", "relu"])
+@pytest.mark.parametrize(
+    "activation", [None, "gelu", "silu", "relu", "geglu", "swiglu", "reglu", "bilinear"]
+)
 @pytest.mark.parametrize(
     ("rows", "n", "dtype", "scale_dtype"),
     [
@@ -563,12 +565,13 @@ def test_glu(rows: int, n: int, dtype: torch.dtype, activation: str | None) -> N
 def test_activation_backward(
     rows: int, n: int, dtype: torch.dtype, scale_dtype: torch.dtype | None, activation: str | None
 ) -> None:
-    x = (torch.randn(rows, n, generator=_gen(rows + n)) * 3).to(dtype)
+    width = 2 * n if activation in oracle.GATED else n  # a gated x: [gate | up]
+    x = (torch.randn(rows, width, generator=_gen(rows + n)) * 3).to(dtype)
     grad = torch.randn(rows, n, generator=_gen(8)).to(dtype)
     scale = None if scale_dtype is None else torch.rand(rows, generator=_gen(9)).to(scale_dtype)
     grad_x, act, dots = mt.activation_backward(grad, x, scale, activation)
     assert grad_x.dtype == act.dtype == dots.dtype == dtype
-    assert grad_x.shape == act.shape == x.shape and dots.shape == (rows,)
+    assert grad_x.shape == x.shape and act.shape == grad.shape and dots.shape == (rows,)
     scale64 = None if scale is None else scale.double().numpy()
     want = oracle.activation_backward(
         grad.double().numpy(), x.double().numpy(), scale64, activation, dtype

@@ -144,14 +144,37 @@ def test_activation_backward_errors():
     from megablocks_core.plugin import call_op
 
     grad, x = torch.randn(4, 3), torch.randn(4, 3)
-    with raises(ValueError, "activation_backward", "grad has x's shape", "torch.Size([4, 2])"):
+    with raises(ValueError, "activation_backward", "grad has act(x)'s shape", "x.shape[1]=2"):
         call_op("activation_backward", grad, x[:, :2], None, "gelu")
+    # A gated activation: x is [gate | up], twice grad's width.
+    with raises(ValueError, "activation_backward", "grad has act(x)'s shape", "x.shape[1]=4"):
+        call_op("activation_backward", grad, torch.randn(4, 4), None, "swiglu")
+    with raises(ValueError, "activation_backward", "gate and up halves", "x.shape[1]=5"):
+        call_op("activation_backward", grad, torch.randn(4, 5), None, "geglu")
     with raises(ValueError, "activation_backward", "one scale per row", "scale.shape[0]=5"):
         call_op("activation_backward", grad, x, torch.rand(5), "gelu")
     with raises(TypeError, "activation_backward", "x.dtype == grad.dtype"):
         call_op("activation_backward", grad.half(), x, None, "silu")
     with raises(ValueError, "activation_backward", "'activation'", "'tanh'"):
         call_op("activation_backward", grad, x, None, "tanh")
+
+
+def test_gmm_scatter_gated_activation_errors():
+    """A gated activation halves x's width before the GEMM: b's inner dimension is half of x's."""
+    x, indices, bin_ids, bins, _, _ = routing()
+    rows = indices.shape[0]
+    weights = torch.rand(rows)
+    h, w2 = torch.randn(rows, 8), torch.randn(4, 4, 3)
+    assert ops.gmm_scatter(h, w2, indices, bin_ids, weights, bins, 2, False, "swiglu").shape == (
+        rows // 2,
+        3,
+    )
+    with raises(ValueError, "ops.gmm_scatter", "inner dimensions agree", "x.shape[1]=8"):
+        ops.gmm_scatter(h, w2, indices, bin_ids, weights, bins, 2, False, "gelu")
+    with raises(ValueError, "ops.gmm_scatter", "gate and up halves", "x.shape[1]=9"):
+        ops.gmm_scatter(
+            torch.randn(rows, 9), w2, indices, bin_ids, weights, bins, 2, False, "reglu"
+        )
 
 
 def test_composite_op_errors():

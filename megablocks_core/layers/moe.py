@@ -10,17 +10,17 @@ together::
     out = ops.gmm_scatter(h, w2, indices, bin_ids, weights.flatten(), bins, top_k,
                           activation="gelu")             # (tokens, hidden)
     # GLU: w1 holds the gate and up projections side by side, (E, hidden, 2 * ffn): one
-    # gather_gmm gives (tokens * top_k, 2 * ffn), h = ops.glu(h, "silu") (SwiGLU) halves it,
-    # then gmm_scatter(h, w2, ...) without activation
+    # gather_gmm gives (tokens * top_k, 2 * ffn), and gmm_scatter(h, w2, ...,
+    # activation="swiglu") applies act(gate) * up (SiLU: SwiGLU) on its way in
 
 which is ``gmm`` between ``gather`` and ``scatter`` with the permutations fused into the GEMMs,
 the second of which also applies the activation (and recomputes it in backward): no
 (tokens * top_k, hidden) tensor is written in the forward or kept for the backward (MegaBlocks
 keeps two: the gathered tokens and the expert outputs). What a step keeps for backward is the
-routing metadata and the (tokens * top_k, ffn) activations: one for MLP experts with a named
-activation (its input: gmm_scatter recomputes act(h) in backward), two with a callable
-activation, three for GLU experts (the gate and up rows, which ``glu`` keeps, and their
-product).
+routing metadata and the first GEMM's output h: with a named activation only h, (tokens *
+top_k, ffn) for MLP experts and (tokens * top_k, 2 * ffn) for GLU experts (gmm_scatter
+recomputes act(h) in backward); with a callable activation also act(h) (for GLU experts: act of
+the gate, and the product).
 
 Differences from MegaBlocks' ``dMoE`` (``megablocks/layers/dmoe.py``), all deliberate:
 
@@ -62,11 +62,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import ops
-from ..activations import ACTIVATIONS, gelu_tanh
+from ..activations import ACTIVATIONS, GATED, gelu_tanh
 from ..autograd import fuse_grad_accumulation, is_grad_accumulation_fused
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+#: A gate's activation → gmm_scatter's gated name for act(gate) * up ("silu" → "swiglu").
+_GATED_BY_GATE = {gate: name for name, gate in GATED.items()}
 
 
 def _tensor_cores(x: Tensor, router: Tensor) -> bool:
@@ -289,9 +292,17 @@ class DroplessMoE(torch.nn.Module):
                 )
             self.activation_name: str | None = activation
             self.activation = ACTIVATIONS[activation][0]
-        else:  # any callable; a named one lets GLU experts recompute it in backward
+        else:  # any callable; a named one lets gmm_scatter apply it and recompute it in backward
             self.activation_name = None
             self.activation = activation
+        # gmm_scatter's name for the experts' activation of h (gated: act(gate) * up), if any.
+        self.row_activation = (
+            None
+            if self.activation_name is None
+            else _GATED_BY_GATE[self.activation_name]
+            if glu
+            else self.activation_name
+        )
         self.normalize_expert_weights = normalize_expert_weights
         self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
         self.block_size = block_size
@@ -426,10 +437,11 @@ class DroplessMoE(torch.nn.Module):
         Backward keeps only (tokens * top_k, ffn) activations."""
         routing = (indices, bin_ids)
         h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
-        if not self.glu and self.activation_name is not None:
-            # gmm_scatter applies the activation to h and keeps only h for backward.
+        if self.row_activation is not None:
+            # gmm_scatter applies the activation to h (a gated one: act(gate) * up) and keeps
+            # only h for backward.
             return ops.gmm_scatter(
-                h, self.w2, *routing, weights, bins, self.top_k, False, self.activation_name
+                h, self.w2, *routing, weights, bins, self.top_k, False, self.row_activation
             )
         return ops.gmm_scatter(self._activate(h), self.w2, *routing, weights, bins, self.top_k)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..activations import GATED, ROW_NAMES
 from ..activations import NAMES as ACTIVATION_NAMES
 from ..contracts import BY_NAME
 
@@ -217,6 +218,22 @@ def _activation(r: Routing) -> str | None:
     return (None, *ACTIVATION_NAMES)[r.scenario.seed % (len(ACTIVATION_NAMES) + 1)]
 
 
+def _row_activation(r: Routing, shift: int = 0) -> str | None:
+    """gmm_scatter's and activation_backward's activation, gated ones included, in turn by seed
+    (``shift`` apart, so that the few quick scenarios give each op plain and gated ones)."""
+    return (None, *ROW_NAMES)[(r.scenario.seed + shift) % (len(ROW_NAMES) + 1)]
+
+
+def _row_input(r: Routing, plain: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """An activating op's rows: ``plain`` (rows, ffn), or gate_up (rows, 2 * ffn) when the
+    scenario's activation is gated."""
+    return r.gate_up if _row_activation(r, shift) in GATED else plain
+
+
+#: activation_backward's activations run this far ahead of gmm_scatter's (half of the names).
+_BACKWARD_SHIFT = 4
+
+
 #: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;
 #: a test checks that it covers every dispatched contract.
 SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
@@ -286,9 +303,9 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.trans_b,
     ),
     # The second expert GEMM: sorted (rows, ffn) back to (tokens, hidden), its activation (or
-    # none) taken in turn by seed.
+    # none; a gated one of (rows, 2 * ffn)) taken in turn by seed.
     "gmm_scatter": lambda r: (
-        r.gmm_grad,
+        _row_input(r, r.gmm_grad),
         r.expert_weights.transpose(1, 2).contiguous(),
         r.indices,
         r.bin_ids,
@@ -296,18 +313,18 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.bins,
         r.scenario.top_k,
         r.scenario.trans_b,
-        _activation(r),
+        _row_activation(r),
     ),
     # The gated unit, its activation (or none) taken in turn by seed as gmm_scatter's.
     "glu": lambda r: (r.gate_up, _activation(r)),
     "glu_backward": lambda r: (r.gmm_grad, r.gate_up, _activation(r)),
     # An expert MLP's activation in backward: the gate half of gate_up as the pre-activation rows
-    # (a strided view), the rows' top-k weights as their scale.
+    # (a strided view) or all of it for a gated activation, the rows' top-k weights as scale.
     "activation_backward": lambda r: (
         r.gmm_grad,
-        r.gate_up[:, : r.gmm_grad.shape[1]],
+        _row_input(r, r.gate_up[:, : r.scenario.ffn_size], _BACKWARD_SHIFT),
         r.weights,
-        _activation(r),
+        _row_activation(r, _BACKWARD_SHIFT),
     ),
 }
 
