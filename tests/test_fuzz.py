@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import megablocks_core
 from megablocks_core import ContractError, ContractTypeError, ops
 from megablocks_core.contracts import BY_NAME
+from megablocks_core.plugin import call_op
 from megablocks_core.schema import BoolArg, ChoiceArg, IntArg, TensorArg
 
 settings.register_profile(
@@ -690,6 +691,65 @@ def test_glu(backend: str) -> None:
         size = np.abs(grad) * (1 + gate)
         bound = np.abs(want_grad) + np.concatenate((size * up, size * (1 + gate)), axis=1)
         assert_close(x.grad, want_grad, bound, dtype)
+
+    check()
+
+
+@backend_param
+def test_activation_backward(backend: str) -> None:
+    """activation_backward, every activation (gated ones on rows twice grad's width), scaled or
+    not, against numpy's formulas; the dots against the float64 sum of the act returned. Bounds
+    as test_glu's (GELU through 1 + tanh cancels to a few units of |x| near 0)."""
+    dtypes = served_dtypes(backend, ("activation_backward",), FLOAT_DTYPES, ("x", "grad"))
+
+    @fuzz(backend)
+    @given(
+        dtype=st.sampled_from(dtypes),
+        rows=st.integers(0, 64),
+        n=st.integers(0, MAX_HIDDEN),
+        activation=st.sampled_from([None, "gelu", "silu", "relu", *oracle.GATED]),
+        scaled=st.booleans(),
+        seed=st.integers(0, 2**32 - 1),
+        how=LAYOUTS,
+    )
+    def check(
+        dtype: torch.dtype,
+        rows: int,
+        n: int,
+        activation: str | None,
+        scaled: bool,
+        seed: int,
+        how: str,
+    ) -> None:
+        rng = np.random.default_rng(seed)
+        gated = activation in oracle.GATED
+        xv = oracle.representable(3 * rng.standard_normal((rows, 2 * n if gated else n)), dtype)
+        grad = floats(rng, (rows, n), dtype)
+        scale = floats(rng, (rows,), dtype, low=0.0) if scaled else None
+        with megablocks_core.use_backend(backend):
+            grad_x, act, dots = call_op(
+                "activation_backward",
+                tensor(grad, dtype, how),
+                tensor(xv, dtype, how),
+                None if scale is None else tensor(scale, dtype),
+                activation,
+            )
+        want_x, want_act, _ = oracle.activation_backward(grad, xv, scale, activation, dtype)
+        scaled_grad = np.abs(grad) * (1.0 if scale is None else np.abs(scale)[:, None])
+        if gated:
+            gate, up = np.abs(xv[:, :n]), np.abs(xv[:, n:])
+            act_bound = np.abs(want_act) + gate * up
+            size = scaled_grad * (1 + gate)
+            x_bound = np.abs(want_x) + np.concatenate((size * up, size * (1 + gate)), axis=1)
+        else:
+            act_bound = np.abs(want_act) + np.abs(xv)
+            x_bound = np.abs(want_x) + scaled_grad * (1 + np.abs(xv))
+        assert_close(act, want_act, act_bound, dtype)
+        assert_close(grad_x, want_x, x_bound, dtype)
+        got_act = to64(act)
+        assert_close(
+            dots, (got_act * grad).sum(axis=1), (np.abs(got_act * grad)).sum(axis=1), dtype
+        )
 
     check()
 
