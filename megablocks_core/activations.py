@@ -73,6 +73,15 @@ def activate(x: Tensor, name: str | None) -> Tensor:
     return ACTIVATIONS[name][0](x)
 
 
+def activate_with(call: Callable[..., Tensor], x: Tensor, name: str | None) -> Tensor:
+    """:func:`activate`, a gated activation computed by ``call("glu", x, gate)`` (the dispatched
+    ``glu`` op: a backend's one-pass kernel, differentiable when recorded) instead of the
+    float32 definition's several passes."""
+    if name in GATED:
+        return call("glu", x, GATED[name])
+    return activate(x, name)
+
+
 def activate_backward(grad: Tensor, x: Tensor, name: str) -> Tensor:
     """The gradient of ``activate(x, name)`` times ``grad``, with respect to ``x``."""
     if name in GATED:
@@ -134,6 +143,7 @@ __all__ = [
     "ROW_NAMES",
     "activate",
     "activate_backward",
+    "activate_with",
     "activated_width",
     "activation_backward",
     "gelu_tanh",

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .activations import GATED, activate, activate_backward, glu_backward
+from .activations import activate_backward, activate_with, glu_backward
 from .policy import Policy, policy_scope
 from .schema import OpContract, TensorArg
 
@@ -409,14 +409,6 @@ def _by_flat_id(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return values.new_zeros(n + 1).index_copy_(0, slot, values)[:n]
 
 
-def _activated(call: Call, x: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(x) again: a gated activation through the glu op (one pass), unless this backward is
-    itself recorded (double backward), which needs the differentiable definition."""
-    if activation in GATED and not torch.is_grad_enabled():
-        return call("glu", x, GATED[activation])
-    return activate(x, activation)
-
-
 def _gmm_scatter(
     call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
 ) -> Grads:
@@ -431,7 +423,7 @@ def _gmm_scatter(
     # The GEMM's input rows: x, or act(x) recomputed (transient) from the kept pre-activation.
     x_in = a["x"]
     if activation is not None and not one_pass and (needs["weights"] or needs["b"]):
-        x_in = _activated(call, x_in, activation)
+        x_in = activate_with(call, x_in, activation)
     if needs["x"] or needs["weights"]:
         # grad[t] @ b[e].T for each sorted row: act(x)'s gradient before weighting, and (dotted
         # with act(x)) the weights' gradient, so the forward's (rows, n) product need not be kept.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .activations import GATED, ROW_NAMES, activate
+from .activations import GATED, ROW_NAMES, activate_with
 from .activations import NAMES as ACTIVATION_NAMES
 from .schema import (
     COUNT_DTYPES,
@@ -853,13 +853,11 @@ TRANS_B = BoolArg("trans_b", "b holds (n, k) matrices", default=False)
 
 
 def _activate_rows(x: Tensor, name: str) -> Tensor:
-    """gmm_scatter's activation for a kernel that does not apply it itself: a gated one through
-    the dispatched glu op (a backend's one-pass kernel), the others with torch."""
-    if name in GATED:
-        from .ops import glu  # the op surface imports the contracts
+    """gmm_scatter's activation for a kernel that does not apply it itself (a gated one through
+    the dispatched glu op)."""
+    from .entries import call  # the entries import the contracts
 
-        return glu(x, GATED[name])
-    return activate(x, name)
+    return activate_with(call, x, name)
 
 
 ROW_ACTIVATION_DOC = (
