@@ -59,11 +59,6 @@ GATED: dict[str, str | None] = {
 ROW_NAMES: tuple[str, ...] = NAMES + tuple(GATED)
 
 
-def activated_width(width: int, name: str | None) -> int:
-    """The width of ``activate(x, name)`` for rows of ``width`` columns: a gated one halves it."""
-    return width // 2 if name in GATED else width
-
-
 def activate(x: Tensor, name: str | None) -> Tensor:
     """``x`` through the named activation (``x`` itself for None; a gated name: :func:`glu`)."""
     if name is None:
@@ -144,7 +139,6 @@ __all__ = [
     "activate",
     "activate_backward",
     "activate_with",
-    "activated_width",
     "activation_backward",
     "gelu_tanh",
     "glu",

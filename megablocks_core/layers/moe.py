@@ -433,8 +433,9 @@ class DroplessMoE(torch.nn.Module):
     ) -> Tensor:
         """The experts applied to tokens x and summed back per token, never writing a
         (tokens * top_k, hidden) tensor: the first GEMM reads x through the indices, the second
-        sums each token's weighted rows, applying a named activation of MLP experts on its way in.
-        Backward keeps only (tokens * top_k, ffn) activations."""
+        sums each token's weighted rows, applying a named activation (gated experts: act(gate) *
+        up) on its way in. Backward keeps only h, the first GEMM's output (with a named
+        activation)."""
         routing = (indices, bin_ids)
         h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
         if self.row_activation is not None:
