@@ -113,6 +113,11 @@ def test_activations_match_loop(activation, glu):
 def test_unknown_activation_name_is_rejected():
     with pytest.raises(ValueError, match="activation must be one of"):
         DroplessMoE(4, 4, 2, activation="swish")
+    # A gated unit's name is not an expert activation: the error says how to ask for it.
+    with pytest.raises(
+        ValueError, match=r"'swiglu' \(gated experts: glu=True with activation='silu'\)"
+    ):
+        DroplessMoE(4, 4, 2, activation="swiglu")
 
 
 def _composed_layer(model: DroplessMoE, x: torch.Tensor) -> torch.Tensor:

@@ -286,9 +286,15 @@ class DroplessMoE(torch.nn.Module):
         self.num_experts, self.top_k, self.glu = num_experts, top_k, glu
         if isinstance(activation, str):
             if activation not in ACTIVATIONS:
+                gated = GATED.get(activation)
+                hint = (
+                    f" (gated experts: glu=True with activation={gated!r})"
+                    if activation in GATED and gated is not None
+                    else ""
+                )
                 raise ValueError(
                     f"DroplessMoE: activation must be one of {sorted(ACTIVATIONS)} or a callable, "
-                    f"got {activation!r}"
+                    f"got {activation!r}{hint}"
                 )
             self.activation_name: str | None = activation
             self.activation = ACTIVATIONS[activation][0]
