@@ -1,8 +1,12 @@
 """Where a dMoE training step's time goes: device time per kernel, grouped by the layer's parts.
 
-Runs ``DroplessMoE`` forward + backward (the loss ``out.float().square().mean() + aux``) under
-``torch.profiler`` for a few steps after warm-up and reports, per step, each kernel's time and
-count and their sum per part of the layer:
+Runs ``DroplessMoE`` forward + backward under ``torch.profiler`` for a few steps after warm-up and
+reports, per step, each kernel's time and count and their sum per part of the layer. The
+backward starts from a fixed upstream gradient of the output (``out.backward(grad)``, what a
+model's next layer hands back; as ``megablocks bench --ops layer``), so every kernel is the
+layer's own; ``--float-loss`` takes the loss ``out.float().square().mean() + aux`` instead (the
+harness of runs before 2026-12-01, whose own kernels then land in ``copies``, ``activations``
+or ``other``). Parts:
 
 * ``expert GEMMs``: the grouped GEMMs (``_gmm_kernel``: forward and x-gradients; another
   provider's grouped kernels, its weight gradients included), ``weight gradients``
@@ -13,15 +17,14 @@ count and their sum per part of the layer:
   activation in backward with the rows' weighting and the top-k weights' gradient), ``copies`` (dtype casts and
   copies), ``dense GEMMs`` (the router's matmuls), ``communication`` (NCCL), ``other``.
 
-Parts go by kernel name only: the loss's own kernels (float casts, square, mean and their
-gradients) land in ``copies``, ``activations`` (multiplications) or ``other``.
+Parts go by kernel name only.
 
 On a GPU the times are the CUDA kernels'; on the CPU (no CUDA) the operators' own CPU time, so
 the script runs anywhere (the CPU figures say little about a GPU). The step time beside it comes
 from CUDA events (or the wall clock) over steps run without the profiler.
 
     python benchmarks/step_profile.py [--shape qwen3] [--glu] [--fuse-grad-accumulation]
-        [--tokens N] [--steps 3] [--json PATH]
+        [--tokens N] [--steps 3] [--float-loss] [--json PATH]
 """
 
 from __future__ import annotations
@@ -65,7 +68,10 @@ def part_of(name: str) -> str:
     return "other"
 
 
-def make_layer(args: argparse.Namespace, device: torch.device) -> tuple[DroplessMoE, torch.Tensor]:
+def make_layer(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[DroplessMoE, torch.Tensor, torch.Tensor | None]:
+    """The layer, its input and the upstream gradient of its output (None: ``--float-loss``)."""
     tokens, hidden, ffn, experts, top_k = SHAPES[args.shape]
     tokens = args.tokens or tokens
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -80,28 +86,41 @@ def make_layer(args: argparse.Namespace, device: torch.device) -> tuple[Dropless
         device=device,
         grad_accumulation_fusion=args.fuse_grad_accumulation,
     )
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-    return layer, x.requires_grad_()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    grad = None if args.float_loss else torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    return layer, x.requires_grad_(), grad
 
 
-def step(layer: DroplessMoE, x: torch.Tensor) -> None:
+def step(layer: DroplessMoE, x: torch.Tensor, grad: torch.Tensor | None) -> None:
     out, aux = layer(x)
-    (out.float().square().mean() + aux).backward()
+    if grad is None:
+        (out.float().square().mean() + aux).backward()
+    elif aux.requires_grad:  # the load-balancing loss joins the upstream gradient
+        torch.autograd.backward([out, aux], [grad, torch.ones_like(aux)])
+    else:
+        out.backward(grad)
 
 
-def step_ms(layer: DroplessMoE, x: torch.Tensor, steps: int, device: torch.device) -> float:
+def step_ms(
+    layer: DroplessMoE,
+    x: torch.Tensor,
+    grad: torch.Tensor | None,
+    steps: int,
+    device: torch.device,
+) -> float:
     """Mean time of one step (gradients accumulate into ``.grad`` as in gradient accumulation)."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
-            step(layer, x)
+            step(layer, x, grad)
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end) / steps
     begin = time.perf_counter()
     for _ in range(steps):
-        step(layer, x)
+        step(layer, x, grad)
     return (time.perf_counter() - begin) * 1e3 / steps
 
 
@@ -146,6 +165,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=None, help="default: the shape's")
     parser.add_argument("--glu", action="store_true", help="gated (SwiGLU) experts")
     parser.add_argument("--fuse-grad-accumulation", action="store_true")
+    parser.add_argument(
+        "--float-loss",
+        action="store_true",
+        help="backward from out.float().square().mean() + aux (the harness before 2026-12-01)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="profiled (and timed) steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=20, help="kernels printed")
@@ -159,17 +183,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    layer, x = make_layer(args, device)
+    layer, x, grad = make_layer(args, device)
     for _ in range(args.warmup):
-        step(layer, x)
-    timed = step_ms(layer, x, args.steps, device)
-    kernels = kernel_times(lambda: step(layer, x), args.steps, device)
+        step(layer, x, grad)
+    timed = step_ms(layer, x, grad, args.steps, device)
+    kernels = kernel_times(lambda: step(layer, x, grad), args.steps, device)
     parts = summarise(kernels)
     result = {
         "shape": args.shape,
         "tokens": x.shape[0],
         "glu": args.glu,
         "fuse_grad_accumulation": args.fuse_grad_accumulation,
+        "harness": "float loss" if args.float_loss else "upstream gradient",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "time_kind": "CUDA kernels" if device.type == "cuda" else "CPU operators (self time)",
         "step_ms": timed,

@@ -426,12 +426,18 @@ def test_step_profile_sorts_kernels_into_the_layers_parts():
     assert {name: part_of(name) for name in names} == names
 
 
-def test_step_profile_runs_on_the_cpu(tmp_path, capsys):
+@pytest.mark.parametrize("harness", ["upstream gradient", "float loss"])
+def test_step_profile_runs_on_the_cpu(tmp_path, capsys, harness):
     out = tmp_path / "profile.json"
+    flags = ["--float-loss"] if harness == "float loss" else []
     result = _step_profile().main(
-        ["--shape", "tiny", "--steps", "1", "--warmup", "1", "--json", str(out)]
+        ["--shape", "tiny", "--steps", "1", "--warmup", "1", "--json", str(out), *flags]
     )
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["harness"] == harness
+    # Only the float loss squares the output: the default step runs the layer's own work.
+    squares = [name for name in result["kernels"] if "pow" in name or "square" in name]
+    assert bool(squares) == (harness == "float loss"), squares
     assert result["step_ms"] > 0 and result["busy_ms"] > 0
     assert sum(result["parts_ms"].values()) == pytest.approx(result["busy_ms"])
     assert sum(k["ms"] for k in result["kernels"].values()) == pytest.approx(result["busy_ms"])
