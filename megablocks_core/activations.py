@@ -109,26 +109,31 @@ def glu_backward(grad: Tensor, x: Tensor, name: str | None) -> Tensor:
 
 def activation_backward(
     grad: Tensor, x: Tensor, scale: Tensor | None, name: str | None
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     """What the backward of an activation that feeds a weighted GEMM needs, from its GEMM's row
     gradients ``grad`` (before the rows' ``scale``) and the pre-activation rows ``x``:
 
     - ``grad_x = scale[i] * grad * act'(x)``, the gradient of x (float32, rounded once);
-    - ``act = act(x)`` rounded to x's dtype, the GEMM's input again (for its weight gradient);
     - ``dots[i] = <act[i], grad[i]>`` accumulated in float32 (float64 for float64 x), rounded to
-      x's dtype: the gradient of the row's scale.
+      x's dtype: the gradient of the row's scale;
+    - ``act = act(x)`` rounded to x's dtype, the GEMM's input again (for its weight gradient),
+      written over ``grad`` in place once grad has been read.
 
-    ``scale`` None means 1; ``name`` None is the identity (act = x, act' = 1). With a gated name
-    (:data:`GATED`) x is ``(rows, 2n)``, [gate | up], and grad, act are ``(rows, n)``: act is
-    :func:`glu`'s output and grad_x both halves of :func:`glu_backward`'s, scaled."""
+    Returns ``(grad_x, dots)``. ``scale`` None means 1; ``name`` None is the identity (act = x,
+    act' = 1). With a gated name (:data:`GATED`) x is ``(rows, 2n)``, [gate | up], and grad
+    ``(rows, n)``: act is :func:`glu`'s output and grad_x both halves of :func:`glu_backward`'s,
+    scaled."""
     wide_x, wide_grad = _wide(x), _wide(grad)
-    # copy=True: the results never alias the inputs (the identity with float32 data would).
-    act = activate(wide_x, name).to(x.dtype, copy=True)
+    act = activate(wide_x, name).to(x.dtype)
     dots = (_wide(act) * wide_grad).sum(dim=-1).to(x.dtype)
     if scale is not None:
         wide_grad = wide_grad * _wide(scale).unsqueeze(-1)
     grad_x = wide_grad if name is None else activate_backward(wide_grad, wide_x, name)
-    return grad_x.to(x.dtype, copy=True), act, dots
+    # copy=True: grad_x never aliases grad (float32 data with no scale or activation would),
+    # which is overwritten next.
+    grad_x = grad_x.to(x.dtype, copy=True)
+    grad.copy_(act)
+    return grad_x, dots
 
 
 __all__ = [

@@ -430,8 +430,9 @@ def _gmm_scatter(
         rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b)
         if one_pass:
             scale = None if weights is None else _row_scales(weights, a["indices"])
-            out["x"], x_in, dots = call("activation_backward", rows_grad, a["x"], scale, activation)
-            del rows_grad  # the allocator may reuse it for the weight gradient's rows
+            # act(x), the weight gradient's operand, is written over rows_grad (its last use).
+            out["x"], dots = call("activation_backward", rows_grad, a["x"], scale, activation)
+            x_in = rows_grad
         else:
             identity = _identity(a["indices"])
             if needs["weights"]:

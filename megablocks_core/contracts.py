@@ -1054,11 +1054,15 @@ ACTIVATION_BACKWARD = OpContract(
     name="activation_backward",
     family="activation",
     public=False,
-    summary="One pass over an expert MLP's activation in backward: x's gradient, act(x) again, "
-    "and the rows' dots.",
+    summary="One pass over an expert MLP's activation in backward: x's gradient, the rows' dots, "
+    "and act(x) again, written over grad.",
     args=(
         TensorArg(
-            "grad", FLOAT_DTYPES, (2,), "gradient of the GEMM's input rows act(x), (rows, n)"
+            "grad",
+            FLOAT_DTYPES,
+            (2,),
+            "gradient of the GEMM's input rows act(x), (rows, n); overwritten with act(x)",
+            mutable=True,
         ),
         TensorArg(
             "x", FLOAT_DTYPES, (2,), "the pre-activation rows, (rows, n); (rows, 2n) if gated"
@@ -1083,16 +1087,17 @@ ACTIVATION_BACKWARD = OpContract(
     ),
     outputs=(
         Output("grad_x", "x.dtype", "tuple(x.shape)", "scale[i] * grad * act'(x)"),
-        Output("act", "x.dtype", "tuple(grad.shape)", "act(x)"),
         Output("dots", "x.dtype", ("x.shape[0]",), "<act[i], grad[i]>"),
     ),
     semantics=(
-        "act = act(x) rounded to x's dtype; dots[i] = sum over j of act[i, j] * grad[i, j], "
+        "With act = act(x) rounded to x's dtype: dots[i] = sum over j of act[i, j] * grad[i, j], "
         "accumulated in float32 (float64 for float64 x) and rounded to x's dtype (a kernel's act "
         "may differ from the definition's by a rounding, so the dots are only as exact as x's "
         "dtype); grad_x[i, j] = scale[i] * grad[i, j] * "
         "act'(x[i, j]), computed in float32 or wider and rounded once; for a gated activation "
-        "act is glu(x) and grad_x glu_backward(scale[i] * grad, x), both halves. The backward of "
+        "act is glu(x) and grad_x glu_backward(scale[i] * grad, x), both halves. act is written "
+        "over grad, in place (grad is read first): the caller gives grad up and gets act in its "
+        "memory, one (rows, n) tensor fewer at the backward's peak. The backward of "
         "gmm_scatter with an activation, where grad holds each sorted row's gradient before its "
         "top-k weight (grad[t] @ b[e].T): act is the weight gradient's operand, dots the "
         "weights' gradient, grad_x the gradient of the kept pre-activation rows, in one read of "
@@ -1100,7 +1105,7 @@ ACTIVATION_BACKWARD = OpContract(
         "is the definition (the reference backend runs it; a kernel matches it within the "
         "conformance kit's tolerances)."
     ),
-    edge_cases=("rows = 0: empty results; n = 0: empty grad_x and act, dots 0",),
+    edge_cases=("rows = 0: empty results; n = 0: an empty grad_x, dots 0",),
 )
 
 # ---------------------------------------------------------------------------

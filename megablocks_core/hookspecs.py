@@ -98,7 +98,8 @@ class BackendHooks:
 
         Activation ops: glu (act(gate) * up of gated experts' (rows, 2n) GEMM output),
         glu_backward (its gradient) and activation_backward (an expert MLP's activation in
-        gmm_scatter's backward: x's gradient, act(x) and the rows' dots in one pass).
+        gmm_scatter's backward: x's gradient, the rows' dots and act(x), written over the
+        gradient it reads, in one pass).
 
         Example::
 

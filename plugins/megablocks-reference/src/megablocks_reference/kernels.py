@@ -416,5 +416,5 @@ def glu_backward(grad: Tensor, x: Tensor, activation: str | None) -> Tensor:
 
 def activation_backward(
     grad: Tensor, x: Tensor, scale: Tensor | None, activation: str | None
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     return activation_backward_definition(grad, x, scale, activation)

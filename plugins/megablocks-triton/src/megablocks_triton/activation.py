@@ -113,7 +113,6 @@ def _activation_backward_kernel(
     x_ptr,
     scale_ptr,
     grad_x_ptr,
-    act_ptr,
     dots_ptr,
     rows,
     n,
@@ -124,7 +123,8 @@ def _activation_backward_kernel(
     BLOCK_C: tl.constexpr,
 ):
     # Whole rows per program, so that each row's dot is summed in one place, in one order.
-    # n is grad's width; a gated x holds gate and up side by side, rows of 2n.
+    # n is grad's width; a gated x holds gate and up side by side, rows of 2n. act(x) is written
+    # over grad, each step's tile after the whole program has read it.
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < rows
     if HAS_SCALE:
@@ -145,7 +145,6 @@ def _activation_backward_kernel(
             act = (activated * up).to(dtype)
         else:
             act = activated.to(dtype)
-        tl.store(act_ptr + at, act, mask=mask)
         dots += tl.sum(act.to(tl.float32) * grad, axis=1)
         if HAS_SCALE:
             grad = grad * scale
@@ -156,6 +155,11 @@ def _activation_backward_kernel(
             tl.store(grad_x_ptr + in_x + n, (grad * activated).to(dtype), mask=mask)
         else:
             tl.store(grad_x_ptr + in_x, (grad * _derivative(x, ACTIVATION)).to(dtype), mask=mask)
+        # Every thread has used its grad values (act does not depend on them, and a thread may
+        # store elements another thread loaded): the barrier orders those reads before act's
+        # writes over them.
+        tl.debug_barrier()
+        tl.store(grad_ptr + at, act, mask=mask)
     tl.store(dots_ptr + r, dots.to(dtype), mask=r_ok)
 
 
@@ -207,13 +211,13 @@ def glu_backward(grad: torch.Tensor, x: torch.Tensor, activation: str | None) ->
 
 def activation_backward(
     grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None, activation: str | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = grad.shape
     gated = activation in GATED_ACTIVATIONS
     gate = GATED_ACTIVATIONS[activation] if activation is not None and gated else activation
-    grad_x, act = torch.empty_like(x), torch.empty_like(grad)
-    if not act.numel():  # no row, or rows of no element (their dots are 0)
-        return grad_x, act, x.new_zeros(rows)
+    grad_x = torch.empty_like(x)
+    if not grad.numel():  # no row, or rows of no element (their dots are 0)
+        return grad_x, x.new_zeros(rows)
     dots = x.new_empty(rows)  # the kernel writes every row
     configs = launch_configs()
     kernel = _activation_backward_kernel
@@ -240,6 +244,7 @@ def activation_backward(
             **options,
         )
         plan = remember(_PLANS, key, bound)
-    # Without a scale the kernel reads none (HAS_SCALE is false): dots only fills the slot.
-    plan(grad, x, scale if scale is not None else dots, grad_x, act, dots)
-    return grad_x, act, dots
+    # act goes over grad (each step's tile once the program has read it). Without a scale the
+    # kernel reads none (HAS_SCALE is false): dots only fills the slot.
+    plan(grad, x, scale if scale is not None else dots, grad_x, dots)
+    return grad_x, dots
