@@ -301,14 +301,6 @@ class DroplessMoE(torch.nn.Module):
         else:  # any callable; a named one lets gmm_scatter apply it and recompute it in backward
             self.activation_name = None
             self.activation = activation
-        # gmm_scatter's name for the experts' activation of h (gated: act(gate) * up), if any.
-        self.row_activation = (
-            None
-            if self.activation_name is None
-            else _GATED_BY_GATE[self.activation_name]
-            if glu
-            else self.activation_name
-        )
         self.normalize_expert_weights = normalize_expert_weights
         self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
         self.block_size = block_size
@@ -444,12 +436,11 @@ class DroplessMoE(torch.nn.Module):
         activation)."""
         routing = (indices, bin_ids)
         h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
-        if self.row_activation is not None:
+        if self.activation_name is not None:
             # gmm_scatter applies the activation to h (a gated one: act(gate) * up) and keeps
             # only h for backward.
-            return ops.gmm_scatter(
-                h, self.w2, *routing, weights, bins, self.top_k, False, self.row_activation
-            )
+            name = _GATED_BY_GATE[self.activation_name] if self.glu else self.activation_name
+            return ops.gmm_scatter(h, self.w2, *routing, weights, bins, self.top_k, False, name)
         return ops.gmm_scatter(self._activate(h), self.w2, *routing, weights, bins, self.top_k)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
