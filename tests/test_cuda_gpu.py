@@ -74,6 +74,76 @@ def test_sort_end_bit_zero_and_batched_histogram(ext):
     _same(routing.histogram(rows, 0), reference.histogram(rows, 0))
 
 
+def _route_oracle(ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Tensor, ...]:
+    """route by torch on the CPU: ids out of range sort last in input order, uncounted."""
+    wide = ids.cpu().long()
+    valid = (wide >= 0) & (wide < experts)
+    order = torch.sort(torch.where(valid, wide, experts), stable=True).indices
+    counts = torch.bincount(wide[valid], minlength=experts)
+    rounded = (counts + block - 1) // block * block
+    return (
+        order.to(ids.dtype),
+        ids.cpu()[order],
+        counts.int(),
+        counts.cumsum(0).int(),
+        rounded.cumsum(0).int(),
+    )
+
+
+#: Around the one-block kernels' three block shapes (128, 1024 and 4096 keys).
+ONE_BLOCK_SIZES = (0, 1, 7, 127, 128, 129, 1023, 1024, 1025, 3000, 4095, 4096)
+
+
+@pytest.mark.parametrize("dtype", INTS)
+@pytest.mark.parametrize("n", ONE_BLOCK_SIZES)
+def test_one_block_sort_and_route(ext, dtype, n):
+    from megablocks_cuda import routing
+
+    assert routing.one_block_limits() == (4096, 1024, 16)
+    for experts in (1, 3, 8, 128, 1000, 1024):
+        x = _keys(n, experts, dtype, seed=n + experts)
+        end_bit = max((experts - 1).bit_length(), 1)
+        for bits in (0, end_bit, 16) if experts == 1 else (end_bit, 16):
+            got = routing.sort_one_block(x, bits)
+            _same(tuple(t.cpu() for t in got), reference.sort(x.cpu(), bits))
+        for block in (1, 64, 128):
+            got = routing.route_one_block(x, experts, block)
+            _same(tuple(t.cpu() for t in got), _route_oracle(x, experts, block))
+
+
+def test_one_block_ops_take_strided_keys(ext):
+    """The one-block kernels make their input contiguous themselves (the core passes it as is)."""
+    from megablocks_cuda import routing
+
+    x = _keys(2000, 64, torch.int32, seed=5)
+    strided = torch.stack([x, -x], 1).flatten()[::2]
+    assert not strided.is_contiguous() and torch.equal(strided, x)
+    _same(routing.sort_one_block(strided, 6), routing.sort_one_block(x, 6))
+    _same(routing.route_one_block(strided, 64, 128), routing.route_one_block(x, 64, 128))
+    _same(
+        tuple(t.cpu() for t in routing.route_one_block(strided, 64, 128)), _route_oracle(x, 64, 128)
+    )
+
+
+@pytest.mark.parametrize("dtype", INTS)
+def test_one_block_route_and_sort_on_bad_ids(ext, dtype):
+    """Ids out of range: route sorts them last, uncounted; sort still returns a permutation."""
+    from megablocks_cuda import routing
+
+    g = torch.Generator().manual_seed(3)
+    low = -5 if dtype != torch.int64 else -(2**40)
+    for n in (5, 1000, 4096):
+        ids = torch.randint(low, 20, (n,), generator=g).to(dtype)
+        ids[:2] = torch.iinfo(dtype).max
+        x = ids.to(DEV)
+        for block in (1, 128, 2**40):  # a block size past int32: the sums wrap as int32's do
+            got = routing.route_one_block(x, 16, block)
+            _same(tuple(t.cpu() for t in got), _route_oracle(ids, 16, block))
+        values, order = routing.sort_one_block(x, 4)
+        assert torch.equal(order.cpu().long().sort().values, torch.arange(n))
+        assert torch.equal(values.cpu(), ids[order.cpu().long()])
+
+
 @pytest.mark.parametrize("dtype", INTS)
 @pytest.mark.parametrize("experts,block,cols", [(1, 128, 4), (8, 128, 3), (256, 64, 2)])
 def test_topology(ext, dtype, experts, block, cols):
@@ -197,6 +267,8 @@ def test_routing_ops_have_no_host_sync(ext):
     torch.cuda.set_sync_debug_mode("error")
     try:
         routing.sort(x, 6)
+        routing.sort_one_block(x, 6)
+        routing.route_one_block(x, 64, 128)
         counts = routing.histogram(x, 64)
         bins = routing.inclusive_cumsum(counts, 0)
         routing.exclusive_cumsum(counts, 0)

@@ -61,7 +61,9 @@ def _registry() -> Registry:
 
 @pytest.fixture
 def no_grouped_gemm(monkeypatch):
-    monkeypatch.setitem(sys.modules, "grouped_gemm", None)  # import fails
+    # import fails, also where the real package is installed (its submodule may be loaded)
+    monkeypatch.setitem(sys.modules, "grouped_gemm", None)
+    monkeypatch.setitem(sys.modules, "grouped_gemm.backend", None)
     gmm.grouped_gemm_backend.cache_clear()
     yield
     gmm.grouped_gemm_backend.cache_clear()
@@ -103,7 +105,7 @@ def test_unavailable_on_cpu_torch_with_a_reason(monkeypatch):
     assert record.status == "unavailable"
     assert "without CUDA" in record.reason
     assert record.distribution == "megablocks-cuda" and record.version == "0.1.0"
-    assert set(record.ops) == {*ROUTING, "gmm", "gmm_weight_grad"}
+    assert set(record.ops) == {*ROUTING, "route", "gmm", "gmm_weight_grad"}
     assert extension.loaded() is None  # listing never builds or loads the extension
 
 
@@ -123,14 +125,20 @@ def test_no_gpu_visible(monkeypatch):
 
 def test_every_op_is_registered_with_its_variant_and_dtypes():
     kernels = {(k.op, k.variant): k for k in _kernels()}
-    expected = {(op, "") for op in ROUTING} | {
-        (op, v) for op in ("gmm", "gmm_weight_grad") for v in ("grouped_mm", "grouped_gemm")
-    }
+    expected = (
+        {(op, "") for op in ROUTING}
+        | {(op, "one-block") for op in ("sort", "route")}
+        | {(op, v) for op in ("gmm", "gmm_weight_grad") for v in ("grouped_mm", "grouped_gemm")}
+    )
     assert set(kernels) == expected
     for op in ROUTING:
         k = kernels[(op, "")]
         assert k.devices == ("cuda",) and k.priority == plugin.PRIORITY[op] == 90
         assert k.dtypes == {} and k.contiguous  # every dtype of the contract
+    for op in ("sort", "route"):
+        k = kernels[(op, "one-block")]
+        assert k.priority == plugin.ONE_BLOCK_PRIORITY > 100  # above triton's routing kernels
+        assert k.dtypes == {} and not k.contiguous and callable(k.supports)  # C++ makes it so
     for variant in ("grouped_mm", "grouped_gemm"):
         assert kernels[("gmm", variant)].dtypes == {"a": {torch.bfloat16}, "b": {torch.bfloat16}}
         assert kernels[("gmm_weight_grad", variant)].dtypes == {
@@ -192,6 +200,47 @@ def test_routing_capability_checks_the_build_has_code_for_the_device(monkeypatch
     monkeypatch.setattr(extension, "_module", fake)
     assert plugin.routing_capability(H200) is None
     assert "sm_100" in plugin.routing_capability(B200)  # index 1: no code in this build
+
+
+@pytest.fixture
+def one_block_build(monkeypatch):
+    """The extension as the capability check and the shape predicates see it, limits included."""
+    fake = types.SimpleNamespace(
+        has_kernel_image=lambda index: True, one_block_limits=lambda: (4096, 1024, 16)
+    )
+    monkeypatch.setattr(extension, "_module", fake)
+
+
+def _ids(n: int) -> TensorMeta:
+    return TensorMeta((n,), torch.int32, "cuda")
+
+
+@pytest.mark.parametrize(
+    "op,call,winner",
+    [
+        ("sort", {"x": _ids(1024), "end_bit": 7}, "cuda/one-block"),
+        ("sort", {"x": _ids(2048), "end_bit": 16}, "cuda/one-block"),
+        ("sort", {"x": _ids(2049), "end_bit": 7}, "cuda"),  # past the tuned limit
+        ("sort", {"x": _ids(8), "end_bit": 17}, "cuda"),  # too wide a digit
+        ("sort", {"x": _ids(8), "end_bit": None}, "cuda"),
+        ("route", {"top_experts": _ids(0), "num_experts": 1, "block_size": 1}, "cuda/one-block"),
+        (
+            "route",
+            {"top_experts": _ids(4096), "num_experts": 1024, "block_size": 128},
+            "cuda/one-block",
+        ),
+        ("route", {"top_experts": _ids(4097), "num_experts": 8, "block_size": 128}, None),
+        ("route", {"top_experts": _ids(8), "num_experts": 1025, "block_size": 128}, None),
+    ],
+)
+def test_one_block_kernels_take_the_small_calls(one_block_build, op, call, winner):
+    dtypes = {name: v.dtype for name, v in call.items() if isinstance(v, TensorMeta)}
+    trace = rank(_registry(), op, H200, dtypes)
+    kernel, why, error = for_call(trace, call)
+    if winner is None:  # the cuda backend has no other route: a larger call is another backend's
+        assert kernel is None and "one-block route" in error
+    else:
+        assert kernel is not None and kernel.label == winner, why
 
 
 def test_ranking_per_simulated_device(no_grouped_gemm):

@@ -5,6 +5,11 @@ Provides
 * routing: sort (CUB radix sort over bits [0, end_bit) only), histogram, inclusive_cumsum,
   exclusive_cumsum (CUB scans), topology, replicate, replicate_backward — from the C++ extension
   (:mod:`megablocks_cuda.extension`), every dtype of the contract;
+* variant ``one-block`` of sort and route for decode-sized calls (route up to 4096 ids and 1024
+  experts, sort up to 2048 keys and end_bit 16: :func:`megablocks_cuda.routing.one_block_limits`,
+  :data:`megablocks_cuda.tuning.ONE_BLOCK_SORT_MOST_KEYS`): one thread block, one launch,
+  outputs allocated in C++. It ranks above triton's kernels (a call's host time is what these
+  sizes cost; see ``docs/performance.md``); larger calls go to the next kernel;
 * grouped GEMM: gmm and gmm_weight_grad, variant ``grouped_mm`` (``torch._grouped_mm``, bf16,
   compute capability 9.x/10.x, no host sync) and variant ``grouped_gemm`` (the ``grouped_gemm``
   package, bf16, when installed; syncs the host for device-side batch sizes).
@@ -45,6 +50,9 @@ PRIORITY: dict[str, int] = {
     "gmm": 100,
     "gmm_weight_grad": 100,
 }
+
+#: The one-block sort and route: above triton's 100 for the calls they take (see the docstring).
+ONE_BLOCK_PRIORITY = 110
 
 ROUTING_OPS = (
     "sort",
@@ -130,6 +138,29 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
     return None
 
 
+def one_block_sort_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
+    """The one-block sort takes up to its block's keys, sorted by at most its widest digit."""
+    most_keys, _, widest = routing.one_block_limits()
+    most_keys = min(most_keys, tuning.ONE_BLOCK_SORT_MOST_KEYS)
+    n, end_bit = call["x"].shape[0], call["end_bit"]
+    if end_bit is None or end_bit > widest:
+        return f"end_bit = {end_bit}: the one-block sort sorts by at most {widest} bits"
+    if n > most_keys:
+        return f"{n} keys: the one-block sort takes at most {most_keys}"
+    return None
+
+
+def one_block_route_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
+    """The one-block route takes up to its block's ids and counts up to its most experts."""
+    most_keys, most_experts, _ = routing.one_block_limits()
+    n, experts = call["top_experts"].shape[0], call["num_experts"]
+    if experts > most_experts:
+        return f"{experts} experts: the one-block route counts at most {most_experts}"
+    if n > most_keys:
+        return f"{n} ids: the one-block route takes at most {most_keys}"
+    return None
+
+
 # ---------------------------------------------------------------- hooks
 
 
@@ -156,6 +187,20 @@ def megablocks_routing_kernels() -> list[Kernel]:
             contiguous=True,
         )
         for op in ROUTING_OPS
+    ] + [
+        Kernel(
+            op=op,
+            fn=fn,
+            devices=("cuda",),
+            priority=ONE_BLOCK_PRIORITY,
+            capability=routing_capability,
+            supports=supports,
+            variant="one-block",  # takes any layout: made contiguous in C++, at no cost when it is
+        )
+        for op, fn, supports in (
+            ("sort", routing.sort_one_block, one_block_sort_supports),
+            ("route", routing.route_one_block, one_block_route_supports),
+        )
     ]
 
 

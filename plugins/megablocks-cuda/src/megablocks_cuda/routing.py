@@ -15,9 +15,12 @@ __all__ = [
     "exclusive_cumsum",
     "histogram",
     "inclusive_cumsum",
+    "one_block_limits",
     "replicate",
     "replicate_backward",
+    "route_one_block",
     "sort",
+    "sort_one_block",
     "topology",
 ]
 
@@ -26,6 +29,27 @@ def sort(x: Tensor, end_bit: int | None) -> tuple[Tensor, Tensor]:
     bits = torch.iinfo(x.dtype).bits if end_bit is None else end_bit
     values, indices = load().sort(x, bits)
     return values, indices
+
+
+def sort_one_block(x: Tensor, end_bit: int) -> tuple[Tensor, Tensor]:
+    """The sort of a decode-sized call in one thread block: one launch, its outputs allocated
+    and its input made contiguous in C++ (the plugin declares it for calls within
+    :func:`one_block_limits`)."""
+    return load().sort_one_block(x, end_bit)
+
+
+def route_one_block(
+    top_experts: Tensor, num_experts: int, block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """route's five outputs from one launch in one thread block (calls within
+    :func:`one_block_limits`)."""
+    return load().route_one_block(top_experts, num_experts, block_size)
+
+
+def one_block_limits() -> tuple[int, int, int]:
+    """(most keys, most experts, widest end_bit) the one-block kernels take, from the build."""
+    keys, experts, bits = load().one_block_limits()
+    return keys, experts, bits
 
 
 def histogram(x: Tensor, num_bins: int) -> Tensor:

@@ -6,6 +6,12 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megablocks-cuda routing kernels (CUB radix sort and scans, histogram, topology, replicate)";
   m.def("sort", &megablocks_cuda::sort, "stable radix sort of keys over bits [0, end_bit)");
+  m.def("sort_one_block", &megablocks_cuda::sort_one_block,
+        "sort of up to one_block_limits()[0] keys in one thread block (one launch)");
+  m.def("route_one_block", &megablocks_cuda::route_one_block,
+        "route (sort, counts and their sums) of up to one_block_limits()[0] ids in one block");
+  m.def("one_block_limits", &megablocks_cuda::one_block_limits,
+        "(most keys, most experts, widest end_bit) the one-block kernels take");
   m.def("histogram", &megablocks_cuda::histogram, "int32 counts per row of (rows, n) keys");
   m.def("cumsum", &megablocks_cuda::cumsum, "inclusive or exclusive scan of each row, in x's dtype");
   m.def("topology", &megablocks_cuda::topology, "int16 column indices of the block-sparse weights");

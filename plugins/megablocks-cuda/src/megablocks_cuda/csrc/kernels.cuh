@@ -56,6 +56,101 @@ __global__ void iota_kernel(T* out, int64_t n) {
   }
 }
 
+// ------------------------------------------------------------------ one-block sort and route
+
+// Decode-sized calls (up to kOneBlockMaxKeys keys) sort inside one thread block: keys in
+// registers, CUB's block radix sort through shared memory, one launch and no scratch memory. At
+// these sizes a call's cost is its host work and launch, not the sort.
+// route's histogram and scans run in shared memory over at most this many experts.
+constexpr int kOneBlockMaxBins = 1024;
+// The most keys one block takes (512 threads x 8 keys), and the widest digit it sorts by.
+constexpr int64_t kOneBlockMaxKeys = 512 * 8;
+constexpr int kOneBlockMaxBits = 16;
+
+// Stable sort of one block's keys by a small digit, carrying each key's position.
+//
+// sort (ROUTE false): digit = key's bits [0, bits) (the contract keeps keys in [0, 2**bits); an
+// out-of-range key sorts by its low bits: still a permutation). route (ROUTE true): digit = the
+// expert id, or num_bins for an id outside [0, num_bins) (sorted after every valid id, in input
+// order, and not counted); also writes the per-expert counts, their inclusive sum and the
+// inclusive sum of the counts rounded up to block_size. Slots past n hold the largest digit, so
+// the block radix sort, stable in the blocked arrangement, keeps them after every real key.
+// Positions always lie in [0, n): no key, however bad, makes an access leave its tensor.
+template <typename KeyT, int THREADS, int ITEMS, bool ROUTE>
+__global__ void __launch_bounds__(THREADS)
+    one_block_sort_kernel(const KeyT* keys, int n, int bits, uint32_t digit_mask, int num_bins,
+                          int64_t block_size, KeyT* values_out, KeyT* positions_out,
+                          int32_t* counts, int32_t* bins, int32_t* padded_bins) {
+  using Sort = cub::BlockRadixSort<uint32_t, THREADS, ITEMS, int32_t>;
+  using Scan = cub::BlockScan<int32_t, THREADS>;
+  constexpr int kBinsPerThread = ROUTE ? kOneBlockMaxBins / THREADS : 1;
+  __shared__ union {
+    typename Sort::TempStorage sort;
+    typename Scan::TempStorage scan;
+  } temp;
+  __shared__ int32_t histogram[ROUTE ? kOneBlockMaxBins : 1];
+
+  if (ROUTE) {
+    for (int b = threadIdx.x; b < kOneBlockMaxBins; b += THREADS) histogram[b] = 0;
+    __syncthreads();
+  }
+  const uint32_t last_digit = (1u << bits) - 1;
+  uint32_t digit[ITEMS];
+  int32_t position[ITEMS];
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int i = threadIdx.x * ITEMS + j;
+    position[j] = i;
+    digit[j] = last_digit;
+    if (i < n) {
+      const int64_t key = static_cast<int64_t>(keys[i]);
+      if (ROUTE) {
+        const bool valid = key >= 0 && key < num_bins;
+        digit[j] = valid ? static_cast<uint32_t>(key) : static_cast<uint32_t>(num_bins);
+        if (valid) atomicAdd(&histogram[key], 1);
+      } else {
+        digit[j] = static_cast<uint32_t>(key) & digit_mask;
+      }
+    }
+  }
+  Sort(temp.sort).Sort(digit, position, 0, bits);
+#pragma unroll
+  for (int j = 0; j < ITEMS; ++j) {
+    const int rank = threadIdx.x * ITEMS + j;
+    if (rank < n) {
+      values_out[rank] = keys[position[j]];
+      positions_out[rank] = static_cast<KeyT>(position[j]);
+    }
+  }
+  if (!ROUTE) return;
+
+  __syncthreads();  // the histogram is complete, and the sort's shared memory is free again
+  int32_t count[kBinsPerThread], rounded[kBinsPerThread], total[kBinsPerThread];
+#pragma unroll
+  for (int q = 0; q < kBinsPerThread; ++q) {
+    const int b = threadIdx.x * kBinsPerThread + q;
+    count[q] = b < num_bins ? histogram[b] : 0;
+    // int64 first: block_size may exceed int32; the stored sums wrap like an int32 cumsum would.
+    rounded[q] = static_cast<int32_t>((count[q] + block_size - 1) / block_size * block_size);
+  }
+  Scan(temp.scan).InclusiveSum(count, total);
+#pragma unroll
+  for (int q = 0; q < kBinsPerThread; ++q) {
+    const int b = threadIdx.x * kBinsPerThread + q;
+    if (b < num_bins) {
+      counts[b] = count[q];
+      bins[b] = total[q];
+    }
+  }
+  __syncthreads();  // before the scan's shared memory is used again
+  Scan(temp.scan).InclusiveSum(rounded, total);
+#pragma unroll
+  for (int q = 0; q < kBinsPerThread; ++q) {
+    const int b = threadIdx.x * kBinsPerThread + q;
+    if (b < num_bins) padded_bins[b] = total[q];
+  }
+}
+
 // ------------------------------------------------------------------ histogram
 
 // grid: (blocks per row, rows; rows past 65535 loop). Keys are range-checked before any narrowing

@@ -8,6 +8,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -66,6 +67,106 @@ std::vector<torch::Tensor> sort(const torch::Tensor& x, int64_t end_bit) {
     });
   });
   return {values, indices};
+}
+
+namespace {
+
+// A 1-D output on like's device, allocated without going through the dispatcher: the one-block
+// ops are all host cost, and they allocate up to five tensors a call.
+torch::Tensor empty_1d(const torch::Tensor& like, int64_t n, at::ScalarType dtype) {
+  return torch::Tensor(at::detail::empty_cuda({n}, dtype, like.device(), std::nullopt));
+}
+
+// The one-block sort's shapes (threads x keys per thread): one key per thread up to 128 keys (a
+// few decoded tokens: fewer slots to rank; one warp alone was slower, as route's histogram scan
+// then runs 32 bins per thread), 8 keys per thread for up to 1024 and up to kOneBlockMaxKeys.
+template <bool ROUTE, typename KeyT, int THREADS, int ITEMS>
+void launch_one_block_as(const KeyT* in, int n, int bits, uint32_t digit_mask, int num_bins,
+                         int64_t block_size, KeyT* values_out, KeyT* positions_out,
+                         int32_t* counts, int32_t* bins, int32_t* padded_bins) {
+  static_assert(THREADS * ITEMS <= kOneBlockMaxKeys, "past the one-block limit");
+  one_block_sort_kernel<KeyT, THREADS, ITEMS, ROUTE>
+      <<<1, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(in, n, bits, digit_mask, num_bins,
+                                                            block_size, values_out, positions_out,
+                                                            counts, bins, padded_bins);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <bool ROUTE, typename KeyT>
+void launch_one_block(const torch::Tensor& keys, int bits, uint32_t digit_mask, int num_bins,
+                      int64_t block_size, torch::Tensor& values, torch::Tensor& positions,
+                      int32_t* counts, int32_t* bins, int32_t* padded_bins) {
+  const int n = static_cast<int>(keys.numel());
+  const KeyT* in = keys.data_ptr<KeyT>();
+  KeyT* values_out = values.data_ptr<KeyT>();
+  KeyT* positions_out = positions.data_ptr<KeyT>();
+  if (n <= 128) {
+    launch_one_block_as<ROUTE, KeyT, 128, 1>(in, n, bits, digit_mask, num_bins, block_size,
+                                             values_out, positions_out, counts, bins, padded_bins);
+  } else if (n <= 128 * 8) {
+    launch_one_block_as<ROUTE, KeyT, 128, 8>(in, n, bits, digit_mask, num_bins, block_size,
+                                             values_out, positions_out, counts, bins, padded_bins);
+  } else {
+    launch_one_block_as<ROUTE, KeyT, 512, 8>(in, n, bits, digit_mask, num_bins, block_size,
+                                             values_out, positions_out, counts, bins, padded_bins);
+  }
+}
+
+}  // namespace
+
+std::tuple<int64_t, int64_t, int64_t> one_block_limits() {
+  return {kOneBlockMaxKeys, kOneBlockMaxBins, kOneBlockMaxBits};
+}
+
+std::tuple<torch::Tensor, torch::Tensor> sort_one_block(const torch::Tensor& keys,
+                                                        int64_t end_bit) {
+  // Contiguous here rather than in Python: free when it already is (the usual case).
+  const torch::Tensor x = keys.contiguous();
+  check_cuda(x, "x");
+  TORCH_CHECK(x.dim() == 1 && x.numel() <= kOneBlockMaxKeys,
+              "megablocks_cuda.sort_one_block: expected at most ", kOneBlockMaxKeys, " 1-D keys");
+  TORCH_CHECK(end_bit >= 0 && end_bit <= kOneBlockMaxBits,
+              "megablocks_cuda.sort_one_block: end_bit must lie in [0, ", kOneBlockMaxBits, "]");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel();
+  auto values = empty_1d(x, n, x.scalar_type());
+  auto indices = empty_1d(x, n, x.scalar_type());
+  if (n == 0) return {values, indices};
+  // end_bit 0: every digit is 0 (the identity order); the radix sort still needs one bit.
+  const int bits = std::max<int>(static_cast<int>(end_bit), 1);
+  const uint32_t mask = (1u << end_bit) - 1;
+  MB_DISPATCH_INTS(x.scalar_type(), "megablocks_cuda.sort_one_block", [&] {
+    launch_one_block<false, scalar_t>(x, bits, mask, 0, 1, values, indices, nullptr, nullptr,
+                                      nullptr);
+  });
+  return {values, indices};
+}
+
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+route_one_block(const torch::Tensor& ids, int64_t num_experts, int64_t block_size) {
+  const torch::Tensor top_experts = ids.contiguous();
+  check_cuda(top_experts, "top_experts");
+  TORCH_CHECK(top_experts.dim() == 1 && top_experts.numel() <= kOneBlockMaxKeys,
+              "megablocks_cuda.route_one_block: expected at most ", kOneBlockMaxKeys, " 1-D ids");
+  TORCH_CHECK(num_experts >= 1 && num_experts <= kOneBlockMaxBins,
+              "megablocks_cuda.route_one_block: num_experts must lie in [1, ", kOneBlockMaxBins, "]");
+  TORCH_CHECK(block_size >= 1, "megablocks_cuda.route_one_block: block_size must be >= 1");
+  const c10::cuda::CUDAGuard guard(top_experts.device());
+  const int64_t n = top_experts.numel();
+  auto indices = empty_1d(top_experts, n, top_experts.scalar_type());
+  auto bin_ids = empty_1d(top_experts, n, top_experts.scalar_type());
+  auto counts = empty_1d(top_experts, num_experts, at::kInt);
+  auto bins = empty_1d(top_experts, num_experts, at::kInt);
+  auto padded_bins = empty_1d(top_experts, num_experts, at::kInt);
+  // Digits 0..num_experts (num_experts: an id out of range) need bit_length(num_experts) bits.
+  const int bits = 64 - __builtin_clzll(static_cast<unsigned long long>(num_experts));
+  // One launch even without ids: the kernel writes the all-zero counts and sums.
+  MB_DISPATCH_INTS(top_experts.scalar_type(), "megablocks_cuda.route_one_block", [&] {
+    launch_one_block<true, scalar_t>(top_experts, bits, 0, static_cast<int>(num_experts),
+                                     block_size, bin_ids, indices, counts.data_ptr<int32_t>(),
+                                     bins.data_ptr<int32_t>(), padded_bins.data_ptr<int32_t>());
+  });
+  return {indices, bin_ids, counts, bins, padded_bins};
 }
 
 torch::Tensor histogram(const torch::Tensor& x, int64_t num_bins) {

@@ -2,6 +2,7 @@
 // compiler, so it never sees CUDA or CUB headers).
 #pragma once
 
+#include <tuple>
 #include <vector>
 
 #include <torch/extension.h>
@@ -9,6 +10,10 @@
 namespace megablocks_cuda {
 
 std::vector<torch::Tensor> sort(const torch::Tensor& x, int64_t end_bit);
+std::tuple<torch::Tensor, torch::Tensor> sort_one_block(const torch::Tensor& x, int64_t end_bit);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+route_one_block(const torch::Tensor& top_experts, int64_t num_experts, int64_t block_size);
+std::tuple<int64_t, int64_t, int64_t> one_block_limits();
 torch::Tensor histogram(const torch::Tensor& x, int64_t num_bins);
 torch::Tensor cumsum(const torch::Tensor& x, bool inclusive);
 torch::Tensor topology(const torch::Tensor& padded_bins, int64_t block_size, int64_t block_rows,
