@@ -76,22 +76,24 @@ constexpr int kOneBlockMaxBits = 16;
 // inclusive sum of the counts rounded up to block_size. Slots past n hold the largest digit, so
 // the block radix sort, stable in the blocked arrangement, keeps them after every real key.
 // Positions always lie in [0, n): no key, however bad, makes an access leave its tensor.
-template <typename KeyT, int THREADS, int ITEMS, bool ROUTE>
+// route counts and sums BINS bins per thread: the launch picks BINS * THREADS >= num_bins (one
+// bin per thread when the experts fit, so few-expert calls do not scan kOneBlockMaxBins).
+template <typename KeyT, int THREADS, int ITEMS, int BINS, bool ROUTE>
 __global__ void __launch_bounds__(THREADS)
     one_block_sort_kernel(const KeyT* keys, int n, int bits, uint32_t digit_mask, int num_bins,
                           int64_t block_size, KeyT* values_out, KeyT* positions_out,
                           int32_t* counts, int32_t* bins, int32_t* padded_bins) {
   using Sort = cub::BlockRadixSort<uint32_t, THREADS, ITEMS, int32_t>;
   using Scan = cub::BlockScan<int32_t, THREADS>;
-  constexpr int kBinsPerThread = ROUTE ? kOneBlockMaxBins / THREADS : 1;
+  constexpr int kBinsPerThread = ROUTE ? BINS : 1;
   __shared__ union {
     typename Sort::TempStorage sort;
     typename Scan::TempStorage scan;
   } temp;
-  __shared__ int32_t histogram[ROUTE ? kOneBlockMaxBins : 1];
+  __shared__ int32_t histogram[ROUTE ? BINS * THREADS : 1];
 
   if (ROUTE) {
-    for (int b = threadIdx.x; b < kOneBlockMaxBins; b += THREADS) histogram[b] = 0;
+    for (int b = threadIdx.x; b < BINS * THREADS; b += THREADS) histogram[b] = 0;
     __syncthreads();
   }
   const uint32_t last_digit = (1u << bits) - 1;

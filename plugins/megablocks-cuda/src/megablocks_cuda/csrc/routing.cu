@@ -80,16 +80,33 @@ torch::Tensor empty_1d(const torch::Tensor& like, int64_t n, at::ScalarType dtyp
 // The one-block sort's shapes (threads x keys per thread): one key per thread up to 128 keys (a
 // few decoded tokens: fewer slots to rank; one warp alone was slower, as route's histogram scan
 // then runs 32 bins per thread), 8 keys per thread for up to 1024 and up to kOneBlockMaxKeys.
-template <bool ROUTE, typename KeyT, int THREADS, int ITEMS>
+template <bool ROUTE, typename KeyT, int THREADS, int ITEMS, int BINS>
 void launch_one_block_as(const KeyT* in, int n, int bits, uint32_t digit_mask, int num_bins,
                          int64_t block_size, KeyT* values_out, KeyT* positions_out,
                          int32_t* counts, int32_t* bins, int32_t* padded_bins) {
   static_assert(THREADS * ITEMS <= kOneBlockMaxKeys, "past the one-block limit");
-  one_block_sort_kernel<KeyT, THREADS, ITEMS, ROUTE>
+  one_block_sort_kernel<KeyT, THREADS, ITEMS, BINS, ROUTE>
       <<<1, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(in, n, bits, digit_mask, num_bins,
                                                             block_size, values_out, positions_out,
                                                             counts, bins, padded_bins);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// route: one bin per thread when the experts fit, else enough for kOneBlockMaxBins; sort: none.
+template <bool ROUTE, typename KeyT, int THREADS, int ITEMS>
+void launch_one_block_with_bins(const KeyT* in, int n, int bits, uint32_t digit_mask,
+                                int num_bins, int64_t block_size, KeyT* values_out,
+                                KeyT* positions_out, int32_t* counts, int32_t* bins,
+                                int32_t* padded_bins) {
+  if (!ROUTE || num_bins <= THREADS) {
+    launch_one_block_as<ROUTE, KeyT, THREADS, ITEMS, 1>(in, n, bits, digit_mask, num_bins,
+                                                        block_size, values_out, positions_out,
+                                                        counts, bins, padded_bins);
+  } else {
+    launch_one_block_as<ROUTE, KeyT, THREADS, ITEMS, kOneBlockMaxBins / THREADS>(
+        in, n, bits, digit_mask, num_bins, block_size, values_out, positions_out, counts, bins,
+        padded_bins);
+  }
 }
 
 template <bool ROUTE, typename KeyT>
@@ -101,14 +118,17 @@ void launch_one_block(const torch::Tensor& keys, int bits, uint32_t digit_mask, 
   KeyT* values_out = values.data_ptr<KeyT>();
   KeyT* positions_out = positions.data_ptr<KeyT>();
   if (n <= 128) {
-    launch_one_block_as<ROUTE, KeyT, 128, 1>(in, n, bits, digit_mask, num_bins, block_size,
-                                             values_out, positions_out, counts, bins, padded_bins);
+    launch_one_block_with_bins<ROUTE, KeyT, 128, 1>(in, n, bits, digit_mask, num_bins,
+                                                    block_size, values_out, positions_out, counts,
+                                                    bins, padded_bins);
   } else if (n <= 128 * 8) {
-    launch_one_block_as<ROUTE, KeyT, 128, 8>(in, n, bits, digit_mask, num_bins, block_size,
-                                             values_out, positions_out, counts, bins, padded_bins);
+    launch_one_block_with_bins<ROUTE, KeyT, 128, 8>(in, n, bits, digit_mask, num_bins,
+                                                    block_size, values_out, positions_out, counts,
+                                                    bins, padded_bins);
   } else {
-    launch_one_block_as<ROUTE, KeyT, 512, 8>(in, n, bits, digit_mask, num_bins, block_size,
-                                             values_out, positions_out, counts, bins, padded_bins);
+    launch_one_block_with_bins<ROUTE, KeyT, 512, 8>(in, n, bits, digit_mask, num_bins,
+                                                    block_size, values_out, positions_out, counts,
+                                                    bins, padded_bins);
   }
 }
 
