@@ -61,6 +61,7 @@ __global__ void iota_kernel(T* out, int64_t n) {
 // Decode-sized calls (up to kOneBlockMaxKeys keys) sort inside one thread block: keys in
 // registers, CUB's block radix sort through shared memory, one launch and no scratch memory. At
 // these sizes a call's cost is its host work and launch, not the sort.
+
 // route's histogram and scans run in shared memory over at most this many experts.
 constexpr int kOneBlockMaxBins = 1024;
 // The most keys one block takes (512 threads x 8 keys), and the widest digit it sorts by.
