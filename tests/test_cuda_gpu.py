@@ -90,8 +90,12 @@ def _route_oracle(ids: torch.Tensor, experts: int, block: int) -> tuple[torch.Te
     )
 
 
-#: Around the one-block kernels' three block shapes (128, 1024 and 4096 keys).
-ONE_BLOCK_SIZES = (0, 1, 7, 127, 128, 129, 1023, 1024, 1025, 3000, 4095, 4096)
+#: Around the one-block kernels' block shapes (128, 512, 1024, 2048 and 4096 keys) and, for
+#: route's counting sort up to 128 ids, its warps' edges (32 ids each).
+ONE_BLOCK_SIZES = (
+    *(0, 1, 7, 32, 33, 100, 127, 128, 129, 511, 512, 513),
+    *(1023, 1024, 1025, 2047, 2048, 2049, 3000, 4095, 4096),
+)
 
 
 @pytest.mark.parametrize("dtype", INTS)
@@ -132,7 +136,7 @@ def test_one_block_route_and_sort_on_bad_ids(ext, dtype):
 
     g = torch.Generator().manual_seed(3)
     low = -5 if dtype != torch.int64 else -(2**40)
-    for n in (5, 1000, 4096):
+    for n in (5, 100, 1000, 4096):
         ids = torch.randint(low, 20, (n,), generator=g).to(dtype)
         ids[:2] = torch.iinfo(dtype).max
         x = ids.to(DEV)

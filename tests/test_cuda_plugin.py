@@ -219,8 +219,8 @@ def _ids(n: int) -> TensorMeta:
     "op,call,winner",
     [
         ("sort", {"x": _ids(1024), "end_bit": 7}, "cuda/one-block"),
-        ("sort", {"x": _ids(2048), "end_bit": 16}, "cuda/one-block"),
-        ("sort", {"x": _ids(2049), "end_bit": 7}, "cuda"),  # past the tuned limit
+        ("sort", {"x": _ids(4096), "end_bit": 16}, "cuda/one-block"),
+        ("sort", {"x": _ids(4097), "end_bit": 7}, "cuda"),  # past one block's keys
         ("sort", {"x": _ids(8), "end_bit": 17}, "cuda"),  # too wide a digit
         ("sort", {"x": _ids(8), "end_bit": None}, "cuda"),
         ("route", {"top_experts": _ids(0), "num_experts": 1, "block_size": 1}, "cuda/one-block"),

@@ -5,10 +5,9 @@ Provides
 * routing: sort (CUB radix sort over bits [0, end_bit) only), histogram, inclusive_cumsum,
   exclusive_cumsum (CUB scans), topology, replicate, replicate_backward — from the C++ extension
   (:mod:`megablocks_cuda.extension`), every dtype of the contract;
-* variant ``one-block`` of sort and route for decode-sized calls (route up to 4096 ids and 1024
-  experts, sort up to 2048 keys and end_bit 16: :func:`megablocks_cuda.routing.one_block_limits`,
-  :data:`megablocks_cuda.tuning.ONE_BLOCK_SORT_MOST_KEYS`): one thread block, one launch,
-  outputs allocated in C++. It ranks above triton's kernels (a call's host time is what these
+* variant ``one-block`` of sort and route for decode-sized calls (up to 4096 keys; route up to
+  1024 experts, sort up to end_bit 16: :func:`megablocks_cuda.routing.one_block_limits`): one
+  thread block, one launch, outputs allocated in C++. It ranks above triton's kernels (a call's host time is what these
   sizes cost; see ``docs/performance.md``); larger calls go to the next kernel;
 * grouped GEMM: gmm and gmm_weight_grad, variant ``grouped_mm`` (``torch._grouped_mm``, bf16,
   compute capability 9.x/10.x, no host sync) and variant ``grouped_gemm`` (the ``grouped_gemm``
@@ -141,7 +140,6 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
 def one_block_sort_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
     """The one-block sort takes up to its block's keys, sorted by at most its widest digit."""
     most_keys, _, widest = routing.one_block_limits()
-    most_keys = min(most_keys, tuning.ONE_BLOCK_SORT_MOST_KEYS)
     n, end_bit = call["x"].shape[0], call["end_bit"]
     if end_bit is None or end_bit > widest:
         return f"end_bit = {end_bit}: the one-block sort sorts by at most {widest} bits"

@@ -1,5 +1,4 @@
-"""Measured tuning of this plugin: the grouped-GEMM providers' efficiency points per device arch,
-and how many keys the one-block sort takes.
+"""Measured tuning of this plugin: the grouped-GEMM providers' efficiency points per device arch.
 
 Each point is ``(rows_per_expert, k, n, fraction_of_dense_peak)``: the provider's forward bf16
 throughput on that problem as a fraction of a dense bf16 matmul with the same FLOPs, measured on
@@ -26,9 +25,3 @@ MEASURED: Mapping[str, Mapping[str, Sequence[GmmPoint]]] = {
         "sm_90": ((4096, 4096, 14336, 0.98), (1024, 2048, 768, 0.33), (512, 7168, 2048, 0.79)),
     },
 }
-
-#: The most keys the one-block sort takes, below the kernel's own limit (4096): from 2048 to 4096
-#: keys triton's multi-program sort is faster on the GPU (H200, T = 512 tokens x top-8 with
-#: end_bit 7: 9.9 against 10.5 µs a call in a CUDA graph, docs/performance.md), while the
-#: one-block route stays faster than triton's up to the limit.
-ONE_BLOCK_SORT_MOST_KEYS = 2048

@@ -64,8 +64,8 @@ __global__ void iota_kernel(T* out, int64_t n) {
 
 // route's histogram and scans run in shared memory over at most this many experts.
 constexpr int kOneBlockMaxBins = 1024;
-// The most keys one block takes (512 threads x 8 keys), and the widest digit it sorts by.
-constexpr int64_t kOneBlockMaxKeys = 512 * 8;
+// The most keys one block takes (1024 threads x 4 keys), and the widest digit it sorts by.
+constexpr int64_t kOneBlockMaxKeys = 1024 * 4;
 constexpr int kOneBlockMaxBits = 16;
 
 // Stable sort of one block's keys by a small digit, carrying each key's position.
@@ -151,6 +151,105 @@ __global__ void __launch_bounds__(THREADS)
   for (int q = 0; q < kBinsPerThread; ++q) {
     const int b = threadIdx.x * kBinsPerThread + q;
     if (b < num_bins) padded_bins[b] = total[q];
+  }
+}
+
+// Lanes of this warp whose value equals v (every lane of the warp takes part).
+__device__ __forceinline__ unsigned lanes_equal(unsigned v) {
+#if __CUDA_ARCH__ >= 700
+  return __match_any_sync(0xffffffffu, v);
+#else
+  unsigned lanes = 0;
+  for (int lane = 0; lane < 32; ++lane) {
+    if (__shfl_sync(0xffffffffu, v, lane) == v) lanes |= 1u << lane;
+  }
+  return lanes;
+#endif
+}
+
+// The most ids the small route takes: one per thread of one block.
+constexpr int kSmallRouteThreads = 128;
+
+// route of at most kSmallRouteThreads ids (a few decoded tokens) as a counting sort in one pass,
+// where the block radix sort takes a pass per 4-bit digit. Each warp finds the lanes holding the
+// same expert; an id's sorted position is its expert's start (the exclusive sum of the counts),
+// plus the equal ids of earlier warps, plus those of earlier lanes: stable, as the contract
+// requires. Digits as in one_block_sort_kernel (num_bins: an id out of range, sorted last in
+// input order, not counted); BINS bins per thread in the scans (BINS * 128 >= num_bins).
+template <typename KeyT, int BINS>
+__global__ void __launch_bounds__(kSmallRouteThreads)
+    small_route_kernel(const KeyT* keys, int n, int num_bins, int64_t block_size,
+                       KeyT* values_out, KeyT* positions_out, int32_t* counts, int32_t* bins,
+                       int32_t* padded_bins) {
+  constexpr int kWarps = kSmallRouteThreads / 32;
+  constexpr int kDigits = kOneBlockMaxBins + 1;  // the experts and the out-of-range digit
+  using Scan = cub::BlockScan<int32_t, kSmallRouteThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  // Per warp and digit: its ids' count, then the count of the warps before it.
+  __shared__ int32_t warp_counts[kWarps][kDigits];
+  // Per digit: its count, then its first sorted position.
+  __shared__ int32_t start[kDigits];
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  for (int d = tid; d <= num_bins; d += kSmallRouteThreads) {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) warp_counts[w][d] = 0;
+  }
+  __syncthreads();
+  KeyT key = 0;
+  unsigned digit = 0xffffffffu;  // no id: never equal to a digit
+  if (tid < n) {
+    key = keys[tid];
+    const int64_t id = static_cast<int64_t>(key);
+    digit = id >= 0 && id < num_bins ? static_cast<unsigned>(id) : static_cast<unsigned>(num_bins);
+  }
+  const unsigned equal = lanes_equal(digit);
+  const int earlier_lanes = __popc(equal & ((1u << lane) - 1));
+  if (tid < n && earlier_lanes == 0) warp_counts[warp][digit] = __popc(equal);
+  __syncthreads();
+  for (int d = tid; d <= num_bins; d += kSmallRouteThreads) {
+    int32_t run = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t c = warp_counts[w][d];
+      warp_counts[w][d] = run;
+      run += c;
+    }
+    start[d] = run;
+  }
+  __syncthreads();
+  int32_t count[BINS], rounded[BINS], total[BINS];
+#pragma unroll
+  for (int q = 0; q < BINS; ++q) {
+    const int b = tid * BINS + q;
+    count[q] = b < num_bins ? start[b] : 0;
+    // int64 first: block_size may exceed int32; the stored sums wrap like an int32 cumsum would.
+    rounded[q] = static_cast<int32_t>((count[q] + block_size - 1) / block_size * block_size);
+  }
+  int32_t routed;
+  Scan(scan).InclusiveSum(count, total, routed);
+  __syncthreads();  // every count is read before the starts replace them, and the scan is done
+#pragma unroll
+  for (int q = 0; q < BINS; ++q) {
+    const int b = tid * BINS + q;
+    if (b < num_bins) {
+      counts[b] = count[q];
+      bins[b] = total[q];
+      start[b] = total[q] - count[q];
+    }
+  }
+  if (tid == 0) start[num_bins] = routed;  // out-of-range ids follow every routed one
+  Scan(scan).InclusiveSum(rounded, total);
+#pragma unroll
+  for (int q = 0; q < BINS; ++q) {
+    const int b = tid * BINS + q;
+    if (b < num_bins) padded_bins[b] = total[q];
+  }
+  __syncthreads();
+  if (tid < n) {
+    const int position = start[digit] + warp_counts[warp][digit] + earlier_lanes;
+    values_out[position] = key;
+    positions_out[position] = static_cast<KeyT>(tid);
   }
 }
 
