@@ -270,9 +270,11 @@ class LaunchConfigs:
         )
 
     def histogram_block(self, n: int) -> int:
-        """Keys per program of ``histogram`` (rows of ``n`` keys). Up to 1024 keys one program
+        """Keys per program of ``histogram`` (rows of ``n`` keys). Up to 4096 keys one program
         counts a row and writes its bins (no memset launch)."""
-        if n <= 1024:
+        # H200, E = 128: one program as fast on the GPU as a memset and atomics up to 4096 keys
+        # (5.2-5.3 µs in a CUDA graph), one launch less on the host; 7.9 against 5.0 at 8192.
+        if n <= 4096:
             return max(_pow2(n), 32)
         return min(max(_pow2(n // 128), 256), 4096)
 
