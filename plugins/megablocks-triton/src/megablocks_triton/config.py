@@ -315,9 +315,11 @@ class LaunchConfigs:
         """Plain scatter with few rows: each token program finds its rows by scanning all of
         ``indices`` (this many ids per step) instead of an inverse-permutation launch first; 0
         for that launch (the scan is O(rows) per token)."""
-        # H200, top_k 8: equal at 1024 rows (5.2 µs against 5.7), slower at 2048 (10.6 / 6.4).
+        # H200, top_k 8, H = 2048: one step over all of them up to 1024 rows (4.3 µs at 1024 rows
+        # against 5.3 in 256-id steps and 5.6 inverted first); at 2048 rows the inverse is faster
+        # on the GPU (6.5 against 7.5 in 2048-id steps), at 4096 more so (7.7 against 11.5).
         rows = num_tokens * top_k
-        return min(_pow2(rows), 256) if rows <= 1024 else 0
+        return _pow2(rows) if rows <= 1024 else 0
 
     def wgrad(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int
