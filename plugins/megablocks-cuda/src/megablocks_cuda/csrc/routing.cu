@@ -77,21 +77,38 @@ torch::Tensor empty_1d(const torch::Tensor& like, int64_t n, at::ScalarType dtyp
   return torch::Tensor(at::detail::empty_cuda({n}, dtype, like.device(), std::nullopt));
 }
 
+// What a one-block kernel reads and writes (sort: counts, bins and padded_bins are null).
+template <typename KeyT>
+struct OneBlockCall {
+  const KeyT* keys;
+  int n;
+  int bits;             // the digits' width
+  uint32_t digit_mask;  // sort: the bits of a key it sorts by
+  int num_bins;         // route: the experts
+  int64_t block_size;   // route: padded_bins rounds each count up to it
+  KeyT* values_out;
+  KeyT* positions_out;
+  int32_t* counts;
+  int32_t* bins;
+  int32_t* padded_bins;
+};
+
 // route of up to 128 ids (a few decoded tokens): the one-pass counting sort, one bin per thread
 // when the experts fit the block.
 template <typename KeyT>
-void launch_small_route(const KeyT* in, int n, int num_bins, int64_t block_size,
-                        KeyT* values_out, KeyT* positions_out, int32_t* counts, int32_t* bins,
-                        int32_t* padded_bins) {
+void launch_small_route(const OneBlockCall<KeyT>& c) {
   static_assert(kSmallRouteThreads == 128, "launch_one_block sends it up to 128 ids");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (num_bins <= kSmallRouteThreads) {
-    small_route_kernel<KeyT, 1><<<1, kSmallRouteThreads, 0, stream>>>(
-        in, n, num_bins, block_size, values_out, positions_out, counts, bins, padded_bins);
+  const auto launch = [&](auto bins_per_thread) {
+    small_route_kernel<KeyT, decltype(bins_per_thread)::value>
+        <<<1, kSmallRouteThreads, 0, stream>>>(c.keys, c.n, c.num_bins, c.block_size,
+                                               c.values_out, c.positions_out, c.counts, c.bins,
+                                               c.padded_bins);
+  };
+  if (c.num_bins <= kSmallRouteThreads) {
+    launch(std::integral_constant<int, 1>{});
   } else {
-    small_route_kernel<KeyT, kOneBlockMaxBins / kSmallRouteThreads>
-        <<<1, kSmallRouteThreads, 0, stream>>>(in, n, num_bins, block_size, values_out,
-                                               positions_out, counts, bins, padded_bins);
+    launch(std::integral_constant<int, kOneBlockMaxBins / kSmallRouteThreads>{});
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -100,67 +117,46 @@ void launch_small_route(const KeyT* in, int n, int num_bins, int64_t block_size,
 // few decoded tokens: fewer slots to rank; one warp alone was slower, as route's histogram scan
 // then runs 32 bins per thread; route takes the counting sort there), then 4 keys per thread on
 // 128 to 1024 threads (on the H200 faster than 8 keys per thread on fewer: 2048 keys 5.1 against
-// 7.4 µs, 4096 keys 8.9 against 10.6).
-template <bool ROUTE, typename KeyT, int THREADS, int ITEMS, int BINS>
-void launch_one_block_as(const KeyT* in, int n, int bits, uint32_t digit_mask, int num_bins,
-                         int64_t block_size, KeyT* values_out, KeyT* positions_out,
-                         int32_t* counts, int32_t* bins, int32_t* padded_bins) {
+// 7.4 µs, 4096 keys 8.9 against 10.6). route's counts and sums: one bin per thread when the
+// experts fit the block, else enough for kOneBlockMaxBins; sort: none.
+template <bool ROUTE, typename KeyT, int THREADS, int ITEMS>
+void launch_one_block_as(const OneBlockCall<KeyT>& c) {
   static_assert(THREADS * ITEMS <= kOneBlockMaxKeys, "past the one-block limit");
-  one_block_sort_kernel<KeyT, THREADS, ITEMS, BINS, ROUTE>
-      <<<1, THREADS, 0, at::cuda::getCurrentCUDAStream()>>>(in, n, bits, digit_mask, num_bins,
-                                                            block_size, values_out, positions_out,
-                                                            counts, bins, padded_bins);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto launch = [&](auto bins_per_thread) {
+    one_block_sort_kernel<KeyT, THREADS, ITEMS, decltype(bins_per_thread)::value, ROUTE>
+        <<<1, THREADS, 0, stream>>>(c.keys, c.n, c.bits, c.digit_mask, c.num_bins, c.block_size,
+                                    c.values_out, c.positions_out, c.counts, c.bins,
+                                    c.padded_bins);
+  };
+  if (!ROUTE || c.num_bins <= THREADS) {
+    launch(std::integral_constant<int, 1>{});
+  } else {
+    launch(std::integral_constant<int, kOneBlockMaxBins / THREADS>{});
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// route: one bin per thread when the experts fit, else enough for kOneBlockMaxBins; sort: none.
-template <bool ROUTE, typename KeyT, int THREADS, int ITEMS>
-void launch_one_block_with_bins(const KeyT* in, int n, int bits, uint32_t digit_mask,
-                                int num_bins, int64_t block_size, KeyT* values_out,
-                                KeyT* positions_out, int32_t* counts, int32_t* bins,
-                                int32_t* padded_bins) {
-  if (!ROUTE || num_bins <= THREADS) {
-    launch_one_block_as<ROUTE, KeyT, THREADS, ITEMS, 1>(in, n, bits, digit_mask, num_bins,
-                                                        block_size, values_out, positions_out,
-                                                        counts, bins, padded_bins);
-  } else {
-    launch_one_block_as<ROUTE, KeyT, THREADS, ITEMS, kOneBlockMaxBins / THREADS>(
-        in, n, bits, digit_mask, num_bins, block_size, values_out, positions_out, counts, bins,
-        padded_bins);
-  }
-}
-
 template <bool ROUTE, typename KeyT>
-void launch_one_block(const torch::Tensor& keys, int bits, uint32_t digit_mask, int num_bins,
-                      int64_t block_size, torch::Tensor& values, torch::Tensor& positions,
-                      int32_t* counts, int32_t* bins, int32_t* padded_bins) {
-  const int n = static_cast<int>(keys.numel());
-  const KeyT* in = keys.data_ptr<KeyT>();
-  KeyT* values_out = values.data_ptr<KeyT>();
-  KeyT* positions_out = positions.data_ptr<KeyT>();
+void launch_one_block(const OneBlockCall<KeyT>& c) {
   // Four keys per thread and as many threads as that takes (one thread block).
-  const auto launch_with = [&](auto threads) {
-    launch_one_block_with_bins<ROUTE, KeyT, decltype(threads)::value, 4>(
-        in, n, bits, digit_mask, num_bins, block_size, values_out, positions_out, counts, bins,
-        padded_bins);
+  const auto four_per_thread = [&](auto threads) {
+    launch_one_block_as<ROUTE, KeyT, decltype(threads)::value, 4>(c);
   };
-  if (n <= 128) {
+  if (c.n <= 128) {
     if constexpr (ROUTE) {
-      launch_small_route<KeyT>(in, n, num_bins, block_size, values_out, positions_out, counts,
-                               bins, padded_bins);
+      launch_small_route<KeyT>(c);
     } else {
-      launch_one_block_with_bins<ROUTE, KeyT, 128, 1>(in, n, bits, digit_mask, num_bins,
-                                                      block_size, values_out, positions_out,
-                                                      counts, bins, padded_bins);
+      launch_one_block_as<ROUTE, KeyT, 128, 1>(c);
     }
-  } else if (n <= 512) {
-    launch_with(std::integral_constant<int, 128>{});
-  } else if (n <= 1024) {
-    launch_with(std::integral_constant<int, 256>{});
-  } else if (n <= 2048) {
-    launch_with(std::integral_constant<int, 512>{});
+  } else if (c.n <= 512) {
+    four_per_thread(std::integral_constant<int, 128>{});
+  } else if (c.n <= 1024) {
+    four_per_thread(std::integral_constant<int, 256>{});
+  } else if (c.n <= 2048) {
+    four_per_thread(std::integral_constant<int, 512>{});
   } else {
-    launch_with(std::integral_constant<int, 1024>{});
+    four_per_thread(std::integral_constant<int, 1024>{});
   }
 }
 
@@ -188,8 +184,10 @@ std::tuple<torch::Tensor, torch::Tensor> sort_one_block(const torch::Tensor& key
   const int bits = std::max<int>(static_cast<int>(end_bit), 1);
   const uint32_t mask = (1u << end_bit) - 1;
   MB_DISPATCH_INTS(x.scalar_type(), "megablocks_cuda.sort_one_block", [&] {
-    launch_one_block<false, scalar_t>(x, bits, mask, 0, 1, values, indices, nullptr, nullptr,
-                                      nullptr);
+    launch_one_block<false, scalar_t>({x.data_ptr<scalar_t>(), static_cast<int>(n), bits, mask,
+                                       /*num_bins=*/0, /*block_size=*/1,
+                                       values.data_ptr<scalar_t>(), indices.data_ptr<scalar_t>(),
+                                       nullptr, nullptr, nullptr});
   });
   return {values, indices};
 }
@@ -214,9 +212,11 @@ route_one_block(const torch::Tensor& ids, int64_t num_experts, int64_t block_siz
   const int bits = 64 - __builtin_clzll(static_cast<unsigned long long>(num_experts));
   // One launch even without ids: the kernel writes the all-zero counts and sums.
   MB_DISPATCH_INTS(top_experts.scalar_type(), "megablocks_cuda.route_one_block", [&] {
-    launch_one_block<true, scalar_t>(top_experts, bits, 0, static_cast<int>(num_experts),
-                                     block_size, bin_ids, indices, counts.data_ptr<int32_t>(),
-                                     bins.data_ptr<int32_t>(), padded_bins.data_ptr<int32_t>());
+    launch_one_block<true, scalar_t>(
+        {top_experts.data_ptr<scalar_t>(), static_cast<int>(n), bits, /*digit_mask=*/0,
+         static_cast<int>(num_experts), block_size, bin_ids.data_ptr<scalar_t>(),
+         indices.data_ptr<scalar_t>(), counts.data_ptr<int32_t>(), bins.data_ptr<int32_t>(),
+         padded_bins.data_ptr<int32_t>()});
   });
   return {indices, bin_ids, counts, bins, padded_bins};
 }
