@@ -185,6 +185,112 @@ def test_replicate(ext, xdtype, experts):
         _same(empty, reference.replicate_backward(grad[:, :0], bins))
 
 
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Rounding of the result (accumulated in float32, float64 for float64 data) against float64.
+SCATTER_TOL = {
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+    torch.float32: 1e-5,
+    torch.float64: 1e-12,
+}
+
+
+def _scatter_oracle(x, indices, weights, top_k):
+    """float64 definition: every row whose flat id is in range adds w[id] * row to token id // k."""
+    n, hidden = x.shape
+    ids = indices.cpu().long()
+    keep = (ids >= 0) & (ids < n)
+    rows = x.cpu().double()[keep]
+    if weights is not None:
+        rows = rows * weights.cpu().double()[ids[keep]][:, None]
+    out = torch.zeros(n // top_k, hidden, dtype=torch.float64)
+    return out.index_add_(0, ids[keep] // top_k, rows)
+
+
+def _scatter_inputs(tokens, top_k, hidden, dtype, index_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    n = tokens * top_k
+    x = torch.randn(n, hidden, generator=g).to(dtype).to(DEV)
+    indices = torch.randperm(n, generator=g).to(index_dtype).to(DEV)
+    weights = torch.rand(n, generator=g).to(DEV)
+    return x, indices, weights
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("index_dtype", INTS)
+@pytest.mark.parametrize(
+    "tokens,top_k,hidden",
+    [
+        (0, 8, 64),
+        (1, 1, 1),
+        (1, 8, 2048),
+        (7, 2, 7),
+        (33, 8, 130),
+        (128, 8, 2048),
+        (512, 8, 2048),
+        (4096, 1, 64),
+        (1, 4096, 8),
+        (300, 6, 1000),
+    ],
+)
+def test_scan_scatter(ext, dtype, index_dtype, tokens, top_k, hidden):
+    from megablocks_cuda import permutation
+
+    assert permutation.scan_scatter_max_rows() == 4096
+    x, indices, weights = _scatter_inputs(
+        tokens, top_k, hidden, dtype, index_dtype, tokens + hidden
+    )
+    for w in (None, weights, weights.to(torch.bfloat16), weights.to(dtype)):
+        want = _scatter_oracle(x, indices, w, top_k)
+        for per_block in (0, 1, 3, 8):  # 0: the launch shape's own choice
+            got = ext.scan_scatter(x, indices, w, top_k, per_block)
+            assert got.dtype == dtype and got.shape == (tokens, hidden)
+            torch.testing.assert_close(
+                got.cpu().double(), want, rtol=SCATTER_TOL[dtype], atol=SCATTER_TOL[dtype]
+            )
+
+
+def test_scan_scatter_layouts(ext):
+    """Strided and misaligned inputs (the one-element path) give what contiguous ones give."""
+    from megablocks_cuda import permutation
+
+    x, indices, weights = _scatter_inputs(100, 4, 257, torch.bfloat16, torch.int32, 1)
+    want = _scatter_oracle(x, indices, weights, 4)
+    wide = torch.zeros(400, 2 * 257, dtype=torch.bfloat16, device=DEV)
+    wide[:, ::2] = x
+    offset = torch.zeros(400 * 257 + 1, dtype=torch.bfloat16, device=DEV)
+    offset[1:] = x.flatten()
+    strided_ids = torch.stack([indices, -indices]).t().flatten()[::2]
+    for rows in (wide[:, ::2], offset[1:].view(400, 257), x):
+        for ids in (strided_ids, indices):
+            got = permutation.scan_scatter(rows, ids, None, weights[::1], None, 4)
+            torch.testing.assert_close(got.cpu().double(), want, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("index_dtype", INTS)
+def test_scan_scatter_on_bad_ids(ext, index_dtype):
+    """Ids out of range are ignored, a copy no row names adds 0, a doubly named copy adds one of
+    its rows (the contract leaves which one open); nothing outside the tensors is touched."""
+    tokens, top_k, hidden = 200, 8, 64
+    x, indices, weights = _scatter_inputs(tokens, top_k, hidden, torch.float32, index_dtype, 7)
+    bad = indices.clone()
+    low = torch.iinfo(index_dtype).min
+    bad[:3] = torch.tensor([-1, tokens * top_k, low], dtype=index_dtype)
+    bad[3] = torch.iinfo(index_dtype).max
+    got = ext.scan_scatter(x, bad, weights, top_k).cpu().double()
+    torch.testing.assert_close(got, _scatter_oracle(x, bad, weights, top_k), rtol=1e-5, atol=1e-5)
+    doubled = indices.clone()
+    doubled[10] = doubled[11]  # the copy row 10 named is named by no row, row 11's copy by two
+    got = ext.scan_scatter(x, doubled, weights, top_k).cpu().double()
+    row_11_wins, row_10_wins = doubled.clone(), doubled.clone()
+    row_11_wins[10] = -1
+    row_10_wins[11] = -1
+    assert any(
+        torch.allclose(got, _scatter_oracle(x, ids, weights, top_k), rtol=1e-5, atol=1e-5)
+        for ids in (row_11_wins, row_10_wins)
+    )
+
+
 def _loop_gmm(a, b, sizes, trans_b):
     out, start = [], 0
     for e, s in enumerate(sizes.tolist()):

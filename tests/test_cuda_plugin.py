@@ -50,7 +50,11 @@ ROUTING = (
 
 
 def _kernels():
-    return [*plugin.megablocks_routing_kernels(), *plugin.megablocks_grouped_gemm_kernels()]
+    return [
+        *plugin.megablocks_routing_kernels(),
+        *plugin.megablocks_permutation_kernels(),
+        *plugin.megablocks_grouped_gemm_kernels(),
+    ]
 
 
 def _registry() -> Registry:
@@ -105,7 +109,7 @@ def test_unavailable_on_cpu_torch_with_a_reason(monkeypatch):
     assert record.status == "unavailable"
     assert "without CUDA" in record.reason
     assert record.distribution == "megablocks-cuda" and record.version == "0.1.0"
-    assert set(record.ops) == {*ROUTING, "route", "gmm", "gmm_weight_grad"}
+    assert set(record.ops) == {*ROUTING, "route", "scatter", "gmm", "gmm_weight_grad"}
     assert extension.loaded() is None  # listing never builds or loads the extension
 
 
@@ -128,6 +132,7 @@ def test_every_op_is_registered_with_its_variant_and_dtypes():
     expected = (
         {(op, "") for op in ROUTING}
         | {(op, "one-block") for op in ("sort", "route")}
+        | {("scatter", "scan")}
         | {(op, v) for op in ("gmm", "gmm_weight_grad") for v in ("grouped_mm", "grouped_gemm")}
     )
     assert set(kernels) == expected
@@ -139,6 +144,9 @@ def test_every_op_is_registered_with_its_variant_and_dtypes():
         k = kernels[(op, "one-block")]
         assert k.priority == plugin.ONE_BLOCK_PRIORITY > 100  # above triton's routing kernels
         assert k.dtypes == {} and not k.contiguous and callable(k.supports)  # C++ makes it so
+    k = kernels[("scatter", "scan")]
+    assert k.priority == plugin.ONE_BLOCK_PRIORITY > 100  # above triton's scatter
+    assert k.dtypes == {} and not k.contiguous and callable(k.supports)
     for variant in ("grouped_mm", "grouped_gemm"):
         assert kernels[("gmm", variant)].dtypes == {"a": {torch.bfloat16}, "b": {torch.bfloat16}}
         assert kernels[("gmm_weight_grad", variant)].dtypes == {
@@ -187,32 +195,47 @@ def test_grouped_gemm_when_importable(fake_grouped_gemm):
     assert "8.0" in plugin.grouped_gemm_capability(old)
 
 
-def test_routing_capability_reports_why_the_extension_is_missing(monkeypatch):
+def test_extension_capability_reports_why_the_extension_is_missing(monkeypatch):
     monkeypatch.setattr(extension, "_module", None)
     monkeypatch.setattr(extension, "_problem", "no CUDA toolkit to compile it")
-    reason = plugin.routing_capability(H200)
+    reason = plugin.extension_capability(H200)
     assert reason.startswith("CUDA extension unavailable") and "toolkit" in reason
-    assert plugin.routing_capability(MI300).startswith("needs an NVIDIA")
+    assert plugin.extension_capability(MI300).startswith("needs an NVIDIA")
 
 
-def test_routing_capability_checks_the_build_has_code_for_the_device(monkeypatch):
+def test_extension_capability_checks_the_build_has_code_for_the_device(monkeypatch):
     fake = types.SimpleNamespace(has_kernel_image=lambda index: index == 0)
     monkeypatch.setattr(extension, "_module", fake)
-    assert plugin.routing_capability(H200) is None
-    assert "sm_100" in plugin.routing_capability(B200)  # index 1: no code in this build
+    assert plugin.extension_capability(H200) is None
+    assert "sm_100" in plugin.extension_capability(B200)  # index 1: no code in this build
 
 
 @pytest.fixture
 def one_block_build(monkeypatch):
     """The extension as the capability check and the shape predicates see it, limits included."""
     fake = types.SimpleNamespace(
-        has_kernel_image=lambda index: True, one_block_limits=lambda: (4096, 1024, 16)
+        has_kernel_image=lambda index: True,
+        one_block_limits=lambda: (4096, 1024, 16),
+        scan_scatter_max_rows=lambda: 4096,
     )
     monkeypatch.setattr(extension, "_module", fake)
 
 
 def _ids(n: int) -> TensorMeta:
     return TensorMeta((n,), torch.int32, "cuda")
+
+
+def _scatter_call(
+    rows: int, top_k: int = 8, hidden: int = 2048, dtype: torch.dtype = torch.bfloat16
+) -> dict[str, object]:
+    return {
+        "x": TensorMeta((rows, hidden), dtype, "cuda"),
+        "indices": _ids(rows),
+        "bin_ids": _ids(rows),
+        "weights": TensorMeta((rows,), torch.float32, "cuda"),
+        "bins": _ids(64),
+        "top_k": top_k,
+    }
 
 
 @pytest.mark.parametrize(
@@ -231,14 +254,22 @@ def _ids(n: int) -> TensorMeta:
         ),
         ("route", {"top_experts": _ids(4097), "num_experts": 8, "block_size": 128}, None),
         ("route", {"top_experts": _ids(8), "num_experts": 1025, "block_size": 128}, None),
+        ("scatter", _scatter_call(4096), "cuda/scan"),
+        ("scatter", _scatter_call(1025, top_k=5), "cuda/scan"),
+        ("scatter", _scatter_call(1024), None),  # triton scans these in one launch
+        ("scatter", _scatter_call(4104), None),  # past the scan scatter's rows
+        ("scatter", _scatter_call(2052, top_k=2), None),  # 1026 tokens: too many scans
+        ("scatter", _scatter_call(2048, hidden=4097), None),  # rows past 8 KiB
+        ("scatter", _scatter_call(2048, hidden=2048, dtype=torch.float32), "cuda/scan"),
+        ("scatter", _scatter_call(2048, hidden=2049, dtype=torch.float32), None),
     ],
 )
 def test_one_block_kernels_take_the_small_calls(one_block_build, op, call, winner):
     dtypes = {name: v.dtype for name, v in call.items() if isinstance(v, TensorMeta)}
     trace = rank(_registry(), op, H200, dtypes)
     kernel, why, error = for_call(trace, call)
-    if winner is None:  # the cuda backend has no other route: a larger call is another backend's
-        assert kernel is None and "one-block route" in error
+    if winner is None:  # the cuda backend has no other kernel: a larger call is another backend's
+        assert kernel is None and ("one-block route" in error or "scan scatter" in error)
     else:
         assert kernel is not None and kernel.label == winner, why
 

@@ -15,7 +15,11 @@ from typing import Any
 
 from setuptools import setup
 
-SOURCES = ["src/megablocks_cuda/csrc/routing.cu", "src/megablocks_cuda/csrc/bindings.cpp"]
+SOURCES = [
+    "src/megablocks_cuda/csrc/routing.cu",
+    "src/megablocks_cuda/csrc/permutation.cu",
+    "src/megablocks_cuda/csrc/bindings.cpp",
+]
 
 
 def _extension() -> dict[str, Any]:

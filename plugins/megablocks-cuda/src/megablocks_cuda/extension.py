@@ -1,8 +1,8 @@
 """Loading the C++/CUDA extension: the ahead-of-time build if present, else a JIT build.
 
-Nothing here runs at import: :func:`load` is called by the first routing kernel call or by the
-routing kernels' capability check on a CUDA device (the first ranking of a routing op). The
-result, a module or the reason there is none, is cached for the process.
+Nothing here runs at import: :func:`load` is called by the first call of one of its kernels or
+by their capability check on a CUDA device (the first ranking of one of their ops). The result,
+a module or the reason there is none, is cached for the process.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("routing.cu", "bindings.cpp")
+SOURCES = ("routing.cu", "permutation.cu", "bindings.cpp")
 AOT_MODULE = "megablocks_cuda._C"
 
 
@@ -49,7 +49,7 @@ def _jit_build() -> ModuleType:
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob(f"{name}*.so")):
         print(
-            f"megablocks-cuda: compiling the CUDA routing extension into {build_dir} "
+            f"megablocks-cuda: compiling the CUDA extension into {build_dir} "
             "(first use only; takes about a minute)",
             file=sys.stderr,
             flush=True,

@@ -9,6 +9,11 @@ Provides
   1024 experts, sort up to end_bit 16: :func:`megablocks_cuda.routing.one_block_limits`): one
   thread block, one launch, outputs allocated in C++. It ranks above triton's kernels (a call's host time is what these
   sizes cost; see ``docs/performance.md``); larger calls go to the next kernel;
+* variant ``scan`` of scatter: every thread block scans ``indices`` for its own token's rows, so
+  a call is one launch where triton's scatter of more than 1024 rows takes two (it inverts the
+  permutation first). Above triton's kernel (priority 110) for the calls where it was measured
+  faster on the H200 (:mod:`megablocks_cuda.tuning`: 1025 to 4096 rows, at most 512 tokens, rows
+  of at most 8 KiB); other calls go to the next kernel;
 * grouped GEMM: gmm and gmm_weight_grad, variant ``grouped_mm`` (``torch._grouped_mm``, bf16,
   compute capability 9.x/10.x, no host sync) and variant ``grouped_gemm`` (the ``grouped_gemm``
   package, bf16, when installed; syncs the host for device-side batch sizes).
@@ -34,7 +39,7 @@ from megablocks_core.plugin import (
     hookimpl,
 )
 
-from . import extension, gmm, routing, tuning
+from . import extension, gmm, permutation, routing, tuning
 
 #: Per-op priority. Routing sits below triton's 100 until GPU measurements say otherwise; the
 #: grouped GEMMs share triton's tier so that the cost estimates pick per shape.
@@ -50,7 +55,8 @@ PRIORITY: dict[str, int] = {
     "gmm_weight_grad": 100,
 }
 
-#: The one-block sort and route: above triton's 100 for the calls they take (see the docstring).
+#: The one-block sort and route and the scan scatter: above triton's 100 for the calls they take
+#: (see the docstring).
 ONE_BLOCK_PRIORITY = 110
 
 ROUTING_OPS = (
@@ -81,8 +87,8 @@ def _nvidia(device: DeviceInfo) -> str | None:
     return None
 
 
-def routing_capability(device: DeviceInfo) -> str | None:
-    """The routing kernels need the extension, built with code for this device's architecture."""
+def extension_capability(device: DeviceInfo) -> str | None:
+    """The extension's kernels (routing, the scan scatter) need code for this device's arch."""
     problem = _nvidia(device) or extension.problem()
     if problem:
         return f"CUDA extension unavailable: {problem}" if device.kind == "cuda" else problem
@@ -159,6 +165,29 @@ def one_block_route_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str
     return None
 
 
+def scan_scatter_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
+    """The scan scatter takes the calls where it was measured faster than triton's two-launch
+    scatter (:mod:`megablocks_cuda.tuning`), up to the rows its shared memory holds."""
+    x, rows, top_k = call["x"], call["indices"].shape[0], call["top_k"]
+    most_rows = permutation.scan_scatter_max_rows()
+    if not tuning.SCAN_SCATTER_FEWEST_ROWS <= rows <= most_rows:
+        return (
+            f"{rows} rows: the scan scatter takes {tuning.SCAN_SCATTER_FEWEST_ROWS} to {most_rows}"
+        )
+    if rows // top_k > tuning.SCAN_SCATTER_MOST_TOKENS:
+        return (
+            f"{rows // top_k} tokens: the scan scatter takes at most "
+            f"{tuning.SCAN_SCATTER_MOST_TOKENS} (each one scans all the rows' ids)"
+        )
+    row_bytes = x.shape[-1] * x.dtype.itemsize
+    if row_bytes > tuning.SCAN_SCATTER_MOST_ROW_BYTES:
+        return (
+            f"rows of {row_bytes} bytes: the scan scatter takes at most "
+            f"{tuning.SCAN_SCATTER_MOST_ROW_BYTES}"
+        )
+    return None
+
+
 # ---------------------------------------------------------------- hooks
 
 
@@ -181,7 +210,7 @@ def megablocks_routing_kernels() -> list[Kernel]:
             fn=getattr(routing, op),
             devices=("cuda",),
             priority=PRIORITY[op],
-            capability=routing_capability,
+            capability=extension_capability,
             contiguous=True,
         )
         for op in ROUTING_OPS
@@ -191,13 +220,28 @@ def megablocks_routing_kernels() -> list[Kernel]:
             fn=fn,
             devices=("cuda",),
             priority=ONE_BLOCK_PRIORITY,
-            capability=routing_capability,
+            capability=extension_capability,
             supports=supports,
             variant="one-block",  # takes any layout: made contiguous in C++, at no cost when it is
         )
         for op, fn, supports in (
             ("sort", routing.sort_one_block, one_block_sort_supports),
             ("route", routing.route_one_block, one_block_route_supports),
+        )
+    ]
+
+
+@hookimpl
+def megablocks_permutation_kernels() -> list[Kernel]:
+    return [
+        Kernel(
+            op="scatter",
+            fn=permutation.scan_scatter,
+            devices=("cuda",),
+            priority=ONE_BLOCK_PRIORITY,
+            capability=extension_capability,
+            supports=scan_scatter_supports,
+            variant="scan",  # takes any layout: made contiguous in C++
         )
     ]
 

@@ -1,4 +1,5 @@
-"""Measured tuning of this plugin: the grouped-GEMM providers' efficiency points per device arch.
+"""Measured tuning of this plugin: the grouped-GEMM providers' efficiency points per device arch,
+and the calls the scan scatter takes.
 
 Each point is ``(rows_per_expert, k, n, fraction_of_dense_peak)``: the provider's forward bf16
 throughput on that problem as a fraction of a dense bf16 matmul with the same FLOPs, measured on
@@ -25,3 +26,17 @@ MEASURED: Mapping[str, Mapping[str, Sequence[GmmPoint]]] = {
         "sm_90": ((4096, 4096, 14336, 0.98), (1024, 2048, 768, 0.33), (512, 7168, 2048, 0.79)),
     },
 }
+
+
+#: The calls the scan scatter (variant ``scan`` of scatter) takes, measured on the H200 against
+#: triton's scatter in the same process (bf16, docs/performance.md). From
+#: ``SCAN_SCATTER_FEWEST_ROWS`` rows on, triton's scatter inverts the permutation in a launch of
+#: its own (two launches, ~20 µs of host time); below it triton scans in one launch and is as fast
+#: or faster on the GPU (128 rows: 3.0 against 4.4 µs).
+SCAN_SCATTER_FEWEST_ROWS = 1025
+#: Every block (one token) scans all of ``indices``: past 512 tokens the scans cost more GPU time
+#: than the inverse launch saves (4096 rows of top-1: 25 against 9.6 µs; top-2: 16 against 7.4).
+SCAN_SCATTER_MOST_TOKENS = 512
+#: Wider rows stream more slowly through the scan scatter's blocks than through triton's reduce
+#: (4096 rows of 14 KiB: 27.3 against 25.4 µs; of 4 KiB: 7.4 against 7.9).
+SCAN_SCATTER_MOST_ROW_BYTES = 8192
