@@ -259,9 +259,9 @@ def _scatter_call(
         ("scatter", _scatter_call(1024), None),  # triton scans these in one launch
         ("scatter", _scatter_call(4104), None),  # past the scan scatter's rows
         ("scatter", _scatter_call(2052, top_k=2), None),  # 1026 tokens: too many scans
-        ("scatter", _scatter_call(2048, hidden=4097), None),  # rows past 8 KiB
-        ("scatter", _scatter_call(2048, hidden=2048, dtype=torch.float32), "cuda/scan"),
-        ("scatter", _scatter_call(2048, hidden=2049, dtype=torch.float32), None),
+        ("scatter", _scatter_call(2048, hidden=2049), None),  # rows past 4 KiB
+        ("scatter", _scatter_call(2048, hidden=1024, dtype=torch.float32), "cuda/scan"),
+        ("scatter", _scatter_call(2048, hidden=1025, dtype=torch.float32), None),
     ],
 )
 def test_one_block_kernels_take_the_small_calls(one_block_build, op, call, winner):

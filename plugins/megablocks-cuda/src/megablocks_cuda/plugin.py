@@ -13,7 +13,7 @@ Provides
   a call is one launch where triton's scatter of more than 1024 rows takes two (it inverts the
   permutation first). Above triton's kernel (priority 110) for the calls where it was measured
   faster on the H200 (:mod:`megablocks_cuda.tuning`: 1025 to 4096 rows, at most 512 tokens, rows
-  of at most 8 KiB); other calls go to the next kernel;
+  of at most 4 KiB); other calls go to the next kernel;
 * grouped GEMM: gmm and gmm_weight_grad, variant ``grouped_mm`` (``torch._grouped_mm``, bf16,
   compute capability 9.x/10.x, no host sync) and variant ``grouped_gemm`` (the ``grouped_gemm``
   package, bf16, when installed; syncs the host for device-side batch sizes).

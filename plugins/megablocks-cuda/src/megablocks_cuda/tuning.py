@@ -37,6 +37,8 @@ SCAN_SCATTER_FEWEST_ROWS = 1025
 #: Every block (one token) scans all of ``indices``: past 512 tokens the scans cost more GPU time
 #: than the inverse launch saves (4096 rows of top-1: 25 against 9.6 µs; top-2: 16 against 7.4).
 SCAN_SCATTER_MOST_TOKENS = 512
-#: Wider rows stream more slowly through the scan scatter's blocks than through triton's reduce
-#: (4096 rows of 14 KiB: 27.3 against 25.4 µs; of 4 KiB: 7.4 against 7.9).
-SCAN_SCATTER_MOST_ROW_BYTES = 8192
+#: A block's 256 threads read a row of up to 4 KiB in one 16-byte load each; wider rows take
+#: them two or more rounds, where triton's reduce was as fast or faster (8 KiB rows, 4096 rows:
+#: 10.5 against 9.9 µs; 2048 rows of top-4: 8.5 against 7.6; 14 KiB rows, 4096 rows: 27.3
+#: against 25.4), though not everywhere (8 KiB rows, 2048 rows of top-8: 6.9 against 7.5).
+SCAN_SCATTER_MOST_ROW_BYTES = 4096
