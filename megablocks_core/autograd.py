@@ -33,7 +33,7 @@ import torch
 
 from .activations import activate_backward, activate_with, glu_backward
 from .policy import Policy, policy_scope
-from .schema import OpContract, TensorArg
+from .schema import OpContract, RowsOption, TensorArg
 
 Call = Callable[..., torch.Tensor]
 Grads = dict[str, "torch.Tensor | None"]
@@ -194,8 +194,10 @@ def _cast(t: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | N
 def _gather(
     call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
 ) -> Grads:
-    # A kernel-level weighted gather (a backward's) is the adjoint of the weighted scatter.
+    # A kernel-level weighted gather (a backward's) is the adjoint of the weighted scatter (which
+    # takes every sorted row: those past rows, which the gather did not produce, add nothing).
     routing = (a["indices"], a["bin_ids"])
+    grad = RowsOption.pad(grad, a["indices"].shape[0])
     return {"x": call("scatter", grad, *routing, a["weights"], a["bins"], a["top_k"])}
 
 
@@ -206,15 +208,24 @@ def _weighted_rows(
     weights: torch.Tensor | None,
     bins: torch.Tensor,
     top_k: int,
+    rows: int | None,
 ) -> torch.Tensor:
-    """grad[indices[i] // top_k] * weights[indices[i]] for each sorted row: the weighted gather
-    kernel, or, when this backward is itself recorded (double backward), the plain gather times
-    the weights through torch, so that the weights' second-order terms are recorded too (the
-    gather kernel's weights carry no gradient)."""
+    """grad[indices[i] // top_k] * weights[indices[i]] for each sorted row (the first ``rows``):
+    the weighted gather kernel, or, when this backward is itself recorded (double backward), the
+    plain gather times the weights through torch, so that the weights' second-order terms are
+    recorded too (the gather kernel's weights carry no gradient)."""
     if weights is None or not torch.is_grad_enabled():
-        return call("gather", grad, *routing, weights, bins, top_k)
-    rows = call("gather", grad, *routing, None, bins, top_k)
-    return _scale_rows(call, rows, _row_scales(weights, routing[0]), routing, bins)
+        return call("gather", grad, *routing, weights, bins, top_k, rows)
+    gathered = call("gather", grad, *routing, None, bins, top_k, rows)
+    first = _first_rows(routing, rows)
+    return _scale_rows(call, gathered, _row_scales(weights, first[0]), first, bins)
+
+
+def _first_rows(
+    routing: tuple[torch.Tensor, torch.Tensor], rows: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing (indices, bin_ids) of the first ``rows`` sorted rows (all when None)."""
+    return routing if rows is None else (routing[0][:rows], routing[1][:rows])
 
 
 def _scatter(
@@ -223,7 +234,7 @@ def _scatter(
     out: Grads = {}
     if needs["x"]:
         routing = (a["indices"], a["bin_ids"])
-        out["x"] = _weighted_rows(call, grad, routing, a["weights"], a["bins"], a["top_k"])
+        out["x"] = _weighted_rows(call, grad, routing, a["weights"], a["bins"], a["top_k"], None)
     if needs["weights"]:
         wgrad = call(
             "scatter_wgrad", a["x"], grad, a["indices"], a["bin_ids"], a["bins"], a["top_k"]
@@ -339,13 +350,15 @@ def _gather_gmm(
 ) -> Grads:
     out: Grads = {}
     routing = (a["indices"], a["bin_ids"])
-    trans_b, top_k, bins = a["trans_b"], a["top_k"], a["bins"]
+    trans_b, top_k, bins, first = a["trans_b"], a["top_k"], a["bins"], a["rows"]
     if needs["x"]:  # every (token, k) row's gradient, summed back into its token
-        out["x"] = call("gmm_scatter", grad, a["b"], *routing, None, bins, top_k, not trans_b, None)
+        out["x"] = call(
+            "gmm_scatter", grad, a["b"], *routing, None, bins, top_k, not trans_b, None, first
+        )
     if needs["b"]:
         # The gathered rows were not kept: gather them again, a transient copy (a gather kernel
         # and the best weight-gradient GEMM beat a GEMM reading rows through the indices).
-        rows = call("gather", a["x"], *routing, None, bins, top_k)
+        rows = call("gather", a["x"], *routing, None, bins, top_k, first)
         if trans_b:  # b[e] is (n, k): grad_e^T @ rows_e
             out["b"] = _weight_grad_by_bins(call, a, grad, rows)
         else:
@@ -401,9 +414,9 @@ def _scale_rows(
     return call("gather", rows, identity, routing[1], scale, bins, 1)
 
 
-def _by_flat_id(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """out[indices[i]] = values[i]; ids no row names get 0, ids out of range are dropped."""
-    n = indices.shape[0]
+def _by_flat_id(values: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
+    """out[indices[i]] = values[i] for ids in [0, n) (``indices`` may name the first sorted rows
+    only); ids no row names get 0, ids out of range are dropped."""
     flat = indices.long()
     slot = torch.where((flat >= 0) & (flat < n), flat, n)  # out-of-range ids land in a cut-off slot
     return values.new_zeros(n + 1).index_copy_(0, slot, values)[:n]
@@ -415,7 +428,9 @@ def _gmm_scatter(
     out: Grads = {}
     routing = (a["indices"], a["bin_ids"])
     trans_b, top_k, weights, bins = a["trans_b"], a["top_k"], a["weights"], a["bins"]
-    activation = a["activation"]
+    activation, first = a["activation"], a["rows"]
+    # x holds the first `first` sorted rows (all when None): so do the per-row tensors below.
+    row_routing = _first_rows(routing, first)
     # With an activation whose input needs a gradient, one activation_backward pass gives that
     # gradient, act(x) and the weights' dots together (when this backward is itself recorded,
     # the differentiable composition below runs instead).
@@ -427,27 +442,28 @@ def _gmm_scatter(
     if needs["x"] or needs["weights"]:
         # grad[t] @ b[e].T for each sorted row: act(x)'s gradient before weighting, and (dotted
         # with act(x)) the weights' gradient, so the forward's (rows, n) product need not be kept.
-        rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b)
+        rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b, first)
         if one_pass:
-            scale = None if weights is None else _row_scales(weights, a["indices"])
+            scale = None if weights is None else _row_scales(weights, row_routing[0])
             # act(x), the weight gradient's operand, is written over rows_grad (its last use).
             out["x"], dots = call("activation_backward", rows_grad, a["x"], scale, activation)
             x_in = rows_grad
         else:
-            identity = _identity(a["indices"])
+            identity = _identity(row_routing[0])
             if needs["weights"]:
-                dots = _row_dots(call, x_in, rows_grad, identity, routing, bins)
+                dots = _row_dots(call, x_in, rows_grad, identity, row_routing, bins)
             if needs["x"]:
                 if weights is not None:
-                    scale = _row_scales(weights, a["indices"])
-                    rows_grad = _scale_rows(call, rows_grad, scale, routing, bins, identity)
+                    scale = _row_scales(weights, row_routing[0])
+                    rows_grad = _scale_rows(call, rows_grad, scale, row_routing, bins, identity)
                 if activation is not None:
                     rows_grad = activate_backward(rows_grad, a["x"], activation)
                 out["x"] = rows_grad
         if needs["weights"]:
-            out["weights"] = _by_flat_id(dots, a["indices"]).to(weights.dtype)
+            n = a["indices"].shape[0]
+            out["weights"] = _by_flat_id(dots, row_routing[0], n).to(weights.dtype)
     if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
-        rows = _weighted_rows(call, grad, routing, weights, bins, top_k)
+        rows = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
         if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
             out["b"] = _weight_grad_by_bins(call, a, rows, x_in)
         else:

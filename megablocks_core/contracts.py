@@ -27,6 +27,7 @@ from .schema import (
     IntArg,
     OpContract,
     Output,
+    RowsOption,
     Rule,
     SequenceArg,
     TensorArg,
@@ -160,6 +161,39 @@ PAST_BINS = (
     "Sorted rows past bins[-1] belong to no expert (bins[-1] < tokens * top_k is valid; their "
     "bin_ids are the number of experts, a sentinel bin that sorts last)"
 )
+#: The row-count option of the ops that produce or take expert-sorted rows: the first ``rows``
+#: sorted rows only, those past them belonging to no expert (expert parallelism's pairs of
+#: other ranks' experts, which sort last), so that nothing is computed, written or kept for them.
+ROWS_OUT = IntArg(
+    "rows",
+    "compute only the first rows sorted rows (rows past bins[-1] belong to no expert: a caller "
+    "that knows how many pairs are routed need not have the rest); None: all of them",
+    min=0,
+    optional=True,
+    option=RowsOption(total="indices.shape[0]"),
+)
+ROWS_IN = IntArg(
+    "rows",
+    "x holds only the first rows sorted rows (the rest belong to no expert: as gather_gmm's rows); "
+    "None: all of them",
+    min=0,
+    optional=True,
+    option=RowsOption(total="indices.shape[0]", pads="x"),
+)
+ROWS_WITHIN = Rule(
+    "rows is None or rows <= indices.shape[0]", "rows counts sorted rows (at most one per pair)"
+)
+ROWS_COVER_BINS = Rule(
+    "rows is None or last(bins) <= rows",
+    "rows reaches bins[-1] (only the rows past bins[-1] belong to no expert)",
+    checked=True,
+)
+ROWS_OUT_DIM = "indices.shape[0] if rows is None else rows"
+FIRST_ROWS = (
+    "With rows, only the first rows sorted rows exist (output rows i < rows); the pairs past "
+    "them contribute nothing."
+)
+
 EMPTY_AND_ZERO = (
     "zero tokens: empty outputs, no kernel needs to run",
     "empty experts: contribute no rows",
@@ -492,11 +526,12 @@ GATHER = OpContract(
     name="gather",
     family="permutation",
     summary="Copy each token's row to its top_k rows in expert-sorted order.",
-    args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, TOP_K),
-    rules=(GATHER_ROWS, *UNROUTED_PERMUTATION_RULES),
-    outputs=(Output("out", "x.dtype", ("indices.shape[0]", "x.shape[1]"), "expert-sorted rows"),),
+    args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, TOP_K, ROWS_OUT),
+    rules=(GATHER_ROWS, *UNROUTED_PERMUTATION_RULES, ROWS_WITHIN),
+    outputs=(Output("out", "x.dtype", (ROWS_OUT_DIM, "x.shape[1]"), "expert-sorted rows"),),
     differentiable=("x",),
-    semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level). "
+    semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level), for "
+    "i < rows (all sorted rows without rows). "
     + PAST_BINS
     + ": they are gathered like any other row (bins only describe the layout). "
     + FP32_ACCUMULATION,
@@ -900,18 +935,29 @@ FUSED_BAD_BINS = (
     UNCHECKED + "bins not a cumulative sum: a negative group counts as 0, groups are cut at the "
     "last sorted row, and rows no group covers are 0 (as gmm with such sizes)"
 )
+ROWS_SHORT = (
+    UNCHECKED + "rows short of bins[-1]: groups are cut at row rows (the pairs past it add nothing)"
+)
 
 GATHER_GMM = OpContract(
     name="gather_gmm",
     family="grouped_gemm",
     summary="Grouped GEMM whose rows are read from the tokens through the routing indices (gather fused).",
-    args=(TOKENS, EXPERT_MATRICES, INDICES, BIN_IDS, BINS, TOP_K, TRANS_B),
-    rules=(SAME_DTYPE_B, ONE_MATRIX_PER_BIN, INNER_B, GATHER_ROWS, *ROUTED_RULES),
+    args=(TOKENS, EXPERT_MATRICES, INDICES, BIN_IDS, BINS, TOP_K, TRANS_B, ROWS_OUT),
+    rules=(
+        SAME_DTYPE_B,
+        ONE_MATRIX_PER_BIN,
+        INNER_B,
+        GATHER_ROWS,
+        *ROUTED_RULES,
+        ROWS_WITHIN,
+        ROWS_COVER_BINS,
+    ),
     outputs=(
         Output(
             "out",
             "x.dtype",
-            ("indices.shape[0]", "b.shape[1] if trans_b else b.shape[2]"),
+            (ROWS_OUT_DIM, "b.shape[1] if trans_b else b.shape[2]"),
             "expert-sorted rows",
         ),
     ),
@@ -923,9 +969,10 @@ GATHER_GMM = OpContract(
         "write the gathered (tokens * top_k, k) rows, and the backward keeps none: "
         "x's gradient is gmm_scatter of the output gradient; b's gradient gathers x again "
         "(a transient copy) for gmm_weight_grad. " + GROUPS_FROM_BINS + " " + PAST_BINS + ": their "
-        "output rows are 0, and their rows of x's gradient add nothing. Accumulates in float32."
+        "output rows are 0, and their rows of x's gradient add nothing. " + FIRST_ROWS + " "
+        "Accumulates in float32."
     ),
-    edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS),
+    edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )
 
 GMM_SCATTER = OpContract(
@@ -942,6 +989,7 @@ GMM_SCATTER = OpContract(
         TOP_K,
         TRANS_B,
         ACTIVATION,
+        ROWS_IN,
     ),
     rules=(
         SAME_DTYPE_B,
@@ -951,8 +999,13 @@ GMM_SCATTER = OpContract(
             f"{ACTIVATED_WIDTH} == (b.shape[2] if trans_b else b.shape[1])",
             "inner dimensions agree (a gated activation halves x's width)",
         ),
-        SORTED_ROWS_MATCH,
+        Rule(
+            f"x.shape[0] == ({ROWS_OUT_DIM})",
+            "one row of x per sorted (token, k) pair, or per each of the first rows of them",
+        ),
         *UNROUTED_PERMUTATION_RULES,
+        ROWS_WITHIN,
+        ROWS_COVER_BINS,
     ),
     outputs=(
         Output(
@@ -979,9 +1032,11 @@ GMM_SCATTER = OpContract(
         + " "
         + PAST_BINS
         + ": they are skipped (their product row is 0, so their (token, k) adds nothing to out, "
-        "and their rows of x's gradient and their weights' gradient are 0). " + FP32_ACCUMULATION
+        "and their rows of x's gradient and their weights' gradient are 0). With rows, x holds "
+        "the first rows sorted rows only (x's gradient too); the pairs past them are skipped "
+        "alike. " + FP32_ACCUMULATION
     ),
-    edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS),
+    edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )
 
 # ---------------------------------------------------------------------------

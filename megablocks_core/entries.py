@@ -35,7 +35,7 @@ from .contracts import ALL
 from .dispatch import Selected, new_cache, resolve
 from .policy import Policy, context_policy, current_policy, overrides
 from .ranking import NoKernelError
-from .schema import RULE_HELPERS, BoolArg, ChoiceArg, IntArg, OpContract, TensorArg
+from .schema import RULE_HELPERS, BoolArg, ChoiceArg, IntArg, OpContract, TensorArg, is_option
 from .validation import BackendError, ContractError, ContractTypeError
 
 
@@ -133,6 +133,16 @@ def _run_checked(
     return result
 
 
+def _signature_source(contract: OpContract) -> str:
+    """The entry's parameters: the trailing options (added to an op after its first callers:
+    :func:`~megablocks_core.schema.is_option`) default to None."""
+    names = list(contract.arg_names)
+    at = len(names)
+    while at and is_option(contract.args[at - 1]):
+        at -= 1
+    return ", ".join(names[:at] + [f"{n}=None" for n in names[at:]])
+
+
 def _entry_source(contract: OpContract) -> str:
     params = ", ".join(contract.arg_names)
     optional = {a.name for a in contract.tensor_args if a.optional}
@@ -149,7 +159,7 @@ def _entry_source(contract: OpContract) -> str:
     )
     # The try around the kernel call costs nothing until a kernel raises (Python >= 3.11).
     return (
-        f"def {contract.name}({params}):\n"
+        f"def {contract.name}({_signature_source(contract)}):\n"
         f"    if _is_compiling():\n"
         f"        return _compiled({params})\n"
         f"    try:\n"

@@ -17,7 +17,16 @@ import torch
 
 from . import autograd, validation
 from .contracts import ALL
-from .schema import RULE_HELPERS, BoolArg, ChoiceArg, DataDim, IntArg, OpContract, TensorArg
+from .schema import (
+    RULE_HELPERS,
+    BoolArg,
+    ChoiceArg,
+    DataDim,
+    IntArg,
+    OpContract,
+    TensorArg,
+    is_option,
+)
 
 NAMESPACE = "megablocks"
 _library = torch.library.Library(NAMESPACE, "DEF")
@@ -35,6 +44,8 @@ def schema(contract: OpContract) -> str:
             parts.append(f"Tensor({next(aliases)}!) {a.name}")
         elif isinstance(a, TensorArg):
             parts.append(f"Tensor{'?' if a.optional else ''} {a.name}")
+        elif isinstance(a, IntArg) and a.option is not None:  # a trailing option
+            parts.append(f"SymInt? {a.name}=None")
         elif isinstance(a, IntArg):
             parts.append(f"SymInt{'?' if a.optional else ''} {a.name}")
         elif isinstance(a, BoolArg):
@@ -70,9 +81,10 @@ def output_meta(
 
 def _complete(contract: OpContract, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """All of the op's arguments: torch passes a trailing argument left at its schema default
-    (``str? activation=None``) on to the implementations only when it was given."""
+    (``str? activation=None``, ``SymInt? rows=None``) on to the implementations only when it
+    was given."""
     missing = contract.args[len(args) :]
-    assert all(isinstance(a, ChoiceArg) for a in missing), contract.name
+    assert all(isinstance(a, ChoiceArg) or is_option(a) for a in missing), contract.name
     return (*args, *(None for _ in missing))
 
 

@@ -88,9 +88,17 @@ def router_topk(scores: Tensor, top_k: int, softmax: bool = False) -> tuple[Tens
 # --- permutation -------------------------------------------------------------
 
 
-def gather(x: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor, top_k: int) -> Tensor:
-    """(tokens, hidden) → (tokens * top_k, hidden) in expert-sorted order."""
-    return _gather(x, indices, bin_ids, None, bins, top_k)
+def gather(
+    x: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    top_k: int,
+    rows: int | None = None,
+) -> Tensor:
+    """(tokens, hidden) → (tokens * top_k, hidden) in expert-sorted order; with ``rows``, only
+    the first ``rows`` sorted rows."""
+    return _gather(x, indices, bin_ids, None, bins, top_k, rows)
 
 
 def scatter(
@@ -153,11 +161,14 @@ def gather_gmm(
     bins: Tensor,
     top_k: int,
     trans_b: bool = False,
+    rows: int | None = None,
 ) -> Tensor:
     """``gmm(gather(x, indices, bin_ids, bins, top_k), b, counts, trans_b)`` without writing the
     gathered rows: (tokens, k) tokens → (tokens * top_k, n) expert-sorted rows. The expert groups
-    come from ``bins`` (no host sync)."""
-    return _gather_gmm(x, b, indices, bin_ids, bins, top_k, trans_b)
+    come from ``bins`` (no host sync). ``rows``: compute only the first ``rows`` sorted rows (at
+    least ``bins[-1]``; those past it belong to no expert), e.g. a receiving rank's own pairs
+    under expert parallelism."""
+    return _gather_gmm(x, b, indices, bin_ids, bins, top_k, trans_b, rows)
 
 
 def gmm_scatter(
@@ -170,13 +181,15 @@ def gmm_scatter(
     top_k: int,
     trans_b: bool = False,
     activation: str | None = None,
+    rows: int | None = None,
 ) -> Tensor:
     """``scatter(gmm(act(x), b, counts, trans_b), indices, bin_ids, weights, bins, top_k)``:
     expert-sorted rows (tokens * top_k, k) → (tokens, n), each token's (weighted) rows summed.
     ``activation`` ("gelu", "silu", "relu" or None) is applied to x's rows first (a transient
     act(x)). Its backward keeps no (tokens * top_k, n) product, and with an activation only x
-    (act(x) is recomputed there)."""
-    return _gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation)
+    (act(x) is recomputed there). ``rows``: x holds only the first ``rows`` sorted rows
+    (``gather_gmm``'s with the same ``rows``)."""
+    return _gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows)
 
 
 # --- activation --------------------------------------------------------------

@@ -26,7 +26,7 @@ from . import __version__
 from .contracts import BY_NAME
 from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
-from .schema import ChoiceArg
+from .schema import ChoiceArg, is_option
 
 log = logging.getLogger("megablocks_core")
 
@@ -131,15 +131,10 @@ def _is_device_kind(kind: str) -> bool:
         return False
 
 
-def _is_option(arg: Any) -> bool:
-    """A trailing argument a kernel may lack: a :class:`ChoiceArg` the core can apply itself."""
-    return isinstance(arg, ChoiceArg) and arg.apply is not None
-
-
 def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
     """(why ``fn`` cannot take the contract's arguments positionally, or None; how many of
-    them it takes). A function without the contract's trailing options (:class:`ChoiceArg`, added
-    to an op after kernels existed) takes the arguments before them; an unreadable signature
+    them it takes). A function without the contract's trailing options (added to an op after
+    kernels existed: :func:`~megablocks_core.schema.is_option`) takes the arguments before them; an unreadable signature
     (some builtins) is taken to take them all."""
     names = contract.arg_names
     try:
@@ -155,7 +150,7 @@ def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
             f"arguments ({', '.join(names)}) the contract passes positionally: {exc}"
         )
     taken = len(names)
-    while taken and _is_option(contract.args[taken - 1]):
+    while taken and is_option(contract.args[taken - 1]):
         taken -= 1
         try:
             signature.bind(*names[:taken])
@@ -167,19 +162,31 @@ def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
 
 def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
     """``fn``, which takes the first ``taken`` arguments, as a kernel of the whole contract: each
-    option it lacks is applied to its argument first (``ChoiceArg.apply``), then ``fn`` runs."""
-    options = [
-        (i, contract.arg_names.index(a.applies_to), a.apply)
-        for i, a in enumerate(contract.args)
-        if i >= taken and _is_option(a)
-    ]
+    option it lacks is served around it. A choice is applied to its argument first
+    (``ChoiceArg.apply``); a row count pads its argument with zero rows or cuts the output
+    (:class:`RowsOption`)."""
+    names = contract.arg_names
+    options = [(i, a) for i, a in enumerate(contract.args) if i >= taken and is_option(a)]
 
     def kernel(*args: Any) -> Any:
         given = list(args[:taken])
-        for at, target, apply in options:
-            if args[at] is not None:
-                given[target] = apply(given[target], args[at])
-        return fn(*given)
+        keep_rows = None
+        for at, arg in options:
+            value = args[at]
+            if value is None:
+                continue
+            if isinstance(arg, ChoiceArg):
+                assert arg.applies_to is not None and arg.apply is not None  # is_option's test
+                target = names.index(arg.applies_to)
+                given[target] = arg.apply(given[target], value)
+            elif arg.option.pads is not None:
+                target = names.index(arg.option.pads)
+                total = eval(arg.option.total, {}, dict(zip(names, args, strict=True)))
+                given[target] = arg.option.pad(given[target], total)
+            else:
+                keep_rows = value
+        out = fn(*given)
+        return out if keep_rows is None else out[:keep_rows]
 
     kernel.__wrapped__ = fn  # type: ignore[attr-defined]
     kernel.__qualname__ = getattr(fn, "__qualname__", "kernel")

@@ -66,6 +66,29 @@ class TensorArg:
 
 
 @dataclass(frozen=True)
+class RowsOption:
+    """How the core serves a sorted-row count (``rows``, an :class:`IntArg` option added to an op
+    after kernels for it existed) to a kernel whose function does not take it.
+
+    The option says the op works on the first ``rows`` sorted rows only (those past them belong
+    to no expert). ``pads`` names the tensor argument that then holds just those rows: a kernel
+    without the option gets it with zero rows appended up to ``total`` rows. Without ``pads`` the
+    kernel computes every sorted row and the core keeps the first ``rows`` of its output (a
+    view). Either way such a kernel does the full op's work; one that takes ``rows`` need not."""
+
+    total: str
+    """Expression over the arguments: the number of sorted rows in all, e.g. ``indices.shape[0]``."""
+    pads: str | None = None
+
+    @staticmethod
+    def pad(rows: torch.Tensor, total: int) -> torch.Tensor:
+        """The first sorted rows ``rows`` as all ``total`` of them: zero rows appended."""
+        if rows.shape[0] >= total:
+            return rows
+        return torch.cat([rows, rows.new_zeros((total - rows.shape[0], *rows.shape[1:]))])
+
+
+@dataclass(frozen=True)
 class IntArg:
     """A Python integer argument (``bool`` is not accepted)."""
 
@@ -76,6 +99,12 @@ class IntArg:
     optional: bool = False
     """None is accepted (and is the default)."""
     default: int | None = None
+    option: RowsOption | None = None
+    """Set for a trailing option a kernel may lack (see :class:`RowsOption`); must be optional."""
+
+    def __post_init__(self) -> None:
+        if self.option is not None and not self.optional:
+            raise ValueError(f"int option {self.name!r} must be optional (None: not used)")
 
     def describe(self) -> str:
         if self.min is not None and self.max is not None:
@@ -134,6 +163,15 @@ class SequenceArg:
 
 
 Arg = TensorArg | IntArg | BoolArg | ChoiceArg | SequenceArg
+
+
+def is_option(arg: Arg) -> bool:
+    """An argument added to an op after kernels (and callers) for it existed, which a kernel and
+    a caller may leave out (the op's trailing ones): a :class:`ChoiceArg` the core can apply
+    itself, or a sorted-row count it can serve by padding or cutting (:class:`RowsOption`)."""
+    if isinstance(arg, ChoiceArg):
+        return arg.apply is not None
+    return isinstance(arg, IntArg) and arg.option is not None
 
 
 @dataclass(frozen=True)

@@ -199,8 +199,15 @@ def test_the_checks_catch_wrong_results():
 
 
 def _layout_args(
-    op: str, indices: list[int], bins: list[int], padded: list[int], top_k: int, weighted: bool
+    op: str,
+    indices: list[int],
+    bins: list[int],
+    padded: list[int],
+    top_k: int,
+    weighted: bool,
+    rows: int | None = None,
 ) -> tuple:
+    """Arguments of ``op`` with this layout (``rows``: gather's sorted-row count)."""
     gen = torch.Generator().manual_seed(len(indices) + top_k)
     n = len(indices)
     tokens, hidden = n // top_k, 6
@@ -208,7 +215,8 @@ def _layout_args(
     b = torch.tensor(bins, dtype=torch.int32)
     w = torch.rand(n, generator=gen) + 0.5 if weighted else None
     if op == "gather":
-        return torch.randn(tokens, hidden, generator=gen), idx, torch.zeros_like(idx), w, b, top_k
+        x = torch.randn(tokens, hidden, generator=gen)
+        return x, idx, torch.zeros_like(idx), w, b, top_k, rows
     if op == "scatter":
         return torch.randn(n, hidden, generator=gen), idx, torch.zeros_like(idx), w, b, top_k
     if op == "scatter_wgrad":
@@ -247,7 +255,8 @@ def bad_layouts(draw, ops: tuple[str, ...]):
     bins = draw(st.lists(st.integers(-2, n + 3), min_size=experts, max_size=experts))
     padded = draw(st.lists(st.integers(-2, 2 * n + 4), min_size=experts - 1, max_size=experts - 1))
     padded.append(draw(st.integers(0, 2 * n + 4)))  # the output's row count
-    return op, _layout_args(op, indices, bins, padded, top_k, draw(st.booleans()))
+    rows = draw(st.one_of(st.none(), st.integers(0, n)))  # gather's first sorted rows only
+    return op, _layout_args(op, indices, bins, padded, top_k, draw(st.booleans()), rows)
 
 
 ALL_LAYOUT_OPS = ("gather", "scatter", "scatter_wgrad", "padded_gather", "binned_gather")

@@ -889,7 +889,7 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
         }
     routing = {"indices": t["indices"], "bin_ids": t["bin_ids"], "bins": t["bins"], "top_k": r.K}
     if op == "gather":
-        return {"x": x_tokens, **routing}
+        return {"x": x_tokens, **routing, "rows": r.T * r.K}  # every sorted row, counted
     if op == "scatter":
         return {"x": torch.ones(r.T * r.K, hidden, dtype=dtype), **routing, "weights": weights}
     if op == "padded_gather":
@@ -919,7 +919,7 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
         }
     if op == "gather_gmm":
         b = torch.ones(r.E, hidden, 5, dtype=dtype)
-        return {"x": x_tokens, "b": b, **routing, "trans_b": False}
+        return {"x": x_tokens, "b": b, **routing, "trans_b": False, "rows": None}
     if op == "gmm_scatter":
         rows = torch.ones(r.T * r.K, 4, dtype=dtype)
         b = torch.ones(r.E, 5, 4, dtype=dtype)
@@ -930,6 +930,7 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "weights": weights,
             "trans_b": True,
             "activation": "silu",
+            "rows": r.T * r.K,
         }
     if op == "glu":
         return {"x": torch.ones(r.T * r.K, 6, dtype=dtype), "activation": "silu"}
@@ -1116,6 +1117,14 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
             ContractError,
             put("output_block_columns", lambda a: 32768 // a["padded_bins"].shape[0] + 1),
         )
+    if op in ("gather", "gather_gmm", "gmm_scatter"):
+        yield (
+            "rows past the sorted rows",
+            ContractError,
+            put("rows", lambda a: a["indices"].shape[0] + 1),
+        )
+    if op == "gmm_scatter":
+        yield "x with a row more than rows", ContractError, put("x", lambda a: extend(a["x"]))
     if op == "gmm":
 
         def first_size(change: Callable[[torch.Tensor], torch.Tensor]) -> Mutation:

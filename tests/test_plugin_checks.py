@@ -71,13 +71,13 @@ def test_known_and_torch_device_kinds_are_accepted(plugins, kind):
     [
         (
             "lambda x, indices: x",
-            "cannot take the 6 arguments (x, indices, bin_ids, weights, bins, top_k)",
+            "cannot take the 7 arguments (x, indices, bin_ids, weights, bins, top_k, rows)",
         ),
         (
-            "lambda x, indices, bin_ids, weights, bins, top_k, extra: x",
+            "lambda x, indices, bin_ids, weights, bins, top_k, rows, extra: x",
             "missing a required argument: 'extra'",
         ),
-        ("lambda *, x: x", "cannot take the 6 arguments"),
+        ("lambda *, x: x", "cannot take the 7 arguments"),
     ],
 )
 def test_a_kernel_of_the_wrong_arity_breaks_the_plugin_at_load(plugins, fn, expected):
@@ -370,13 +370,15 @@ SEEN = []
 
 
 def gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b):
-    # Written before gmm_scatter had its activation option: eight arguments. A plain loop.
+    # Written before gmm_scatter had its activation and row-count options: eight arguments. A
+    # plain loop; rows routed to no expert (bin id past the last expert) add nothing.
     SEEN.append(x.clone())
     out = x.new_zeros(indices.shape[0] // top_k, b.shape[1] if trans_b else b.shape[2])
     for i, flat in enumerate(indices.tolist()):
         e = int(bin_ids[i])
-        w = 1.0 if weights is None else weights[flat]
-        out[flat // top_k] += w * (x[i] @ (b[e].T if trans_b else b[e]))
+        if e < b.shape[0]:
+            w = 1.0 if weights is None else weights[flat]
+            out[flat // top_k] += w * (x[i] @ (b[e].T if trans_b else b[e]))
     return out
 """
 
@@ -389,7 +391,7 @@ def test_only_trailing_options_may_be_missing_from_a_kernel(plugins):
         " devices=('cpu',))]",
     )
     reason = broken_reason(plugins, body)
-    assert "cannot take the 9 arguments" in reason and "activation" in reason, reason
+    assert "cannot take the 10 arguments" in reason and "activation" in reason, reason
 
 
 def test_a_glu_kernel_must_take_its_activation(plugins):
@@ -427,3 +429,77 @@ def test_a_kernel_written_before_an_option_existed_still_serves_the_op(plugins):
         assert torch.equal(given, want_rows), activation
         want = reference.gmm_scatter(want_rows, b, indices, bin_ids, weights, bins, 2, False)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+OLD_GATHER = """
+SEEN = []
+
+
+def gather(x, indices, bin_ids, weights, bins, top_k):
+    # Written before gather had its row count: six arguments, every sorted row. A plain loop.
+    out = x.new_zeros(indices.shape[0], x.shape[1])
+    for i, flat in enumerate(indices.tolist()):
+        out[i] = x[flat // top_k] * (1.0 if weights is None else weights[flat])
+    SEEN.append(out.shape[0])
+    return out
+"""
+
+
+def _unrouted_routing(
+    tokens: int = 5, experts: int = 3, top_k: int = 2, seed: int = 5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """indices, bin_ids, bins of tokens * top_k pairs, some routed to no expert (the sentinel
+    key ``experts``, sorted last), and the number of routed pairs."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, experts + 1, (tokens * top_k,), generator=gen)
+    keys[0] = experts  # at least one unrouted pair
+    indices, bin_ids, _, bins, _ = mb.ops.route(keys.int(), experts + 1, 4)
+    return indices, bin_ids, bins[:experts], int(bins[experts - 1])
+
+
+def test_a_kernel_written_before_the_row_count_serves_it(plugins):
+    """A gather kernel without the trailing ``rows`` computes every sorted row and the core keeps
+    the first ``rows``; a gmm_scatter kernel without it gets x with zero rows appended up to
+    every sorted row (and, without ``activation`` either, act(x) first)."""
+    plugins.add(
+        "old",
+        kernels_body(
+            "megablocks_permutation_kernels",
+            "[Kernel(op='gather', fn=gather, devices=('cpu',))]",
+            OLD_GATHER,
+        ),
+    )
+    plugins.add(
+        "oldgmm",
+        kernels_body(
+            "megablocks_grouped_gemm_kernels",
+            "[Kernel(op='gmm_scatter', fn=gmm_scatter, devices=('cpu',))]",
+            OLD_GMM_SCATTER,
+        ),
+    )
+    registry = plugins.reload()
+    assert registry.plugins["old"].status == "ok" and registry.plugins["oldgmm"].status == "ok"
+    indices, bin_ids, bins, routed = _unrouted_routing()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(6))
+    weights = torch.rand(10, generator=torch.Generator().manual_seed(7))
+    rows = routed + 1
+    with mb.use_backend("old"):
+        got = mb.ops.gather(x, indices, bin_ids, bins, 2, rows)
+    assert plugins.module("old").SEEN.pop() == 10  # the old kernel made every row
+    want = x[indices.long() // 2][:rows]  # numpy-style oracle: row i is its token's row
+    assert got.shape == (rows, 4) and torch.equal(got, want)
+
+    h = torch.randn(rows, 4, generator=torch.Generator().manual_seed(8))
+    b = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(9))
+    with mb.use_backend("oldgmm"):
+        out = mb.ops.gmm_scatter(h, b, indices, bin_ids, weights, bins, 2, False, "relu", rows)
+    given = plugins.module("oldgmm").SEEN.pop()
+    assert given.shape == (10, 4)
+    assert torch.equal(given[:rows], torch.relu(h)) and not given[rows:].any()
+    # An independent loop: token t sums w * relu(h[i]) @ b[e] over its routed sorted rows i.
+    expected = torch.zeros(5, 6)
+    ends = bins.tolist()
+    for i, flat in enumerate(indices.tolist()[:routed]):
+        e = sum(1 for end in ends if end <= i)
+        expected[flat // 2] += weights[flat] * (torch.relu(h[i]) @ b[e])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

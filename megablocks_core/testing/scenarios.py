@@ -62,6 +62,10 @@ class Scenario:
     last), so they sort last, bins ends before the last sorted row and batch_sizes sums short, as
     expert parallelism routes the pairs whose expert lives on another rank. Only the ops whose
     contracts take such rows get this scenario's samples (see :func:`applies`)."""
+    first_rows: bool = False
+    """With ``unrouted`` pairs: the ops that take a sorted-row count (``gather``, ``gather_gmm``,
+    ``gmm_scatter``: ``rows``) get one, the routed rows plus half the unrouted ones, as expert
+    parallelism's receiving rank passes its own pairs' count."""
     seed: int = 0
 
     @property
@@ -85,6 +89,7 @@ class Scenario:
                     self.accumulate_dtype not in (None, self.dtype),
                 ),
                 (f"unrouted={self.unrouted}", self.unrouted > 0),
+                ("first rows", self.first_rows),
             )
             if on
         ]
@@ -143,6 +148,18 @@ class Routing:
     @property
     def num_rows(self) -> int:
         return self.indices.shape[0]
+
+    @property
+    def row_count(self) -> int | None:
+        """The ops' sorted-row count (``rows``): None unless the scenario asks for one."""
+        s = self.scenario
+        if not s.first_rows:
+            return None
+        return s.tokens * s.top_k - s.unrouted + s.unrouted // 2
+
+    def first(self, rows: torch.Tensor) -> torch.Tensor:
+        """Sorted ``rows`` cut to the row count, if any."""
+        return rows if self.row_count is None else rows[: self.row_count]
 
 
 def routing(s: Scenario, device: torch.device | str = "cpu") -> Routing:
@@ -252,7 +269,15 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "route": lambda r: (r.top_experts, r.scenario.experts, r.scenario.block_size),
     # Softmax weights in every other scenario (by seed), the scores themselves in the rest.
     "router_topk": lambda r: (r.scores, r.scenario.top_k, r.scenario.seed % 2 == 0),
-    "gather": lambda r: (r.x, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
+    "gather": lambda r: (
+        r.x,
+        r.indices,
+        r.bin_ids,
+        r.weights,
+        r.bins,
+        r.scenario.top_k,
+        r.row_count,
+    ),
     "scatter": lambda r: (r.rows, r.indices, r.bin_ids, r.weights, r.bins, r.scenario.top_k),
     "scatter_wgrad": lambda r: (r.rows, r.grad, r.indices, r.bin_ids, r.bins, r.scenario.top_k),
     "padded_gather": lambda r: (
@@ -301,11 +326,12 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.bins,
         r.scenario.top_k,
         r.scenario.trans_b,
+        r.row_count,
     ),
     # The second expert GEMM: sorted (rows, ffn) back to (tokens, hidden), its activation (or
     # none; a gated one of (rows, 2 * ffn)) taken in turn by seed.
     "gmm_scatter": lambda r: (
-        _row_input(r, r.gmm_grad),
+        r.first(_row_input(r, r.gmm_grad)),
         r.expert_weights.transpose(1, 2).contiguous(),
         r.indices,
         r.bin_ids,
@@ -314,6 +340,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.top_k,
         r.scenario.trans_b,
         _row_activation(r),
+        r.row_count,
     ),
     # The gated unit, its activation (or none) taken in turn by seed as gmm_scatter's.
     "glu": lambda r: (r.gate_up, _activation(r)),
@@ -406,6 +433,8 @@ QUICK: tuple[Scenario, ...] = (
         seed=2,
     ),
     Scenario(tokens=40, experts=256, top_k=8, hidden=3, seed=3),
+    # Pairs routed to no expert, past bins[-1] (expert parallelism's), and a sorted-row count.
+    Scenario(tokens=21, experts=4, top_k=2, hidden=8, unrouted=17, first_rows=True, seed=4),
 )
 
 #: The full suite: the quick set, every float × index dtype pair, top_k 1…8, larger shapes.
@@ -485,6 +514,24 @@ FULL: tuple[Scenario, ...] = (
         seed=48,
     ),
     Scenario(tokens=6, experts=3, top_k=2, hidden=4, dtype=_F64, unrouted=12, seed=49),
+    # ... and only the first sorted rows given or computed (a row count, as the receiving rank's).
+    Scenario(
+        tokens=10,
+        experts=6,
+        top_k=3,
+        hidden=5,
+        dtype=_BF16,
+        index_dtype=_I16,
+        non_contiguous=True,
+        trans_b=True,
+        sizes_on_device=True,
+        unrouted=11,
+        first_rows=True,
+        seed=61,
+    ),
+    Scenario(
+        tokens=6, experts=3, top_k=2, hidden=4, dtype=_F64, unrouted=12, first_rows=True, seed=62
+    ),
 )
 
 #: Added to the full set on an accelerator: the shapes of real MoE layers (thousands of tokens,
@@ -591,6 +638,19 @@ DEVICE_SIZED: tuple[Scenario, ...] = (
         accumulate_dtype=_F32,
         unrouted=4096,
         seed=59,
+    ),
+    Scenario(
+        tokens=2048,
+        experts=16,
+        top_k=4,
+        hidden=512,
+        ffn=384,
+        dtype=_BF16,
+        block_size=128,
+        sizes_on_device=True,
+        unrouted=4096,
+        first_rows=True,
+        seed=63,
     ),
 )
 

@@ -164,19 +164,30 @@ def _select_rows(x: Tensor, rows: Tensor, keep: Tensor) -> Tensor:
 
 
 def gather(
-    x: Tensor, indices: Tensor, bin_ids: Tensor, weights: Tensor | None, bins: Tensor, top_k: int
+    x: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    rows: int | None = None,
 ) -> Tensor:
-    return _gather_rows(x, indices, weights, top_k)
+    return _gather_rows(x, indices, weights, top_k, rows)
 
 
-def _gather_rows(x: Tensor, indices: Tensor, weights: Tensor | None, top_k: int) -> Tensor:
-    """gather's rows: only the indices, weights and top_k decide them (not bin_ids or bins)."""
+def _gather_rows(
+    x: Tensor, indices: Tensor, weights: Tensor | None, top_k: int, rows: int | None = None
+) -> Tensor:
+    """gather's rows (the first ``rows``; all when None): only the indices, weights and top_k
+    decide them (not bin_ids or bins)."""
     flat, valid = _named(indices)
-    rows = _select_rows(x, flat // top_k, valid)  # an id out of range gives a zero row
+    if rows is not None:  # ids range over all sorted rows still
+        flat, valid = flat[:rows], valid[:rows]
+    picked = _select_rows(x, flat // top_k, valid)  # an id out of range gives a zero row
     if weights is None:
-        return rows
+        return picked
     scale = torch.where(valid, weights.index_select(0, flat), 0).to(_acc(x.dtype))
-    return (rows.to(scale.dtype) * scale[:, None]).to(x.dtype)
+    return (picked.to(scale.dtype) * scale[:, None]).to(x.dtype)
 
 
 def _token_major(x: Tensor, indices: Tensor) -> Tensor:
@@ -383,12 +394,13 @@ def gather_gmm(
     bins: Tensor,
     top_k: int,
     trans_b: bool,
+    rows: int | None = None,
 ) -> Tensor:
     # Composed from the *dispatched* gather and gmm (as route is), so a backend that provides
     # those but no fused kernel serves it with its own kernels.
     from megablocks_core import ops
 
-    return _gmm_by_bins(ops.gather(x, indices, bin_ids, bins, top_k), b, bins, trans_b)
+    return _gmm_by_bins(ops.gather(x, indices, bin_ids, bins, top_k, rows), b, bins, trans_b)
 
 
 def gmm_scatter(

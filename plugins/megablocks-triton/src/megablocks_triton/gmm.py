@@ -55,7 +55,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
-from megablocks_core.plugin import DeviceInfo, arch_family, describe_device
+from megablocks_core.plugin import DeviceInfo, arch_family, contract, describe_device
 
 from .config import GmmConfig, LaunchConfigs, launch_configs
 from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
@@ -230,18 +230,18 @@ def _gmm_tile_ptr(
 
 @triton.jit
 def _gmm_tile_gather(
-    x_ptr, idx_ptr, b_ptr, acc, e, row_start, size_e, rows, cols, col0, M, N, K, top_k,
+    x_ptr, idx_ptr, b_ptr, acc, e, row_start, size_e, rows, cols, col0, num_ids, N, K, top_k,
     stride_xm, stride_xk, stride_be, stride_bk, stride_bn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE_FP32: tl.constexpr, B_TMA: tl.constexpr, TRANS_B: tl.constexpr,
 ):  # fmt: skip
     """K loop of one gather_gmm tile: row i of the A tile is token row x[indices[i] // top_k],
-    read in place (the gathered copy is never written). An id outside [0, M) reads nothing and
-    gives a zero row. b is read with plain loads, or through a TMA descriptor (B_TMA)."""
+    read in place (the gathered copy is never written). An id outside [0, num_ids) (tokens *
+    top_k) reads nothing and gives a zero row. b is read with plain loads, or through a TMA descriptor (B_TMA)."""
     offs_k0 = tl.arange(0, BLOCK_K)
     sorted_rows = (row_start + tl.minimum(rows, size_e - 1)).to(tl.int64)
     flat = tl.load(idx_ptr + sorted_rows).to(tl.int64)
-    named = (flat >= 0) & (flat < M)
+    named = (flat >= 0) & (flat < num_ids)
     tokens = tl.where(named, flat // top_k, 0)
     a_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k0[None, :] * stride_xk
     row_ok = named[:, None]
@@ -312,7 +312,7 @@ def _group_sizes(sizes_ptr, E, M, BLOCK_E: tl.constexpr, FROM_ENDS: tl.constexpr
 @triton.jit
 def _gmm_kernel(
     a_ptr, b_ptr, c_ptr, sizes_ptr, idx_ptr,
-    M, N, K, E, top_k,
+    M, N, K, E, top_k, num_ids,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
@@ -324,8 +324,9 @@ def _gmm_kernel(
 ):  # fmt: skip
     # USE_TMA: a_ptr is a (M, K) TensorDescriptor and b_ptr a 3-D one over b's storage
     # ((E, K, N), or (E, N, K) when TRANS_B); the strides are then unused.
-    # GATHER (gather_gmm): a_ptr is the token rows x and A's row i is x[idx[i] // top_k]; with
-    # USE_TMA only b goes through a descriptor. FROM_ENDS: sizes_ptr holds bins (cumulative).
+    # GATHER (gather_gmm): a_ptr is the token rows x and A's row i is x[idx[i] // top_k] (ids in
+    # [0, num_ids): M may be fewer rows, the first of them); with USE_TMA only b goes through a
+    # descriptor. FROM_ENDS: sizes_ptr holds bins (cumulative).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     # Per-expert sizes and tile-count prefix, built once per program (device side: no host sync).
@@ -357,7 +358,7 @@ def _gmm_kernel(
         if GATHER:
             acc = _gmm_tile_gather(
                 a_ptr, idx_ptr, b_ptr, acc, e, row_start, size_e, rows, cols, pid_n * BLOCK_N,
-                M, N, K, top_k,
+                num_ids, N, K, top_k,
                 stride_am, stride_ak, stride_be, stride_bk, stride_bn,
                 BLOCK_N, BLOCK_K, EVEN_K, IEEE_FP32, USE_TMA, TRANS_B,
             )  # fmt: skip
@@ -625,6 +626,7 @@ def _forward_plan(
     grid = (max(1, min(_num_sms(info) * cfg.programs_per_sm, max_tiles)),)
     scalars = (
         m, n, k, num_experts, gather_top_k if gather else 1,
+        a.shape[0] * gather_top_k if gather_top_k is not None else m,  # ids a row may name
         a.stride(0), a.stride(1),
         b.stride(0), stride_bk, stride_bn,
         n, 1,  # the contiguous (m, n) output's strides
@@ -660,6 +662,15 @@ def _forward_plan(
 #: Per call shape, launch policy and config override: the prepared forward launches.
 _FORWARD_PLANS: dict[Any, Forward] = {}
 _GMM_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def _activate(x: torch.Tensor, name: str) -> torch.Tensor:
+    """gmm_scatter's activation of x's rows, as the core applies it for a kernel that does not
+    take one (the dispatched activation ops: a transient copy)."""
+    apply: Callable[[torch.Tensor, str], torch.Tensor] = getattr(  # noqa: B009 (Arg has no apply)
+        contract("gmm_scatter").arg("activation"), "apply"
+    )
+    return apply(x, name)
 
 
 def _planned(
@@ -721,17 +732,20 @@ def gather_gmm(
     bins: torch.Tensor,
     top_k: int,
     trans_b: bool = False,
+    rows: int | None = None,
     *,
     config: GmmConfig | None = None,
 ) -> torch.Tensor:
     """``gmm(gather(x, indices, ...), b, counts)`` reading each row of A from x in place: sorted
-    row i is ``x[indices[i] // top_k] @ b[e]``, groups from bins (cumulative). No gathered copy
-    of x is written; ids outside [0, rows) give zero rows."""
+    row i is ``x[indices[i] // top_k] @ b[e]``, groups from bins (cumulative), for the first
+    ``rows`` sorted rows (all when None). No gathered copy of x is written; ids outside
+    [0, tokens * top_k) give zero rows."""
     x = _unit_last_stride(x)
     b = _unit_last_stride(b)
     if not bins.is_contiguous():
         bins = bins.contiguous()
-    plan = _planned(x, b, bins, indices, trans_b, indices.shape[0], int(top_k), True, config)
+    m = indices.shape[0] if rows is None else rows
+    plan = _planned(x, b, bins, indices, trans_b, m, int(top_k), True, config)
     return plan(x, b, bins, indices)
 
 
@@ -744,10 +758,16 @@ def gmm_scatter(
     bins: torch.Tensor,
     top_k: int,
     trans_b: bool = False,
+    activation: str | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """``scatter(gmm(x, b, counts), indices, bin_ids, weights, bins, top_k)``: the GEMM keeps its
-    plain (TMA) stores and the token-major scatter kernel sums each token's rows once (reading
-    its top_k rows, weighting and summing in fp32): no atomics, deterministic."""
+    """``scatter(gmm(act(x), b, counts), indices, bin_ids, weights, bins, top_k)``: the GEMM
+    keeps its plain (TMA) stores and the token-major scatter kernel sums each token's rows once
+    (reading its top_k rows, weighting and summing in fp32): no atomics, deterministic. x may
+    hold only the first ``rows`` sorted rows (the GEMM covers those, the scatter reads no
+    other). The activation is the contract's own (applied to x first, a transient copy)."""
+    if activation is not None:
+        x = _activate(x, activation)
     x = _unit_last_stride(x)
     b = _unit_last_stride(b)
     if not bins.is_contiguous():

@@ -155,9 +155,11 @@ def _placement(
     SEARCH: tl.constexpr,
 ):
     """Row (int64) of the output layout that sorted row p maps to, and whether it has one
-    inside the layout (never an address outside it, whatever bins/padded_bins hold)."""
+    inside the layout (never an address outside it, whatever bins/padded_bins hold). In the
+    plain layout the rows are the first num_rows sorted rows (fewer than n with a row count)."""
     if MODE == 0:
         dest = p.to(tl.int64)
+        keep = keep & (dest < num_rows)
     else:
         # The expert comes from bins. In the padded layout the token programs take it from
         # bin_ids[p] (hint_ptr) and keep a copy only where bins confirm it: no search and no
@@ -527,7 +529,7 @@ def _scatter_kernel(
         for k in tl.static_range(TOP_K):
             if SEARCH > 0:
                 p = tl.max(tl.where(copies == k, found, -1), axis=0)
-                keep = p >= 0
+                keep = (p >= 0) & (p < num_rows)
                 if GROUPED_ROWS:
                     keep = keep & (p < covered)
                 f = pid * TOP_K + k
@@ -626,8 +628,8 @@ def _meta(top_k: int, num_bins: int) -> dict[str, int]:
 
 
 def _rows(x: torch.Tensor, mode: int) -> int:
-    """Rows of the padded layout (the bound every padded destination is checked against)."""
-    return x.shape[0] if mode == PADDED else 0
+    """Rows of the plain or padded layout (the bound every destination is checked against)."""
+    return x.shape[0] if mode in (PLAIN, PADDED) else 0
 
 
 Launch = tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]
@@ -908,18 +910,22 @@ def _gather_plan(
     num_bins: int,
     top_k: int,
     has_weights: bool,
+    rows: int | None = None,
 ) -> Callable[..., torch.Tensor]:
+    """The prepared gather of the first ``rows`` sorted rows (all n when None)."""
     num_tokens, hidden = x.shape
     dtype = x.dtype
-    if n * hidden == 0 or num_tokens == 0:
+    out_rows = n if rows is None else rows
+    if out_rows * hidden == 0 or num_tokens == 0:
         return lambda x, indices, weights, bins: torch.empty(
-            (n, hidden), dtype=dtype, device=x.device
+            (out_rows, hidden), dtype=dtype, device=x.device
         )
     if configs.gather_by_rows(num_tokens, hidden, top_k, x.element_size()):
-        cfg = configs.permutation(n, hidden, 1, x.element_size())  # n rows of one copy each
+        # out_rows rows of one copy each (ids still range over all n)
+        cfg = configs.permutation(out_rows, hidden, 1, x.element_size())
         copy_rows = bind(
             _gather_rows_kernel,
-            (n, cfg.split_h),
+            (out_rows, cfg.split_h),
             n,
             hidden,
             TOP_K=top_k,
@@ -933,7 +939,7 @@ def _gather_plan(
         def by_rows(
             x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
         ) -> torch.Tensor:
-            out = x.new_empty(n, hidden)
+            out = x.new_empty(out_rows, hidden)
             copy_rows(x, indices, weights if weights is not None else x, out)
             return out
 
@@ -950,7 +956,7 @@ def _gather_plan(
         top_k,
         PLAIN,
         0,
-        0,
+        out_rows,
         has_weights,
     )
     copy = bind(_gather_kernel, grid, *scalars, **kw)
@@ -958,7 +964,7 @@ def _gather_plan(
     def by_tokens(
         x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor | None, bins: torch.Tensor
     ) -> torch.Tensor:
-        out = x.new_empty(n, hidden)
+        out = x.new_empty(out_rows, hidden)
         inv = inverse(indices)
         copy(x, indices, inv, bins, weights if weights is not None else x, bins, bins, out)
         return out
@@ -995,7 +1001,7 @@ def _scatter_plan(
         top_k,
         PLAIN,
         0,
-        0,
+        x.shape[0],
         has_weights,
         search,
         grouped_rows,
@@ -1036,7 +1042,7 @@ def _wgrad_plan(
         return lambda x, grad, indices, bins: torch.zeros(n, dtype=dtype, device=x.device)
     inverse = _inverse_plan(configs, n)
     grid, scalars, kw = _wgrad_launch(
-        configs, x.element_size(), n // top_k, hidden, n, num_bins, top_k, PLAIN, 0, 0
+        configs, x.element_size(), n // top_k, hidden, n, num_bins, top_k, PLAIN, 0, x.shape[0]
     )
     dot = bind(_wgrad_kernel, grid, *scalars, **kw)
 
@@ -1061,9 +1067,11 @@ def gather(
     weights: torch.Tensor | None,
     bins: torch.Tensor,
     top_k: int,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """(T, H) -> (T*K, H): out[i] = x[indices[i] // K] * weights[indices[i]] (if weights)."""
-    return _plan(_GATHER_PLANS, _gather_plan, x, indices, weights, bins, top_k)(
+    """(T, H) -> (T*K, H), or its first ``rows`` rows: out[i] = x[indices[i] // K] *
+    weights[indices[i]] (if weights)."""
+    return _plan(_GATHER_PLANS, _gather_plan, x, indices, weights, bins, top_k, rows)(
         x, indices, weights, bins
     )
 
@@ -1090,8 +1098,10 @@ def _plan(
     weights: torch.Tensor | None,
     bins: torch.Tensor,
     top_k: int,
+    *rows: int | None,
 ) -> Any:
-    """The prepared launches of a plain gather or scatter for this call shape (made once)."""
+    """The prepared launches of a plain gather (``rows``: its row count) or scatter for this
+    call shape (made once)."""
     configs = launch_configs()
     key = (
         x.shape,
@@ -1104,13 +1114,14 @@ def _plan(
         None if weights is None else weights.dtype,
         top_k,
         configs,
+        *rows,
     )
     plan = plans.get(key)
     if plan is None:
         plan = remember(
             plans,
             key,
-            make(configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None),
+            make(configs, x, indices.numel(), bins.numel(), int(top_k), weights is not None, *rows),
         )
     return plan
 
