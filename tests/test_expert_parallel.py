@@ -242,6 +242,7 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
             for case in CASES[world]:
                 group = groups[case.ep()]
                 layer = make_layer(case, group)
+                expert_rows = _record_rows(layer)
                 x, grad = tokens(case, rank)
                 x.requires_grad_()
                 log.clear()
@@ -270,6 +271,7 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
                     "expert_grads": {n: p.grad for n, p in expert_params(layer).items()},
                     "expert_values": {n: p.detach() for n, p in expert_params(layer).items()},
                     "forward_splits": forward_splits,
+                    "expert_rows": expert_rows,
                     "exchanges": list(log),
                     "async_exchanges": len(pending),
                     "unwaited": unwaited,  # after the forward, after the backward
@@ -321,6 +323,19 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _record_rows(layer: DroplessMoE) -> list[int | None]:
+    """The row count (``rows``) each call of the layer's fused experts gets, as it comes."""
+    seen: list[int | None] = []
+    fused = layer._fused_experts
+
+    def recording(*args: object) -> torch.Tensor:
+        seen.append(args[5])  # type: ignore[arg-type]
+        return fused(*args)
+
+    layer._fused_experts = recording  # type: ignore[method-assign]
+    return seen
 
 
 def _loopback_interface() -> str:
@@ -463,6 +478,7 @@ def _check_group(case: Case, got: list[dict], ranks: range) -> None:
     tops = [layer.route(x.detach())[2].tolist() for x, _, _ in per_rank]
     for me, rank in enumerate(ranks):
         assert got[rank][case.name]["forward_splits"] == _expected_row_splits(case, tops, me)
+        assert got[rank][case.name]["expert_rows"] == _expected_rows(case, tops, me)
     if case.starve:  # the other ranks' experts really got nothing: exactly-zero gradients
         for rank in ranks[1:]:
             assert all(not g.any() for g in got[rank][case.name]["expert_grads"].values())
@@ -492,6 +508,26 @@ def _expected_row_splits(case: Case, tops: list[list[list[int]]], me: int) -> li
 
     dispatch = [sent(me, c) for c in range(chunks)]
     return dispatch + [[sent(s, c)[me] for s in range(world)] for c in range(chunks)]
+
+
+def _expected_rows(case: Case, tops: list[list[list[int]]], me: int) -> list[int | None]:
+    """The row count rank ``me``'s fused experts get per call: per chunk, the (token, k) pairs of
+    every group rank's tokens in that chunk whose expert ``me`` holds (its own pairs only); the
+    all-gather dispatch knows no count (None); the baseline runs no fused experts."""
+    if case.baseline:
+        return []
+    if case.dispatch == "allgather":
+        return [None]
+    local, chunks = case.experts // len(tops), case.chunks or DEFAULT_CHUNKS
+    counts = []
+    for c in range(chunks):
+        pairs = 0
+        for source in tops:
+            n = len(source)
+            chunk = source[c * n // chunks : (c + 1) * n // chunks]
+            pairs += sum(e // local == me for token in chunk for e in token)
+        counts.append(pairs)
+    return counts
 
 
 @pytest.mark.parametrize("world", list(CASES))

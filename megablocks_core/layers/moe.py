@@ -427,21 +427,32 @@ class DroplessMoE(torch.nn.Module):
         return ops.gmm(h, self.w2, tokens_per_expert)
 
     def _fused_experts(
-        self, x: Tensor, weights: Tensor, indices: Tensor, bin_ids: Tensor, bins: Tensor
+        self,
+        x: Tensor,
+        weights: Tensor,
+        indices: Tensor,
+        bin_ids: Tensor,
+        bins: Tensor,
+        rows: int | None = None,
     ) -> Tensor:
         """The experts applied to tokens x and summed back per token, never writing a
         (tokens * top_k, hidden) tensor: the first GEMM reads x through the indices, the second
         sums each token's weighted rows, applying a named activation (gated experts: act(gate) *
         up) on its way in. Backward keeps only h, the first GEMM's output (with a named
-        activation)."""
+        activation). ``rows``: only the first sorted pairs (bins[-1] of them; the rest are
+        routed to no expert here) are computed and kept."""
         routing = (indices, bin_ids)
-        h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k)
+        h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k, False, rows)
         if self.activation_name is not None:
             # gmm_scatter applies the activation to h (a gated one: act(gate) * up) and keeps
             # only h for backward.
             name = _GATED_BY_GATE[self.activation_name] if self.glu else self.activation_name
-            return ops.gmm_scatter(h, self.w2, *routing, weights, bins, self.top_k, False, name)
-        return ops.gmm_scatter(self._activate(h), self.w2, *routing, weights, bins, self.top_k)
+            return ops.gmm_scatter(
+                h, self.w2, *routing, weights, bins, self.top_k, False, name, rows
+            )
+        return ops.gmm_scatter(
+            self._activate(h), self.w2, *routing, weights, bins, self.top_k, False, None, rows
+        )
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         if self.expert_parallel_group is not None:

@@ -91,10 +91,11 @@ _NAME = "megablocks_core.layers.parallel.expert_parallel_moe"
 #: ``experts(rows, tokens_per_expert)``: this rank's experts over rows grouped by local expert
 #: (``DroplessMoE.experts``), as :func:`expert_parallel_apply` takes them.
 Experts = Callable[[Tensor, Tensor], Tensor]
-#: ``experts(x, weights, indices, bin_ids, bins)``: this rank's experts applied to tokens x through
-#: the routing and summed back into one row per token with the flat top-k weights
-#: (``DroplessMoE._fused_experts``), as :func:`expert_parallel_moe` takes them.
-FusedExperts = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+#: ``experts(x, weights, indices, bin_ids, bins, rows)``: this rank's experts applied to tokens x
+#: through the routing and summed back into one row per token with the flat top-k weights, for
+#: the first ``rows`` sorted pairs (None: all) (``DroplessMoE._fused_experts``), as
+#: :func:`expert_parallel_moe` takes them.
+FusedExperts = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int | None], Tensor]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -227,6 +228,7 @@ class _Plan:
     world: int
     send_splits: list[list[int]]  # [chunk][rank]: tokens sent to rank
     recv_splits: list[list[int]]  # [chunk][rank]: tokens received from rank
+    recv_pairs: list[int]  # [chunk]: (token, k) pairs of this rank's experts among those received
     offsets: list[int]  # [chunk]: first sorted slot of the chunk
     sent: int
     slot_indices: Tensor
@@ -284,14 +286,19 @@ def _plan(
     keys = torch.where(mine.any(2), slot_base, chunks * world).flatten()
     indices, bin_ids, slots_per_bin, bins, _ = ops.route(keys, chunks * world + 1, _BLOCK)
 
-    # send_counts[r, c] = tokens of chunk c for rank r; int64 so that no backend has to support a
-    # narrower integer collective.
+    # send_counts[r, c] = tokens of chunk c for rank r, and [r, chunks + c] the (token, k) pairs
+    # among them that rank r's experts serve (so the receiver computes only those pairs); int64
+    # so that no backend has to support a narrower integer collective.
+    pairs = torch.zeros(chunks * world + 1, dtype=torch.int64, device=keys.device)
+    pairs.scatter_add_(0, keys.long(), mine.sum(2, dtype=torch.int64).flatten())
     per_chunk = slots_per_bin[:-1].view(chunks, world)
-    send_counts = per_chunk.new_empty((world, chunks), dtype=torch.int64).copy_(per_chunk.t())
+    send_counts = per_chunk.new_empty((world, 2 * chunks), dtype=torch.int64)
+    send_counts[:, :chunks].copy_(per_chunk.t())
+    send_counts[:, chunks:].copy_(pairs[:-1].view(chunks, world).t())
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     slot_tokens = torch.div(indices, world, rounding_mode="floor")
-    # The one host read of the layer call: all chunks' split sizes at once.
+    # The one host read of the layer call: all chunks' split sizes and pair counts at once.
     sent_to, received_from = torch.stack([send_counts, recv_counts]).tolist()
 
     send_splits = [[sent_to[r][c] for r in range(world)] for c in range(chunks)]
@@ -303,6 +310,7 @@ def _plan(
         world=world,
         send_splits=send_splits,
         recv_splits=[[received_from[r][c] for r in range(world)] for c in range(chunks)],
+        recv_pairs=[sum(received_from[r][chunks + c] for r in range(world)) for c in range(chunks)],
         offsets=offsets,
         sent=total,
         slot_indices=indices,
@@ -319,9 +327,10 @@ class _LocalChunk:
     The fused experts read the received rows in place (``ops.gather_gmm``) and sum each token's
     weighted outputs (``ops.gmm_scatter``); the (token, k) pairs of other ranks' experts came
     with the sentinel key ``local`` and weight 0, so they sort past the last local bin, where
-    they belong to no expert. With ``record``, the forward records that graph from two leaves,
-    the received rows and the received weights, and backward differentiates it with
-    ``torch.autograd.grad``."""
+    they belong to no expert. Given their count (``pairs``, this rank's pairs), the fused ops
+    compute, keep and differentiate only those sorted rows. With ``record``, the forward records
+    that graph from two leaves, the received rows and the received weights, and backward
+    differentiates it with ``torch.autograd.grad``."""
 
     def __init__(
         self,
@@ -331,17 +340,19 @@ class _LocalChunk:
         local: int,
         experts: FusedExperts,
         record: bool,
+        pairs: int | None = None,
     ) -> None:
         """``keys``: (rows, K) local expert ids, ``local`` for other ranks' experts, whose
-        ``weights`` (rows, K) are 0."""
+        ``weights`` (rows, K) are 0; ``pairs``: how many keys are not ``local`` (None: unknown)."""
         indices, bin_ids, _, bins, _ = ops.route(keys.flatten(), local + 1, _BLOCK)
         with torch.enable_grad() if record else torch.no_grad():
             if record:
                 rows = rows.detach().requires_grad_()
                 weights = weights.detach().requires_grad_()
-            # Dropping the sentinel's bin leaves its pairs past bins[-1]: no expert's rows, so
-            # they are neither gathered nor multiplied; weight 0 besides, so they add nothing.
-            partial = experts(rows, weights.flatten(), indices, bin_ids, bins[:local])
+            # Dropping the sentinel's bin leaves its pairs past bins[-1] (= pairs): no expert's
+            # rows, so they are neither gathered nor multiplied (nor, given pairs, allocated);
+            # weight 0 besides, so they add nothing.
+            partial = experts(rows, weights.flatten(), indices, bin_ids, bins[:local], pairs)
         self.received, self.weights = rows, weights
         self.graph: Tensor | None = partial if record else None
         self.partial: Tensor | None = partial.detach()
@@ -426,6 +437,7 @@ class _ExpertParallelMoE(torch.autograd.Function):
                 local,
                 experts,
                 record,
+                plan.recv_pairs[c],
             )
             returns.append(
                 _InFlight(
@@ -633,14 +645,16 @@ def expert_parallel_moe(
         top_experts: their top-k global expert ids, ``(tokens, top_k)`` integer in ``[0, E)``.
         num_experts: E, a multiple of the group's size W; rank r holds experts
             ``[r * E/W, (r + 1) * E/W)``.
-        experts: ``experts(x, weights, indices, bin_ids, bins)`` applies this rank's E/W experts
-            to tokens ``x`` (tokens, hidden) through the routing of their (token, k) pairs by
-            local expert (``ops.route``'s ``indices`` and ``bin_ids``, ``bins`` of length E/W)
-            and returns, per token, the sum of its pairs' outputs times ``weights`` (flat,
-            tokens * top_k): ``DroplessMoE._fused_experts`` (``ops.gather_gmm``, activation,
-            ``ops.gmm_scatter``). Sorted pairs past ``bins[-1]`` (those of other ranks' experts,
-            with weight 0) belong to no expert and must add nothing, as the fused ops' contracts
-            say.
+        experts: ``experts(x, weights, indices, bin_ids, bins, rows)`` applies this rank's E/W
+            experts to tokens ``x`` (tokens, hidden) through the routing of their (token, k)
+            pairs by local expert (``ops.route``'s ``indices`` and ``bin_ids``, ``bins`` of
+            length E/W) and returns, per token, the sum of its pairs' outputs times ``weights``
+            (flat, tokens * top_k): ``DroplessMoE._fused_experts`` (``ops.gather_gmm``,
+            activation, ``ops.gmm_scatter``). Sorted pairs past ``bins[-1]`` (those of other
+            ranks' experts, with weight 0) belong to no expert and must add nothing, as the fused
+            ops' contracts say; ``rows`` (an int, = ``bins[-1]``, or None where unknown) is the
+            number of pairs before them: the fused ops' row count, so that nothing is computed
+            or kept for the others.
         expert_parameters: the tensors ``experts`` uses that may need a gradient (they receive
             the gradient of every rank's tokens that reached them).
         group: the expert-parallel process group.
