@@ -6,6 +6,9 @@ shows up here as a failure with the compiler's message.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from megablocks_reference import kernels as reference
@@ -289,6 +292,54 @@ def test_scan_scatter_on_bad_ids(ext, index_dtype):
         torch.allclose(got, _scatter_oracle(x, ids, weights, top_k), rtol=1e-5, atol=1e-5)
         for ids in (row_11_wins, row_10_wins)
     )
+
+
+REFUSED_CALLS = {
+    "scan_scatter past its rows": (
+        "ext.scan_scatter(torch.zeros(4097, 8, device='cuda'), "
+        "torch.arange(4097, device='cuda', dtype=torch.int32), None, 1)",
+        "at most 4096 rows, not 4097",
+    ),
+    "scan_scatter of a partial token": (
+        "ext.scan_scatter(torch.zeros(10, 8, device='cuda'), "
+        "torch.arange(10, device='cuda', dtype=torch.int32), None, 3)",
+        "whole tokens",
+    ),
+    "scan_scatter of integer rows": (
+        "ext.scan_scatter(torch.zeros(4, 8, device='cuda', dtype=torch.int32), "
+        "torch.arange(4, device='cuda', dtype=torch.int32), None, 1)",
+        "unsupported dtype",
+    ),
+    "sort of float keys": (
+        "ext.sort(torch.zeros(8, device='cuda'), 4)",
+        "expected int16, int32 or int64",
+    ),
+    "route_one_block of no experts": (
+        "ext.route_one_block(torch.zeros(8, device='cuda', dtype=torch.int32), 0, 4)",
+        "num_experts must lie in",
+    ),
+}
+
+
+@pytest.mark.parametrize("what", list(REFUSED_CALLS))
+def test_the_extension_refuses_bad_arguments_with_an_error(ext, what):
+    """A direct call of the extension with arguments it cannot take raises RuntimeError with its
+    reason (a failing TORCH_CHECK crashed the process on one torch build: csrc/check.h). In a
+    child process, so that a crash fails this test only."""
+    call, reason = REFUSED_CALLS[what]
+    code = (
+        "import torch\n"
+        "from megablocks_cuda import extension\n"
+        "ext = extension.load()\n"
+        "try:\n"
+        f"    {call}\n"
+        "    print('accepted')\n"
+        "except RuntimeError as error:\n"
+        "    print('RuntimeError:', error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("RuntimeError:") and reason in done.stdout, done.stdout
 
 
 def _loop_gmm(a, b, sizes, trans_b):

@@ -15,6 +15,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "check.h"
 #include "permutation.h"
 
 namespace megablocks_cuda {
@@ -160,7 +161,7 @@ int weights_kind_of(const std::optional<torch::Tensor>& weights) {
     case at::kDouble:
       return kDouble;
     default:
-      TORCH_CHECK(false, "megablocks_cuda.scan_scatter: weights must be a float tensor, not ",
+      MB_CHECK(false, "megablocks_cuda.scan_scatter: weights must be a float tensor, not ",
                   weights->scalar_type());
   }
 }
@@ -199,24 +200,24 @@ torch::Tensor scan_scatter(const torch::Tensor& rows, const torch::Tensor& ids,
   // Contiguous here rather than in Python: free when it already is (the usual case).
   const torch::Tensor x = rows.contiguous();
   const torch::Tensor indices = ids.contiguous();
-  TORCH_CHECK(x.is_cuda() && indices.is_cuda() && x.device() == indices.device(),
+  MB_CHECK(x.is_cuda() && indices.is_cuda() && x.device() == indices.device(),
               "megablocks_cuda.scan_scatter: x and indices must be on one CUDA device");
-  TORCH_CHECK(x.dim() == 2 && indices.dim() == 1 && x.size(0) == indices.size(0),
+  MB_CHECK(x.dim() == 2 && indices.dim() == 1 && x.size(0) == indices.size(0),
               "megablocks_cuda.scan_scatter: expected x (rows, hidden) and one index per row");
   const int64_t n = indices.numel();
-  TORCH_CHECK(n <= kScanScatterMaxRows, "megablocks_cuda.scan_scatter: at most ",
+  MB_CHECK(n <= kScanScatterMaxRows, "megablocks_cuda.scan_scatter: at most ",
               kScanScatterMaxRows, " rows, not ", n);
-  TORCH_CHECK(top_k >= 1 && n % top_k == 0,
+  MB_CHECK(top_k >= 1 && n % top_k == 0,
               "megablocks_cuda.scan_scatter: the rows must be whole tokens of top_k >= 1 copies");
   std::optional<torch::Tensor> weights;
   if (weights_in.has_value()) {
     weights = weights_in->contiguous();
-    TORCH_CHECK(weights->is_cuda() && weights->device() == x.device() && weights->dim() == 1 &&
+    MB_CHECK(weights->is_cuda() && weights->device() == x.device() && weights->dim() == 1 &&
                     weights->numel() == n,
                 "megablocks_cuda.scan_scatter: weights must hold one value per row, on x's device");
   }
   const at::ScalarType index_type = indices.scalar_type();
-  TORCH_CHECK(index_type == at::kShort || index_type == at::kInt || index_type == at::kLong,
+  MB_CHECK(index_type == at::kShort || index_type == at::kInt || index_type == at::kLong,
               "megablocks_cuda.scan_scatter: indices must be int16, int32 or int64, not ",
               index_type);
   const int kind = weights_kind_of(weights);
@@ -228,6 +229,7 @@ torch::Tensor scan_scatter(const torch::Tensor& rows, const torch::Tensor& ids,
   if (num_tokens == 0 || hidden == 0) return out;
   const void* weights_ptr = weights.has_value() ? weights->data_ptr() : nullptr;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  check_dispatched(x.scalar_type(), "megablocks_cuda.scan_scatter");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(),
                                   "megablocks_cuda.scan_scatter", [&] {
     using ScalarT = scalar_t;

@@ -13,21 +13,16 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include "check.h"
 #include "kernels.cuh"
 #include "routing.h"
 
 namespace megablocks_cuda {
 namespace {
 
-#define MB_DISPATCH_INTS(TYPE, NAME, ...)                  \
-  AT_DISPATCH_SWITCH(TYPE, NAME,                           \
-                     AT_DISPATCH_CASE(at::kShort, __VA_ARGS__) \
-                     AT_DISPATCH_CASE(at::kInt, __VA_ARGS__)   \
-                     AT_DISPATCH_CASE(at::kLong, __VA_ARGS__))
-
 void check_cuda(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "megablocks_cuda: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), "megablocks_cuda: ", name, " must be contiguous");
+  MB_CHECK(t.is_cuda(), "megablocks_cuda: ", name, " must be a CUDA tensor");
+  MB_CHECK(t.is_contiguous(), "megablocks_cuda: ", name, " must be contiguous");
 }
 
 // CUB's two-phase calls: size the scratch space, take it from torch's allocator, run.
@@ -48,7 +43,7 @@ std::vector<torch::Tensor> sort(const torch::Tensor& x, int64_t end_bit) {
   auto indices = torch::empty_like(x);
   const int64_t n = x.numel();
   if (n == 0) return {values, indices};
-  TORCH_CHECK(n <= INT32_MAX, "megablocks_cuda.sort: more than 2**31 - 1 keys");
+  MB_CHECK(n <= INT32_MAX, "megablocks_cuda.sort: more than 2**31 - 1 keys");
   auto stream = at::cuda::getCurrentCUDAStream();
   MB_DISPATCH_INTS(x.scalar_type(), "megablocks_cuda.sort", [&] {
     // The positions to carry along: 0..n-1 in x's dtype (int16 keys are at most 32768 long).
@@ -171,9 +166,9 @@ std::tuple<torch::Tensor, torch::Tensor> sort_one_block(const torch::Tensor& key
   // Contiguous here rather than in Python: free when it already is (the usual case).
   const torch::Tensor x = keys.contiguous();
   check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 1 && x.numel() <= kOneBlockMaxKeys,
+  MB_CHECK(x.dim() == 1 && x.numel() <= kOneBlockMaxKeys,
               "megablocks_cuda.sort_one_block: expected at most ", kOneBlockMaxKeys, " 1-D keys");
-  TORCH_CHECK(end_bit >= 0 && end_bit <= kOneBlockMaxBits,
+  MB_CHECK(end_bit >= 0 && end_bit <= kOneBlockMaxBits,
               "megablocks_cuda.sort_one_block: end_bit must lie in [0, ", kOneBlockMaxBits, "]");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
@@ -196,11 +191,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 route_one_block(const torch::Tensor& ids, int64_t num_experts, int64_t block_size) {
   const torch::Tensor top_experts = ids.contiguous();
   check_cuda(top_experts, "top_experts");
-  TORCH_CHECK(top_experts.dim() == 1 && top_experts.numel() <= kOneBlockMaxKeys,
+  MB_CHECK(top_experts.dim() == 1 && top_experts.numel() <= kOneBlockMaxKeys,
               "megablocks_cuda.route_one_block: expected at most ", kOneBlockMaxKeys, " 1-D ids");
-  TORCH_CHECK(num_experts >= 1 && num_experts <= kOneBlockMaxBins,
+  MB_CHECK(num_experts >= 1 && num_experts <= kOneBlockMaxBins,
               "megablocks_cuda.route_one_block: num_experts must lie in [1, ", kOneBlockMaxBins, "]");
-  TORCH_CHECK(block_size >= 1, "megablocks_cuda.route_one_block: block_size must be >= 1");
+  MB_CHECK(block_size >= 1, "megablocks_cuda.route_one_block: block_size must be >= 1");
   const c10::cuda::CUDAGuard guard(top_experts.device());
   const int64_t n = top_experts.numel();
   auto indices = empty_1d(top_experts, n, top_experts.scalar_type());
@@ -224,8 +219,8 @@ route_one_block(const torch::Tensor& ids, int64_t num_experts, int64_t block_siz
 torch::Tensor histogram(const torch::Tensor& x, int64_t num_bins) {
   // x is (rows, n): the Python side views 1-D keys as one row.
   check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 2, "megablocks_cuda.histogram: expected (rows, n) keys");
-  TORCH_CHECK(num_bins <= INT32_MAX, "megablocks_cuda.histogram: too many bins");
+  MB_CHECK(x.dim() == 2, "megablocks_cuda.histogram: expected (rows, n) keys");
+  MB_CHECK(num_bins <= INT32_MAX, "megablocks_cuda.histogram: too many bins");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0), n = x.size(1);
   auto counts = torch::zeros({rows, num_bins}, x.options().dtype(torch::kInt32));
@@ -246,7 +241,7 @@ torch::Tensor histogram(const torch::Tensor& x, int64_t num_bins) {
 torch::Tensor cumsum(const torch::Tensor& x, bool inclusive) {
   // x is (rows, n), scanned along n: the Python side moves the summed dim last.
   check_cuda(x, "x");
-  TORCH_CHECK(x.dim() == 2, "megablocks_cuda.cumsum: expected (rows, n)");
+  MB_CHECK(x.dim() == 2, "megablocks_cuda.cumsum: expected (rows, n)");
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = torch::empty_like(x);
   const int64_t rows = x.size(0), n = x.size(1);
@@ -259,7 +254,7 @@ torch::Tensor cumsum(const torch::Tensor& x, bool inclusive) {
                                   static_cast<int>(n), inclusive, stream);
       });
     } else {
-      TORCH_CHECK(rows <= INT32_MAX, "megablocks_cuda.cumsum: too many rows");
+      MB_CHECK(rows <= INT32_MAX, "megablocks_cuda.cumsum: too many rows");
       scan_rows_kernel<scalar_t><<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
           x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), n, inclusive);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -292,6 +287,7 @@ torch::Tensor replicate(const torch::Tensor& x, const torch::Tensor& bins, int64
   auto out = torch::empty({batch, num_outputs}, x.options());
   if (out.numel() == 0) return out;
   auto stream = at::cuda::getCurrentCUDAStream();
+  check_dispatched(x.scalar_type(), "megablocks_cuda.replicate", /*integers=*/true);
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "megablocks_cuda.replicate", [&] {
     using value_t = scalar_t;
     MB_DISPATCH_INTS(bins.scalar_type(), "megablocks_cuda.replicate", [&] {
@@ -314,6 +310,7 @@ torch::Tensor replicate_backward(const torch::Tensor& grad, const torch::Tensor&
   if (out.numel() == 0) return out;
   auto stream = at::cuda::getCurrentCUDAStream();
   const int blocks = static_cast<int>(std::min<int64_t>(batch * num_bins, 1 << 20));
+  check_dispatched(grad.scalar_type(), "megablocks_cuda.replicate_backward");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(),
                                   "megablocks_cuda.replicate_backward", [&] {
     using value_t = scalar_t;
@@ -338,6 +335,7 @@ void zero_empty_groups(torch::Tensor& out, const torch::Tensor& counts) {
   const int64_t slice = out.numel() / groups;
   auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(blocks_for(slice, kThreads * 4, 64), static_cast<unsigned>(std::min<int64_t>(groups, 65535)));
+  check_dispatched(out.scalar_type(), "megablocks_cuda.zero_empty_groups");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(),
                                   "megablocks_cuda.zero_empty_groups", [&] {
     using value_t = scalar_t;
@@ -352,12 +350,13 @@ void zero_empty_groups(torch::Tensor& out, const torch::Tensor& counts) {
 void zero_uncovered_rows(torch::Tensor& out, const torch::Tensor& ends) {
   check_cuda(out, "out");
   check_cuda(ends, "ends");
-  TORCH_CHECK(out.dim() == 2, "megablocks_cuda.zero_uncovered_rows: expected a (rows, cols) output");
+  MB_CHECK(out.dim() == 2, "megablocks_cuda.zero_uncovered_rows: expected a (rows, cols) output");
   const c10::cuda::CUDAGuard guard(out.device());
   const int64_t groups = ends.numel();
   if (out.numel() == 0 || groups == 0) return;
   auto stream = at::cuda::getCurrentCUDAStream();
   const int blocks = blocks_for(out.numel(), kThreads * 4, 1024);
+  check_dispatched(out.scalar_type(), "megablocks_cuda.zero_uncovered_rows");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(),
                                   "megablocks_cuda.zero_uncovered_rows", [&] {
     using value_t = scalar_t;
