@@ -8,7 +8,8 @@ their outputs; it moves each token once per rank that holds at least one of its 
    token has an expert on that rank. ``ops.route`` sorts the slots by (chunk, rank) with the unused
    ones in a last bin, and each slot's routing for its destination is written: the token's
    top-k expert ids as that rank's local ids (``E/W``, a sentinel, for experts elsewhere) and
-   its top-k weights (0 for those). The per-(chunk, rank) token counts go to their ranks in one small
+   its top-k weights (0 for those). The per-(chunk, rank) token counts, and the (token, k) pairs
+   among them that the destination's experts serve, go to their ranks in one small
    ``all_to_all_single``, and the counts sent and received are read on the host with one
    ``.tolist()``: the one device→host sync of a layer call (``all_to_all_single`` takes its split
    sizes as Python ints).
@@ -18,9 +19,10 @@ their outputs; it moves each token once per rank that holds at least one of its 
    pairs by their local expert keys,
    the sentinel ones last, and the sentinel's bin is dropped (``bins[:E/W]``): the sorted rows
    past ``bins[-1]`` belong to no expert, which the fused ops' contracts allow. The layer's
-   fused experts then run on the received tokens as they came: ``ops.gather_gmm`` reads each
-   pair's token row through the indices (no copy of the pairs' rows), the sentinel rows give
-   zero rows and no GEMM work, and ``ops.gmm_scatter`` sums each token's weighted outputs into
+   fused experts then run on the received tokens as they came, with this rank's pair count as
+   their row count (no row at all for the sentinel pairs): ``ops.gather_gmm`` reads each pair's
+   token row through the indices (no copy of the pairs' rows), and ``ops.gmm_scatter`` sums
+   each token's weighted outputs into
    **one partial row per (token, rank)** (the sentinel pairs have weight 0 and add nothing).
 4. **Combine** (per chunk, asynchronous). The partial rows go back by the reverse exchange; the
    source rank sums the partials of each token over the ranks with ``ops.scatter`` (no weights).
