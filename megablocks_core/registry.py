@@ -134,8 +134,8 @@ def _is_device_kind(kind: str) -> bool:
 def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
     """(why ``fn`` cannot take the contract's arguments positionally, or None; how many of
     them it takes). A function without the contract's trailing options (added to an op after
-    kernels existed: :func:`~megablocks_core.schema.is_option`) takes the arguments before them; an unreadable signature
-    (some builtins) is taken to take them all."""
+    kernels existed: :func:`~megablocks_core.schema.is_option`) takes the arguments before them;
+    an unreadable signature (some builtins) is taken to take them all."""
     names = contract.arg_names
     try:
         signature = inspect.signature(fn)
@@ -181,7 +181,7 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
                 given[target] = arg.apply(given[target], value)
             elif arg.option.pads is not None:
                 target = names.index(arg.option.pads)
-                total = eval(arg.option.total, {}, dict(zip(names, args, strict=True)))
+                total = eval(arg.option.total_code, {}, dict(zip(names, args, strict=True)))
                 given[target] = arg.option.pad(given[target], total)
             else:
                 keep_rows = value

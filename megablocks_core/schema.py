@@ -80,6 +80,10 @@ class RowsOption:
     """Expression over the arguments: the number of sorted rows in all, e.g. ``indices.shape[0]``."""
     pads: str | None = None
 
+    @cached_property
+    def total_code(self) -> Any:
+        return compile(self.total, f"<rows total {self.total}>", "eval")
+
     @staticmethod
     def pad(rows: torch.Tensor, total: int) -> torch.Tensor:
         """The first sorted rows ``rows`` as all ``total`` of them: zero rows appended."""

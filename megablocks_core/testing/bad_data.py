@@ -185,8 +185,8 @@ PADDED_MUTATIONS: dict[str, _Mut] = {
 }
 
 
-#: The sorted-row count of the "first rows" cases (of the ops that take one): 3 short of all.
 def _first_rows(r: _Routing) -> int:
+    """The sorted-row count of the "first rows" cases (of the ops that take one): 3 short of all."""
     return _n(r) - 3
 
 

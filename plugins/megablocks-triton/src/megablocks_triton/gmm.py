@@ -45,6 +45,7 @@ a vendor plugin may override) through :func:`choose_config`; they can be overrid
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -237,7 +238,8 @@ def _gmm_tile_gather(
 ):  # fmt: skip
     """K loop of one gather_gmm tile: row i of the A tile is token row x[indices[i] // top_k],
     read in place (the gathered copy is never written). An id outside [0, num_ids) (tokens *
-    top_k) reads nothing and gives a zero row. b is read with plain loads, or through a TMA descriptor (B_TMA)."""
+    top_k) reads nothing and gives a zero row. b is read with plain loads, or through a TMA
+    descriptor (B_TMA)."""
     offs_k0 = tl.arange(0, BLOCK_K)
     sorted_rows = (row_start + tl.minimum(rows, size_e - 1)).to(tl.int64)
     flat = tl.load(idx_ptr + sorted_rows).to(tl.int64)
@@ -664,13 +666,14 @@ _FORWARD_PLANS: dict[Any, Forward] = {}
 _GMM_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
 
 
-def _activate(x: torch.Tensor, name: str) -> torch.Tensor:
+@functools.cache
+def _activate() -> Callable[[torch.Tensor, str], torch.Tensor]:
     """gmm_scatter's activation of x's rows, as the core applies it for a kernel that does not
-    take one (the dispatched activation ops: a transient copy)."""
+    take one (the dispatched activation ops: a transient copy). Looked up once."""
     apply: Callable[[torch.Tensor, str], torch.Tensor] = getattr(  # noqa: B009 (Arg has no apply)
         contract("gmm_scatter").arg("activation"), "apply"
     )
-    return apply(x, name)
+    return apply
 
 
 def _planned(
@@ -767,7 +770,7 @@ def gmm_scatter(
     hold only the first ``rows`` sorted rows (the GEMM covers those, the scatter reads no
     other). The activation is the contract's own (applied to x first, a transient copy)."""
     if activation is not None:
-        x = _activate(x, activation)
+        x = _activate()(x, activation)
     x = _unit_last_stride(x)
     b = _unit_last_stride(b)
     if not bins.is_contiguous():

@@ -162,7 +162,7 @@ int weights_kind_of(const std::optional<torch::Tensor>& weights) {
       return kDouble;
     default:
       MB_CHECK(false, "megablocks_cuda.scan_scatter: weights must be a float tensor, not ",
-                  weights->scalar_type());
+               weights->scalar_type());
   }
 }
 
@@ -201,25 +201,25 @@ torch::Tensor scan_scatter(const torch::Tensor& rows, const torch::Tensor& ids,
   const torch::Tensor x = rows.contiguous();
   const torch::Tensor indices = ids.contiguous();
   MB_CHECK(x.is_cuda() && indices.is_cuda() && x.device() == indices.device(),
-              "megablocks_cuda.scan_scatter: x and indices must be on one CUDA device");
+           "megablocks_cuda.scan_scatter: x and indices must be on one CUDA device");
   MB_CHECK(x.dim() == 2 && indices.dim() == 1 && x.size(0) == indices.size(0),
-              "megablocks_cuda.scan_scatter: expected x (rows, hidden) and one index per row");
+           "megablocks_cuda.scan_scatter: expected x (rows, hidden) and one index per row");
   const int64_t n = indices.numel();
   MB_CHECK(n <= kScanScatterMaxRows, "megablocks_cuda.scan_scatter: at most ",
-              kScanScatterMaxRows, " rows, not ", n);
+           kScanScatterMaxRows, " rows, not ", n);
   MB_CHECK(top_k >= 1 && n % top_k == 0,
-              "megablocks_cuda.scan_scatter: the rows must be whole tokens of top_k >= 1 copies");
+           "megablocks_cuda.scan_scatter: the rows must be whole tokens of top_k >= 1 copies");
   std::optional<torch::Tensor> weights;
   if (weights_in.has_value()) {
     weights = weights_in->contiguous();
     MB_CHECK(weights->is_cuda() && weights->device() == x.device() && weights->dim() == 1 &&
-                    weights->numel() == n,
-                "megablocks_cuda.scan_scatter: weights must hold one value per row, on x's device");
+                 weights->numel() == n,
+             "megablocks_cuda.scan_scatter: weights must hold one value per row, on x's device");
   }
   const at::ScalarType index_type = indices.scalar_type();
   MB_CHECK(index_type == at::kShort || index_type == at::kInt || index_type == at::kLong,
-              "megablocks_cuda.scan_scatter: indices must be int16, int32 or int64, not ",
-              index_type);
+           "megablocks_cuda.scan_scatter: indices must be int16, int32 or int64, not ",
+           index_type);
   const int kind = weights_kind_of(weights);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t num_tokens = n / top_k;

@@ -167,9 +167,9 @@ std::tuple<torch::Tensor, torch::Tensor> sort_one_block(const torch::Tensor& key
   const torch::Tensor x = keys.contiguous();
   check_cuda(x, "x");
   MB_CHECK(x.dim() == 1 && x.numel() <= kOneBlockMaxKeys,
-              "megablocks_cuda.sort_one_block: expected at most ", kOneBlockMaxKeys, " 1-D keys");
+           "megablocks_cuda.sort_one_block: expected at most ", kOneBlockMaxKeys, " 1-D keys");
   MB_CHECK(end_bit >= 0 && end_bit <= kOneBlockMaxBits,
-              "megablocks_cuda.sort_one_block: end_bit must lie in [0, ", kOneBlockMaxBits, "]");
+           "megablocks_cuda.sort_one_block: end_bit must lie in [0, ", kOneBlockMaxBits, "]");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel();
   auto values = empty_1d(x, n, x.scalar_type());
@@ -192,9 +192,9 @@ route_one_block(const torch::Tensor& ids, int64_t num_experts, int64_t block_siz
   const torch::Tensor top_experts = ids.contiguous();
   check_cuda(top_experts, "top_experts");
   MB_CHECK(top_experts.dim() == 1 && top_experts.numel() <= kOneBlockMaxKeys,
-              "megablocks_cuda.route_one_block: expected at most ", kOneBlockMaxKeys, " 1-D ids");
+           "megablocks_cuda.route_one_block: expected at most ", kOneBlockMaxKeys, " 1-D ids");
   MB_CHECK(num_experts >= 1 && num_experts <= kOneBlockMaxBins,
-              "megablocks_cuda.route_one_block: num_experts must lie in [1, ", kOneBlockMaxBins, "]");
+           "megablocks_cuda.route_one_block: num_experts must lie in [1, ", kOneBlockMaxBins, "]");
   MB_CHECK(block_size >= 1, "megablocks_cuda.route_one_block: block_size must be >= 1");
   const c10::cuda::CUDAGuard guard(top_experts.device());
   const int64_t n = top_experts.numel();
