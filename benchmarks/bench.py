@@ -41,10 +41,12 @@ besides the common fields (``us``: step time; ``rate``: TFLOP/s of the expert GE
 - ``fwd_ms``: the forward alone with autograd recording (the graph is built, then dropped without
   backward: what a training forward costs), timed the same way;
 - ``floor_ms``: the expert GEMMs of a step — forward, input gradient (dgrad) and weight gradient
-  (wgrad) of each expert matrix, 6 with ``mlp`` and 9 with ``glu`` — each at the speed of a dense
-  ``torch.matmul`` of the same ``(m, n, k)`` in the run's dtype, measured in the same run
-  (:func:`expert_gemms` lists them; the router and permutation are not in the floor);
-- ``fwd_floor_ms``: the same for the 2 / 3 forward GEMMs;
+  (wgrad) of each expert matrix, 6 with ``mlp`` and 9 with ``glu`` — each as a dense
+  ``torch.matmul`` of the same ``(m, n, k)`` in the run's dtype (:func:`expert_gemms` lists them;
+  the router and permutation are not in the floor), run back to back as one call
+  (:class:`DenseGemms`) and timed round by round beside the layer's step (a step, then the dense
+  GEMMs, and again), so both are measured at the same clocks;
+- ``fwd_floor_ms``: the same for the 2 / 3 forward GEMMs, timed beside the forward;
 - ``efficiency`` = ``floor_ms / step_ms``; ``fwd_efficiency`` = ``fwd_floor_ms / fwd_ms`` (1 would
   be every other part of the layer free and the grouped GEMMs at dense speed);
 - ``activation_mib``: ``torch.cuda.memory_allocated()`` right after the forward returns minus just
@@ -224,36 +226,53 @@ def _activation_mib(forward: Callable[[], Any], device: torch.device) -> float |
     return held / 2**20
 
 
-def _layer_timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any], int], float]:
-    """ms per call of ``fn`` after ``warmup`` calls: ``timer(fn, warmup)``.
+def _layer_timer(
+    device: torch.device, quick: bool
+) -> Callable[[Sequence[Callable[[], Any]], int], list[float]]:
+    """ms per call of each of ``fns`` after ``warmup`` rounds: ``timer(fns, warmup)``.
 
-    On CUDA: calls launched back to back, a pair of CUDA events around each, the median (a step
-    that makes the GPU wait for the host is charged for the wait). Elsewhere: ``time.perf_counter``.
+    Each round calls every function once, in order, so functions timed together share the GPU's
+    clocks: under a sustained load an H200 runs at its power limit, well below the clock of a
+    short burst, so a GEMM timed alone after an idle spell is faster than the same GEMM inside a
+    training loop (docs/performance.md, 2026-12-01). On CUDA: calls launched back to back, a pair
+    of CUDA events around each, the median per function (a call that makes the GPU wait for the
+    host is charged for the wait). Elsewhere: ``time.perf_counter``.
     """
     reps = (10 if quick else 30) if device.type == "cuda" else (1 if quick else 5)
 
-    def timer(fn: Callable[[], Any], warmup: int) -> float:
+    def timer(fns: Sequence[Callable[[], Any]], warmup: int) -> list[float]:
         for _ in range(warmup):
-            fn()
-        if device.type != "cuda":
-            samples = []
-            for _ in range(reps):
-                began = time.perf_counter()
+            for fn in fns:
                 fn()
-                samples.append((time.perf_counter() - began) * 1e3)
-            return statistics.median(samples)
+        samples: list[list[float]] = [[] for _ in fns]
+        if device.type != "cuda":
+            for _ in range(reps):
+                for fn, times in zip(fns, samples, strict=True):
+                    began = time.perf_counter()
+                    fn()
+                    times.append((time.perf_counter() - began) * 1e3)
+            return [statistics.median(times) for times in samples]
         torch.cuda.synchronize(device)
         stream = torch.cuda.current_stream(device)
         events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in fns
+            ]
             for _ in range(reps)
         ]
-        for start, end in events:
-            start.record(stream)
-            fn()
-            end.record(stream)
+        for round_events in events:
+            for fn, (start, end) in zip(fns, round_events, strict=True):
+                start.record(stream)
+                fn()
+                end.record(stream)
         torch.cuda.synchronize(device)
-        return statistics.median(start.elapsed_time(end) for start, end in events)
+        return [
+            statistics.median(
+                round_events[i][0].elapsed_time(round_events[i][1]) for round_events in events
+            )
+            for i in range(len(fns))
+        ]
 
     return timer
 
@@ -436,27 +455,40 @@ def expert_gemms(
     return forward + backward
 
 
-def gemm_floor_ms(
-    gemms: list[tuple[str, tuple[int, int, int]]], dense_ms: Callable[[tuple[int, int, int]], float]
-) -> tuple[float, float]:
-    """(step floor, forward floor): the sum of ``dense_ms(m, n, k)`` over every GEMM / the forward ones."""
-    total = sum(dense_ms(mnk) for _, mnk in gemms)
-    forward = sum(dense_ms(mnk) for name, mnk in gemms if name.endswith(" forward"))
-    return total, forward
+class DenseGemms:
+    """The GEMM floor's dense matmuls: one ``torch.matmul`` into a preallocated output for each
+    expert GEMM of a step (``gemms``, as :func:`expert_gemms` lists them), operands drawn once per
+    distinct ``(m, n, k)``. :meth:`step` runs them all, :meth:`forward` the forward ones: timed
+    beside the layer's step and forward, round by round, they give ``floor_ms`` and
+    ``fwd_floor_ms`` at the clocks the layer ran at."""
 
+    def __init__(
+        self,
+        gemms: list[tuple[str, tuple[int, int, int]]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        operands: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for _, (m, n, k) in gemms:
+            if (m, n, k) not in operands:
+                operands[(m, n, k)] = (
+                    torch.randn(m, k, device=device, dtype=dtype),
+                    torch.randn(k, n, device=device, dtype=dtype),
+                    torch.empty(m, n, device=device, dtype=dtype),
+                )
+        self.step_products = [operands[mnk] for _, mnk in gemms]
+        self.forward_products = [operands[mnk] for name, mnk in gemms if name.endswith(" forward")]
 
-def _dense_matmul_ms(
-    mnk: tuple[int, int, int],
-    device: torch.device,
-    dtype: torch.dtype,
-    timer: Callable[[Callable[[], Any], int], float],
-) -> float:
-    """ms of one dense ``torch.matmul`` (m, k) @ (k, n) into a preallocated output."""
-    m, n, k = mnk
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    out = torch.empty(m, n, device=device, dtype=dtype)
-    return timer(lambda: torch.matmul(a, b, out=out), 2)
+    @staticmethod
+    def _run(products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        for a, b, out in products:
+            torch.matmul(a, b, out=out)
+
+    def step(self) -> None:
+        self._run(self.step_products)
+
+    def forward(self) -> None:
+        self._run(self.forward_products)
 
 
 @dataclass
@@ -556,12 +588,11 @@ def _layer_row(
     provider: str,
     provider_kind: str,
     build: Callable[[], _LayerUnderTest],
-    timer: Callable[[Callable[[], Any], int], float],
+    timer: Callable[[Sequence[Callable[[], Any]], int], list[float]],
     gemms: list[tuple[str, tuple[int, int, int]]],
-    floors: tuple[float, float],
 ) -> Result:
-    """Build one layer, check it (ours), and measure it; its memory is freed on return.
-    ``floors``: the step's and the forward's GEMM floor (ms) for ``gemms``."""
+    """Build one layer, check it (ours), and measure it beside the dense matmuls of its GEMM
+    floor (:class:`DenseGemms`); its memory and theirs are freed on return."""
     device = case.x.device
     under = build()
     if provider_kind == "ours":  # the first steps also allocate the .grad tensors
@@ -574,9 +605,11 @@ def _layer_row(
     # Warm-up: on the CPU (smoke tests, where a step may take seconds under the Triton interpreter)
     # the checked steps are enough.
     warmup = 3 if device.type == "cuda" else 0
-    step_ms = timer(under.step, warmup)
-    fwd_ms = timer(under.forward, warmup)
-    floor_ms, fwd_floor_ms = floors
+    dense = DenseGemms(gemms, device, case.x.dtype)
+    step_ms, floor_ms = timer([under.step, dense.step], warmup)
+    fwd_ms, fwd_floor_ms = timer([under.forward, dense.forward], warmup)
+    del dense  # before the memory figures: they count what the layer allocates
+    _free_device_memory(device)
     figures = LayerFigures(
         experts=kind,
         step_ms=step_ms,
@@ -607,25 +640,15 @@ def _layer_row(
 def _layer_results(
     case: Case,
     kinds: list[str],
-    timer: Callable[[Callable[[], Any], int], float],
+    timer: Callable[[Sequence[Callable[[], Any]], int], list[float]],
     with_peers: bool,
     log: Callable[[str], None],
 ) -> Iterator[Result]:
     """The layer item at one shape: for each expert kind, ours then MegaBlocks' (one at a time)."""
-    device, dtype = case.x.device, case.x.dtype
-    megablocks = _megablocks_layer_modules(device) if with_peers else None
-
-    @functools.cache
-    def dense_ms(mnk: tuple[int, int, int]) -> float:  # each distinct GEMM shape timed once
-        ms = _dense_matmul_ms(mnk, device, dtype, timer)
-        _free_device_memory(device)
-        return ms
-
+    megablocks = _megablocks_layer_modules(case.x.device) if with_peers else None
     for kind in kinds:
         glu = kind == "glu"
         gemms = expert_gemms(case.tokens, case.hidden, case.ffn, case.top_k, glu)
-        log(f"[{case.name}] layer ({kind}): GEMM floor ({len(gemms)} GEMMs)")
-        floor_ms, fwd_floor_ms = gemm_floor_ms(gemms, dense_ms)  # before any layer is built
         builders: list[tuple[str, str, Callable[[], _LayerUnderTest]]] = [
             (OUR_LAYER, "ours", functools.partial(_our_layer, case, glu)),
             # The same layer with gather/gmm/scatter as separate ops: what the fusion changes.
@@ -659,11 +682,10 @@ def _layer_results(
                     build,
                     timer,
                     gemms,
-                    (floor_ms, fwd_floor_ms),
                 )
             except Exception as exc:  # a peer that rejects the shape is reported, not fatal
                 failed = LayerFigures(
-                    kind, math.nan, math.nan, floor_ms, fwd_floor_ms, math.nan, math.nan, None, None
+                    kind, math.nan, math.nan, math.nan, math.nan, math.nan, math.nan, None, None
                 )
                 error = f"error: {type(exc).__name__}: {exc}"[:200]
                 row = Result(
@@ -678,7 +700,7 @@ def _layer_results(
                     error,
                     layer=failed,
                 )
-            _free_device_memory(device)  # this layer's weights, before the next one's
+            _free_device_memory(case.x.device)  # this layer's weights, before the next one's
             rows.append(row)
             yield row  # at once; ours' ratios to MegaBlocks' are filled in below
         ran = {r.provider: r.layer for r in rows if r.layer and not r.check.startswith("error")}

@@ -203,21 +203,30 @@ def test_expert_gemms_are_forward_dgrad_and_wgrad_of_each_expert_matrix(glu, sha
 
 
 @pytest.mark.parametrize("glu", [False, True])
-def test_the_gemm_floor_sums_a_dense_time_per_gemm(glu):
-    tokens, hidden, ffn, top_k = 100, 30, 70, 3
+def test_the_floor_runs_each_expert_gemm_as_a_dense_matmul(glu):
+    tokens, hidden, ffn, top_k = 10, 6, 14, 3
     gemms = bench.expert_gemms(tokens, hidden, ffn, top_k, glu)
+    dense = bench.DenseGemms(gemms, torch.device("cpu"), torch.float64)
+    shapes = lambda products: [(a.shape[0], b.shape[1], a.shape[1]) for a, b, _ in products]  # noqa: E731
+    assert shapes(dense.step_products) == [mnk for _, mnk in gemms]
+    assert shapes(dense.forward_products) == [mnk for n, mnk in gemms if n.endswith(" forward")]
+    assert len(dense.forward_products) == (3 if glu else 2)
+    for _, _, out in dense.step_products:
+        out.fill_(math.nan)
+    dense.forward()
+    for a, b, out in dense.forward_products:
+        assert torch.equal(out, a @ b)
+    dense.step()
+    for a, b, out in dense.step_products:
+        assert torch.equal(out, a @ b)
+
+
+def test_the_layer_timer_alternates_the_functions_it_times():
     calls = []
-
-    def dense_ms(mnk):  # a matmul at exactly 1 GFLOP per ms
-        calls.append(mnk)
-        m, n, k = mnk
-        return 2 * m * n * k / 1e9
-
-    floor, forward = bench.gemm_floor_ms(gemms, dense_ms)
-    unit = 2 * tokens * top_k * hidden * ffn / 1e9
-    assert floor == pytest.approx((9 if glu else 6) * unit)
-    assert forward == pytest.approx((3 if glu else 2) * unit)
-    assert len(calls) == len(gemms) + (3 if glu else 2)
+    timer = bench._layer_timer(torch.device("cpu"), quick=False)
+    times = timer([lambda: calls.append("layer"), lambda: calls.append("dense")], 2)
+    assert calls == ["layer", "dense"] * (2 + 5)  # warm-up rounds, then 5 timed rounds
+    assert len(times) == 2 and all(t >= 0 for t in times)
 
 
 def test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory():
@@ -234,7 +243,7 @@ def test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory():
         assert row.provider == bench.OUR_LAYER and row.kind == "ours" and row.check == "ok"
         assert figures.experts == kind
         assert figures.step_ms > 0 and figures.fwd_ms > 0
-        assert figures.floor_ms > figures.fwd_floor_ms > 0
+        assert figures.floor_ms > 0 and figures.fwd_floor_ms > 0
         assert figures.efficiency == pytest.approx(figures.floor_ms / figures.step_ms)
         assert figures.fwd_efficiency == pytest.approx(figures.fwd_floor_ms / figures.fwd_ms)
         assert figures.activation_mib is None and figures.peak_mib is None and row.peak_mb is None
@@ -244,9 +253,6 @@ def test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory():
         flops = gemms * 2 * tokens * top_k * hidden * ffn
         assert row.unit == "TFLOP/s"
         assert row.rate == pytest.approx(flops / (figures.step_ms * 1e-3) / 1e12)
-    # Both kinds share the dense timings: GLU adds v1's three GEMMs (one of them forward).
-    assert glu.layer.floor_ms > mlp.layer.floor_ms
-    assert glu.layer.fwd_floor_ms > mlp.layer.fwd_floor_ms
 
 
 def test_layer_item_json_and_table(tmp_path, capsys):
@@ -335,7 +341,7 @@ def test_megablocks_rows_ratios_and_failures(monkeypatch, capsys):
     assert mb_mlp.layer.step_vs_megablocks is None  # ratios live on our rows
     # A peer that fails is a row with the error; ours keeps no ratio.
     assert mb_glu.check.startswith("error: RuntimeError: this fake rejects GLU")
-    assert math.isnan(mb_glu.layer.step_ms) and mb_glu.layer.floor_ms == ours_glu.layer.floor_ms
+    assert math.isnan(mb_glu.layer.step_ms) and math.isnan(mb_glu.layer.floor_ms)
     assert ours_glu.check == "ok" and ours_glu.layer.step_vs_megablocks is None
     table = bench.format_table(results)
     ours_line = next(
