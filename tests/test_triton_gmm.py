@@ -397,6 +397,7 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.bfloat16
     )
     tma_reduce = {"use_tma": True, "reduce_epilogue": True}
+    tma_reduce["warp_specialized"] = False
     assert into_bf16 == dataclasses.replace(wgrad, block_k=32, num_stages=6, **tma_reduce)
     into_fp32 = G.choose_config(
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.float32
@@ -413,6 +414,16 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, MI300, torch.bfloat16
     )
     assert not on_amd.use_tma and not on_amd.reduce_epilogue
+    # The warp-specialized weight gradient: a new gradient on Hopper from 16-bit operands (its
+    # launch then also checks the layouts: tests/test_hopper_wgrad.py); not the accumulating one.
+    assert wgrad.warp_specialized
+    assert not into_bf16.warp_specialized and not into_fp32.warp_specialized
+    assert not fp32_data.warp_specialized and not on_amd.warp_specialized
+    for device in (B200, RTX5090, MI300):
+        assert not G.choose_config(
+            "wgrad", 2048, 768, 131072, 128, torch.bfloat16, device
+        ).warp_specialized
+    assert not G.choose_config("gmm", 131072, 2048, 768, 128, torch.bfloat16, H200).warp_specialized
 
 
 @needs_interpreter

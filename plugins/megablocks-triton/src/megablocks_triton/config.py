@@ -90,6 +90,11 @@ class GmmConfig:
     reduce_epilogue: the accumulating weight gradient with ``use_tma`` on NVIDIA hardware (not
     the interpreter): the tile is rounded to the gradient's dtype and added to it by a TMA
     reduction, asynchronous, instead of being read, added in float32 and written back.
+    warp_specialized: a weight gradient on Hopper (sm_90): the warp-specialized Gluon kernel of
+    :mod:`megablocks_triton.hopper_wgrad` (its own 128x256x64 tiles, 3 stages; a loader warp
+    running ahead across tiles) where it serves the call (16-bit operands and gradient, TMA
+    layouts); other calls take the Triton kernel with this config's tiles. The default policy
+    sets it for a new gradient (``gmm_wgrad``), not for the accumulating one.
     """
 
     block_m: int
@@ -102,6 +107,7 @@ class GmmConfig:
     use_tma: bool = False
     flatten: bool = False
     reduce_epilogue: bool = False
+    warp_specialized: bool = False
 
 
 def dtype_class(dtype: torch.dtype) -> str:
@@ -380,8 +386,14 @@ class LaunchConfigs:
     ) -> GmmConfig:
         """Tiles of ``gmm_weight_grad``: per expert a (rows x cols) output (a's and grad's
         columns) reduced over the expert's share of ``tokens``."""
-        cfg = GMM_TILES[("wgrad", gmm_tile_family(device), dtype_class(dtype))]
-        return fit_gmm_tiles(cfg, rows, cols, max(tokens // max(num_experts, 1), 1))
+        family, dclass = gmm_tile_family(device), dtype_class(dtype)
+        cfg = GMM_TILES[("wgrad", family, dclass)]
+        cfg = fit_gmm_tiles(cfg, rows, cols, max(tokens // max(num_experts, 1), 1))
+        if family == "hopper" and dclass == "16bit":
+            # H200, the qwen3 and dsv3 layers' six weight gradients with softmax top-k routing:
+            # 8-13 % faster than the Triton kernel (medians of three; docs/performance.md).
+            cfg = replace(cfg, warp_specialized=True)
+        return cfg
 
     def gmm_wgrad_accumulate(
         self,
@@ -401,7 +413,9 @@ class LaunchConfigs:
         each expert has only ~512-1024 tokens, and the deeper pipeline hides more of each tile's
         start. H200, the qwen3 and dsv3 layers' six weight gradients, against the kernel that
         read, added and wrote the tile (same day, separate runs): 9-20 % faster into bf16,
-        17-30 % into float32 (docs/performance.md)."""
+        17-30 % into float32 (docs/performance.md). Not the warp-specialized kernel: adding
+        with its TMA reduction it was 3-6 % faster at the qwen3 shapes but 2-8 % slower at the
+        dsv3 ones (same run, softmax top-k routing)."""
         cfg = self.gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)
         if gmm_tile_family(device) == "hopper" and dtype_class(dtype) == "16bit":
             if dtype_class(out_dtype) == "16bit":
@@ -410,7 +424,7 @@ class LaunchConfigs:
                 cfg = replace(cfg, block_n=min(cfg.block_n, 128), block_k=min(cfg.block_k, 32))
                 stages = 8
             cfg = replace(cfg, use_tma=True, reduce_epilogue=True, num_stages=stages)
-        return cfg
+        return replace(cfg, warp_specialized=False)
 
     def launch_options(self, kernel: str) -> Mapping[str, Any]:
         """Extra keywords for every launch of a ``kernel`` class (see :data:`KERNEL_KINDS`).

@@ -31,6 +31,9 @@ on Hopper, for the accumulating weight gradient into a 16-bit gradient, whose ep
 and writes the gradient's tile through a descriptor too (measured on the H200,
 docs/performance.md). A short forward K loop is flattened into the persistent tile loop
 (``GmmConfig.flatten``) so the next tile's loads overlap the previous tile's epilogue. fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
+On Hopper a new weight gradient from 16-bit operands runs a warp-specialized kernel written in
+Gluon instead (``GmmConfig.warp_specialized``, :mod:`megablocks_triton.hopper_wgrad`: a loader
+warp that runs ahead across tiles), with the same tiles and results bit for bit.
 
 The forward ops (``gmm``, ``gather_gmm``, ``gmm_scatter``) prepare their launch once per call
 shape (tile config, grid, scalars, constexprs, the TMA block shapes) and keep it with the
@@ -875,6 +878,17 @@ def gmm_weight_grad_accumulate(
     )  # fmt: skip
 
 
+@functools.cache
+def _hopper_wgrad() -> Any:
+    """:mod:`.hopper_wgrad`, or None where this Triton has no Gluon for Hopper (the Triton kernel
+    then serves every weight gradient)."""
+    try:
+        from . import hopper_wgrad
+    except ImportError:
+        return None
+    return hopper_wgrad
+
+
 def _launch_wgrad(
     a: torch.Tensor,
     grad: torch.Tensor,
@@ -892,6 +906,13 @@ def _launch_wgrad(
     info = device_info(a.device)
     op = "wgrad_accumulate" if accumulate else "wgrad"
     cfg = config or choose_config(op, ka, n, a.shape[0], num_experts, a.dtype, info, out.dtype)
+    if cfg.warp_specialized and info.kind == "cuda" and arch_family(info) == "hopper":
+        hopper = _hopper_wgrad()
+        if hopper is not None and hopper.usable(a, grad, out):
+            hopper.launch(
+                a, grad, sizes, out, accumulate=accumulate, block_e=block_e, num_sms=_num_sms(info)
+            )
+            return
     total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
     descriptors: tuple[Any, ...] = (a, grad, out)  # unused unless TMA

@@ -1,0 +1,202 @@
+"""The warp-specialized Hopper weight gradient (megablocks_triton.hopper_wgrad).
+
+On the CPU: which calls it serves, and that it compiles for sm_90 (Triton's own compiler and
+ptxas, with a stand-in for the CUDA driver: no GPU is needed to build a cubin). On an sm_90 GPU:
+its results against the Triton kernel it replaces (bit for bit: same tiles and chunk order) and
+against a float64 loop, bad sizes and worst-case buffers included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+hopper_wgrad = pytest.importorskip("megablocks_triton.hopper_wgrad")
+
+from megablocks_triton import gmm as G  # noqa: E402
+
+on_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU",
+)
+
+
+def _aligned(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(rows, cols, dtype=dtype)
+
+
+def test_serves_16_bit_tma_layouts_only() -> None:
+    a, g, out = _aligned(64, 128), _aligned(64, 256), torch.zeros(2, 128, 256, dtype=torch.bfloat16)
+    assert hopper_wgrad.usable(a, g, out)
+    assert hopper_wgrad.usable(a.half(), g.half(), out.half())
+    assert not hopper_wgrad.usable(a, g, out.float())  # a float32 main_grad: the Triton kernel
+    assert not hopper_wgrad.usable(a.float(), g.float(), out.float())
+    assert not hopper_wgrad.usable(a, g.half(), out)  # mixed operand dtypes
+    assert not hopper_wgrad.usable(_aligned(64, 130)[:, :127], g, out)  # 254-byte rows
+    assert not hopper_wgrad.usable(_aligned(128, 64).t(), g, out)  # a column-major a
+    assert not hopper_wgrad.usable(
+        a, g, torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
+    )
+    assert not hopper_wgrad.usable(_aligned(65, 128).view(-1)[4:8196].view(64, 128), g, out)  # base
+
+
+#: Compiles the kernel for sm_90 in a fresh process: outside the Triton interpreter (which the
+#: CPU test run enables) and with a stand-in for the CUDA driver that only names the target.
+_COMPILE = """
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
+
+class Sm90(CudaDriver):
+    def __init__(self):
+        pass
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+    def get_current_device(self):
+        return 0
+    def get_current_stream(self, device=None):
+        return 0
+
+driver.set_active(Sm90())
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from megablocks_triton import hopper_wgrad as H
+
+dtype = getattr(torch, sys.argv[1])
+accumulate = sys.argv[2] == "1"
+a, g = torch.zeros(512, 208, dtype=dtype), torch.zeros(512, 304, dtype=dtype)
+out = torch.zeros(3, 208, 304, dtype=dtype)
+kind = H._DTYPES[dtype]
+layout = gl.NVMMASharedLayout.get_default_for
+descs = [
+    TensorDescriptor.from_tensor(t, block, layout(block, kind))
+    for t, block in ((a, [H.BLOCK_K, H.BLOCK_M]), (g, [H.BLOCK_K, H.BLOCK_N]), (out, [1, H.BLOCK_M, H.BLOCK_N]))
+]
+compiled = H._wgrad_kernel.warmup(
+    *descs, torch.zeros(3, dtype=torch.int32), 3, 512, 2, 2, BLOCK_E=4, STAGES=H.STAGES,
+    ACCUMULATE=accumulate, LOADER_REGS=H.LOADER_REGISTERS, num_warps=H.MMA_WARPS, grid=(1,),
+)
+print(json.dumps({"ptx": compiled.asm["ptx"], "cubin": len(compiled.asm["cubin"]),
+                  "shared": compiled.metadata.shared}))
+"""
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_compiles_for_sm90(accumulate: bool, dtype: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE, dtype, str(int(accumulate))],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ".target sm_90a" in built["ptx"] and "wgmma.mma_async" in built["ptx"]
+    # The epilogue: a TMA store of a new gradient, a TMA reduction into an existing one.
+    assert ("cp.reduce.async.bulk.tensor" in built["ptx"]) == accumulate
+    assert built["cubin"] > 0  # ptxas accepted it
+    assert built["shared"] <= 227 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU
+# ---------------------------------------------------------------------------------------------
+
+PLAIN = G.GmmConfig(128, 256, 64, num_warps=8, num_stages=4)  # the Triton kernel's tiles
+PLAIN_REDUCE = G.GmmConfig(
+    128, 256, 32, num_warps=8, num_stages=6, use_tma=True, reduce_epilogue=True
+)
+WARP_SPECIALIZED = G.GmmConfig(128, 256, 64, warp_specialized=True)
+
+CASES = {
+    # sizes, k (a's columns), n (grad's columns), extra NaN rows past the groups
+    "odd sizes, empty experts": ([1, 70, 0, 129, 64, 0, 255], 200, 304, 0),
+    "one expert": ([1000], 256, 512, 0),
+    "many experts": ([(7 * e) % 97 for e in range(200)], 128, 256, 0),
+    "worst-case buffer": ([0, 300, 17, 0, 65], 136, 264, 123),
+    "tiles past k and n": ([130, 2, 64], 8, 8, 5),
+}
+
+
+def _case(name: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sizes, k, n, spare = CASES[name]
+    rows = sum(sizes)
+    gen = torch.Generator().manual_seed(len(name))
+    a = torch.full((rows + spare, k), float("nan"))
+    g = torch.full((rows + spare, n), float("nan"))
+    a[:rows] = torch.randn(rows, k, generator=gen)
+    g[:rows] = torch.randn(rows, n, generator=gen)
+    return a.to("cuda", dtype), g.to("cuda", dtype), torch.tensor(sizes, dtype=torch.int32).cuda()
+
+
+def _loop(a: torch.Tensor, g: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """The float64 definition, one expert at a time."""
+    out, start = [], 0
+    for size in sizes.tolist():
+        size = max(size, 0)
+        rows = slice(start, min(start + size, a.shape[0]))
+        out.append(a[rows].double().T @ g[rows].double())
+        start += size
+    return torch.stack(out)
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_new_gradient_equals_the_triton_kernel(name: str, dtype: torch.dtype) -> None:
+    a, g, sizes = _case(name, dtype)
+    got = G.gmm_weight_grad(a, g, sizes, config=WARP_SPECIALIZED)
+    want = G.gmm_weight_grad(a, g, sizes, config=PLAIN)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, want)
+    ref = _loop(a, g, sizes)
+    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert err < 4e-3
+    empty = (sizes == 0).nonzero().flatten()
+    assert (got[empty] == 0).all() and not torch.signbit(got[empty]).any()
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_accumulating_equals_the_triton_reduction(name: str, dtype: torch.dtype) -> None:
+    a, g, sizes = _case(name, dtype)
+    start = torch.randn(sizes.numel(), a.shape[1], g.shape[1], device="cuda").to(dtype)
+    got, want = start.clone(), start.clone()
+    G.gmm_weight_grad_accumulate(a, g, sizes, got, config=WARP_SPECIALIZED)
+    G.gmm_weight_grad_accumulate(a, g, sizes, want, config=PLAIN_REDUCE)
+    assert torch.equal(got, want)
+    empty = (sizes == 0).nonzero().flatten()
+    assert torch.equal(got[empty], start[empty])  # untouched
+
+
+@on_hopper
+def test_bad_sizes_stay_inside_the_buffers() -> None:
+    # Device-side sizes are not checked outside checked mode: negative ones count as 0 and groups
+    # are cut at a's last row, as the Triton kernel does.
+    a, g, _ = _case("odd sizes, empty experts", torch.bfloat16)
+    for bad in ([-5, 300, 2**30, 4, -1], [2**31 - 1, 1, 1], [0, 0, 0]):
+        sizes = torch.tensor(bad, dtype=torch.int32, device="cuda")
+        got = G.gmm_weight_grad(a, g, sizes, config=WARP_SPECIALIZED)
+        assert torch.equal(got, G.gmm_weight_grad(a, g, sizes, config=PLAIN))
+
+
+@on_hopper
+def test_the_default_policy_takes_it_for_a_new_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = hopper_wgrad.launch
+    monkeypatch.setattr(hopper_wgrad, "launch", lambda *a, **k: calls.append(k) or real(*a, **k))
+    a, g, sizes = _case("odd sizes, empty experts", torch.bfloat16)
+    G.gmm_weight_grad(a, g, sizes)
+    G.gmm_weight_grad(a.float(), g.float(), sizes)  # float32 operands: the Triton kernel
+    out = torch.zeros(sizes.numel(), a.shape[1], g.shape[1], device="cuda", dtype=torch.bfloat16)
+    G.gmm_weight_grad_accumulate(a, g, sizes, out)  # the policy keeps the Triton reduction here
+    assert [c["accumulate"] for c in calls] == [False]
