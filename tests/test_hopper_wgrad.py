@@ -46,6 +46,19 @@ def test_serves_16_bit_tma_layouts_only() -> None:
     assert not hopper_wgrad.usable(_aligned(65, 128).view(-1)[4:8196].view(64, 128), g, out)  # base
 
 
+def test_other_triton_releases_take_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    for version, available in (
+        ("3.6.0", True),
+        ("3.6.1+git", True),
+        ("3.7.0", False),
+        ("4.0", False),
+    ):
+        G._hopper_wgrad.cache_clear()
+        monkeypatch.setattr(triton, "__version__", version)
+        assert (G._hopper_wgrad() is not None) == available, version
+    G._hopper_wgrad.cache_clear()
+
+
 #: Compiles the kernel for sm_90 in a fresh process: outside the Triton interpreter (which the
 #: CPU test run enables) and with a stand-in for the CUDA driver that only names the target.
 _COMPILE = """

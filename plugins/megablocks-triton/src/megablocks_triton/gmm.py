@@ -878,13 +878,21 @@ def gmm_weight_grad_accumulate(
     )  # fmt: skip
 
 
+#: The Triton releases (major, minor) the Gluon kernel of :mod:`.hopper_wgrad` was written and
+#: tested with: Gluon is experimental and its API moves between releases.
+GLUON_TESTED = ((3, 6),)
+
+
 @functools.cache
 def _hopper_wgrad() -> Any:
-    """:mod:`.hopper_wgrad`, or None where this Triton has no Gluon for Hopper (the Triton kernel
-    then serves every weight gradient)."""
+    """:mod:`.hopper_wgrad`, or None with a Triton it was not tested with or whose Gluon does not
+    import (the Triton kernel then serves every weight gradient)."""
+    release = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    if release not in GLUON_TESTED:
+        return None
     try:
         from . import hopper_wgrad
-    except ImportError:
+    except Exception:
         return None
     return hopper_wgrad
 

@@ -19,8 +19,10 @@ and in its epilogue; here both overlap the loads of the next tile. Results equal
 kernel's bit for bit (same tiles, same chunk order, float32 accumulation).
 
 Used by the weight-gradient launch on sm_90 for 16-bit operands and a 16-bit gradient with
-TMA-compatible layouts (:func:`usable`); everything else, the Triton interpreter included, takes
-the plain kernel. Not run on the CPU: its tests need a Hopper GPU.
+TMA-compatible layouts (:func:`usable`), with the Triton releases it was tested with
+(``megablocks_triton.gmm.GLUON_TESTED``: Gluon is experimental); everything else, the Triton
+interpreter included, takes the plain kernel. It runs on a Hopper GPU only; on the CPU its tests
+compile it for sm_90.
 """
 
 from __future__ import annotations
