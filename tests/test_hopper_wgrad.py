@@ -38,7 +38,7 @@ def test_serves_16_bit_tma_layouts_only() -> None:
     assert not hopper_wgrad.usable(a, g, out.float())  # a float32 main_grad: the Triton kernel
     assert not hopper_wgrad.usable(a.float(), g.float(), out.float())
     assert not hopper_wgrad.usable(a, g.half(), out)  # mixed operand dtypes
-    assert not hopper_wgrad.usable(_aligned(64, 130)[:, :127], g, out)  # 254-byte rows
+    assert not hopper_wgrad.usable(_aligned(64, 130)[:, :127], g, out)  # a 260-byte row stride
     assert not hopper_wgrad.usable(_aligned(128, 64).t(), g, out)  # a column-major a
     assert not hopper_wgrad.usable(
         a, g, torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
