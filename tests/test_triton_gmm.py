@@ -424,6 +424,11 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
             "wgrad", 2048, 768, 131072, 128, torch.bfloat16, device
         ).warp_specialized
     assert not G.choose_config("gmm", 131072, 2048, 768, 128, torch.bfloat16, H200).warp_specialized
+    # Only where it was measured: up to 1024 tokens per expert (not mixtral's 4096).
+    assert G.choose_config("wgrad", 7168, 2048, 131072, 256, torch.bfloat16, H200).warp_specialized
+    assert not G.choose_config(
+        "wgrad", 4096, 14336, 32768, 8, torch.bfloat16, H200
+    ).warp_specialized
 
 
 @needs_interpreter

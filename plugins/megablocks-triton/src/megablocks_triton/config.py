@@ -94,7 +94,8 @@ class GmmConfig:
     :mod:`megablocks_triton.hopper_wgrad` (its own 128x256x64 tiles, 3 stages; a loader warp
     running ahead across tiles) where it serves the call (16-bit operands and gradient, TMA
     layouts); other calls take the Triton kernel with this config's tiles. The default policy
-    sets it for a new gradient (``gmm_wgrad``), not for the accumulating one.
+    sets it for a new gradient (``gmm_wgrad``) of up to 1024 tokens per expert, not for the
+    accumulating one.
     """
 
     block_m: int
@@ -389,9 +390,11 @@ class LaunchConfigs:
         family, dclass = gmm_tile_family(device), dtype_class(dtype)
         cfg = GMM_TILES[("wgrad", family, dclass)]
         cfg = fit_gmm_tiles(cfg, rows, cols, max(tokens // max(num_experts, 1), 1))
-        if family == "hopper" and dclass == "16bit":
-            # H200, the qwen3 and dsv3 layers' six weight gradients with softmax top-k routing:
-            # 8-13 % faster than the Triton kernel (medians of three; docs/performance.md).
+        if family == "hopper" and dclass == "16bit" and tokens <= 1024 * max(num_experts, 1):
+            # H200, the qwen3 and dsv3 layers' six weight gradients (512 and 1024 tokens per
+            # expert) with softmax top-k routing: 8-13 % faster than the Triton kernel (medians
+            # of three; docs/performance.md). Longer reductions (mixtral: 4096 tokens per
+            # expert) were not measured with it and keep the Triton kernel.
             cfg = replace(cfg, warp_specialized=True)
         return cfg
 
