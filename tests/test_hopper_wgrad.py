@@ -8,6 +8,7 @@ against a float64 loop, bad sizes and worst-case buffers included.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -21,29 +22,56 @@ hopper_wgrad = pytest.importorskip("megablocks_triton.hopper_wgrad")
 
 from megablocks_triton import gmm as G  # noqa: E402
 
+from megablocks_core.plugin import DeviceInfo  # noqa: E402
+
 on_hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
     reason="needs an sm_90 GPU",
 )
 
 
+PLAIN = G.GmmConfig(128, 256, 64, num_warps=8, num_stages=4)  # the Triton kernel's tiles
+PLAIN_REDUCE = G.GmmConfig(
+    128, 256, 32, num_warps=8, num_stages=6, use_tma=True, reduce_epilogue=True
+)
+WARP_SPECIALIZED = G.GmmConfig(128, 256, 64, warp_specialized=True)
+
+
 def _aligned(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.zeros(rows, cols, dtype=dtype)
 
 
+H200 = DeviceInfo(
+    kind="cuda",
+    type="cuda",
+    index=0,
+    name="NVIDIA H200",
+    arch="sm_90",
+    capability=(9, 0),
+    warp_size=32,
+    multiprocessors=132,
+)
+
+
 def test_serves_16_bit_tma_layouts_only() -> None:
+    def serves(a: torch.Tensor, g: torch.Tensor, out: torch.Tensor, **where: object) -> bool:
+        cfg, info = where.get("cfg", WARP_SPECIALIZED), where.get("info", H200)
+        return G._warp_specialized(cfg, info, a, g, out) is hopper_wgrad
+
     a, g, out = _aligned(64, 128), _aligned(64, 256), torch.zeros(2, 128, 256, dtype=torch.bfloat16)
-    assert hopper_wgrad.usable(a, g, out)
-    assert hopper_wgrad.usable(a.half(), g.half(), out.half())
-    assert not hopper_wgrad.usable(a, g, out.float())  # a float32 main_grad: the Triton kernel
-    assert not hopper_wgrad.usable(a.float(), g.float(), out.float())
-    assert not hopper_wgrad.usable(a, g.half(), out)  # mixed operand dtypes
-    assert not hopper_wgrad.usable(_aligned(64, 130)[:, :127], g, out)  # a 260-byte row stride
-    assert not hopper_wgrad.usable(_aligned(128, 64).t(), g, out)  # a column-major a
-    assert not hopper_wgrad.usable(
-        a, g, torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    )
-    assert not hopper_wgrad.usable(_aligned(65, 128).view(-1)[4:8196].view(64, 128), g, out)  # base
+    assert serves(a, g, out)
+    assert serves(a.half(), g.half(), out.half())
+    assert not serves(a, g, out.float())  # a float32 main_grad: the Triton kernel
+    assert not serves(a.float(), g.float(), out.float())
+    assert not serves(a, g.half(), out)  # mixed operand dtypes
+    assert not serves(_aligned(64, 130)[:, :127], g, out)  # a 260-byte row stride
+    assert not serves(_aligned(128, 64).t(), g, out)  # a column-major a
+    assert not serves(a, g, torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2))
+    assert not serves(_aligned(65, 128).view(-1)[4:8196].view(64, 128), g, out)  # base
+    # Only where the config asks for it, and only on sm_90.
+    assert not serves(a, g, out, cfg=PLAIN)
+    b200 = dataclasses.replace(H200, name="NVIDIA B200", arch="sm_100", capability=(10, 0))
+    assert not serves(a, g, out, info=b200)
 
 
 def test_other_triton_releases_take_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,11 +151,6 @@ def test_compiles_for_sm90(accumulate: bool, dtype: str) -> None:
 # On the GPU
 # ---------------------------------------------------------------------------------------------
 
-PLAIN = G.GmmConfig(128, 256, 64, num_warps=8, num_stages=4)  # the Triton kernel's tiles
-PLAIN_REDUCE = G.GmmConfig(
-    128, 256, 32, num_warps=8, num_stages=6, use_tma=True, reduce_epilogue=True
-)
-WARP_SPECIALIZED = G.GmmConfig(128, 256, 64, warp_specialized=True)
 
 CASES = {
     # sizes, k (a's columns), n (grad's columns), extra NaN rows past the groups

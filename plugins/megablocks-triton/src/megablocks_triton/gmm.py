@@ -897,6 +897,25 @@ def _hopper_wgrad() -> Any:
     return hopper_wgrad
 
 
+def _tma_ready(info: DeviceInfo, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Every tensor can be read or written through a TMA descriptor on ``info``: its layout
+    (:func:`_tma_layout_ok`) and a 16-byte aligned base."""
+    return all(_tma_layout_ok(info, t) and not t.data_ptr() & 15 for t in tensors)
+
+
+def _warp_specialized(
+    cfg: GmmConfig, info: DeviceInfo, a: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
+) -> Any:
+    """:mod:`.hopper_wgrad` when it serves this weight gradient (the config asks for it, an sm_90
+    GPU, its dtypes, TMA layouts), else None."""
+    if not (cfg.warp_specialized and info.kind == "cuda" and arch_family(info) == "hopper"):
+        return None
+    hopper = _hopper_wgrad()
+    if hopper is None or not hopper.serves_dtypes(a.dtype, grad.dtype, out.dtype):
+        return None
+    return hopper if _tma_ready(info, (a, grad, out)) else None
+
+
 def _launch_wgrad(
     a: torch.Tensor,
     grad: torch.Tensor,
@@ -914,13 +933,12 @@ def _launch_wgrad(
     info = device_info(a.device)
     op = "wgrad_accumulate" if accumulate else "wgrad"
     cfg = config or choose_config(op, ka, n, a.shape[0], num_experts, a.dtype, info, out.dtype)
-    if cfg.warp_specialized and info.kind == "cuda" and arch_family(info) == "hopper":
-        hopper = _hopper_wgrad()
-        if hopper is not None and hopper.usable(a, grad, out):
-            hopper.launch(
-                a, grad, sizes, out, accumulate=accumulate, block_e=block_e, num_sms=_num_sms(info)
-            )
-            return
+    hopper = _warp_specialized(cfg, info, a, grad, out)
+    if hopper is not None:
+        hopper.launch(
+            a, grad, sizes, out, accumulate=accumulate, block_e=block_e, num_sms=_num_sms(info)
+        )
+        return
     total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
     descriptors: tuple[Any, ...] = (a, grad, out)  # unused unless TMA
@@ -933,7 +951,7 @@ def _launch_wgrad(
         accumulate
         and cfg.use_tma
         and (out.element_size() == 2 or reduce)
-        and all(_tma_layout_ok(info, t) and not t.data_ptr() & 15 for t in descriptors)
+        and _tma_ready(info, descriptors)
     )
     if tma:
         descriptors = (

@@ -19,7 +19,7 @@ and in its epilogue; here both overlap the loads of the next tile. Results equal
 kernel's bit for bit (same tiles, same chunk order, float32 accumulation).
 
 Used by the weight-gradient launch on sm_90 for 16-bit operands and a 16-bit gradient with
-TMA-compatible layouts (:func:`usable`), with the Triton releases it was tested with
+TMA-compatible layouts (:func:`serves_dtypes` and the caller's layout check), with the Triton releases it was tested with
 (``megablocks_triton.gmm.GLUON_TESTED``: Gluon is experimental); everything else, the Triton
 interpreter included, takes the plain kernel. It runs on a Hopper GPU only; on the CPU its tests
 compile it for sm_90.
@@ -203,20 +203,10 @@ def _wgrad_kernel(a_desc, g_desc, out_desc, sizes_ptr, num_experts, rows, tiles_
     # fmt: on
 
 
-def usable(a: torch.Tensor, grad: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether this kernel serves the call: 16-bit a and grad of one dtype, a 16-bit gradient,
-    unit inner strides and 16-byte aligned bases and outer strides (TMA), a contiguous ``out``.
-    The caller checks the device (sm_90)."""
-    if a.dtype not in _DTYPES or grad.dtype != a.dtype or out.dtype not in _DTYPES:
-        return False
-    if not out.is_contiguous():
-        return False
-    for t in (a, grad, out):
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any((stride * t.element_size()) % 16 for stride in t.stride()[:-1]):
-            return False
-    return True
+def serves_dtypes(a: torch.dtype, grad: torch.dtype, out: torch.dtype) -> bool:
+    """Whether this kernel takes these dtypes: 16-bit ``a`` and ``grad`` of one dtype, a 16-bit
+    gradient. The caller checks the device (sm_90) and the layouts (TMA)."""
+    return a in _DTYPES and grad == a and out in _DTYPES
 
 
 def launch(
@@ -230,7 +220,8 @@ def launch(
     num_sms: int,
 ) -> None:
     """``out[e] (+)= a_e.T @ grad_e``: a (rows, K), grad (rows, N), out (E, K, N), ``sizes``
-    the int32 per-expert row counts on the device (:func:`usable` holds)."""
+    the int32 per-expert row counts on the device (:func:`serves_dtypes` holds, and every
+    tensor suits TMA)."""
     num_experts, k, n = out.shape
     a_desc = TensorDescriptor.from_tensor(
         a,
