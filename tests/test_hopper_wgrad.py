@@ -8,7 +8,6 @@ against a float64 loop, bad sizes and worst-case buffers included.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -16,13 +15,12 @@ import sys
 
 import pytest
 import torch
+from device_infos import B200, H200
 
 triton = pytest.importorskip("triton")
 hopper_wgrad = pytest.importorskip("megablocks_triton.hopper_wgrad")
 
 from megablocks_triton import gmm as G  # noqa: E402
-
-from megablocks_core.plugin import DeviceInfo  # noqa: E402
 
 on_hopper = pytest.mark.skipif(
     not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -39,18 +37,6 @@ WARP_SPECIALIZED = G.GmmConfig(128, 256, 64, warp_specialized=True)
 
 def _aligned(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return torch.zeros(rows, cols, dtype=dtype)
-
-
-H200 = DeviceInfo(
-    kind="cuda",
-    type="cuda",
-    index=0,
-    name="NVIDIA H200",
-    arch="sm_90",
-    capability=(9, 0),
-    warp_size=32,
-    multiprocessors=132,
-)
 
 
 def test_serves_16_bit_tma_layouts_only() -> None:
@@ -70,8 +56,7 @@ def test_serves_16_bit_tma_layouts_only() -> None:
     assert not serves(_aligned(65, 128).view(-1)[4:8196].view(64, 128), g, out)  # base
     # Only where the config asks for it, and only on sm_90.
     assert not serves(a, g, out, cfg=PLAIN)
-    b200 = dataclasses.replace(H200, name="NVIDIA B200", arch="sm_100", capability=(10, 0))
-    assert not serves(a, g, out, info=b200)
+    assert not serves(a, g, out, info=B200)
 
 
 def test_other_triton_releases_take_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

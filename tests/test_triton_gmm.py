@@ -13,6 +13,7 @@ import numpy as np
 import oracle
 import pytest
 import torch
+from device_infos import B200, H200, MI300, RTX5090, RX7900
 from triton_interpreter import interpreting
 
 triton = pytest.importorskip("triton")
@@ -24,8 +25,6 @@ needs_interpreter = pytest.mark.skipif(
     not interpreting(), reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1"
 )
 from megablocks_triton.config import GMM_TILES, LaunchConfigs, use_launch_configs  # noqa: E402
-
-from megablocks_core.plugin import DeviceInfo  # noqa: E402
 
 SMALL = G.GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 # fp32 must track float64 closely (ieee dot, no tf32); 16-bit outputs are rounded once.
@@ -332,29 +331,6 @@ def test_non_unit_inner_stride() -> None:
 # ---------------------------------------------------------------------------------------------
 # choose_config: pure function of the shapes / dtype / device description.
 # ---------------------------------------------------------------------------------------------
-
-H200 = DeviceInfo(
-    kind="cuda",
-    type="cuda",
-    index=0,
-    name="NVIDIA H200",
-    arch="sm_90",
-    capability=(9, 0),
-    warp_size=32,
-    multiprocessors=132,
-)
-B200 = dataclasses.replace(H200, name="NVIDIA B200", arch="sm_100", capability=(10, 0))
-RTX5090 = dataclasses.replace(H200, name="NVIDIA RTX 5090", arch="sm_120", capability=(12, 0))
-MI300 = DeviceInfo(
-    kind="rocm",
-    type="cuda",
-    index=0,
-    name="AMD Instinct MI300X",
-    arch="gfx942",
-    warp_size=64,
-    multiprocessors=304,
-)
-RX7900 = dataclasses.replace(MI300, name="Radeon RX 7900 XTX", arch="gfx1100", warp_size=32)
 
 
 def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
