@@ -44,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # type: ignore[import-untyped]
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+PIECE = gl.constexpr(16)  # rows of a partial chunk multiplied at a time (bf16 MMAs reduce over 16)
 STAGES = 3  # 3 x 48 KiB of operands + the 64 KiB output tile fit the 227 KiB of shared memory
 MMA_WARPS = 8
 LOADER_REGISTERS = 40
@@ -109,12 +110,34 @@ def _loader(a_desc, g_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts
 
 @gluon.jit
 def _zero_rows_from(buf, valid, num_warps: gl.constexpr):
-    # Rows >= valid of a (BLOCK_K, n) operand tile: past the group's end (another group's rows, or
-    # memory a worst-case buffer never wrote), so they must add nothing.
+    # Rows >= valid of a (PIECE, n) piece of an operand tile: past the group's end (another
+    # group's rows, or memory a worst-case buffer never wrote), so they must add nothing.
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     tile = buf.load(layout)
     row = gl.arange(0, buf.type.shape[0], layout=gl.SliceLayout(1, layout))
     buf.store(gl.where((row < valid)[:, None], tile, gl.zeros_like(tile)))
+
+
+@gluon.jit
+def _partial_chunk_mma(a_buf, b_buf, acc, valid, num_warps: gl.constexpr):
+    # The group's last chunk holds only `valid` (< BLOCK_K) of its rows. It is multiplied in
+    # PIECE-row pieces (the MMA's own reduction step): whole pieces before the group end as
+    # they are, the piece the end falls in with its rows past the end zeroed (a TMA box cannot
+    # stop at a row), none after it. Zeroing one piece instead of the chunk, and skipping the
+    # MMAs of the rows past the end (on average half a chunk), keeps this off the MMA warps'
+    # path; the pieces run in the order a whole chunk's MMA runs them, so the sums are the same.
+    for j in gl.static_range(a_buf.type.shape[0] // PIECE):
+        if j * PIECE < valid:
+            a_piece = a_buf.slice(j * PIECE, PIECE, dim=0)
+            b_piece = b_buf.slice(j * PIECE, PIECE, dim=0)
+            if valid < (j + 1) * PIECE:
+                _zero_rows_from(a_piece, valid - j * PIECE, num_warps)
+                _zero_rows_from(b_piece, valid - j * PIECE, num_warps)
+                fence_async_shared()
+                gl.thread_barrier()
+            acc = warpgroup_mma(a_piece.permute((1, 0)), b_piece, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    return acc
 
 
 @gluon.jit
@@ -141,14 +164,14 @@ def _mma_and_epilogue(out_desc, a_bufs, b_bufs, empty, ready, c_smem, sizes_ptr,
             mbarrier.wait(ready.index(slot), (step // stages) & 1)
             valid = size - chunk * block_k
             if valid < block_k:  # the group's last, partial chunk
-                _zero_rows_from(a_bufs.index(slot), valid, num_warps)
-                _zero_rows_from(b_bufs.index(slot), valid, num_warps)
-                fence_async_shared()
-                gl.thread_barrier()
-            acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc,
-                                is_async=True)  # fmt: skip
-            # One MMA in flight: the previous one has read its stage, which goes back to the loader.
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                acc = _partial_chunk_mma(a_bufs.index(slot), b_bufs.index(slot), acc, valid,
+                                         num_warps)  # fmt: skip
+            else:
+                acc = warpgroup_mma(a_bufs.index(slot).permute((1, 0)), b_bufs.index(slot), acc,
+                                    is_async=True)  # fmt: skip
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # One MMA in flight, of this chunk: the previous chunk's have read its stage, which
+            # goes back to the loader.
             mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1, pred=chunk > 0)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
