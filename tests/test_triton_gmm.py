@@ -373,8 +373,8 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.bfloat16
     )
     tma_reduce = {"use_tma": True, "reduce_epilogue": True}
-    tma_reduce["warp_specialized"] = False
     assert into_bf16 == dataclasses.replace(wgrad, block_k=32, num_stages=6, **tma_reduce)
+    tma_reduce["warp_specialized"] = False
     into_fp32 = G.choose_config(
         "wgrad_accumulate", 2048, 768, 131072, 128, torch.bfloat16, H200, torch.float32
     )
@@ -391,10 +391,20 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     assert not on_amd.use_tma and not on_amd.reduce_epilogue
     # The warp-specialized weight gradient: a new gradient on Hopper from 16-bit operands (its
-    # launch then also checks the layouts: tests/test_hopper_wgrad.py); not the accumulating one.
-    assert wgrad.warp_specialized
-    assert not into_bf16.warp_specialized and not into_fp32.warp_specialized
+    # launch then also checks the layouts: tests/test_hopper_wgrad.py); adding into a 16-bit
+    # gradient only from 769 to 1024 tokens per expert (qwen3's 1024: yes; dsv3's 512: no), never
+    # into a float32 one (the Gluon kernel writes 16-bit gradients only).
+    assert wgrad.warp_specialized and into_bf16.warp_specialized
+    assert not into_fp32.warp_specialized
     assert not fp32_data.warp_specialized and not on_amd.warp_specialized
+    for tokens, experts, want in ((131072, 256, False), (98304, 128, False), (98432, 128, True)):
+        assert (
+            G.choose_config(
+                "wgrad_accumulate", 7168, 2048, tokens, experts, torch.bfloat16, H200,
+                torch.bfloat16,
+            ).warp_specialized
+            is want
+        ), (tokens, experts)  # fmt: skip
     for device in (B200, RTX5090, MI300):
         assert not G.choose_config(
             "wgrad", 2048, 768, 131072, 128, torch.bfloat16, device

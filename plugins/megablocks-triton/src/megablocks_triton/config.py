@@ -94,8 +94,8 @@ class GmmConfig:
     :mod:`megablocks_triton.hopper_wgrad` (its own 128x256x64 tiles, 3 stages; a loader warp
     running ahead across tiles) where it serves the call (16-bit operands and gradient, TMA
     layouts); other calls take the Triton kernel with this config's tiles. The default policy
-    sets it for a new gradient (``gmm_wgrad``) of up to 1024 tokens per expert, not for the
-    accumulating one.
+    sets it for a new gradient (``gmm_wgrad``) of up to 1024 tokens per expert, and for the
+    accumulating one into a 16-bit gradient of more than 768 and up to 1024.
     """
 
     block_m: int
@@ -416,10 +416,20 @@ class LaunchConfigs:
         each expert has only ~512-1024 tokens, and the deeper pipeline hides more of each tile's
         start. H200, the qwen3 and dsv3 layers' six weight gradients, against the kernel that
         read, added and wrote the tile (same day, separate runs): 9-20 % faster into bf16,
-        17-30 % into float32 (docs/performance.md). Not the warp-specialized kernel: adding
-        with its TMA reduction it was 3-6 % faster at the qwen3 shapes but 2-8 % slower at the
-        dsv3 ones (same run, softmax top-k routing)."""
+        17-30 % into float32 (docs/performance.md).
+
+        The warp-specialized kernel adds into a 16-bit gradient with its own TMA reduction
+        where it was measured faster: more than 768 and up to 1024 tokens per expert (H200,
+        softmax top-k routing, two sessions: 3-6 % faster than this kernel at the qwen3 shapes,
+        1024 tokens per expert; at dsv3's 512 it was 1 % faster to 10 % slower, at mixtral's
+        4096 5-13 % slower: there each tile reduces over too few or enough tokens for the
+        warp split to pay for the reduction traffic sharing the TMA unit with the loads)."""
         cfg = self.gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)
+        warp_specialized = (
+            cfg.warp_specialized
+            and dtype_class(out_dtype) == "16bit"
+            and tokens > 768 * max(num_experts, 1)
+        )
         if gmm_tile_family(device) == "hopper" and dtype_class(dtype) == "16bit":
             if dtype_class(out_dtype) == "16bit":
                 cfg, stages = replace(cfg, block_k=min(cfg.block_k, 32)), 6
@@ -427,7 +437,7 @@ class LaunchConfigs:
                 cfg = replace(cfg, block_n=min(cfg.block_n, 128), block_k=min(cfg.block_k, 32))
                 stages = 8
             cfg = replace(cfg, use_tma=True, reduce_epilogue=True, num_stages=stages)
-        return replace(cfg, warp_specialized=False)
+        return replace(cfg, warp_specialized=warp_specialized)
 
     def launch_options(self, kernel: str) -> Mapping[str, Any]:
         """Extra keywords for every launch of a ``kernel`` class (see :data:`KERNEL_KINDS`).
