@@ -301,13 +301,61 @@ def test_ranking_on_an_a100_with_grouped_gemm(fake_grouped_gemm):
 
 def test_efficiency_points_are_measured_per_arch():
     for provider in ("grouped_mm", "grouped_gemm"):
-        assert set(tuning.MEASURED[provider]) == {"sm_90"}  # only the H200 was measured
-        for rows, k, n, fraction in tuning.MEASURED[provider]["sm_90"]:
-            assert min(rows, k, n) > 0 and 0 < fraction <= 1
+        assert set(tuning.MEASURED[provider]) == {"gmm", "gmm_weight_grad"}
+        for op in ("gmm", "gmm_weight_grad"):
+            assert set(tuning.MEASURED[provider][op]) == {"sm_90"}  # only the H200 was measured
+            for rows, k, n, fraction in tuning.MEASURED[provider][op]["sm_90"]:
+                assert min(rows, k, n) > 0 and 0 < fraction <= 1
 
 
-def _measured(provider, rows_per_expert, k, n):
-    return {p[:3]: p[3] for p in tuning.MEASURED[provider]["sm_90"]}[(rows_per_expert, k, n)]
+def _measured(provider, rows_per_expert, k, n, op="gmm"):
+    points = tuning.MEASURED[provider][op]["sm_90"]
+    return {p[:3]: p[3] for p in points}[(rows_per_expert, k, n)]
+
+
+def _weight_grad_call(rows_per_expert, k, n, experts):
+    return {
+        "a": TensorMeta((rows_per_expert * experts, k), torch.bfloat16, "cuda"),
+        "grad": TensorMeta((rows_per_expert * experts, n), torch.bfloat16, "cuda"),
+        "batch_sizes": TensorMeta((experts,), torch.int32, "cuda"),
+    }
+
+
+def test_weight_grad_choice_follows_the_same_run_measurement():
+    """The weight-gradient hints of megablocks-triton and of grouped_mm pick, at each shape
+    measured side by side on the H200, the provider that was faster there (the raw run in
+    docs/bench), and each hint uses the weight gradient's own points, not the forward's."""
+    import json
+    from pathlib import Path
+
+    triton_tuning = pytest.importorskip("megablocks_triton.tuning")
+    mm = {
+        k.op: k.cost for k in plugin.megablocks_grouped_gemm_kernels() if k.variant == "grouped_mm"
+    }
+    triton_hint = triton_tuning.COST_HINTS["gmm_weight_grad"]
+    run = Path(__file__).parents[1] / "docs/bench/h200-2026-12-01h-wgrad-points.jsonl"
+    records = [json.loads(line) for line in run.read_text().splitlines() if line.strip()]
+    assert len(records) == 6
+    for r in records:
+        ms = {provider: sorted(times)[1] for provider, times in r["ms"].items()}
+        faster = "triton" if ms["triton"] < ms["grouped_mm"] else "grouped_mm"
+        experts = {512: 256, 1024: 128, 4096: 8}[r["rows_per_expert"]]
+        call = _weight_grad_call(r["rows_per_expert"], r["k"], r["n"], experts)
+        estimates = {
+            "triton": triton_hint(H200, call),
+            "grouped_mm": mm["gmm_weight_grad"](H200, call),
+        }
+        assert min(estimates, key=estimates.get) == faster, (r, estimates)
+        wgrad = _measured("grouped_mm", r["rows_per_expert"], r["k"], r["n"], "gmm_weight_grad")
+        assert wgrad == pytest.approx(ms["dense"] / ms["grouped_mm"], abs=0.006)
+    # qwen3's w1 shape: the forward's point (0.84) is not the weight gradient's (0.71)
+    forward = _measured("grouped_mm", 1024, 2048, 768)
+    assert mm["gmm"](H200, _call(1024, 2048, 768, 128)) == pytest.approx(
+        _dense_us(1024, 2048, 768, 128) / forward
+    )
+    assert mm["gmm_weight_grad"](H200, _weight_grad_call(1024, 2048, 768, 128)) > mm["gmm"](
+        H200, _call(1024, 2048, 768, 128)
+    )
 
 
 def _call(rows_per_expert, k, n, experts, sizes_on="cuda"):

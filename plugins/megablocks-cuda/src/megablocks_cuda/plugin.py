@@ -281,7 +281,7 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
             contiguous=True,
             variant=variant,
             cost=gmm_cost_hint(
-                tuning.MEASURED[variant], device_kinds=("cuda",), host_counts_only=host_only
+                tuning.MEASURED[variant][op], device_kinds=("cuda",), host_counts_only=host_only
             ),
         )
         for variant, check, supports, host_only, fns in providers

@@ -1,9 +1,9 @@
 """Measured tuning of this plugin: the grouped-GEMM providers' efficiency points per device arch,
 and the calls the scan scatter takes.
 
-Each point is ``(rows_per_expert, k, n, fraction_of_dense_peak)``: the provider's forward bf16
-throughput on that problem as a fraction of a dense bf16 matmul with the same FLOPs, measured on
-the device arch named by the key. ``megablocks_core.plugin.gmm_cost_hint`` turns them into a
+Each point is ``(rows_per_expert, k, n, fraction_of_dense_peak)``: the provider's bf16
+throughput for an op on that problem as a fraction of a dense bf16 matmul with the same FLOPs,
+measured on the device arch named by the key. ``megablocks_core.plugin.gmm_cost_hint`` turns them into a
 provider's cost hint (nearest measured point in log space). An arch without points gives no
 estimate, and the core then ranks by priority alone.
 """
@@ -14,16 +14,42 @@ from collections.abc import Mapping, Sequence
 
 from megablocks_core.plugin import GmmPoint
 
-#: provider (the kernel's variant) -> device arch -> measured points (both ops use the forward
-#: points: the weight gradient was not measured separately).
-MEASURED: Mapping[str, Mapping[str, Sequence[GmmPoint]]] = {
-    # H200, torch 2.11 + CUDA 13.0, bf16 forward, `megablocks bench --ops gmm` (mean of two runs,
-    # docs/performance.md): the mixtral, qwen3 and dsv3 shapes.
+#: grouped_gemm's forward, H200, torch 2.11 + CUDA 13.0, bf16, `megablocks bench --ops gmm` (mean
+#: of two runs, docs/performance.md): the mixtral, qwen3 and dsv3 shapes.
+_GROUPED_GEMM_FORWARD: tuple[GmmPoint, ...] = (
+    (4096, 4096, 14336, 0.98),
+    (1024, 2048, 768, 0.33),
+    (512, 7168, 2048, 0.79),
+)
+
+#: provider (the kernel's variant) -> op -> device arch -> measured points.
+MEASURED: Mapping[str, Mapping[str, Mapping[str, Sequence[GmmPoint]]]] = {
     "grouped_mm": {
-        "sm_90": ((4096, 4096, 14336, 0.94), (1024, 2048, 768, 0.84), (512, 7168, 2048, 0.79)),
+        # H200, torch 2.11 + CUDA 13.0, bf16 forward, `megablocks bench --ops gmm` (mean of two
+        # runs, docs/performance.md): the mixtral, qwen3 and dsv3 shapes.
+        "gmm": {
+            "sm_90": ((4096, 4096, 14336, 0.94), (1024, 2048, 768, 0.84), (512, 7168, 2048, 0.79)),
+        },
+        # Weight gradient, softmax top-k routing, do_bench medians of three beside a dense
+        # matmul and megablocks-triton's in the same run
+        # (docs/bench/h200-2026-12-01h-wgrad-points.jsonl): both orientations of the qwen3 / dsv3
+        # / mixtral layers' weight gradients (k = a's columns).
+        "gmm_weight_grad": {
+            "sm_90": (
+                (1024, 2048, 768, 0.71),
+                (1024, 768, 2048, 0.70),
+                (512, 7168, 2048, 0.75),
+                (512, 2048, 7168, 0.72),
+                (4096, 4096, 14336, 0.93),
+                (4096, 14336, 4096, 0.91),
+            ),
+        },
     },
     "grouped_gemm": {
-        "sm_90": ((4096, 4096, 14336, 0.98), (1024, 2048, 768, 0.33), (512, 7168, 2048, 0.79)),
+        # The forward's points for both ops: its weight gradient was not measured separately
+        # (it reads the counts on the host, so with device-side counts it gives no estimate).
+        "gmm": {"sm_90": _GROUPED_GEMM_FORWARD},
+        "gmm_weight_grad": {"sm_90": _GROUPED_GEMM_FORWARD},
     },
 }
 

@@ -18,8 +18,20 @@ MEASURED: Mapping[str, Mapping[str, Sequence[GmmPoint]]] = {
     # Forward, TMA loads (the sm90 default), `megablocks bench --ops gmm` (mean of two runs):
     # mixtral / qwen3 / dsv3 shapes.
     "gmm": {"sm_90": ((4096, 4096, 14336, 0.96), (1024, 2048, 768, 0.86), (512, 7168, 2048, 0.86))},
-    # No weight-gradient points yet: that op is left to providers that have them (or to priority).
-    "gmm_weight_grad": {},
+    # Weight gradient, the default policy (the Gluon kernel up to 1024 rows per expert), softmax
+    # top-k routing, do_bench medians of three beside a dense matmul and megablocks-cuda's
+    # grouped_mm in the same run (docs/bench/h200-2026-12-01h-wgrad-points.jsonl): both
+    # orientations of the qwen3 / dsv3 / mixtral layers' weight gradients (k = a's columns).
+    "gmm_weight_grad": {
+        "sm_90": (
+            (1024, 2048, 768, 0.80),
+            (1024, 768, 2048, 0.78),
+            (512, 7168, 2048, 0.77),
+            (512, 2048, 7168, 0.73),
+            (4096, 4096, 14336, 0.87),
+            (4096, 14336, 4096, 0.90),
+        )
+    },
 }
 
 #: op → the cost hint its kernel declares.
