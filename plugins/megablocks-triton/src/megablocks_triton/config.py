@@ -422,8 +422,7 @@ class LaunchConfigs:
         where it was measured faster: more than 768 and up to 1024 tokens per expert (H200,
         softmax top-k routing, two sessions: 3-6 % faster than this kernel at the qwen3 shapes,
         1024 tokens per expert; at dsv3's 512 it was 1 % faster to 10 % slower, at mixtral's
-        4096 5-13 % slower: there each tile reduces over too few or enough tokens for the
-        warp split to pay for the reduction traffic sharing the TMA unit with the loads)."""
+        4096 5-13 % slower; docs/performance.md)."""
         cfg = self.gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)
         warp_specialized = (
             cfg.warp_specialized

@@ -124,8 +124,8 @@ def _partial_chunk_mma(a_buf, b_buf, acc, valid, num_warps: gl.constexpr):
     # PIECE-row pieces (the MMA's own reduction step): whole pieces before the group end as
     # they are, the piece the end falls in with its rows past the end zeroed (a TMA box cannot
     # stop at a row), none after it. Zeroing one piece instead of the chunk, and skipping the
-    # MMAs of the rows past the end (on average half a chunk), keeps this off the MMA warps'
-    # path; the pieces run in the order a whole chunk's MMA runs them, so the sums are the same.
+    # MMAs of the rows past the end (on average half a chunk), shortens the MMA warps' path;
+    # the pieces run in the order a whole chunk's MMA runs them, so the sums are the same.
     for j in gl.static_range(a_buf.type.shape[0] // PIECE):
         if j * PIECE < valid:
             a_piece = a_buf.slice(j * PIECE, PIECE, dim=0)
