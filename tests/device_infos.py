@@ -28,4 +28,6 @@ MI300 = DeviceInfo(
     warp_size=64,
     multiprocessors=304,
 )
-RX7900 = dataclasses.replace(MI300, name="Radeon RX 7900 XTX", arch="gfx1100", warp_size=32)
+RX7900 = dataclasses.replace(
+    MI300, name="Radeon RX 7900 XTX", arch="gfx1100", warp_size=32, multiprocessors=48
+)

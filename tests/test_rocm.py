@@ -13,6 +13,7 @@ import os
 import warnings
 from importlib import metadata
 
+import device_infos
 import pytest
 import torch
 from fake_plugins import routing_inputs
@@ -46,27 +47,9 @@ def amd(arch_name: str, cus: int, name: str) -> DeviceInfo:
 MI250X = amd("gfx90a", 110, "AMD Instinct MI250X")  # one GCD
 MI300X = amd("gfx942", 304, "AMD Instinct MI300X")
 MI355X = amd("gfx950", 256, "AMD Instinct MI355X")
-RX7900 = DeviceInfo(
-    kind="rocm",
-    type="cuda",
-    index=0,
-    name="Radeon RX 7900 XTX",
-    arch="gfx1100",
-    runtime="6.4.43482",
-    warp_size=32,
-    multiprocessors=48,
-)
-H200 = DeviceInfo(
-    kind="cuda",
-    type="cuda",
-    index=0,
-    name="NVIDIA H200",
-    arch="sm_90",
-    capability=(9, 0),
-    runtime="13.0",
-    warp_size=32,
-    multiprocessors=132,
-)
+# The shared descriptions (tests/device_infos.py) with the runtime versions these tests report.
+RX7900 = dataclasses.replace(device_infos.RX7900, runtime="6.4.43482")
+H200 = dataclasses.replace(device_infos.H200, runtime="13.0")
 TUNED = [MI250X, MI300X, MI355X]
 KINDS = tconfig.KERNEL_KINDS
 #: Every keyword the rocm policy may pass to a launch: options of Triton's HIP backend only
