@@ -34,6 +34,7 @@ import torch
 from .activations import activate_backward, activate_with, glu_backward
 from .policy import Policy, policy_scope
 from .schema import OpContract, RowsOption, TensorArg
+from .validation import ContractError, ContractTypeError
 
 Call = Callable[..., torch.Tensor]
 Grads = dict[str, "torch.Tensor | None"]
@@ -77,6 +78,11 @@ def fuse_grad_accumulation(*params: torch.Tensor, enabled: bool = True) -> None:
     tensors (parameters) can be opted in; the mark is an attribute of the tensor
     (``copy.deepcopy`` of a ``Parameter`` drops it).
     """
+    if not isinstance(enabled, bool):  # "no" or 0.5 would be truthy
+        raise TypeError(
+            "megablocks_core.fuse_grad_accumulation: enabled must be True or False; got "
+            f"{enabled!r} ({type(enabled).__name__})"
+        )
     for index, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
             raise TypeError(
@@ -88,7 +94,7 @@ def fuse_grad_accumulation(*params: torch.Tensor, enabled: bool = True) -> None:
                 f"megablocks_core.fuse_grad_accumulation: argument {index} must be a leaf tensor "
                 "(a parameter): the gradient of a computed tensor flows on to its inputs"
             )
-        setattr(param, FUSION_ATTRIBUTE, bool(enabled))
+        setattr(param, FUSION_ATTRIBUTE, enabled)
 
 
 def is_grad_accumulation_fused(param: torch.Tensor) -> bool:
@@ -196,9 +202,15 @@ def _gather(
 ) -> Grads:
     # A kernel-level weighted gather (a backward's) is the adjoint of the weighted scatter (which
     # takes every sorted row: those past rows, which the gather did not produce, add nothing).
+    out: Grads = {}
     routing = (a["indices"], a["bin_ids"])
     grad = RowsOption.pad(grad, a["indices"].shape[0])
-    return {"x": call("scatter", grad, *routing, a["weights"], a["bins"], a["top_k"])}
+    if needs["x"]:
+        out["x"] = call("scatter", grad, *routing, a["weights"], a["bins"], a["top_k"])
+    if needs["weights"]:  # recorded only in double backward (the weights are kernel level)
+        wgrad = call("scatter_wgrad", grad, a["x"], *routing, a["bins"], a["top_k"])
+        out["weights"] = _cast(wgrad, a["weights"])
+    return out
 
 
 def _weighted_rows(
@@ -246,18 +258,15 @@ def _scatter(
 def _padded_gather(
     call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
 ) -> Grads:
-    return {
-        "x": call(
-            "padded_scatter",
-            grad,
-            a["indices"],
-            a["bin_ids"],
-            None,
-            a["bins"],
-            a["padded_bins"],
-            a["top_k"],
-        )
-    }
+    out: Grads = {}
+    layout = (a["indices"], a["bin_ids"])
+    bins, padded_bins, top_k = a["bins"], a["padded_bins"], a["top_k"]
+    if needs["x"]:
+        out["x"] = call("padded_scatter", grad, *layout, a["weights"], bins, padded_bins, top_k)
+    if needs["weights"]:  # recorded only in double backward (the weights are kernel level)
+        wgrad = call("padded_scatter_wgrad", grad, a["x"], *layout, bins, padded_bins, top_k)
+        out["weights"] = _cast(wgrad, a["weights"])
+    return out
 
 
 def _padded_scatter(
@@ -293,7 +302,14 @@ def _padded_scatter(
 def _binned_gather(
     call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
 ) -> Grads:
-    return {"x": call("binned_scatter", grad, a["indices"], None, a["bins"], a["top_k"])}
+    out: Grads = {}
+    indices, bins, top_k = a["indices"], a["bins"], a["top_k"]
+    if needs["x"]:
+        out["x"] = call("binned_scatter", grad, indices, a["weights"], bins, top_k)
+    if needs["weights"]:  # recorded only in double backward (the weights are kernel level)
+        wgrad = call("binned_scatter_wgrad", grad, a["x"], indices, bins, top_k)
+        out["weights"] = _cast(wgrad, a["weights"])
+    return out
 
 
 def _binned_scatter(
@@ -335,13 +351,15 @@ def _weight_grad_by_bins(
 ) -> torch.Tensor | None:
     """b's gradient over the groups that cumulative bins give (sorted rows of x and grad).
 
-    The counts stay on bins' device (no host sync). Bad bins need no care here: device-side
-    counts are made safe by every gmm_weight_grad kernel (a negative group counts as 0, groups
-    are cut at the last row, as the fused kernels read bins), CPU counts are checked on the host."""
-    bins = bound["bins"]
-    counts = torch.diff(bins, prepend=bins.new_zeros(1))
-    if counts.dtype == torch.int16:  # gmm's counts are int32 or int64
-        counts = counts.int()
+    The counts stay on bins' device (no host sync). They are the groups as the fused forward read
+    them, also for bins that are not a cumulative sum (unchecked data the forward accepted): a
+    negative group counts as 0 and the groups are cut at the last row of x. So the weight
+    gradient sees valid counts wherever they live, and the backward neither raises about an
+    argument the caller never passed nor behaves differently for CPU and device-side bins."""
+    ends = bound["bins"].long()  # int64: differences and sums of int32 bins cannot wrap
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).clamp_(min=0)
+    ends = sizes.cumsum(0).clamp_(max=x.shape[0])
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).int()  # each count <= rows of x
     return _weight_grad(call, bound, "b", x, grad, counts)
 
 
@@ -477,21 +495,95 @@ def _glu(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[st
     return {"x": call("glu_backward", grad, a["x"], a["activation"])}
 
 
+# The kernel-level ops a backward calls are differentiable too, so that a backward recorded for
+# double backward (create_graph=True) carries every second-order term on every backend. Each is
+# linear in each of its float inputs; its rule is the adjoint. ``out_grad`` is the cotangent (the
+# ops' own "grad" argument is one of their inputs).
+
+
+def _scatter_wgrad(
+    call: Call, a: Mapping[str, Any], out_grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    # out[indices[i]] = <x[i], grad[indices[i] // top_k]>
+    out: Grads = {}
+    routing, bins, top_k = (a["indices"], a["bin_ids"]), a["bins"], a["top_k"]
+    if needs["x"]:
+        out["x"] = _weighted_rows(call, a["grad"], routing, out_grad, bins, top_k, None)
+    if needs["grad"]:
+        out["grad"] = call("scatter", a["x"], *routing, out_grad, bins, top_k)
+    return out
+
+
+def _padded_scatter_wgrad(
+    call: Call, a: Mapping[str, Any], out_grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    layout = (a["indices"], a["bin_ids"], out_grad, a["bins"], a["padded_bins"], a["top_k"])
+    if needs["x"]:
+        out["x"] = call("padded_gather", a["grad"], *layout)
+    if needs["grad"]:
+        out["grad"] = call("padded_scatter", a["x"], *layout)
+    return out
+
+
+def _binned_scatter_wgrad(
+    call: Call, a: Mapping[str, Any], out_grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    indices, bins, top_k = a["indices"], a["bins"], a["top_k"]
+    if needs["x"]:
+        bin_size = a["x.shape"][1]
+        out["x"] = call("binned_gather", a["grad"], indices, out_grad, bins, bin_size, top_k)
+    if needs["grad"]:
+        out["grad"] = call("binned_scatter", a["x"], indices, out_grad, bins, top_k)
+    return out
+
+
+def _replicate_backward(
+    call: Call, a: Mapping[str, Any], out_grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    return {"grad": call("replicate", out_grad, a["bins"], a["grad.shape"][1])}
+
+
+def _gmm_weight_grad(
+    call: Call, a: Mapping[str, Any], out_grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    # out[e] = a_e^T grad_e: a_e's gradient is grad_e out_grad[e]^T, grad_e's is a_e out_grad[e].
+    out: Grads = {}
+    sizes = a["batch_sizes"]
+    if needs["a"]:
+        out["a"] = call("gmm", a["grad"], out_grad.to(a["grad"].dtype), sizes, True)
+    if needs["grad"]:
+        out["grad"] = call("gmm", a["a"], out_grad.to(a["a"].dtype), sizes, False)
+    return out
+
+
 ROUTING_SAVES = ("indices", "bin_ids", "bins")
 
 #: Op name → its backward rule. Every differentiable contract has one (a test checks).
 RULES: dict[str, BackwardRule] = {
-    "gather": BackwardRule(_gather, (*ROUTING_SAVES, "weights")),
+    "gather": BackwardRule(_gather, (*ROUTING_SAVES, "weights"), {"x": "weights"}),
     "scatter": BackwardRule(_scatter, (*ROUTING_SAVES, "weights"), {"x": "weights"}),
-    "padded_gather": BackwardRule(_padded_gather, (*ROUTING_SAVES, "padded_bins")),
+    "scatter_wgrad": BackwardRule(_scatter_wgrad, ROUTING_SAVES, {"x": "grad", "grad": "x"}),
+    "padded_gather": BackwardRule(
+        _padded_gather, (*ROUTING_SAVES, "weights", "padded_bins"), {"x": "weights"}
+    ),
     "padded_scatter": BackwardRule(
         _padded_scatter, (*ROUTING_SAVES, "weights", "padded_bins"), {"x": "weights"}
     ),
-    "binned_gather": BackwardRule(_binned_gather, ("indices", "bins")),
+    "padded_scatter_wgrad": BackwardRule(
+        _padded_scatter_wgrad, (*ROUTING_SAVES, "padded_bins"), {"x": "grad", "grad": "x"}
+    ),
+    "binned_gather": BackwardRule(_binned_gather, ("indices", "weights", "bins"), {"x": "weights"}),
     "binned_scatter": BackwardRule(
         _binned_scatter, ("indices", "weights", "bins"), {"x": "weights"}
     ),
+    "binned_scatter_wgrad": BackwardRule(
+        _binned_scatter_wgrad, ("indices", "bins"), {"x": "grad", "grad": "x"}
+    ),
     "replicate": BackwardRule(_replicate, ("bins",)),
+    "replicate_backward": BackwardRule(_replicate_backward, ("bins",)),
+    "gmm_weight_grad": BackwardRule(_gmm_weight_grad, ("batch_sizes",), {"a": "grad", "grad": "a"}),
     "gmm": BackwardRule(_gmm, ("batch_sizes",), {"a": "b", "b": "a"}, fusable=("b",)),
     "gather_gmm": BackwardRule(_gather_gmm, ROUTING_SAVES, {"x": "b", "b": "x"}, fusable=("b",)),
     # x is needed for b's gradient and for the weights' (<x[i], grad[t] @ b[e].T>).
@@ -608,6 +700,25 @@ def unpack_for_backward(
 _NODE_ARGS = 4
 
 
+def run_rule(
+    contract: OpContract,
+    call: Call,
+    bound: Mapping[str, Any],
+    grad: torch.Tensor,
+    needs: Mapping[str, bool],
+) -> Grads:
+    """The op's backward rule; a contract error raised by an op it calls is re-raised naming the
+    op whose backward this is (the caller never called the inner op)."""
+    try:
+        return RULES[contract.name].fn(call, bound, grad, needs)
+    except (ContractError, ContractTypeError) as exc:
+        if str(exc).startswith(f"megablocks_core.ops.{contract.name}:"):
+            raise
+        raise type(exc)(
+            f"megablocks_core.ops.{contract.name}: its backward could not run: {exc}"
+        ) from exc
+
+
 class _OpFunction(torch.autograd.Function):
     """One autograd node for any differentiable op; the backward comes from :data:`RULES`."""
 
@@ -635,7 +746,7 @@ class _OpFunction(torch.autograd.Function):
         contract, policy, call, consts, needs = ctx.meta
         bound = unpack_for_backward(contract, ctx.saved_tensors, consts)
         with policy_scope(policy):  # backward runs on the backends the forward was ranked with
-            grads = RULES[contract.name].fn(call, bound, grad, needs)
+            grads = run_rule(contract, call, bound, grad, needs)
         return (
             *(None,) * _NODE_ARGS,
             *(grads.get(a.name) if needs[a.name] else None for a in contract.args),

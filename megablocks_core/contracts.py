@@ -417,6 +417,7 @@ REPLICATE_BACKWARD = OpContract(
         Rule("last(bins) <= grad.shape[1]", "bins fit in grad's rows", checked=True),
     ),
     outputs=(Output("out", "grad.dtype", ("grad.shape[0]", "bins.shape[0]")),),
+    differentiable=("grad",),
     semantics="out[b, e] = sum(grad[b, bins[e-1]:bins[e]]), accumulated in float32 (float64 for float64).",
     edge_cases=(
         "an empty bin sums to exactly 0",
@@ -529,7 +530,7 @@ GATHER = OpContract(
     args=(TOKENS, INDICES, BIN_IDS, GATHER_WEIGHTS, BINS, TOP_K, ROWS_OUT),
     rules=(GATHER_ROWS, *UNROUTED_PERMUTATION_RULES, ROWS_WITHIN),
     outputs=(Output("out", "x.dtype", (ROWS_OUT_DIM, "x.shape[1]"), "expert-sorted rows"),),
-    differentiable=("x",),
+    differentiable=("x", "weights"),
     semantics="out[i] = x[indices[i] // top_k] (times weights[indices[i]] at kernel level), for "
     "i < rows (all sorted rows without rows). "
     + PAST_BINS
@@ -571,6 +572,7 @@ SCATTER_WGRAD = OpContract(
         INDICES_FIT,
     ),
     outputs=(WGRAD_OUT,),
+    differentiable=("x", "grad"),
     semantics="out[indices[i]] = dot(x[i], grad[indices[i] // top_k]), accumulated in float32.",
     edge_cases=(*EMPTY_AND_ZERO, WGRAD_BAD_INDICES),
 )
@@ -589,7 +591,7 @@ PADDED_GATHER = OpContract(
             "rows = padded_bins[-1], read on the host",
         ),
     ),
-    differentiable=("x",),
+    differentiable=("x", "weights"),
     semantics=(
         "Sorted row i of expert e = bin_ids[i] lands at padded_bins[e-1] + (i - bins[e-1]); "
         "rows no token lands on are 0. " + LAYOUT_FROM_BINS + " " + FP32_ACCUMULATION
@@ -644,6 +646,7 @@ PADDED_SCATTER_WGRAD = OpContract(
         PADDED_LENGTH,
     ),
     outputs=(WGRAD_OUT,),
+    differentiable=("x", "grad"),
     semantics="As scatter_wgrad, reading padded rows. Accumulated in float32.",
     edge_cases=(*EMPTY_AND_ZERO, WGRAD_BAD_INDICES, LAYOUT_BAD_READS),
 )
@@ -662,7 +665,7 @@ BINNED_GATHER = OpContract(
     ),
     rules=(GATHER_ROWS, *BINNED_RULES),
     outputs=(Output("out", "x.dtype", ("bins.shape[0]", "bin_size", "x.shape[1]"), "zero-filled"),),
-    differentiable=("x",),
+    differentiable=("x", "weights"),
     semantics=(
         "out[e, j] = x[indices[bins[e-1] + j] // top_k] for j < min(bin_size, rows of e); "
         "other rows are 0. " + FP32_ACCUMULATION
@@ -708,6 +711,7 @@ BINNED_SCATTER_WGRAD = OpContract(
         INDICES_FIT,
     ),
     outputs=(WGRAD_OUT,),
+    differentiable=("x", "grad"),
     semantics="As scatter_wgrad for kept rows; dropped rows get 0. Accumulated in float32.",
     edge_cases=(*EMPTY_AND_ZERO, "dropped rows get exactly 0", WGRAD_BAD_INDICES, LAYOUT_BAD_READS),
 )
@@ -809,6 +813,7 @@ GMM_WEIGHT_GRAD = OpContract(
     args=WGRAD_ARGS,
     rules=WGRAD_RULES,
     outputs=(Output("out", "a.dtype", ("batch_sizes.shape[0]", "a.shape[1]", "grad.shape[1]")),),
+    differentiable=("a", "grad"),
     semantics=(
         "out[e] = a[rows of e].T @ grad[rows of e], accumulated in float32. "
         + ROWS_PAST_GROUPS

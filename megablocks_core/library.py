@@ -117,7 +117,6 @@ def _custom_call(op: str, *args: Any) -> Any:
 
 
 def _register_autograd(contract: OpContract) -> None:
-    rule = autograd.RULES[contract.name]
     diff_positions = [i for i, a in enumerate(contract.args) if a.name in contract.differentiable]
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -134,7 +133,7 @@ def _register_autograd(contract: OpContract) -> None:
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         consts, needs, given = ctx.meta
         bound = autograd.unpack_for_backward(contract, ctx.saved_tensors, consts)
-        grads = rule.fn(_custom_call, bound, grad, needs)
+        grads = autograd.run_rule(contract, _custom_call, bound, grad, needs)
         return tuple(grads.get(a.name) if needs[a.name] else None for a in contract.args[:given])
 
     torch.library.register_autograd(

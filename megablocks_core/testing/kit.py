@@ -10,8 +10,9 @@ differentiable input equal. An op that writes a mutable argument in place (e.g.
 ``gmm_weight_grad_accumulate``'s ``out``) is called on a copy of it each time, and that
 copy, as the kernel left it, is compared like an output; every other input must
 still be unmodified. Then, on the first sample the backend serves: bad
-inputs raise the contract's error types, ``torch.library.opcheck`` passes, and
-a ``torch.compile(fullgraph=True)`` call matches eager. A backend with several
+inputs raise the contract's error types, ``torch.library.opcheck`` passes,
+a ``torch.compile(fullgraph=True)`` call matches eager, and a double backward
+(``create_graph=True``) records the same second-order gradients as the reference. A backend with several
 kernels for one op (``Kernel.variant``, e.g. grouped-GEMM providers) has each
 of them forced in turn. The first mismatch fails the op and is reported.
 
@@ -289,6 +290,48 @@ def _grads(
     return out.detach(), dict(zip(names, grads, strict=True))
 
 
+def _second_order(
+    fn: Callable[..., Any], contract: OpContract, args: tuple[Any, ...]
+) -> dict[str, torch.Tensor]:
+    """The gradient of <∇fn · cotangent, directions> with respect to each differentiable input and
+    to the cotangent: what a double backward (``create_graph=True``) through ``fn`` records."""
+    leaves, names = _with_grad_leaves(contract, args)
+    gen = torch.Generator().manual_seed(11)
+    with torch.enable_grad():
+        out = fn(*leaves)
+        cotangent = torch.randn(out.shape, generator=gen).to(device=out.device, dtype=out.dtype)
+        cotangent.requires_grad_()
+        inputs = [leaves[contract.arg_names.index(n)] for n in names]
+        grads = torch.autograd.grad(
+            out, inputs, cotangent, create_graph=True, allow_unused=True, materialize_grads=True
+        )
+        inner = sum(
+            (g * torch.randn(g.shape, generator=gen).to(g.device, g.dtype)).sum()
+            for g in grads
+            if g.requires_grad
+        )
+        wrt = [*inputs, cotangent]
+        if not isinstance(inner, torch.Tensor):  # no gradient depends on anything: all zero
+            second = [torch.zeros_like(t) for t in wrt]
+        else:
+            second = list(
+                torch.autograd.grad(inner, wrt, allow_unused=True, materialize_grads=True)
+            )
+    return dict(zip([*names, "the cotangent"], second, strict=True))
+
+
+def _check_double_backward(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:
+    if not _with_grad_leaves(contract, args)[1]:
+        return
+    run = _caller(contract.name)
+    with _on(backend, contract.name):
+        got = _second_order(run, contract, args)
+    with use_backend(REFERENCE):
+        want = _second_order(run, contract, args)
+    for name, g in got.items():
+        compare(g, want[name], f"second-order gradient through '{name}'")
+
+
 def _caller(op: str) -> Callable[..., Any]:
     entry = ENTRIES[op]
 
@@ -526,6 +569,7 @@ def _check_kernel(
                 ("bad inputs", _check_bad_inputs),
                 ("opcheck", _check_opcheck),
                 ("torch.compile", _check_compile),
+                ("double backward", _check_double_backward),
             ):
                 stage = name
                 step(label, contract, first)
