@@ -160,6 +160,8 @@ def resolve(contract: OpContract, key: Any, args: tuple[Any, ...]) -> Selected:
     signature = (device, tuple(dtypes.items()), policy)
     selected = ranked.get(signature)
     if selected is None:
+        if len(ranked) >= SHAPE_CACHE_LIMIT:  # bounded like the call-key cache
+            ranked.clear()
         trace = choose(registry(), contract.name, device, dtypes, policy)
         assert trace.winner is not None
         # A fallback the user asked for (a forced or preferred backend) is no news.

@@ -19,23 +19,32 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .contracts import BY_NAME
 
 
-@dataclass(frozen=True, eq=False)  # identity hash: it is part of every dispatch cache key
+@dataclass(frozen=True)
 class Policy:
     """User overrides of the ranking (from ``MEGABLOCKS_BACKEND`` or :func:`use_backend`).
 
     ``force``: one backend for every op. ``prefer``: tried in order, then normal
-    ranking. ``per_op``: op name → forced backend.
+    ranking. ``per_op``: op name → forced backend. Equal by value (``source``, which only
+    names where it came from, aside), so the ``use_backend`` block a loop enters again and again
+    finds the choices made the first time in the dispatch caches, whose keys hold the policy.
     """
 
     force: str | None = None
     prefer: tuple[str, ...] = ()
     per_op: tuple[tuple[str, str], ...] = ()
-    source: str = "default"
+    source: str = field(default="default", compare=False)
+
+    def __post_init__(self) -> None:
+        # Hashed on every dispatched call (it is part of the call key): computed once.
+        object.__setattr__(self, "_hash", hash((self.force, self.prefer, self.per_op)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
 
     @classmethod
     def parse(cls, spec: str, source: str = "MEGABLOCKS_BACKEND") -> Policy:
