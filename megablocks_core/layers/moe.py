@@ -52,6 +52,7 @@ all-to-all split sizes (:func:`megablocks_core.layers.parallel.expert_parallel_m
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +65,7 @@ from torch import Tensor
 from .. import ops
 from ..activations import ACTIVATIONS, GATED, gelu_tanh
 from ..autograd import fuse_grad_accumulation, is_grad_accumulation_fused
+from ..schema import FLOAT_DTYPES
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -142,6 +144,195 @@ def expert_seed(seed: int, matrix: int, expert: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)  # torch seeds are < 2**64; keep it positive
 
 
+#: How the layer's errors name it.
+_LAYER = "megablocks_core.layers.dMoE"
+
+#: The parameter dtypes the ops take, for the messages.
+_DTYPE_NAMES = ", ".join(sorted(map(str, FLOAT_DTYPES)))
+
+
+def _got(value: object) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _check_int(
+    name: str, value: object, low: int, high: int | None = None, bounds: str = ""
+) -> None:
+    """``value`` is an int in [low, high] (no upper bound for None); a bool is refused (True would
+    pass as 1). ``bounds`` replaces the range in the message."""
+    bounds = bounds or (f">= {low}" if high is None else f"in [{low}, {high}]")
+    message = f"{_LAYER}: {name} must be an int {bounds}; got {_got(value)}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(message)
+    if value < low or (high is not None and value > high):
+        raise ValueError(message)
+
+
+def _check_number(name: str, value: object, requirement: str, ok: Callable[[float], bool]) -> None:
+    """``value`` is an int or float (not a bool) for which ``ok`` holds."""
+    message = f"{_LAYER}: {name} must be {requirement}; got {_got(value)}"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(message)
+    if not ok(value):
+        raise ValueError(message)
+
+
+def _finite_non_negative(value: float) -> bool:
+    # An int is always finite (math.isfinite would overflow on a huge one).
+    return value >= 0 and (isinstance(value, int) or math.isfinite(value))
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):  # 0/1 or a tensor would be read as a truth value
+        raise TypeError(f"{_LAYER}: {name} must be a bool (True or False); got {_got(value)}")
+
+
+def _check_init(std: object, seed: object) -> None:
+    """The initialisation's arguments (the constructor's ``init_std`` and ``seed``)."""
+    _check_number("init_std", std, "a finite number >= 0", _finite_non_negative)
+    # torch.Generator.manual_seed's range.
+    _check_int("seed", seed, -(1 << 63), (1 << 64) - 1, "in [-2**63, 2**64)")
+
+
+def _check_activation(activation: object) -> None:
+    requirement = f"one of {sorted(ACTIVATIONS)} or a callable"
+    if isinstance(activation, str):
+        if activation not in ACTIVATIONS:
+            gated = GATED.get(activation)
+            hint = (
+                f" (gated experts: glu=True with activation={gated!r})"
+                if activation in GATED and gated is not None
+                else ""
+            )
+            raise ValueError(
+                f"{_LAYER}: activation must be {requirement}; got {activation!r}{hint}"
+            )
+    elif not callable(activation):
+        raise TypeError(f"{_LAYER}: activation must be {requirement}; got {_got(activation)}")
+
+
+def _check_dtype(dtype: object) -> None:
+    if dtype is None:
+        return
+    message = f"{_LAYER}: dtype must be a floating torch.dtype ({_DTYPE_NAMES}) or None"
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{message}; got {_got(dtype)}")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{message}; got {dtype}")
+
+
+def _check_device(device: object) -> None:
+    if device is None:
+        return
+    requirement = "a torch.device, a device string such as 'cuda:0', a CUDA device index or None"
+    if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
+        raise TypeError(f"{_LAYER}: device must be {requirement}; got {_got(device)}")
+    try:
+        torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(
+            f"{_LAYER}: device must be {requirement}; got {_got(device)}: {error}"
+        ) from error
+
+
+def _check_expert_parallelism(
+    group: object, num_experts: int, chunks: object, dispatch: object
+) -> None:
+    from .parallel import DISPATCHES
+
+    if chunks is not None:
+        _check_int("expert_parallel_chunks", chunks, 1, bounds=">= 1 or None")
+    requirement = f"one of {DISPATCHES}"
+    if not isinstance(dispatch, str):
+        raise TypeError(
+            f"{_LAYER}: expert_parallel_dispatch must be {requirement}; got {_got(dispatch)}"
+        )
+    if dispatch not in DISPATCHES:
+        raise ValueError(
+            f"{_LAYER}: expert_parallel_dispatch must be {requirement}; got {dispatch!r}"
+        )
+    if dispatch == "allgather" and chunks not in (None, 1):
+        raise ValueError(
+            f"{_LAYER}: expert_parallel_dispatch='allgather' runs in one piece; "
+            f"expert_parallel_chunks must be None or 1; got {_got(chunks)}"
+        )
+    if group is None:
+        return
+    import torch.distributed as dist  # only expert parallelism needs it
+
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"{_LAYER}: expert_parallel_group must be a torch.distributed.ProcessGroup or None; "
+            f"got {_got(group)}"
+        )
+    world = dist.get_world_size(group)
+    if num_experts % world:
+        raise ValueError(
+            f"{_LAYER}: num_experts={num_experts} is not divisible by the expert_parallel_group's "
+            f"size {world}"
+        )
+
+
+def _check_arguments(
+    *,
+    hidden_size: object,
+    ffn_hidden_size: object,
+    num_experts: object,
+    top_k: object,
+    glu: object,
+    activation: object,
+    normalize_expert_weights: object,
+    load_balancing_loss_coefficient: object,
+    block_size: object,
+    init_std: object,
+    seed: object,
+    dtype: object,
+    device: object,
+    expert_parallel_group: object,
+    fuse_permutation: object,
+    expert_parallel_chunks: object,
+    grad_accumulation_fusion: object,
+    expert_parallel_dispatch: object,
+) -> None:
+    """Every argument of :class:`DroplessMoE`'s constructor, before anything is allocated:
+    TypeError for a wrong type, ValueError for a wrong value, each naming the argument."""
+    for name, size in (
+        ("hidden_size", hidden_size),
+        ("ffn_hidden_size", ffn_hidden_size),
+        ("num_experts", num_experts),
+    ):
+        _check_int(name, size, 1)
+    assert isinstance(num_experts, int)
+    _check_int("top_k", top_k, 1, num_experts, f"in [1, num_experts={num_experts}]")
+    for name, flag in (
+        ("glu", glu),
+        ("fuse_permutation", fuse_permutation),
+        ("grad_accumulation_fusion", grad_accumulation_fusion),
+    ):
+        _check_bool(name, flag)
+    _check_activation(activation)
+    if normalize_expert_weights is not None:
+        _check_number(
+            "normalize_expert_weights",
+            normalize_expert_weights,
+            "the p of a p-norm, a number > 0 (math.inf allowed), or None",
+            lambda p: p > 0,  # NaN fails it too
+        )
+    _check_number(
+        "load_balancing_loss_coefficient",
+        load_balancing_loss_coefficient,
+        "a finite number >= 0",
+        _finite_non_negative,
+    )
+    _check_int("block_size", block_size, 1)
+    _check_init(init_std, seed)
+    _check_dtype(dtype)
+    _check_device(device)
+    _check_expert_parallelism(
+        expert_parallel_group, num_experts, expert_parallel_chunks, expert_parallel_dispatch
+    )
+
+
 class DroplessMoE(torch.nn.Module):
     """Dropless mixture of experts: top-k softmax router, expert MLPs via ``ops.gmm``, no token dropped.
 
@@ -168,10 +359,10 @@ class DroplessMoE(torch.nn.Module):
             which this grouped layer ignores).
         init_std: parameters are drawn from N(0, init_std²), MegaBlocks' default ``init_method``
             (std 0.02) for the router and both expert matrices.
-        seed: initialisation seed (the same values across runs and devices): the router's CPU
-            generator's, and each expert's through :func:`expert_seed` (see
-            :meth:`reset_parameters`).
-        dtype, device: of the parameters.
+        seed: initialisation seed, an int in [-2**63, 2**64) (the same values across runs and
+            devices): the router's CPU generator's, and each expert's through
+            :func:`expert_seed` (see :meth:`reset_parameters`).
+        dtype, device: of the parameters; dtype one of bfloat16, float16, float32, float64.
         expert_parallel_group: a ``torch.distributed`` process group of W ranks over which the
             experts are sharded (``num_experts % W == 0``); rank r of the group holds experts
             ``[r * E/W, (r + 1) * E/W)`` only (``w1`` and ``w2`` have E/W rows), the router is
@@ -211,6 +402,13 @@ class DroplessMoE(torch.nn.Module):
     input) in training mode, and 0 in eval mode or when the coefficient is 0 (as MegaBlocks saves
     it only while training). Add it to the task loss.
 
+    Arguments are checked where they arrive: the constructor refuses any argument that is not
+    what the list above says (TypeError for a wrong type, a bool included where an int or a
+    number is asked for; ValueError for a wrong value), and ``forward`` refuses an x that is not
+    a floating-point tensor of shape ``(..., hidden_size)`` in the expert weights' dtype on the
+    parameters' device, each naming the argument. ``forward``'s checks read only static
+    properties (shape, dtype, device): no host sync, and no graph break under ``torch.compile``.
+
     With an expert-parallel group, ``forward`` is a collective: every rank of the group calls it
     (with its own tokens, possibly none) the same number of times in the same order. ``out`` and
     ``aux_loss`` are those of this rank's tokens, exactly as the single-process layer gives them
@@ -241,61 +439,39 @@ class DroplessMoE(torch.nn.Module):
         expert_parallel_dispatch: str = "alltoall",
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(
-                f"DroplessMoE: top_k must lie in [1, num_experts={num_experts}], got {top_k}"
-            )
-        # This rank's experts: [expert_offset, expert_offset + num_local_experts).
+        _check_arguments(
+            hidden_size=hidden_size,
+            ffn_hidden_size=ffn_hidden_size,
+            num_experts=num_experts,
+            top_k=top_k,
+            glu=glu,
+            activation=activation,
+            normalize_expert_weights=normalize_expert_weights,
+            load_balancing_loss_coefficient=load_balancing_loss_coefficient,
+            block_size=block_size,
+            init_std=init_std,
+            seed=seed,
+            dtype=dtype,
+            device=device,
+            expert_parallel_group=expert_parallel_group,
+            fuse_permutation=fuse_permutation,
+            expert_parallel_chunks=expert_parallel_chunks,
+            grad_accumulation_fusion=grad_accumulation_fusion,
+            expert_parallel_dispatch=expert_parallel_dispatch,
+        )
         self.expert_parallel_group = expert_parallel_group
-        if expert_parallel_chunks is not None and (
-            isinstance(expert_parallel_chunks, bool)
-            or not isinstance(expert_parallel_chunks, int)
-            or expert_parallel_chunks < 1
-        ):
-            raise ValueError(
-                "DroplessMoE: expert_parallel_chunks must be an int >= 1 or None, got "
-                f"{expert_parallel_chunks!r}"
-            )
         self.expert_parallel_chunks = expert_parallel_chunks
-        from .parallel import DISPATCHES
-
-        if expert_parallel_dispatch not in DISPATCHES:
-            raise ValueError(
-                f"DroplessMoE: expert_parallel_dispatch must be one of {DISPATCHES}, got "
-                f"{expert_parallel_dispatch!r}"
-            )
-        if expert_parallel_dispatch == "allgather" and expert_parallel_chunks not in (None, 1):
-            raise ValueError(
-                "DroplessMoE: expert_parallel_dispatch='allgather' runs in one piece; "
-                f"expert_parallel_chunks must be None or 1, got {expert_parallel_chunks!r}"
-            )
         self.expert_parallel_dispatch = expert_parallel_dispatch
+        # This rank's experts: [expert_offset, expert_offset + num_local_experts).
         self.num_local_experts, self.expert_offset = num_experts, 0
         if expert_parallel_group is not None:
             import torch.distributed as dist  # only expert parallelism needs it
 
-            world = dist.get_world_size(expert_parallel_group)
-            if num_experts % world:
-                raise ValueError(
-                    f"DroplessMoE: num_experts={num_experts} is not divisible by the "
-                    f"expert-parallel world size {world}"
-                )
-            self.num_local_experts = num_experts // world
+            self.num_local_experts = num_experts // dist.get_world_size(expert_parallel_group)
             self.expert_offset = dist.get_rank(expert_parallel_group) * self.num_local_experts
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k, self.glu = num_experts, top_k, glu
         if isinstance(activation, str):
-            if activation not in ACTIVATIONS:
-                gated = GATED.get(activation)
-                hint = (
-                    f" (gated experts: glu=True with activation={gated!r})"
-                    if activation in GATED and gated is not None
-                    else ""
-                )
-                raise ValueError(
-                    f"DroplessMoE: activation must be one of {sorted(ACTIVATIONS)} or a callable, "
-                    f"got {activation!r}{hint}"
-                )
             self.activation_name: str | None = activation
             self.activation = ACTIVATIONS[activation][0]
         else:  # any callable; a named one lets gmm_scatter apply it and recompute it in backward
@@ -340,10 +516,7 @@ class DroplessMoE(torch.nn.Module):
 
     @grad_accumulation_fusion.setter
     def grad_accumulation_fusion(self, enabled: bool) -> None:
-        if not isinstance(enabled, bool):
-            raise TypeError(
-                f"DroplessMoE: grad_accumulation_fusion must be a bool, got {enabled!r}"
-            )
+        _check_bool("grad_accumulation_fusion", enabled)
         fuse_grad_accumulation(*self._expert_weights(), enabled=enabled)
 
     @torch.no_grad()
@@ -360,6 +533,7 @@ class DroplessMoE(torch.nn.Module):
         is 15 GB at DeepSeek-V3's widths). On the meta device nothing is drawn (``to_empty`` then
         loading values is the way to fill such a layer).
         """
+        _check_init(std, seed)
         if self.router.is_meta:  # meta parameters hold no values: nothing to draw
             return
         # (tensor, the seed of its generator): the router, then each local expert's matrices.
@@ -454,7 +628,36 @@ class DroplessMoE(torch.nn.Module):
             self._activate(h), self.w2, *routing, weights, bins, self.top_k, False, None, rows
         )
 
+    def _check_input(self, x: object) -> None:
+        """Refuses an input the layer would misread (a last dimension other than hidden_size whose
+        element count happens to divide by it would be regrouped into other tokens) or that the
+        ops would refuse with a message about their own arguments. Only static properties are
+        read (shape, dtype, device): no host sync, and no graph break under torch.compile."""
+        hidden = self.hidden_size
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"{_LAYER}: x must be a tensor of shape (..., hidden_size={hidden}); got "
+                f"{type(x).__name__}"
+            )
+        if x.dim() < 1 or x.shape[-1] != hidden:
+            # While dynamo traces, the sizes may be symbols that its error text cannot print: the
+            # message is then a constant (eager, and dynamo's eager fallback, print the shape).
+            got = "" if torch.compiler.is_compiling() else f"; got shape {tuple(x.shape)}"
+            raise ValueError(f"{_LAYER}: x must have shape (..., hidden_size={hidden}){got}")
+        weight = self.w1  # the ops take the tokens in the expert weights' dtype, on their device
+        if not x.is_floating_point() or x.dtype != weight.dtype:
+            raise TypeError(
+                f"{_LAYER}: x must be floating point in the expert weights' dtype {weight.dtype} "
+                f"(convert x, or the layer with .to(dtype)); got {x.dtype}"
+            )
+        if x.device != weight.device or x.device != self.router.device:
+            raise ValueError(
+                f"{_LAYER}: x must be on the parameters' device {weight.device} (router on "
+                f"{self.router.device}); got {x.device}"
+            )
+
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        self._check_input(x)
         if self.expert_parallel_group is not None:
             return self._expert_parallel_forward(x)
         shape = x.shape
