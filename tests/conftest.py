@@ -9,6 +9,9 @@ Setup, done here once before any test module imports triton or a plugin:
 - plugins that are not installed are imported from the source tree (``plugins/*/src``), for the
   tests that import a plugin's modules directly;
 - the test-only workaround for a Triton 3.6 interpreter bug (``triton_interpreter.apply_shims``).
+
+Options: ``--shard K/N`` runs one of N parts of the suite (:mod:`sharding`; README, "Running the
+tests").
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ for _src in sorted(_PLUGINS.glob("*/src")):
 import pytest  # noqa: E402
 import triton_interpreter  # noqa: E402
 from fake_plugins import ENV_VARS, ONLY_REFERENCE, FakePlugins  # noqa: E402
+from sharding import (  # noqa: E402, F401  (hooks pytest finds here)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+)
 
 import megablocks_core  # noqa: E402
 

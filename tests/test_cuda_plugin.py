@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import types
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from megablocks_cuda import extension, gmm, plugin, tuning
 import megablocks_core
 from megablocks_core import DeviceInfo
 from megablocks_core.descriptors import TensorMeta
-from megablocks_core.plugin import DENSE_BF16_TFLOPS
+from megablocks_core.plugin import DENSE_BF16_TFLOPS, GmmPoint
 from megablocks_core.ranking import for_call, rank
 from megablocks_core.registry import PluginRecord, Registry
 
@@ -321,41 +322,46 @@ def _weight_grad_call(rows_per_expert, k, n, experts):
     }
 
 
-def test_weight_grad_choice_follows_the_same_run_measurement():
-    """The weight-gradient hints of megablocks-triton and of grouped_mm pick, at each shape
-    measured side by side on the H200, the provider that was faster there (the raw run in
-    docs/bench), and each hint uses the weight gradient's own points, not the forward's."""
-    import json
-    from pathlib import Path
+def _by_shape(points: Sequence[GmmPoint]) -> dict[tuple[float, float, float], float]:
+    """A table's points as ``{(rows_per_expert, k, n): fraction}``; no shape may be listed twice."""
+    fractions = {tuple(p[:3]): p[3] for p in points}
+    assert len(fractions) == len(points), f"a shape listed twice in {points}"
+    return fractions
 
+
+def test_weight_grad_hints_use_their_own_points() -> None:
+    """The weight-gradient hints of megablocks-triton and of grouped_mm estimate a call from the
+    weight gradient's own points, not the forward's; at each shape both tables list, the provider
+    with the higher efficiency gets the lower estimate, so the choice follows the tables."""
     triton_tuning = pytest.importorskip("megablocks_triton.tuning")
     mm = {
         k.op: k.cost for k in plugin.megablocks_grouped_gemm_kernels() if k.variant == "grouped_mm"
     }
-    triton_hint = triton_tuning.COST_HINTS["gmm_weight_grad"]
-    run = Path(__file__).parents[1] / "docs/bench/h200-2026-12-01h-wgrad-points.jsonl"
-    records = [json.loads(line) for line in run.read_text().splitlines() if line.strip()]
-    assert len(records) == 6
-    for r in records:
-        ms = {provider: sorted(times)[1] for provider, times in r["ms"].items()}
-        faster = "triton" if ms["triton"] < ms["grouped_mm"] else "grouped_mm"
-        experts = {512: 256, 1024: 128, 4096: 8}[r["rows_per_expert"]]
-        call = _weight_grad_call(r["rows_per_expert"], r["k"], r["n"], experts)
-        estimates = {
-            "triton": triton_hint(H200, call),
-            "grouped_mm": mm["gmm_weight_grad"](H200, call),
-        }
-        assert min(estimates, key=estimates.get) == faster, (r, estimates)
-        wgrad = _measured("grouped_mm", r["rows_per_expert"], r["k"], r["n"], "gmm_weight_grad")
-        assert wgrad == pytest.approx(ms["dense"] / ms["grouped_mm"], abs=0.006)
-    # qwen3's w1 shape: the forward's point (0.84) is not the weight gradient's (0.71)
-    forward = _measured("grouped_mm", 1024, 2048, 768)
-    assert mm["gmm"](H200, _call(1024, 2048, 768, 128)) == pytest.approx(
-        _dense_us(1024, 2048, 768, 128) / forward
-    )
-    assert mm["gmm_weight_grad"](H200, _weight_grad_call(1024, 2048, 768, 128)) > mm["gmm"](
-        H200, _call(1024, 2048, 768, 128)
-    )
+    tables = {"triton": triton_tuning.MEASURED, "grouped_mm": tuning.MEASURED["grouped_mm"]}
+    hints = {"triton": triton_tuning.COST_HINTS, "grouped_mm": mm}
+    experts = 8  # every estimate scales with the experts alike: the choice does not depend on it
+    wgrad: dict[str, dict[tuple[float, float, float], float]] = {}
+    for name, table in tables.items():
+        forward = _by_shape(table["gmm"]["sm_90"])
+        wgrad[name] = _by_shape(table["gmm_weight_grad"]["sm_90"])
+        for (rows, k, n), fraction in [*forward.items(), *wgrad[name].items()]:
+            assert min(rows, k, n) > 0 and 0 < fraction <= 1, (name, rows, k, n)
+        for (rows, k, n), fraction in wgrad[name].items():
+            shape = (rows, k, n, experts)
+            got = hints[name]["gmm_weight_grad"](H200, _weight_grad_call(*shape))
+            assert got == pytest.approx(_dense_us(*shape) / fraction), (name, shape)
+            if forward.get((rows, k, n), fraction) != fraction:  # the forward measured otherwise
+                assert got != pytest.approx(hints[name]["gmm"](H200, _call(*shape))), name
+    common = sorted(wgrad["triton"].keys() & wgrad["grouped_mm"].keys())
+    assert common, "no weight-gradient shape in both tables: nothing to choose between"
+    for rows, k, n in common:
+        fractions = {name: points[(rows, k, n)] for name, points in wgrad.items()}
+        if fractions["triton"] == fractions["grouped_mm"]:
+            continue  # a tie: either choice is right
+        call = _weight_grad_call(rows, k, n, experts)
+        estimates = {name: hint["gmm_weight_grad"](H200, call) for name, hint in hints.items()}
+        faster = max(fractions, key=fractions.get)
+        assert min(estimates, key=estimates.get) == faster, ((rows, k, n), estimates)
 
 
 def _call(rows_per_expert, k, n, experts, sizes_on="cuda"):

@@ -215,7 +215,7 @@ def test_route_recounting_tiles(
 def test_routing_outputs_do_not_share_storage(n: int) -> None:
     """The outputs of route and sort are separate tensors (a custom op's outputs may not alias:
     torch.compile and torch.library.opcheck rely on it)."""
-    keys = torch.randint(0, 16, (n,), generator=_gen(n), dtype=torch.int32)
+    keys = torch.randint(0, 16, (n,), generator=_gen(n), dtype=torch.int32).to(DEVICE)
     for outputs in (R.route(keys, 16, 4), R.sort(keys, 4)):
         storages = {o.untyped_storage().data_ptr() for o in outputs}
         assert len(storages) == len(outputs)
@@ -342,12 +342,13 @@ def test_router_topk_past_its_expert_limit_goes_to_the_next_backend() -> None:
 
 
 def test_router_topk_non_contiguous_scores() -> None:
-    wide = torch.randn(12, 64, generator=_gen(3))
-    scores = wide[:, ::2]  # row stride 64, column stride 2
-    weights, ids = mt.router_topk(scores, 4, True)
-    want_w, want_e = oracle.router_topk(scores.double().numpy(), 4, True)
-    np.testing.assert_array_equal(ids.numpy(), want_e)
-    _close(weights, want_w, torch.float32)
+    wide = torch.randn(12, 64, generator=_gen(3)).to(DEVICE)
+    scores = wide[:, ::2]  # row stride 64, column stride 2 (sliced on DEVICE: .to would compact it)
+    assert scores.stride() == (64, 2)
+    weights, ids = megablocks_triton.router_topk(scores, 4, True)
+    want_w, want_e = oracle.router_topk(scores.double().cpu().numpy(), 4, True)
+    np.testing.assert_array_equal(ids.cpu().numpy(), want_e)
+    _close(weights.cpu(), want_w, torch.float32)
 
 
 # =========================================================================== permutation
