@@ -88,6 +88,7 @@ from typing import Any
 import torch
 
 from megablocks_core import contracts, dispatch, entries, explain, ops, use_backend
+from megablocks_core.cli import CLIError
 from megablocks_core.devices import describe
 from megablocks_core.layers import DroplessMoE
 from megablocks_core.layers.shapes import SHAPES
@@ -1116,9 +1117,13 @@ def _as_json(result: Result) -> dict[str, Any]:
 def main(args: Any) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    custom = [tuple(int(v) for v in s.split(",")) for s in args.shape]
+    shape_error = CLIError(f"--shape takes T,H,F,E,K (five integers), got {args.shape}")
+    try:
+        custom = [tuple(int(v) for v in s.split(",")) for s in args.shape]
+    except ValueError:
+        raise shape_error from None
     if any(len(c) != 5 for c in custom):
-        raise ValueError("--shape takes T,H,F,E,K (five integers)")
+        raise shape_error
     defaults = CPU_DEFAULT_SHAPES if device.type == "cpu" else DEFAULT_SHAPES
     shapes = (
         [s for s in args.shapes.split(",") if s]
@@ -1133,17 +1138,21 @@ def main(args: Any) -> int:
         )
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
-        raise ValueError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+        raise CLIError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+    if not shapes and not custom:
+        raise CLIError(f"--shapes {args.shapes!r} names no shape; known: {', '.join(SHAPES)}")
     wanted = [o for o in args.ops.split(",") if o] if args.ops else list(OPS)
     bad = [o for o in wanted if o not in OPS]
     if bad:
-        raise ValueError(f"unknown op(s) {bad}; known: {', '.join(OPS)}")
+        raise CLIError(f"unknown op(s) {bad}; known: {', '.join(OPS)}")
+    if not wanted:
+        raise CLIError(f"--ops {args.ops!r} names no op; known: {', '.join(OPS)}")
     layer_experts = [
         k for k in getattr(args, "layer_experts", ",".join(LAYER_EXPERTS)).split(",") if k
     ]
     bad_kinds = [k for k in layer_experts if k not in LAYER_EXPERTS]
     if bad_kinds or not layer_experts:
-        raise ValueError(
+        raise CLIError(
             f"unknown --layer-experts {bad_kinds or layer_experts}; known: {', '.join(LAYER_EXPERTS)}"
         )
     results = list(

@@ -212,6 +212,127 @@ def test_explain_on_a_malformed_device(capsys):
     assert "device 'gpu0'" in err
 
 
+@pytest.mark.parametrize(
+    "op, shape, message",
+    [
+        ("gmm", "a=12xfoo", "sizes must be integers joined by x, got '12xfoo'"),
+        ("gmm", "garbage", "expected ARG=DIMxDIM…"),
+        ("gmm", "a=", "expected ARG=DIMxDIM…"),
+        ("gmm", "=8x8", "expected ARG=DIMxDIM…"),
+        ("gmm", "a=8x-1", "sizes must be at least 0, got '8x-1'"),
+        ("gmm", "a=8x8x8", "a is a 2-D tensor"),
+        ("gmm", "trans_b=1", "gmm has no tensor argument 'trans_b'"),
+        ("gather", "a=3x4", "gather has no tensor argument 'a' (it has x, indices"),
+    ],
+)
+def test_explain_rejects_a_malformed_shape(capsys, op, shape, message):
+    # gmm and gather on this registry have no shape-dependent choice: a bad --shape must still
+    # be an error, not ignored.
+    code, out, err = run(capsys, "backends", "explain", op, "--shape", shape)
+    assert code == 2 and out == ""
+    assert err.startswith(f"megablocks: error: --shape {shape!r}: ") and message in err, err
+    assert err.count("\n") == 1
+
+
+def test_explain_rejects_a_shape_given_twice(capsys):
+    code, out, err = run(
+        capsys, "backends", "explain", "gmm", "--shape", "a=8x8", "--shape", "a=4x4"
+    )
+    assert code == 2 and out == ""
+    assert "--shape 'a=4x4': a is given twice" in err
+
+
+def test_explain_shows_the_choice_for_a_shape_that_changes_nothing(capsys):
+    code, out, err = run(capsys, "backends", "explain", "gather", "--shape", "x=3x4")
+    assert code == 0 and err == ""
+    assert out.splitlines()[-1] == "x=3x4: reference (highest priority)"
+    code, out, _ = run(capsys, "backends", "explain", "gather", "--shape", " x = 3X4 ", "--json")
+    assert code == 0
+    assert json.loads(out)["call"] == {
+        "shapes": {"x": [3, 4]},
+        "kernel": "reference",
+        "why": "highest priority",
+    }
+
+
+# ---------------------------------------------------------------------------
+# backends check
+
+
+def test_check_on_meta_is_an_error_not_a_pass(capsys):
+    code, out, err = run(capsys, "backends", "check", "--device", "meta")
+    assert code == 2 and out == ""
+    assert err == (
+        "megablocks: error: device 'meta': meta tensors hold no data, so no op can run there\n"
+    )
+
+
+def test_check_with_only_the_oracle_installed_checks_nothing_and_fails(capsys):
+    code, out, err = run(capsys, "backends", "check")
+    assert code == 1
+    assert "0 passed" in out
+    assert err == (
+        "megablocks: nothing was checked on cpu: no backend but the reference "
+        "(the kit's oracle) is installed and enabled\n"
+    )
+    code, out, err = run(capsys, "backends", "check", "--json")
+    data = json.loads(out)
+    assert code == 1 and data["passed"] is False and data["scenarios"] == 0
+    assert "nothing was checked on cpu" in err
+
+
+def test_check_of_the_oracle_alone_fails(capsys):
+    code, _, err = run(capsys, "backends", "check", "reference")
+    assert code == 1
+    assert err == "megablocks: nothing of reference could be checked on cpu\n"
+
+
+def test_check_where_no_backend_can_run_fails(capsys, plugins):
+    plugins.add(
+        "nowidget",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
+            extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
+        ),
+    )
+    plugins.reload()
+    code, out, err = run(capsys, "backends", "check", "--quick")
+    assert code == 1
+    assert "nowidget: unavailable here: no widget" in out
+    assert err == "megablocks: nothing was checked on cpu: none of nowidget could run an op here\n"
+
+
+def test_check_passes_when_something_was_compared(capsys, monkeypatch):
+    from megablocks_core import testing
+
+    monkeypatch.setattr(
+        testing, "check", lambda *a, **k: [testing.Result("gather", "fake", "pass", scenarios=3)]
+    )
+    code, out, err = run(capsys, "backends", "check", "--json")
+    assert code == 0 and err == ""
+    assert json.loads(out)["passed"] is True and json.loads(out)["scenarios"] == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("nosuch",), "backend(s) nosuch not installed (installed: "),
+        (("--device", "meta"), "device 'meta': meta tensors hold no data"),
+    ],
+)
+def test_check_usage_errors(capsys, argv, message):
+    code, out, err = run(capsys, "backends", "check", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("megablocks: error: ") and message in err
+
+
+def test_check_without_the_oracle_is_a_usage_error(capsys):
+    mb.reload({"MEGABLOCKS_PLUGINS": "triton"})
+    code, out, err = run(capsys, "backends", "check")
+    assert code == 2 and out == ""
+    assert "install megablocks-reference" in err
+
+
 # ---------------------------------------------------------------------------
 # other commands
 
@@ -265,7 +386,26 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host wit
         (("demo", "--top-k", "9"), "--top-k (9) cannot exceed --experts (8)"),
         (("demo", "--backend", "nosuch"), "--backend: nosuch not installed"),
         (("demo", "--experts", "0"), "--experts must be at least 1, got 0"),
+        (("demo", "--device", "meta"), "device 'meta': meta tensors hold no data"),
+        (("demo", "--seed", str(2**64)), f"--seed must be at most {2**63 - 1}, got {2**64}"),
+        (("demo", "--seed", "-1"), "--seed must be at least 0, got -1"),
+        (("demo", "--tokens", str(10**13)), f"--tokens must be at most 65536, got {10**13}"),
+        (("demo", "--experts", "100000"), "--experts must be at most 256, got 100000"),
+        (("demo", "--top-k", "0"), "--top-k must be at least 1, got 0"),
+        (
+            ("demo", "--tokens", "65536", "--top-k", "8"),
+            "--tokens × --top-k (65536 × 8) must be at most 262144",
+        ),
+        (("demo", "--backend", "gather=nosuch"), "--backend: nosuch not installed"),
+        (("demo", "--backend", "gmm=nosuch/variant"), "--backend: nosuch/variant not installed"),
+        (("demo", "--backend", "gatherz=reference"), "--backend 'gatherz=reference': unknown op"),
+        (("demo", "--backend", "gather="), "--backend 'gather=': no backend after gather="),
+        (("demo", "--backend", ","), "--backend ',' names no backend"),
         (("bench", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+        (("bench", "--device", "meta"), "device 'meta': meta tensors hold no data"),
+        (("bench", "--shape", "1,2,x", "--device", "cpu"), "--shape takes T,H,F,E,K"),
+        (("bench", "--shapes", ",", "--device", "cpu"), "--shapes ',' names no shape"),
+        (("bench", "--shapes", "tiny", "--ops", ",", "--device", "cpu"), "--ops ',' names no op"),
         (("backends", "check", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
     ],
 )
@@ -288,3 +428,85 @@ def test_demo_success_rule_fits_the_step_count():
     assert required_fraction(2) == pytest.approx(0.95)
     assert required_fraction(5) == pytest.approx(0.8)
     assert required_fraction(11) == required_fraction(40) == 0.5
+
+
+@pytest.mark.parametrize(
+    "spec, force, prefer, per_op",
+    [
+        ("gather=reference", None, (), (("gather", "reference"),)),
+        ("gather=reference,reference", "reference", (), (("gather", "reference"),)),
+        ("reference, reference", None, ("reference", "reference"), ()),
+    ],
+)
+def test_demo_backend_takes_what_megablocks_backend_takes(
+    capsys, monkeypatch, spec, force, prefer, per_op
+):
+    from megablocks_core.layers import demo
+
+    policies = []
+    batch = demo.ClusterTask.batch
+
+    def recording_batch(self, tokens):
+        policies.append(mb.current_policy())
+        return batch(self, tokens)
+
+    monkeypatch.setattr(demo.ClusterTask, "batch", recording_batch)
+    code, out, err = run(capsys, "demo", "--steps", "2", "--backend", spec)
+    assert code == 0 and err == "", err
+    expected = mb.Policy.parse(spec)
+    assert (expected.force, expected.prefer, expected.per_op) == (force, prefer, per_op)
+    assert {(p.force, p.prefer, p.per_op) for p in policies} == {(force, prefer, per_op)}
+
+
+# ---------------------------------------------------------------------------
+# user errors versus bugs
+
+
+@pytest.mark.parametrize("error", [ValueError, RuntimeError, KeyError, TypeError])
+def test_an_internal_error_propagates_with_its_traceback(capsys, monkeypatch, error):
+    def broken() -> str:
+        raise error("a bug in the command")
+
+    monkeypatch.setattr("megablocks_core.docgen.render_markdown", broken)
+    with pytest.raises(error, match="a bug in the command"):
+        main(["contracts"])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "error",
+    [mb.ContractError, mb.ContractTypeError, mb.NoKernelError, mb.PluginLoadError],
+)
+def test_an_input_the_ops_reject_is_a_user_error(capsys, monkeypatch, error):
+    def rejected() -> str:
+        raise error("megablocks_core.ops.gather: x must be 2-D")
+
+    monkeypatch.setattr("megablocks_core.docgen.render_markdown", rejected)
+    code, out, err = run(capsys, "contracts")
+    assert code == 2 and out == ""
+    assert err == "megablocks: error: megablocks_core.ops.gather: x must be 2-D\n"
+
+
+def test_a_bad_megablocks_backend_is_a_user_error(capsys, monkeypatch):
+    monkeypatch.setenv("MEGABLOCKS_BACKEND", "gatherz=reference")
+    code, out, err = run(capsys, "backends", "list")
+    assert code == 2 and out == ""
+    assert err.startswith("megablocks: error: MEGABLOCKS_BACKEND='gatherz=reference' names unknown")
+
+
+def test_console_script_shows_the_traceback_of_a_bug(tmp_path):
+    # sitecustomize runs before the console script: it breaks the command from outside.
+    (tmp_path / "sitecustomize.py").write_text(
+        "import megablocks_core.docgen as d\n"
+        "def broken():\n    raise RuntimeError('a bug in the command')\n"
+        "d.render_markdown = broken\n"
+    )
+    script = Path(sys.executable).with_name("megablocks")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
+    env["PYTHONPATH"] = str(tmp_path)
+    result = subprocess.run(
+        [str(script), "contracts"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" in result.stderr and "RuntimeError: a bug in the command" in result.stderr
+    assert "megablocks: error:" not in result.stderr

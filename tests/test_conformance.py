@@ -158,11 +158,12 @@ def test_compare_holds_rows_of_zeros_to_exact_zeros():
 
 
 def test_the_oracle_is_never_compared_with_itself(capsys):
-    # Only the reference is enabled here: nothing to check, and one line that says why.
+    # Only the reference is enabled here: nothing to check, one line that says why, and (having
+    # proven nothing) the command fails.
     code, out, err = run_cli(capsys, "backends", "check", "--device", "cpu", "--quick", "--json")
-    assert code == 0, out + err
+    assert code == 1, out + err
     data = json.loads(out)
-    assert data["passed"] is True
+    assert data["passed"] is False and data["scenarios"] == 0
     assert {r["status"] for r in data["results"]} == {"unavailable"}  # the others are disabled
     assert [r for r in data["results"] if r["backend"] == "reference"] == [
         {
@@ -177,7 +178,8 @@ def test_the_oracle_is_never_compared_with_itself(capsys):
     ]
     assert "independent numpy oracle" in testing.ORACLE_SKIPPED
     code, out, err = run_cli(capsys, "backends", "check", "--quick")
-    assert code == 0 and f"reference: unavailable here: {testing.ORACLE_SKIPPED}" in out
+    assert code == 1 and f"reference: unavailable here: {testing.ORACLE_SKIPPED}" in out
+    assert "no backend but the reference" in err
     # Named, it is skipped the same way; having proven nothing, the command fails.
     code, out, err = run_cli(capsys, "backends", "check", "reference", "--quick")
     assert (
