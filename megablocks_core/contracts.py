@@ -262,6 +262,10 @@ SORT = OpContract(
         ),
         int16_fits("x", "int16 indices cannot address more than 32768 keys"),
         Rule(
+            "x.dtype != torch.int32 or x.shape[0] <= 2**31",
+            "int32 indices cannot address more than 2**31 keys",
+        ),
+        Rule(
             "end_bit is None or in_range(x, 0, 1 << end_bit)",
             "keys lie in [0, 2**end_bit)",
             checked=True,
@@ -426,6 +430,9 @@ REPLICATE_BACKWARD = OpContract(
     ),
 )
 
+#: The most experts that route can give rows to.
+_ROUTED_EXPERTS = "min(num_experts, top_experts.shape[0])"
+
 ROUTE = OpContract(
     name="route",
     family="routing",
@@ -433,10 +440,19 @@ ROUTE = OpContract(
     args=(
         TensorArg("top_experts", INT_DTYPES, (1,), "expert id of each (token, k) pair, flattened"),
         IntArg("num_experts", "number of experts", min=1),
-        IntArg("block_size", "padding granularity of padded_bins", min=1),
+        IntArg("block_size", "padding granularity of padded_bins", min=1, max=2**31 - 1),
     ),
     rules=(
         int16_fits("top_experts", "int16 indices cannot address more than 32768 rows"),
+        # Without reading the ids: the largest padded_bins[-1] of any routing (one row for each
+        # of the most experts that can get one, the other rows in whole blocks on one of them),
+        # so that no routing can make the int32 padded_bins wrap.
+        Rule(
+            f"block_size * ({_ROUTED_EXPERTS} + (top_experts.shape[0] - {_ROUTED_EXPERTS}) "
+            "// block_size) < 2**31",
+            "padded_bins is int32: the largest padded_bins[-1] any routing of these rows can "
+            "give must fit it",
+        ),
         Rule(
             "in_range(top_experts, 0, num_experts)",
             "expert ids lie in [0, num_experts)",
@@ -469,6 +485,8 @@ ROUTE = OpContract(
     ),
     deviations=(
         "Not in MegaBlocks, which makes the caller issue the five ops (and a sync in places).",
+        "A block size with which some routing of the rows would pass int32 in padded_bins is "
+        "an error, whatever the ids; MegaBlocks' ops wrap.",
     ),
 )
 
@@ -484,7 +502,10 @@ ROUTER_TOPK = OpContract(
             "weights are softmax(scores) over all experts (True) or the scores themselves (False)",
         ),
     ),
-    rules=(Rule("top_k <= scores.shape[1]", "top_k is at most the number of experts"),),
+    rules=(
+        Rule("top_k <= scores.shape[1]", "top_k is at most the number of experts"),
+        Rule("scores.shape[1] <= 2**31", "expert ids are int32"),
+    ),
     outputs=(
         Output(
             "weights",
@@ -1176,8 +1197,26 @@ ROUND_UP = OpContract(
     family="composite",
     summary="Round each count up to a multiple of value.",
     args=(TensorArg("x", INT_DTYPES, (), "counts"), IntArg("value", "the multiple", min=1)),
+    rules=(
+        Rule("value <= torch.iinfo(x.dtype).max", "value fits x's dtype"),
+        # Rounding up is monotonic: the largest count gives the largest result.
+        Rule(
+            "x.numel() == 0 or -(-int(x.max()) // value) * value <= torch.iinfo(x.dtype).max",
+            "the rounded counts fit x's dtype",
+            checked=True,
+        ),
+    ),
     outputs=(Output("out", "x.dtype", "tuple(x.shape)"),),
-    deviations=("Any integer dtype (MegaBlocks asserts int32).",),
+    semantics="out = ceil(x / value) * value, computed without intermediate wrap-around.",
+    edge_cases=(
+        "bad data (unchecked unless MEGABLOCKS_CHECK=1): a count whose multiple does not fit "
+        "x's dtype wraps",
+    ),
+    deviations=(
+        "Any integer dtype (MegaBlocks asserts int32).",
+        "A value or a result beyond x's dtype is an error (the result in checked mode); "
+        "MegaBlocks wraps, or divides by zero.",
+    ),
 )
 
 REPEAT = OpContract(

@@ -17,6 +17,7 @@ from torch import Tensor
 from . import contracts, validation
 from .dispatch import SHAPE_CACHE_LIMIT
 from .entries import ENTRIES
+from .policy import overrides
 
 _sort = ENTRIES["sort"]
 _histogram = ENTRIES["histogram"]
@@ -232,21 +233,25 @@ def _check(contract: contracts.OpContract, *args: object) -> None:
     seen = _validated.setdefault(contract.name, set())
     try:
         key: tuple[object, ...] | None = tuple(_key_item(a) for a in args)
-        if key in seen:
-            return
     except TypeError:  # unhashable: validate every call
         key = None
-    validation.validate(contract, args)
-    if key is not None:
-        if len(seen) >= SHAPE_CACHE_LIMIT:
-            seen.clear()
-        seen.add(key)
+    if key is None or key not in seen:
+        validation.validate(contract, args)
+        if key is not None:
+            if len(seen) >= SHAPE_CACHE_LIMIT:
+                seen.clear()
+            seen.add(key)
+    if overrides.checked:  # no call key vouches for the rules that read data: every call
+        validation.check_data(contract, args)
 
 
 def round_up(x: Tensor, value: int) -> Tensor:
     """Round each count up to a multiple of ``value``."""
     _check(contracts.ROUND_UP, x, value)
-    return torch.div(x + (value - 1), value, rounding_mode="floor") * value
+    # Truncation keeps |x // value * value| <= |x|, so only a result beyond x's dtype can wrap
+    # (x + value - 1 would wrap for counts near the dtype's maximum).
+    down = torch.div(x, value, rounding_mode="trunc") * value
+    return torch.where(down < x, down + value, down)
 
 
 def repeat(x: Tensor, tiling: Sequence[int]) -> Tensor:

@@ -428,6 +428,7 @@ RULE_HELPERS: Mapping[str, Any] = {
     "int": int,
     "bool": bool,
     "len": len,
+    "min": min,
     "all": all,
     "isinstance": isinstance,
 }

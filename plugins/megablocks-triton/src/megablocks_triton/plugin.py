@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from megablocks_core.plugin import Kernel, family_ops, hookimpl
+from megablocks_core.plugin import DeviceInfo, Kernel, family_ops, hookimpl
 
 PRIORITY = 100
 
@@ -26,42 +30,63 @@ ACTIVATION = family_ops("activation")
 _INTS = frozenset({torch.int16, torch.int32, torch.int64})
 #: fp64 data is left to the reference backend (it accumulates in fp64; we use fp32).
 _FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32})
+#: The contract's float dtypes, for scale factors (top-k weights) that a kernel loads as any float.
+_ANY_FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
-_ROUTING_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
-    "sort": {"x": _INTS},
-    "histogram": {"x": _INTS},
-    "inclusive_cumsum": {"x": _INTS},
-    "exclusive_cumsum": {"x": _INTS},
-    "topology": {"padded_bins": _INTS},
-    "replicate": {"x": _FLOATS | _INTS, "bins": _INTS},
-    "replicate_backward": {"grad": _FLOATS, "bins": _INTS},
-    "route": {"top_experts": _INTS},
-    "router_topk": {"scores": _FLOATS},
-}
 
-_ACTIVATION_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
-    "glu": {"x": _FLOATS},
-    "glu_backward": {"grad": _FLOATS, "x": _FLOATS},
-    "activation_backward": {"grad": _FLOATS, "x": _FLOATS},
-}
+def _computed(floats: frozenset[torch.dtype]) -> frozenset[torch.dtype]:
+    """``floats`` for data a kernel converts or computes on. Triton 3.6's interpreter converts
+    bf16 subnormals to float32 wrongly (and multiplies bf16 tl.dot tiles as raw 16-bit integers),
+    so on the CPU (interpreter) path bf16 goes to the reference backend instead: tests would
+    otherwise pass on wrong numbers. Compiled kernels are unaffected."""
+    return floats - {torch.bfloat16} if _interpret() else floats
 
-# Weights keep the contract's full float set: the kernels load any float and scale in fp32.
-_PERMUTATION_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
-    op: {"x": _FLOATS, **({"grad": _FLOATS} if op.endswith("wgrad") else {})} for op in PERMUTATION
-}
+
+def _routing_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
+    return {
+        "sort": {"x": _INTS},
+        "histogram": {"x": _INTS},
+        "inclusive_cumsum": {"x": _INTS},
+        "exclusive_cumsum": {"x": _INTS},
+        "topology": {"padded_bins": _INTS},
+        # replicate copies values without converting them: bf16 is exact under the interpreter.
+        "replicate": {"x": _FLOATS | _INTS, "bins": _INTS},
+        "replicate_backward": {"grad": _computed(_FLOATS), "bins": _INTS},
+        "route": {"top_experts": _INTS},
+        "router_topk": {"scores": _computed(_FLOATS)},
+    }
+
+
+def _activation_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
+    floats = _computed(_FLOATS)
+    return {
+        "glu": {"x": floats},
+        "glu_backward": {"grad": floats, "x": floats},
+        "activation_backward": {"grad": floats, "x": floats, "scale": _computed(_ANY_FLOAT)},
+    }
+
+
+def _permutation_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
+    # Weights keep the contract's full float set (the kernels load any float and scale in fp32),
+    # bf16 only off the interpreter. An unweighted gather copies x without converting it, but a
+    # weighted one converts, so bf16 x is left out on the interpreter for every op.
+    floats = _computed(_FLOATS)
+    weights = {"weights": _computed(_ANY_FLOAT)}
+    return {
+        op: {"x": floats, **({"grad": floats} if op.endswith("wgrad") else weights)}
+        for op in PERMUTATION
+    }
 
 
 def _gmm_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
-    # Triton 3.6's interpreter multiplies bf16 tiles as raw 16-bit integers: on the CPU
-    # (interpreter) path bf16 goes to the reference backend instead.
-    floats = _FLOATS - {torch.bfloat16} if _interpret() else _FLOATS
+    floats = _computed(_FLOATS)
     return {
         "gmm": {"a": floats, "b": floats},
         "gmm_weight_grad": {"a": floats, "grad": floats},
         # out: a's dtype or float32 (the contract's rule); float64 is left to the reference.
         "gmm_weight_grad_accumulate": {"a": floats, "grad": floats, "out": _FLOATS},
         "gather_gmm": {"x": floats, "b": floats},
-        "gmm_scatter": {"x": floats, "b": floats},
+        "gmm_scatter": {"x": floats, "b": floats, "weights": _computed(_ANY_FLOAT)},
     }
 
 
@@ -91,10 +116,112 @@ def _kernels(
             dtypes=dtypes[op],
             contiguous=True,
             cost=tuning.COST_HINTS.get(op),
-            supports=getattr(module, f"{op}_supports", None),  # a kernel's own shape limits
+            supports=_supports(op, module),
         )
         for op in ops
     ]
+
+
+#: Offsets the kernels compute in int32 (``program_id * BLOCK + lane``, int32 flat ids, sorted
+#: positions, group sizes and bin ends) stay below 2**31 up to this many elements, the last
+#: block included, for every block size they use (at most 2**16).
+INT32_ELEMENTS = 2**31 - 2**16
+#: glu's column blocks form the second grid dimension: CUDA allows 65535 of them, of up to 512
+#: columns each (megablocks_triton.activation._tiles).
+GLU_CUDA_COLUMNS = 65535 * 512
+
+
+@dataclass(frozen=True)
+class _Limit:
+    """A size the kernels cannot go past: ``measure(call)`` must be at most ``most``."""
+
+    what: str
+    measure: Callable[[Mapping[str, Any]], int]
+    most: int
+    why: str
+    kinds: tuple[str, ...] = ()
+    """Device kinds it holds on; empty: every device."""
+
+
+def _length(arg: str, axis: int = 0) -> Callable[[Mapping[str, Any]], int]:
+    return lambda call: int(call[arg].shape[axis])
+
+
+def _value(arg: str) -> Callable[[Mapping[str, Any]], int]:
+    return lambda call: int(call[arg])
+
+
+def _int32(what: str, measure: Callable[[Mapping[str, Any]], int]) -> _Limit:
+    return _Limit(what, measure, INT32_ELEMENTS, "int32 offsets in the kernels")
+
+
+#: The grouped GEMMs' (experts, rows) arguments: each one's first dimension.
+_GMM_SIZES = {
+    "gmm": ("b", "a"),
+    "gather_gmm": ("b", "indices"),
+    "gmm_scatter": ("b", "indices"),
+    "gmm_weight_grad": ("batch_sizes", "a"),
+    "gmm_weight_grad_accumulate": ("batch_sizes", "a"),
+}
+
+
+def _limits(op: str, module: Any) -> tuple[_Limit, ...]:
+    """The sizes past which ``op``'s kernels would fail or wrap; ranking gives such calls to
+    the next backend instead of letting them raise."""
+    if module.__name__.endswith(".permutation"):
+        return (_int32("sorted rows", _length("indices")),)
+    if module.__name__.endswith(".gmm"):
+        experts, rows = _GMM_SIZES[op]
+        return (
+            _Limit(
+                "experts",
+                _length(experts),
+                module.MAX_EXPERTS,
+                "the kernels hold every expert's row count in registers",
+            ),
+            _int32("rows", _length(rows)),
+        )
+    keys = {"sort": "x", "route": "top_experts"}
+    if op in keys:
+        return (_int32("keys", _length(keys[op])),)
+    if op == "histogram":
+        return (_int32("keys", lambda call: math.prod(call["x"].shape)),)
+    if op == "topology":
+        return (_int32("block rows", _value("output_block_rows")),)
+    if op == "replicate":
+        return (_int32("output columns", _value("num_outputs")),)
+    if op == "replicate_backward":
+        return (_int32("columns", _length("grad", 1)),)
+    if op in ("glu", "glu_backward"):
+        half = _Limit(
+            "columns per half",
+            lambda call: int(call["x"].shape[1]) // 2,
+            GLU_CUDA_COLUMNS,
+            "CUDA's grid limit",
+            kinds=("cuda",),
+        )
+        return (half,)
+    return ()
+
+
+def _supports(op: str, module: Any) -> Callable[[DeviceInfo, Mapping[str, Any]], str | None] | None:
+    """The kernel's shape predicate: the declared :func:`_limits` and the module's own
+    ``<op>_supports``, if any."""
+    own = getattr(module, f"{op}_supports", None)
+    limits = _limits(op, module)
+    if not limits:
+        return own
+
+    def supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
+        for limit in limits:
+            if limit.kinds and device.kind not in limit.kinds:
+                continue
+            size = limit.measure(call)
+            if size > limit.most:
+                return f"{size} {limit.what}: more than {limit.most} ({limit.why})"
+        return own(device, call) if own is not None else None
+
+    return supports
 
 
 def _interpreter_problem() -> str | None:
@@ -134,12 +261,12 @@ def megablocks_unavailable_reason() -> str | None:
 
 @hookimpl
 def megablocks_routing_kernels() -> list[Kernel]:
-    return _kernels("routing", ROUTING, _ROUTING_DTYPES)
+    return _kernels("routing", ROUTING, _routing_dtypes())
 
 
 @hookimpl
 def megablocks_permutation_kernels() -> list[Kernel]:
-    return _kernels("permutation", PERMUTATION, _PERMUTATION_DTYPES)
+    return _kernels("permutation", PERMUTATION, _permutation_dtypes())
 
 
 @hookimpl
@@ -149,4 +276,4 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
 
 @hookimpl
 def megablocks_activation_kernels() -> list[Kernel]:
-    return _kernels("activation", ACTIVATION, _ACTIVATION_DTYPES)
+    return _kernels("activation", ACTIVATION, _activation_dtypes())
