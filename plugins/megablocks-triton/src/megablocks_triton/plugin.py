@@ -17,15 +17,36 @@ from typing import Any
 
 import torch
 
-from megablocks_core.plugin import DeviceInfo, Kernel, family_ops, hookimpl
+from megablocks_core.plugin import DeviceInfo, Kernel, hookimpl
 
 PRIORITY = 100
 
-ROUTING = family_ops("routing")
-PERMUTATION = family_ops("permutation")
-
-GROUPED_GEMM = family_ops("grouped_gemm")
-ACTIVATION = family_ops("activation")
+# The ops this backend provides, per family, as data: a core that adds an op still loads this
+# plugin (which then does not provide it). A test demands the lists cover what they should.
+ROUTING = (
+    "sort",
+    "histogram",
+    "inclusive_cumsum",
+    "exclusive_cumsum",
+    "topology",
+    "replicate",
+    "replicate_backward",
+    "route",
+    "router_topk",
+)
+PERMUTATION = (
+    "gather",
+    "scatter",
+    "scatter_wgrad",
+    "padded_gather",
+    "padded_scatter",
+    "padded_scatter_wgrad",
+    "binned_gather",
+    "binned_scatter",
+    "binned_scatter_wgrad",
+)
+GROUPED_GEMM = ("gmm", "gmm_weight_grad", "gmm_weight_grad_accumulate", "gather_gmm", "gmm_scatter")
+ACTIVATION = ("glu", "glu_backward", "activation_backward")
 
 _INTS = frozenset({torch.int16, torch.int32, torch.int64})
 #: fp64 data is left to the reference backend (it accumulates in fp64; we use fp32).
