@@ -12,7 +12,7 @@ ifneq ($(strip $(TORCH_INDEX)),)
 export PIP_EXTRA_INDEX_URL := $(TORCH_INDEX)
 endif
 
-.PHONY: install demo test lint bench-dispatch
+.PHONY: install demo test compile-gate lint bench-dispatch
 
 $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ test: $(STAMP)
 	# shapes would take the interpreter many minutes; they are for accelerators.
 	TRITON_INTERPRET=1 $(BIN)/megablocks backends check --device cpu --quick
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+# The ahead-of-time compile gate: every backend's kernels compiled for AMD and NVIDIA targets on the
+# CPU (no GPU) and checked against each arch's limits; two targets at a time (one process each).
+# Triton's on-disk cache (kept in the checkout) makes a rerun of unchanged kernels quick.
+COMPILE_TARGETS := gfx90a,gfx942,gfx950,sm_80,sm_90a,sm_100a
+compile-gate: $(STAMP)
+	TRITON_CACHE_DIR=$(CURDIR)/.triton-cache $(BIN)/megablocks backends compile \
+		--target $(COMPILE_TARGETS) --shapes training,decode --jobs 2
 
 LINTED := megablocks_core plugins tests benchmarks examples
 

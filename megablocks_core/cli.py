@@ -581,6 +581,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=cmd_check)
+    from . import aot  # the ahead-of-time compile gate lives in its own module
+
+    compile_gate = backend_commands.add_parser(
+        "compile",
+        help="compile each backend's kernels for GPU targets (no GPU needed) and check them "
+        "against each arch's limits",
+    )
+    aot.add_arguments(compile_gate)
+    compile_gate.set_defaults(func=aot.main)
+
     contracts_cmd = commands.add_parser("contracts", help="print every op's contract as Markdown")
     contracts_cmd.set_defaults(func=cmd_contracts)
 

@@ -14,10 +14,14 @@ contracts in :mod:`megablocks_core.contracts`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import pluggy
 
-from .descriptors import Kernel
+from .descriptors import DeviceInfo, Kernel
+
+if TYPE_CHECKING:
+    from .aot import CompileJob, CompileShape
 
 PROJECT_NAME = "megablocks"
 ENTRY_POINT_GROUP = "megablocks.backends"
@@ -106,6 +110,36 @@ class BackendHooks:
             @hookimpl
             def megablocks_activation_kernels():
                 return [Kernel(op="glu", fn=my_glu, devices=("cuda",), priority=100)]
+        """
+
+    @hookspec
+    def megablocks_compile_jobs(  # type: ignore[empty-body]
+        self, device: DeviceInfo, shape: CompileShape
+    ) -> Iterable[CompileJob]:
+        """Optional: the kernels this backend would launch on ``device`` for a layer of
+        ``shape``, as :class:`~megablocks_core.aot.CompileJob` s to compile ahead of time.
+
+        Called only by ``megablocks backends compile`` (never when the registry loads), in a
+        worker process of its own per target, with a *simulated* ``device``
+        (:meth:`megablocks_core.archs.ArchLimits.device`: the arch, CU/SM count and wavefront
+        width of a product of that arch; no GPU is present). Return every variant your launch
+        policy would pick there at that shape (each dtype in ``shape.dtypes`` the kernel serves,
+        and every alternative path, e.g. a kernel chosen only for some alignments), built from
+        the same config functions your launch path uses, so that what is compiled is what would
+        run. Return an empty list for a device you do not serve. A backend without this hook is
+        reported as "declares no ahead-of-time kernels", not as an error.
+
+        Example::
+
+            @hookimpl
+            def megablocks_compile_jobs(device, shape):
+                if device.kind != "rocm":
+                    return []
+                return [CompileJob(kernel="my_kernel", op="histogram", variant="int32",
+                                   fn=_histogram_kernel,
+                                   signature={"x_ptr": "*i32", "out_ptr": "*i32", "n": "i32",
+                                              "BLOCK": "constexpr"},
+                                   constexprs={(3,): 1024}, options={"num_warps": 4})]
         """
 
 

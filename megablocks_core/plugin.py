@@ -10,6 +10,10 @@ backends in this repository use nothing else, like any third-party plugin.
 - :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
   :func:`call_op` runs any dispatched op, kernel-level ones included, for a kernel that
   composes them (as :mod:`megablocks_core.ops` does for the public ones);
+- :class:`CompileJob` is what the optional ahead-of-time hook returns for a
+  :class:`CompileShape` (:data:`COMPILE_SHAPES`); :func:`device_limits` gives a device's
+  :class:`ArchLimits` (shared memory, registers; the table: :data:`ARCH_LIMITS`), for a launch to
+  refuse what exceeds them;
 - :func:`describe_device` gives the :class:`DeviceInfo` of a torch device; :func:`arch_family`
   and :func:`dense_tflops` (tables :data:`ARCH_FAMILIES`, :data:`DENSE_BF16_TFLOPS`) are the
   per-arch facts the backends share;
@@ -31,6 +35,10 @@ from .activations import GATED as GATED_ACTIVATIONS
 from .activations import activation_backward as activation_backward_definition
 from .activations import glu as glu_definition
 from .activations import glu_backward as glu_backward_definition
+from .aot import SHAPES as COMPILE_SHAPES
+from .aot import CompileJob, CompileShape
+from .archs import LIMITS as ARCH_LIMITS
+from .archs import ArchLimits, device_limits
 from .contracts import BY_NAME, family_ops
 from .costs import GmmPoint, gmm_cost_hint, gmm_estimate_us, gmm_problem
 from .descriptors import (
@@ -67,12 +75,17 @@ def call_op(op: str, *args: Any) -> Any:
 __all__ = [
     "ANY_DEVICE",
     "ARCH_FAMILIES",
+    "ARCH_LIMITS",
+    "COMPILE_SHAPES",
     "DENSE_BF16_TFLOPS",
     "ENTRY_POINT_GROUP",
     "GATED_ACTIVATIONS",
+    "ArchLimits",
     "BackendHooks",
     "CallInfo",
     "CapabilityCheck",
+    "CompileJob",
+    "CompileShape",
     "ContractError",
     "ContractTypeError",
     "CostEstimate",
@@ -88,6 +101,7 @@ __all__ = [
     "contract",
     "dense_tflops",
     "describe_device",
+    "device_limits",
     "family_ops",
     "glu_backward_definition",
     "glu_definition",

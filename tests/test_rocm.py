@@ -26,6 +26,7 @@ from megablocks_core.contracts import BY_NAME
 triton = pytest.importorskip("triton")
 from megablocks_rocm import arch, plugin  # noqa: E402
 from megablocks_rocm import kernels as rocm_kernels  # noqa: E402
+from megablocks_rocm import launch as rocm_launch  # noqa: E402
 from megablocks_rocm.launch import RocmLaunchConfigs  # noqa: E402
 from megablocks_triton import config as tconfig  # noqa: E402
 from megablocks_triton import gmm as tgmm  # noqa: E402
@@ -269,9 +270,15 @@ def test_gmm_tiles_fit_a_cdna_cu(device):
                 # A workgroup is at most 1024 lanes = 16 wavefronts of 64.
                 assert cfg.num_warps >= 1 and cfg.num_warps * 64 <= 1024, cfg
                 # fp32 accumulators per lane: <= 128 (waves_per_eu=2 leaves 256 VGPRs), and no
-                # wavefront owns fewer than 8 16x16 MFMA blocks unless there is only one.
+                # wavefront owns fewer than 8 16x16 MFMA blocks unless there is only one, or
+                # fewer would hold more than MAX_OPERAND_VGPRS of a K step's operand tiles.
                 per_lane = cfg.block_m * cfg.block_n / (cfg.num_warps * 64)
-                assert per_lane <= 128 and (per_lane >= 32 or cfg.num_warps == 1), cfg
+                fewer = max(cfg.num_warps // 2, 1)
+                operands = rocm_launch.operand_vgprs(cfg, dtype, fewer)
+                assert per_lane <= 128, cfg
+                assert (
+                    per_lane >= 32 or cfg.num_warps == 1 or operands > rocm_launch.MAX_OPERAND_VGPRS
+                ), cfg
                 # One pipeline stage of A and B tiles in LDS.
                 assert (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize <= lds, cfg
                 # Never larger than the problem (power-of-two rounded, >= 16 for tl.dot).
@@ -279,6 +286,20 @@ def test_gmm_tiles_fit_a_cdna_cu(device):
                 assert cfg.block_n <= _pow2_at_least_16(n) and cfg.block_k <= _pow2_at_least_16(
                     depth
                 )
+
+
+@pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
+def test_accumulating_weight_gradient_tiles_hold_the_gradient_tile(device):
+    # The epilogue keeps the gradient's tile beside the accumulator: at most 256x128 (256x256
+    # spilled on CDNA3/4 in `megablocks backends compile`); the new gradient keeps its tiles.
+    policy = RocmLaunchConfigs(device)
+    for out in (torch.bfloat16, torch.float32):
+        cfg = policy.gmm_wgrad_accumulate(device, 2048, 768, 16384, 16, torch.bfloat16, out)
+        assert cfg.block_m * cfg.block_n <= rocm_launch.MAX_ACCUMULATE_TILE, cfg
+    new = policy.gmm_wgrad(device, 2048, 768, 16384, 16, torch.bfloat16)
+    assert (new.block_m, new.block_n) == (
+        (128, 128) if arch.family(device).name == "cdna2" else (256, 256)
+    )
 
 
 def test_gmm_tiles_per_family():

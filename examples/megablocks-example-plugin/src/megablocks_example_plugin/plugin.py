@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megablocks_core.plugin import DeviceInfo, Kernel, hookimpl
+from megablocks_core.plugin import CompileJob, CompileShape, DeviceInfo, Kernel, hookimpl
 
 from . import kernels
 
@@ -50,3 +50,12 @@ def megablocks_routing_kernels() -> list[Kernel]:
 def megablocks_unavailable_reason() -> str | None:
     # Host-wide facts only (a missing library or driver); this example needs nothing beyond torch.
     return None
+
+
+@hookimpl
+def megablocks_compile_jobs(device: DeviceInfo, shape: CompileShape) -> list[CompileJob]:
+    # Ahead-of-time compilation (``megablocks backends compile``) is for GPU kernels: these are
+    # torch code for the CPU, so there is nothing to compile for any target. A backend with
+    # Triton kernels returns one CompileJob per kernel variant its launches would use on
+    # ``device`` (docs/writing-a-plugin.md, "The compile gate").
+    return []

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from megablocks_core.plugin import ARCH_FAMILIES, DeviceInfo, arch_family
+from megablocks_core.plugin import ARCH_FAMILIES, ARCH_LIMITS, DeviceInfo, arch_family
 
 
 @dataclass(frozen=True)
@@ -26,25 +26,31 @@ class Family:
     """``"cdna2"``, ``"cdna3"``, ``"cdna4"`` or ``"generic"``."""
     products: str
     lds_kib: int
-    """Shared memory (LDS) per CU."""
+    """Shared memory (LDS) per CU: the core's limits table (:data:`ARCH_LIMITS`)."""
     wavefront: int = 64
     kpack: int = 1
     """Triton's ``kpack`` for dot kernels; 1 = leave the default (HIPOptions warns for != 1 on
     gfx950, where kpack is deprecated)."""
 
 
+def _lds_kib(target: str) -> int:
+    return ARCH_LIMITS[target].shared_memory_per_block // 1024
+
+
 #: Family name (the core's :data:`~megablocks_core.plugin.ARCH_FAMILIES`) -> what we know of it.
 FAMILIES: Mapping[str, Family] = MappingProxyType(
     {
-        "cdna2": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=64),
+        "cdna2": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=_lds_kib("gfx90a")),
         # AMD's MI300X Triton tuning guide pairs 16x16 MFMA with kpack=2 for GEMMs.
-        "cdna3": Family("cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=64, kpack=2),
-        "cdna4": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=160),
+        "cdna3": Family(
+            "cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=_lds_kib("gfx942"), kpack=2
+        ),
+        "cdna4": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=_lds_kib("gfx950")),
     }
 )
 
 #: Anything else with a gfx name (RDNA's wave32 parts, older CDNA): no tuning of ours.
-GENERIC = Family("generic", "other AMD GPUs", lds_kib=64)
+GENERIC = Family("generic", "other AMD GPUs", lds_kib=64)  # the least of any CDNA/RDNA part
 
 
 def family(device: DeviceInfo | str | None) -> Family:

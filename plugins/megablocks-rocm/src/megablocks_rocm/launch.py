@@ -48,6 +48,10 @@ GMM_TILES: Mapping[tuple[str, str], GmmConfig] = {
     ("cdna2", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
     ("cdna3", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
     ("cdna3", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
+    # CDNA4's 160 KiB of LDS would hold a third stage of these tiles (128 KiB: compiles within
+    # limits for gfx950, the forward spill-free) or 128-deep K steps; the tile size itself is
+    # bound by the register file (128 accumulator VGPRs per lane), not the LDS. Kept at CDNA3's
+    # choice: whether the deeper pipeline pays is unmeasured (no MI350 run).
     ("cdna4", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
     ("cdna4", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
 }
@@ -55,6 +59,18 @@ GMM_TILES: Mapping[tuple[str, str], GmmConfig] = {
 #: Fewest fp32 accumulators per lane a grouped-GEMM wavefront should own: 8 16x16 MFMA output
 #: blocks (4 per lane each). Tiles fitted to a small problem get fewer wavefronts, not idle ones.
 MIN_ACC_PER_LANE = 32
+
+#: Most VGPRs per lane one K step's A and B tiles may take: with fewer wavefronts than that needs,
+#: a tile fitted to few rows spills (the stream pipeliner also holds the next step's operands in
+#: registers), e.g. 16x128x64 16-bit tiles on one wavefront at decode shapes (gfx90a), 16x128x32
+#: fp32 ones (gfx942). Spill-free by `megablocks backends compile`; speed not measured on AMD.
+MAX_OPERAND_VGPRS = 64
+
+#: Largest accumulating weight-gradient tile (elements): its epilogue holds the gradient's tile in
+#: registers beside the fp32 accumulator, which at 256x256 over 8 wavefronts is 128 + 128 VGPRs
+#: per lane, past the 256 that waves_per_eu=2 leaves (spilling on gfx942/gfx950). 256x128 keeps
+#: both at 64: spill-free by `megablocks backends compile`; speed not measured on AMD.
+MAX_ACCUMULATE_TILE = 256 * 128
 
 
 class RocmLaunchConfigs(LaunchConfigs):
@@ -135,7 +151,7 @@ class RocmLaunchConfigs(LaunchConfigs):
         fitted = fit_gmm_tiles(
             tiles, max(tokens // experts, 1), n, k, rows_per_expert=tokens / experts
         )
-        return _fewer_waves_for_small_tiles(fitted, device)
+        return _fewer_waves_for_small_tiles(fitted, device, dtype)
 
     def gmm_wgrad(
         self,
@@ -150,7 +166,25 @@ class RocmLaunchConfigs(LaunchConfigs):
         if tiles is None:
             return super().gmm_wgrad(device, rows, cols, tokens, num_experts, dtype)
         fitted = fit_gmm_tiles(tiles, rows, cols, max(tokens // max(num_experts, 1), 1))
-        return _fewer_waves_for_small_tiles(fitted, device)
+        return _fewer_waves_for_small_tiles(fitted, device, dtype)
+
+    def gmm_wgrad_accumulate(
+        self,
+        device: DeviceInfo,
+        rows: int,
+        cols: int,
+        tokens: int,
+        num_experts: int,
+        dtype: torch.dtype,
+        out_dtype: torch.dtype,
+    ) -> GmmConfig:
+        cfg = super().gmm_wgrad_accumulate(
+            device, rows, cols, tokens, num_experts, dtype, out_dtype
+        )
+        if _gmm_tiles(device, dtype) is None or cfg.block_m * cfg.block_n <= MAX_ACCUMULATE_TILE:
+            return cfg
+        narrower = dataclasses.replace(cfg, block_n=MAX_ACCUMULATE_TILE // cfg.block_m)
+        return _fewer_waves_for_small_tiles(narrower, device, dtype)
 
 
 def _gmm_tiles(device: DeviceInfo, dtype: torch.dtype) -> GmmConfig | None:
@@ -159,7 +193,17 @@ def _gmm_tiles(device: DeviceInfo, dtype: torch.dtype) -> GmmConfig | None:
     return GMM_TILES.get((arch.family(device).name, dtype_class(dtype)))
 
 
-def _fewer_waves_for_small_tiles(cfg: GmmConfig, device: DeviceInfo) -> GmmConfig:
+def operand_vgprs(cfg: GmmConfig, dtype: torch.dtype, waves: int, wave: int = 64) -> int:
+    """VGPRs per lane that one K step's A and B tiles of ``cfg`` take over ``waves`` wavefronts."""
+    operand_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
+    return -(-operand_bytes // (waves * wave * 4))
+
+
+def _fewer_waves_for_small_tiles(
+    cfg: GmmConfig, device: DeviceInfo, dtype: torch.dtype
+) -> GmmConfig:
     wave = device.warp_size or arch.family(device).wavefront
-    waves = cfg.block_m * cfg.block_n // (wave * MIN_ACC_PER_LANE)
-    return dataclasses.replace(cfg, num_warps=max(1, min(cfg.num_warps, waves)))
+    waves = max(1, cfg.block_m * cfg.block_n // (wave * MIN_ACC_PER_LANE))
+    while waves < cfg.num_warps and operand_vgprs(cfg, dtype, waves, wave) > MAX_OPERAND_VGPRS:
+        waves *= 2
+    return dataclasses.replace(cfg, num_warps=min(cfg.num_warps, waves))

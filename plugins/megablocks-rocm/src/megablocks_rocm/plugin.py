@@ -17,7 +17,14 @@ import dataclasses
 
 import torch
 
-from megablocks_core.plugin import CapabilityCheck, DeviceInfo, Kernel, hookimpl
+from megablocks_core.plugin import (
+    CapabilityCheck,
+    CompileJob,
+    CompileShape,
+    DeviceInfo,
+    Kernel,
+    hookimpl,
+)
 
 from . import arch
 
@@ -94,3 +101,16 @@ def megablocks_activation_kernels() -> list[Kernel]:
     from megablocks_triton import plugin as triton_plugin
 
     return _rocm_kernels(triton_plugin.megablocks_activation_kernels())
+
+
+@hookimpl
+def megablocks_compile_jobs(device: DeviceInfo, shape: CompileShape) -> list[CompileJob]:
+    # The triton backend's kernels under this backend's launch policy (tiles and HIP options per
+    # CDNA family), on the archs it serves.
+    if device.kind != "rocm" or arch.unsupported(device) is not None:
+        return []
+    from megablocks_triton import aot
+
+    from .launch import RocmLaunchConfigs
+
+    return aot.compile_jobs(device, shape, RocmLaunchConfigs(device))

@@ -59,10 +59,16 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
-from megablocks_core.plugin import DeviceInfo, arch_family, contract, describe_device
+from megablocks_core.plugin import (
+    DeviceInfo,
+    arch_family,
+    contract,
+    describe_device,
+    device_limits,
+)
 
 from .config import GmmConfig, LaunchConfigs, launch_configs
-from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
+from .launch import BoundLaunch, bind, bind_descriptors, cdiv, launch, recorded_device, remember
 
 __all__ = [
     "MAX_EXPERTS",
@@ -87,7 +93,11 @@ MAX_EXPERTS = 4096
 
 
 def device_info(device: torch.device) -> DeviceInfo:
-    """The core's (cached) description of ``device``; an index-less CUDA device is the current one."""
+    """The core's (cached) description of ``device``; an index-less CUDA device is the current one.
+    While launches are recorded (ahead-of-time compilation), ``meta`` stands for the recorded
+    device."""
+    if device.type == "meta" and (recorded := recorded_device()) is not None:
+        return recorded
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return describe_device(device)
@@ -129,6 +139,39 @@ def _parse_env_config(text: str) -> GmmConfig:
     )
 
 
+def shared_memory_estimate(cfg: GmmConfig, info: DeviceInfo, dtype: torch.dtype) -> int:
+    """Bytes of shared memory (LDS) the K loop's operand buffers of ``cfg`` take at least: one
+    (BLOCK_M x BLOCK_K) and one (BLOCK_K x BLOCK_N) tile per buffered stage. Triton's NVIDIA
+    pipeliner buffers ``num_stages`` of them, AMD's stream pipeliner ``num_stages - 1``."""
+    stages = cfg.num_stages if info.kind != "rocm" else max(cfg.num_stages - 1, 1)
+    per_stage = (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
+    return per_stage * stages
+
+
+def _refuse_over_limits(
+    variable: str, text: str, cfg: GmmConfig, info: DeviceInfo, dtype: torch.dtype
+) -> None:
+    """Raise where a forced config cannot fit ``info``'s arch (the core's limits table): launched,
+    it would fail or corrupt shared memory instead of being slow."""
+    lim = device_limits(info)
+    if lim is None:
+        return
+    shared = shared_memory_estimate(cfg, info, dtype)
+    if shared > lim.shared_memory_per_block:
+        raise ValueError(
+            f"{variable}={text!r} asks for at least {shared // 1024} KiB of shared memory (LDS) per "
+            f"block for {str(dtype).removeprefix('torch.')} operands, over the "
+            f"{lim.shared_memory_per_block // 1024} KiB limit of {lim.arch}; use smaller tiles or "
+            "fewer stages"
+        )
+    threads = cfg.num_warps * lim.warp_size
+    if threads > 1024:
+        raise ValueError(
+            f"{variable}={text!r} asks for {cfg.num_warps} warps ({threads} threads), over the "
+            f"1024 threads per block of {lim.arch}"
+        )
+
+
 def _tma_override(cfg: GmmConfig) -> GmmConfig:
     # MEGABLOCKS_TRITON_GMM_TMA=0/1 flips the TMA path independently of the tile shape (tuning).
     env = os.environ.get("MEGABLOCKS_TRITON_GMM_TMA")
@@ -165,7 +208,10 @@ def choose_config(
     """
     env = os.environ.get(_ENV_VAR[op])
     if env:
-        return _tma_override(_parse_env_config(env))
+        forced = _tma_override(_parse_env_config(env))
+        if recorded_device() is None:  # the compile gate compiles it to report what it uses
+            _refuse_over_limits(_ENV_VAR[op], env, forced, info, dtype)
+        return forced
     policy = launch_configs()
     if op == "gmm":
         return _tma_override(policy.gmm(info, m, n, k, num_experts, dtype))
@@ -959,7 +1005,8 @@ def _launch_wgrad(
             TensorDescriptor.from_tensor(grad, [cfg.block_k, cfg.block_n]),
             TensorDescriptor.from_tensor(out, [1, cfg.block_m, cfg.block_n]),
         )
-    _gmm_wgrad_kernel[(grid,)](
+    launch(
+        _gmm_wgrad_kernel, (grid,),
         a, grad, out, sizes, *descriptors,
         a.shape[0], ka, n, num_experts,
         a.stride(0), a.stride(1),

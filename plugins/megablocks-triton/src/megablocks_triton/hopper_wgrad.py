@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # type: ignore[i
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # type: ignore[import-untyped]
 
+from .launch import launch as launch_kernel
+
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 PIECE = gl.constexpr(16)  # rows of a partial chunk multiplied at a time (bf16 MMAs reduce over 16)
 STAGES = 3  # 3 x 48 KiB of operands + the 64 KiB output tile fit the 227 KiB of shared memory
@@ -262,7 +264,8 @@ def launch(
     )  # fmt: skip
     tiles_m, tiles_n = -(-k // BLOCK_M), -(-n // BLOCK_N)
     grid = (max(1, min(num_sms, num_experts * tiles_m * tiles_n)),)
-    _wgrad_kernel[grid](
+    launch_kernel(
+        _wgrad_kernel, grid,
         a_desc, g_desc, out_desc, sizes, num_experts, a.shape[0], tiles_m, tiles_n,
         BLOCK_E=block_e, STAGES=STAGES, ACCUMULATE=accumulate, LOADER_REGS=LOADER_REGISTERS,
         num_warps=MMA_WARPS,

@@ -22,6 +22,10 @@ compile for it):
   launch function directly. :class:`DescriptorLaunch` (:func:`bind_descriptors`) does the
   same for a kernel that takes some tensors as TMA tensor descriptors.
 
+:class:`record_launches` notes the launches instead of running them (``meta`` tensors standing
+for a simulated device's): the ahead-of-time compile gate compiles what the launch path chose
+(:mod:`megablocks_triton.aot`).
+
 Where the fast paths cannot be used — the CPU interpreter (``TRITON_INTERPRET=1``),
 launch hooks installed (profilers such as proton) — every call goes through
 ``kernel[grid]`` unchanged. On ROCm, where Triton also specialises pointers on whether their
@@ -32,12 +36,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton  # type: ignore[import-untyped]
 from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
 from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
+
+from megablocks_core.plugin import DeviceInfo
 
 _INT32 = (-(2**31), 2**31 - 1)
 _Tensor = torch.Tensor
@@ -92,6 +99,51 @@ _current_device: Callable[[], int] = getattr(
 
 
 _knobs = triton.knobs
+
+
+@dataclass(frozen=True)
+class RecordedLaunch:
+    """A launch that :class:`record_launches` noted instead of running: the kernel, its grid, the
+    positional arguments (tensors may be ``meta`` tensors) and the keywords (constexprs, launch
+    options), as :class:`Launcher` received them."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class record_launches:  # lower-case: used like a function, ``with record_launches(device):``
+    """Within the block, every launch through this module is noted (:class:`RecordedLaunch`) and
+    not run, and ``meta`` tensors stand for tensors on ``device`` (a device description, possibly
+    of a GPU this host does not have): the op functions run their real launch path, so the
+    launches noted are what would run there. For ahead-of-time compilation (:mod:`.aot`); not
+    thread-safe, not nestable."""
+
+    def __init__(self, device: DeviceInfo) -> None:
+        self.device = device
+        self.launches: list[RecordedLaunch] = []
+
+    def __enter__(self) -> record_launches:
+        global _RECORDER
+        if _RECORDER is not None:
+            raise RuntimeError("launches are already being recorded")
+        _RECORDER = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _RECORDER
+        _RECORDER = None
+
+
+_RECORDER: record_launches | None = None
+
+
+def recorded_device() -> DeviceInfo | None:
+    """The device that ``meta`` tensors stand for while launches are recorded, else None."""
+    return None if _RECORDER is None else _RECORDER.device
+
+
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -130,7 +182,10 @@ class Launcher:
         self, grid: Sequence[int], *args: Any, **kw: Any
     ) -> tuple[Any, tuple[Any, ...]] | None:
         """Launch; returns the (compiled kernel, constexpr tail) used, or None where the launch
-        went through ``kernel[grid]`` without the cache."""
+        went through ``kernel[grid]`` without the cache (or was only recorded)."""
+        if _RECORDER is not None:  # ahead-of-time compilation: note the launch, run nothing
+            _RECORDER.launches.append(RecordedLaunch(self._kernel, tuple(grid), args, dict(kw)))
+            return None
         kernel = self._kernel
         if not self._fast or _hooks_installed():
             kernel[tuple(grid)](*args, **kw)

@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from megablocks_core.plugin import DeviceInfo, Kernel, hookimpl
+from megablocks_core.plugin import (
+    CompileJob,
+    CompileShape,
+    DeviceInfo,
+    Kernel,
+    hookimpl,
+)
 
 PRIORITY = 100
 
@@ -298,3 +304,13 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
 @hookimpl
 def megablocks_activation_kernels() -> list[Kernel]:
     return _kernels("activation", ACTIVATION, _activation_dtypes())
+
+
+@hookimpl
+def megablocks_compile_jobs(device: DeviceInfo, shape: CompileShape) -> list[CompileJob]:
+    # Every kernel the launch path would run on the device, under this backend's own policy.
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from . import aot
+
+    return aot.compile_jobs(device, shape)

@@ -1,0 +1,246 @@
+"""This backend's kernels as ahead-of-time compile jobs (``megablocks backends compile``).
+
+:func:`compile_jobs` runs every op function of the backend on ``meta`` tensors of a layer shape
+while :class:`~megablocks_triton.launch.record_launches` notes each launch instead of running it,
+with the launch policy of the simulated device in force: the tile choices, launch options and
+paths (TMA, the Gluon weight gradient) are the launch path's own, so what is compiled is what
+would run there. Where the policy has a second path for some calls (the Triton weight-gradient
+kernel beside the Gluon one on Hopper), it is compiled too.
+
+:func:`specialize` turns a recorded launch into Triton's compile inputs; it is the one place that
+relies on Triton internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from megablocks_core.plugin import ArchLimits, CompileJob, CompileShape, DeviceInfo, device_limits
+
+from .config import (
+    SPILLS_ACCEPTED,
+    LaunchConfigs,
+    dtype_class,
+    gmm_tile_family,
+    use_launch_configs,
+)
+from .launch import RecordedLaunch, record_launches
+
+
+def specialize(launch: RecordedLaunch, lim: ArchLimits) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of ``launch`` compiled for ``lim``'s target: the
+    argument types and specialisations (alignment, divisibility by 16, ints equal to 1) that
+    ``kernel[grid](...)`` would compute on that target's driver.
+
+    Relies on Triton 3.6 internals (``create_function_from_signature``, ``_pack_args``): the
+    steps ``JITFunction.run`` takes before it compiles, without a driver.
+    """
+    from triton.compiler.compiler import make_backend  # type: ignore[import-untyped]
+    from triton.runtime.jit import create_function_from_signature  # type: ignore[import-untyped]
+
+    kernel = launch.kernel
+    backend = make_backend(lim.triton_target())
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, dict(launch.kwargs), bound, specialization, options
+    )
+    return signature, constexprs, attrs, dict(options.__dict__)
+
+
+def _describe(launch: RecordedLaunch) -> str:
+    """A short name for a launch variant: the first tensor's dtype, the tile and warp counts."""
+    kw = launch.kwargs
+    dtype = next((str(a.dtype).removeprefix("torch.") for a in launch.args
+                  if isinstance(a, torch.Tensor) and a.is_floating_point()), "")  # fmt: skip
+    tiles = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in kw)
+    parts = [dtype, tiles, f"w{kw.get('num_warps', 4)}"]
+    if "num_stages" in kw:
+        parts.append(f"s{kw['num_stages']}")
+    for flag in ("USE_TMA", "TMA", "ACCUMULATE", "REDUCE", "TRANS_B", "GATHER", "FLATTEN"):
+        if kw.get(flag):
+            parts.append(flag.lower())
+    return " ".join(p for p in parts if p)
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """(op, call) for every op of the backend at ``shape`` with ``dtype`` activations."""
+    from . import activation, gmm, permutation, routing
+
+    t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
+    rows = t * k
+    i32 = torch.int32
+    ids, counts = _meta(rows, dtype=i32), _meta(e, dtype=i32)
+    x, sorted_rows = _meta(t, h, dtype=dtype), _meta(rows, h, dtype=dtype)
+    weights = _meta(rows, dtype=dtype)
+    w1, w2 = _meta(e, h, f, dtype=dtype), _meta(e, f, h, dtype=dtype)
+    hidden_rows, out_dtype = _meta(rows, f, dtype=dtype), torch.float32
+    block = 128
+    padded = min(rows + e * (block - 1), rows * 2)  # the padded row count a router could give
+    padded_bins = torch.full((e,), padded, dtype=i32)  # read on the host: a CPU tensor
+    if dtype != torch.float32:  # routing and permutation: once, with the 16-bit activations
+        yield "route", lambda: routing.route(ids, e, block)
+        yield "sort", lambda: routing.sort(ids, max((e - 1).bit_length(), 1))
+        yield "histogram", lambda: routing.histogram(ids, e)
+        yield "inclusive_cumsum", lambda: routing.inclusive_cumsum(counts, 0)
+        yield "exclusive_cumsum", lambda: routing.exclusive_cumsum(counts, 0)
+        blocks = -(-padded // block)
+        yield "topology", lambda: routing.topology(counts, block, blocks, -(-f // block))
+        yield "replicate", lambda: routing.replicate(_meta(1, e, dtype=dtype), counts, rows)
+        yield (
+            "replicate_backward",
+            lambda: routing.replicate_backward(_meta(1, rows, dtype=dtype), counts),
+        )
+        yield "router_topk", lambda: routing.router_topk(_meta(t, e, dtype=dtype), k, True)
+        yield "gather", lambda: permutation.gather(x, ids, ids, None, counts, k)
+        yield "scatter", lambda: permutation.scatter(sorted_rows, ids, ids, weights, counts, k)
+        yield (
+            "scatter_wgrad",
+            lambda: permutation.scatter_wgrad(sorted_rows, x, ids, ids, counts, k),
+        )
+        yield (
+            "padded_gather",
+            lambda: permutation.padded_gather(x, ids, ids, None, counts, padded_bins, k),
+        )
+        yield (
+            "padded_scatter",
+            lambda: permutation.padded_scatter(
+                _meta(padded, h, dtype=dtype), ids, ids, weights, counts, padded_bins.to("meta"), k
+            ),
+        )
+        yield "glu", lambda: activation.glu(_meta(rows, 2 * f, dtype=dtype), "silu")
+        yield (
+            "glu_backward",
+            lambda: activation.glu_backward(hidden_rows, _meta(rows, 2 * f, dtype=dtype), "silu"),
+        )
+        yield (
+            "activation_backward",
+            lambda: activation.activation_backward(
+                hidden_rows, _meta(rows, f, dtype=dtype), _meta(rows, dtype=dtype), "gelu"
+            ),
+        )
+    # The layer's grouped GEMMs: forward, x's gradient (trans_b), both weight gradients.
+    yield "gmm", lambda: gmm.gmm(sorted_rows, w1, counts)
+    yield "gmm", lambda: gmm.gmm(hidden_rows, w1, counts, trans_b=True)
+    yield "gather_gmm", lambda: gmm.gather_gmm(x, w1, ids, ids, counts, k)
+    yield "gmm_scatter", lambda: gmm.gmm_scatter(hidden_rows, w2, ids, ids, weights, counts, k)
+    yield "gmm_weight_grad", lambda: gmm.gmm_weight_grad(sorted_rows, hidden_rows, counts)
+    yield "gmm_weight_grad", lambda: gmm.gmm_weight_grad(hidden_rows, sorted_rows, counts)
+    for grad_dtype in dict.fromkeys((dtype, out_dtype)):  # into .grad, or a float32 main_grad
+        yield (
+            "gmm_weight_grad_accumulate",
+            functools.partial(
+                gmm.gmm_weight_grad_accumulate,
+                sorted_rows,
+                hidden_rows,
+                counts,
+                _meta(e, h, f, dtype=grad_dtype),
+            ),
+        )
+
+
+def _alternatives(
+    op: str, device: DeviceInfo, shape: CompileShape, dtype: torch.dtype
+) -> Iterator[Callable[[], Any]]:
+    """The second path of an op where the policy's choice depends on more than the shape: the
+    Triton weight-gradient kernel where the Gluon one is chosen (it serves the calls the Gluon
+    kernel does not: other layouts and dtypes)."""
+    from . import gmm
+
+    if op != "gmm_weight_grad":
+        return
+    t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
+    with record_launches(device):  # the policy's choice as a recorded launch sees it
+        cfg = gmm.choose_config("wgrad", h, f, t * k, e, dtype, device)
+    if cfg.warp_specialized:
+        plain = dataclasses.replace(cfg, warp_specialized=False)
+        a, grad = _meta(t * k, h, dtype=dtype), _meta(t * k, f, dtype=dtype)
+        yield lambda: gmm.gmm_weight_grad(a, grad, _meta(e, dtype=torch.int32), config=plain)
+
+
+def compile_jobs(
+    device: DeviceInfo, shape: CompileShape, configs: LaunchConfigs | None = None
+) -> list[CompileJob]:
+    """Every distinct kernel launch of this backend's ops at ``shape`` on ``device`` (under the
+    launch policy ``configs``, default the triton backend's own), as compile jobs for the
+    device's compiler target. Empty for a device without one in the core's limits table."""
+    lim = device_limits(device)
+    if lim is None:
+        return []
+    jobs: list[CompileJob] = []
+    seen: set[Any] = set()
+    accepted = SPILLS_ACCEPTED if configs is None else {}
+    with use_launch_configs(configs or LaunchConfigs()):
+        for dtype in shape.dtypes:
+            for op, call in _op_calls(shape, dtype):
+                launches = _record(device, [call, *_alternatives(op, device, shape, dtype)])
+                for launch in launches:
+                    reason = accepted.get(_spill_key(launch, device))
+                    jobs.extend(_jobs(op, launch, lim, seen, reason))
+    return jobs
+
+
+#: Kernel function name -> its class in :data:`~megablocks_triton.config.SPILLS_ACCEPTED`.
+_SPILL_CLASSES = {"_gmm_kernel": "gmm", "_gmm_wgrad_kernel": "wgrad", "_scatter_kernel": "scatter"}
+
+
+def _spill_key(launch: RecordedLaunch, device: DeviceInfo) -> tuple[str, str, str]:
+    kind = _SPILL_CLASSES.get(launch.kernel.fn.__name__, "")
+    floats = [a.dtype for a in launch.args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    dtype = dtype_class(floats[0]) if floats else ""
+    return kind, gmm_tile_family(device), dtype
+
+
+def _record(device: DeviceInfo, calls: Sequence[Callable[[], Any]]) -> list[RecordedLaunch]:
+    launches: list[RecordedLaunch] = []
+    for call in calls:
+        with record_launches(device) as recorder:
+            call()
+        launches += recorder.launches
+    return launches
+
+
+def _jobs(
+    op: str, launch: RecordedLaunch, lim: ArchLimits, seen: set[Any], spill_reason: str | None
+) -> Iterator[CompileJob]:
+    signature, constexprs, attrs, options = specialize(launch, lim)
+    key = (
+        launch.kernel,
+        tuple(signature.items()),
+        repr(sorted(constexprs.items())),
+        repr(sorted(attrs.items())),
+        repr(sorted((k, v) for k, v in options.items() if k != "debug")),
+    )
+    if key in seen:
+        return
+    seen.add(key)
+    fn = launch.kernel
+    name = f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.fn.__name__}"
+    options = {k: v for k, v in options.items() if v is not None}
+    yield CompileJob(
+        kernel=name,
+        op=op,
+        variant=_describe(launch),
+        fn=fn,
+        signature=signature,
+        constexprs=constexprs,
+        attrs=attrs,
+        options=_user_options(launch, options),
+        spill_reason=spill_reason,
+    )
+
+
+def _user_options(launch: RecordedLaunch, parsed: dict[str, Any]) -> dict[str, Any]:
+    """The launch's own compile options (``num_warps``, ``waves_per_eu``, …): what
+    ``triton.compile`` takes; the backend fills in the rest as it would at launch. A Gluon
+    kernel's ``num_warps`` is both a parameter and an option."""
+    return {k: v for k, v in launch.kwargs.items() if k in parsed}
