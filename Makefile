@@ -17,9 +17,13 @@ endif
 $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	# torch 2.13.0 is pinned (from pip's indexes, plus TORCH_INDEX when set); triton runs its
-	# kernels on the CPU under TRITON_INTERPRET=1 in the tests.
-	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 mypy==2.4.1 "setuptools>=64" hypothesis==6.170.17
+	# kernels on the CPU under TRITON_INTERPRET=1 in the tests; transformers for the tests of
+	# experts_implementation="megablocks" (pure Python, with tokenizers, safetensors, huggingface_hub).
+	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 mypy==2.4.1 "setuptools>=64" hypothesis==6.170.17 transformers==5.24.0
 	$(BIN)/pip install --quiet -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
+	# Megatron-Core's unfused permute/unpermute are the oracle of tests/test_moe_permute.py: pure
+	# Python, imported on the CPU beside torch; --no-deps keeps its GPU requirements out.
+	$(BIN)/pip install --quiet --no-deps megatron-core==0.16.1
 	touch $@
 
 install: $(STAMP)

@@ -24,6 +24,12 @@ def gelu_tanh(x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def gelu_erf(x: Tensor) -> Tensor:
+    """The exact GELU, x * Phi(x) with the normal CDF through erf: torch's and transformers'
+    ``"gelu"`` (not this module's ``"gelu"``, the tanh form)."""
+    return F.gelu(x)
+
+
 def _relu_backward(grad: Tensor, x: Tensor) -> Tensor:
     return grad * (x > 0)
 
@@ -36,8 +42,12 @@ def _silu_backward(grad: Tensor, x: Tensor) -> Tensor:
 
 
 #: Name -> (function, its backward ``(grad of the output, input) -> grad of the input``).
+#: "gelu" is the tanh form (MegaBlocks' default, kept for compatibility); "gelu_tanh" names it
+#: explicitly and "gelu_erf" is the exact form (transformers' and torch's "gelu").
 ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
     "gelu": (gelu_tanh, lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
+    "gelu_tanh": (gelu_tanh, lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate="tanh")),
+    "gelu_erf": (gelu_erf, lambda g, x: torch.ops.aten.gelu_backward(g, x)),
     "silu": (F.silu, _silu_backward),
     "relu": (F.relu, _relu_backward),
 }
@@ -45,14 +55,43 @@ ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tenso
 #: The names, in the order the docs list them.
 NAMES: tuple[str, ...] = tuple(ACTIVATIONS)
 
-#: Gated activations by name → the gate's activation: ``act(gate) * up`` of rows that hold gate
-#: and up side by side, ``(rows, 2n)`` → ``(rows, n)`` (:func:`glu`; the GLU variants GEGLU,
-#: SwiGLU, ReGLU and the bilinear unit).
-GATED: dict[str, str | None] = {
+#: GPT-OSS's clamped SwiGLU unit (a :func:`glu` name, not an elementwise activation):
+#: ``(u + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, ``u = clamp(up, ±limit)``,
+#: at GPT-OSS's constants :data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT`.
+SWIGLU_OAI = "silu_oai"
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+#: A glu name with this suffix reads gate and up interleaved (gate in even columns, up in odd)
+#: instead of side by side; its gradient comes back in the same layout.
+INTERLEAVED = "_interleaved"
+
+_UNITS: tuple[str, ...] = (*NAMES, SWIGLU_OAI)
+#: Every name :func:`glu` takes (besides None, the bilinear unit): a gate activation or
+#: GPT-OSS's unit, side by side or interleaved.
+GLU_NAMES: tuple[str, ...] = _UNITS + tuple(n + INTERLEAVED for n in _UNITS)
+
+_GATED_SIDE_BY_SIDE: dict[str, str | None] = {
     "geglu": "gelu",
+    "geglu_tanh": "gelu_tanh",
+    "geglu_erf": "gelu_erf",
     "swiglu": "silu",
     "reglu": "relu",
     "bilinear": None,
+    "swiglu_oai": SWIGLU_OAI,
+}
+
+#: Gated activations by name → the :func:`glu` name that computes them: ``act(gate) * up`` of
+#: rows that hold gate and up side by side, ``(rows, 2n)`` → ``(rows, n)`` (the GLU variants
+#: GEGLU, SwiGLU, ReGLU, the bilinear unit and GPT-OSS's clamped SwiGLU), and each of them but the
+#: bilinear unit with the suffix "_interleaved" for interleaved rows.
+GATED: dict[str, str | None] = {
+    **_GATED_SIDE_BY_SIDE,
+    **{
+        name + INTERLEAVED: unit + INTERLEAVED
+        for name, unit in _GATED_SIDE_BY_SIDE.items()
+        if unit is not None
+    },
 }
 
 #: Every name an op that activates its input rows takes (``gmm_scatter``, ``activation_backward``).
@@ -88,23 +127,59 @@ def _wide(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def _split(x: Tensor, name: str | None) -> tuple[Tensor, Tensor, str | None, bool]:
+    """(gate, up) of x widened, the unit's name without the layout suffix, and whether x is
+    interleaved."""
+    wide = _wide(x)
+    if name is not None and name.endswith(INTERLEAVED):
+        return wide[..., 0::2], wide[..., 1::2], name[: -len(INTERLEAVED)], True
+    gate, up = wide.chunk(2, dim=-1)
+    return gate, up, name, False
+
+
+def _join(grad_gate: Tensor, grad_up: Tensor, interleaved: bool) -> Tensor:
+    if interleaved:
+        return torch.stack((grad_gate, grad_up), dim=-1).flatten(-2)
+    return torch.cat((grad_gate, grad_up), dim=-1)
+
+
+def _clamped(gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """GPT-OSS's clamps: the gate from above, up on both sides, then up + 1."""
+    limit = SWIGLU_OAI_LIMIT
+    return gate.clamp(max=limit), up.clamp(-limit, limit) + 1
+
+
 def glu(x: Tensor, name: str | None) -> Tensor:
     """``act(gate) * up`` where ``x = [gate | up]`` holds the two halves of its last dimension
-    side by side (SwiGLU with "silu", GEGLU with "gelu"; None: the bilinear ``gate * up``),
-    computed in float32 (float64 for float64 x) and rounded once to x's dtype."""
-    gate, up = _wide(x).chunk(2, dim=-1)
-    return (activate(gate, name) * up).to(x.dtype)
+    side by side (SwiGLU with "silu", GEGLU with "gelu"; None: the bilinear ``gate * up``;
+    :data:`SWIGLU_OAI`: GPT-OSS's clamped unit; a name with the suffix :data:`INTERLEAVED`:
+    gate and up interleaved), computed in float32 (float64 for float64 x) and rounded once to
+    x's dtype."""
+    gate, up, unit, _ = _split(x, name)
+    if unit == SWIGLU_OAI:
+        gate, up = _clamped(gate, up)
+        return (gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate) * up).to(x.dtype)
+    return (activate(gate, unit) * up).to(x.dtype)
 
 
 def glu_backward(grad: Tensor, x: Tensor, name: str | None) -> Tensor:
-    """The gradient of :func:`glu` with respect to ``x`` (gate half, then up half) for the
+    """The gradient of :func:`glu` with respect to ``x`` (both halves, in x's layout) for the
     output gradient ``grad``, computed as :func:`glu` is."""
-    gate, up = _wide(x).chunk(2, dim=-1)
+    gate, up, unit, interleaved = _split(x, name)
     wide_grad = grad.to(gate.dtype)
+    if unit == SWIGLU_OAI:
+        limit = SWIGLU_OAI_LIMIT
+        clamped_gate, shifted_up = _clamped(gate, up)
+        s = torch.sigmoid(SWIGLU_OAI_ALPHA * clamped_gate)
+        # torch.clamp's gradient: 1 inside the closed interval, 0 outside.
+        slope = (s + SWIGLU_OAI_ALPHA * clamped_gate * s * (1 - s)) * (gate <= limit)
+        grad_gate = wide_grad * shifted_up * slope
+        grad_up = wide_grad * clamped_gate * s * ((up >= -limit) & (up <= limit))
+        return _join(grad_gate, grad_up, interleaved).to(x.dtype)
     grad_gate = wide_grad * up
-    if name is not None:
-        grad_gate = activate_backward(grad_gate, gate, name)
-    return torch.cat((grad_gate, wide_grad * activate(gate, name)), dim=-1).to(x.dtype)
+    if unit is not None:
+        grad_gate = activate_backward(grad_gate, gate, unit)
+    return _join(grad_gate, wide_grad * activate(gate, unit), interleaved).to(x.dtype)
 
 
 def activation_backward(
@@ -139,12 +214,18 @@ def activation_backward(
 __all__ = [
     "ACTIVATIONS",
     "GATED",
+    "GLU_NAMES",
+    "INTERLEAVED",
     "NAMES",
     "ROW_NAMES",
+    "SWIGLU_OAI",
+    "SWIGLU_OAI_ALPHA",
+    "SWIGLU_OAI_LIMIT",
     "activate",
     "activate_backward",
     "activate_with",
     "activation_backward",
+    "gelu_erf",
     "gelu_tanh",
     "glu",
     "glu_backward",

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from . import bias as bias_ops
 from .activations import activate_backward, activate_with, glu_backward
 from .policy import Policy, policy_scope
 from .schema import OpContract, RowsOption, TensorArg
@@ -343,6 +344,8 @@ def _gmm(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[st
             out["b"] = _weight_grad(call, a, "b", grad, a["a"], a["batch_sizes"])
         else:
             out["b"] = _weight_grad(call, a, "b", a["a"], grad, a["batch_sizes"])
+    if needs["bias"]:
+        out["bias"] = bias_ops.group_sums(call, grad, a["batch_sizes"])
     return out
 
 
@@ -356,11 +359,13 @@ def _weight_grad_by_bins(
     negative group counts as 0 and the groups are cut at the last row of x. So the weight
     gradient sees valid counts wherever they live, and the backward neither raises about an
     argument the caller never passed nor behaves differently for CPU and device-side bins."""
-    ends = bound["bins"].long()  # int64: differences and sums of int32 bins cannot wrap
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).clamp_(min=0)
-    ends = sizes.cumsum(0).clamp_(max=x.shape[0])
-    counts = torch.diff(ends, prepend=ends.new_zeros(1)).int()  # each count <= rows of x
-    return _weight_grad(call, bound, "b", x, grad, counts)
+    return _weight_grad(call, bound, "b", x, grad, _counts_from_bins(bound["bins"], x.shape[0]))
+
+
+def _counts_from_bins(bins: torch.Tensor, rows: int) -> torch.Tensor:
+    """Group sizes (int32, each <= rows) from cumulative bins as the fused ops read them."""
+    ends = bias_ops.group_ends(bins, rows)  # int64: sums of int32 bins cannot wrap
+    return torch.diff(ends, prepend=ends.new_zeros(1)).int()
 
 
 def _gather_gmm(
@@ -381,6 +386,8 @@ def _gather_gmm(
             out["b"] = _weight_grad_by_bins(call, a, grad, rows)
         else:
             out["b"] = _weight_grad_by_bins(call, a, rows, grad)
+    if needs["bias"]:
+        out["bias"] = bias_ops.group_sums(call, grad, _counts_from_bins(bins, grad.shape[0]))
     return out
 
 
@@ -480,6 +487,15 @@ def _gmm_scatter(
         if needs["weights"]:
             n = a["indices"].shape[0]
             out["weights"] = _by_flat_id(dots, row_routing[0], n).to(weights.dtype)
+    # bias is kept only for the weights' gradient (its own needs none of its values).
+    bias_in_weights = needs["weights"] and a["bias"] is not None
+    if needs["bias"] or bias_in_weights:
+        grad_bias, bias_dots = bias_ops.scatter_bias_grads(a, grad, needs["bias"], bias_in_weights)
+        if grad_bias is not None:
+            out["bias"] = grad_bias
+        weights_grad = out.get("weights")
+        if bias_dots is not None and weights_grad is not None:
+            out["weights"] = (weights_grad + bias_dots).to(weights.dtype)
     if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
         rows = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
         if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
@@ -591,7 +607,7 @@ RULES: dict[str, BackwardRule] = {
     "gmm_scatter": BackwardRule(
         _gmm_scatter,
         (*ROUTING_SAVES, "weights"),
-        {"x": ("b", "weights"), "b": ("x", "weights")},
+        {"x": ("b", "weights"), "b": ("x", "weights"), "bias": "weights"},
         saves_if_set={"x": ("activation", "x")},
         fusable=("b",),
     ),
@@ -759,3 +775,92 @@ def apply(
     """``run(*args)`` recorded as one autograd node; its backward runs the op's rule, calling other
     ops through ``call`` under ``policy`` (the policy the forward was ranked with)."""
     return _OpFunction.apply(contract, run, policy, call, *args)
+
+
+# ---------------------------------------------------------------------------
+# Megatron-Core / Transformer Engine permutation (moe_permute and its family). The row map is
+# integer data: only the rows and the probabilities get gradients.
+
+
+def _moe_permute(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    row_map, probs = a["row_map"], a["probs"]
+    if needs["x"]:  # each token's rows summed back, weighted as they were written
+        out["x"] = call("moe_unpermute", grad, row_map, probs)
+    if needs["probs"]:  # recorded only in double backward (the probs are kernel level)
+        out["probs"] = _cast(call("moe_unpermute_wgrad", grad, a["x"], row_map), probs)
+    return out
+
+
+def _slot_values(values: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
+    """values[row_map[t, j]] per slot, 0 for a slot that goes nowhere (values is 1-D)."""
+    dest = row_map.long()
+    valid = (dest >= 0) & (dest < values.shape[0])
+    if values.shape[0] == 0:
+        return values.new_zeros(row_map.shape)
+    return torch.where(valid, values[torch.where(valid, dest, 0)], 0)
+
+
+def _moe_permute_probs(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    # A (tokens, slots) gather of the output gradient: torch, so double backward records it too.
+    return {"probs": _slot_values(grad, a["row_map"])}
+
+
+def _moe_unpermute(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    row_map, probs = a["row_map"], a["probs"]
+    if needs["x"]:  # the token's gradient at each of its rows, scaled by its merging prob
+        out["x"] = call("moe_permute", grad, row_map, probs, a["x.shape"][0])
+    if needs["probs"]:
+        out["probs"] = _cast(call("moe_unpermute_wgrad", a["x"], grad, row_map), probs)
+    return out
+
+
+def _moe_unpermute_wgrad(
+    call: Call, a: Mapping[str, Any], out_grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    # out[t, j] = <x[row_map[t, j]], grad[t]>: linear in x and in grad.
+    out: Grads = {}
+    row_map = a["row_map"]
+    if needs["x"]:
+        out["x"] = call("moe_permute", a["grad"], row_map, out_grad, a["x.shape"][0])
+    if needs["grad"]:
+        out["grad"] = call("moe_unpermute", a["x"], row_map, out_grad)
+    return out
+
+
+def _moe_sort_chunks(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    # The inverse reordering: the output's chunks (sizes split_sizes[sorted_index]) put back in
+    # source order. Computed on the sizes' device without reading them (no host sync).
+    sizes, index = a["split_sizes"], a["sorted_index"]
+    index = index.to(sizes.device).long()
+    chunks = index.shape[0]
+    valid = (index >= 0) & (index < chunks)
+    safe = torch.where(valid, index, 0)
+    out_sizes = torch.where(valid, sizes.long()[safe], 0) if chunks else sizes.long()
+    slot = torch.where(valid, index, chunks)  # an out-of-range index lands in a cut-off slot
+    positions = torch.arange(chunks, device=sizes.device)
+    inverse = torch.full((chunks + 1,), chunks, dtype=torch.int64, device=sizes.device)
+    inverse = inverse.scatter_reduce_(0, slot, positions, reduce="amin")[:chunks]
+    return {"x": call("moe_sort_chunks", grad, out_sizes, inverse)}
+
+
+RULES.update(
+    {
+        "moe_permute": BackwardRule(_moe_permute, ("row_map", "probs"), {"x": "probs"}),
+        "moe_permute_probs": BackwardRule(_moe_permute_probs, ("row_map",)),
+        "moe_unpermute": BackwardRule(_moe_unpermute, ("row_map", "probs"), {"x": "probs"}),
+        "moe_unpermute_wgrad": BackwardRule(
+            _moe_unpermute_wgrad, ("row_map",), {"x": "grad", "grad": "x"}
+        ),
+        "moe_sort_chunks": BackwardRule(_moe_sort_chunks, ("split_sizes", "sorted_index")),
+    }
+)

@@ -13,10 +13,11 @@ arguments minus those marked ``public=False`` (passed as None).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from .activations import GATED, ROW_NAMES, activate_with
-from .activations import NAMES as ACTIVATION_NAMES
+from . import bias as bias_ops
+from .activations import GATED, GLU_NAMES, ROW_NAMES, activate_with
 from .schema import (
     COUNT_DTYPES,
     FLOAT_DTYPES,
@@ -773,6 +774,38 @@ GMM_BAD_SIZES = (
     "are 0"
 )
 
+# The per-expert bias (an option added after kernels existed: the core adds it around a kernel
+# without it, megablocks_core.bias).
+BIAS_DOC = (
+    "per-expert bias added to each expert's output rows, (experts, n) in x's dtype; None: none"
+)
+BIAS_OPTION_GMM = TensorArg(
+    "bias", FLOAT_DTYPES, (2,), BIAS_DOC, optional=True, serve=bias_ops.serve_gmm
+)
+OUT_WIDTH = "(b.shape[1] if trans_b else b.shape[2])"
+
+
+def bias_rules(data: str) -> tuple[Rule, ...]:
+    return (
+        Rule(
+            f"bias is None or bias.dtype == {data}.dtype",
+            f"bias has {data}'s dtype",
+            error=TypeError,
+        ),
+        Rule(
+            f"bias is None or (bias.shape[0] == b.shape[0] and bias.shape[1] == {OUT_WIDTH})",
+            "bias holds one row per expert, as wide as the output, (experts, n)",
+        ),
+    )
+
+
+BIAS_ARITHMETIC = (
+    "The bias is added to the float32 (float64 for float64 data) product and rounded once by a "
+    "kernel that takes it; for one that does not, the core adds it to the kernel's rounded output "
+    "(megablocks_core.bias), one more rounding. Its gradient is each expert's column sum of the "
+    "output gradient (over the rows of the expert)."
+)
+
 GMM = OpContract(
     name="gmm",
     family="grouped_gemm",
@@ -787,6 +820,7 @@ GMM = OpContract(
         ),
         BATCH_SIZES,
         BoolArg("trans_b", "b holds (n, k) matrices", default=False),
+        BIAS_OPTION_GMM,
     ),
     rules=(
         Rule("b.dtype == a.dtype", "a and b have the same dtype", error=TypeError),
@@ -794,11 +828,15 @@ GMM = OpContract(
         Rule("a.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
         GROUPS_WITHIN_A,
         GROUPS_FIT_A,
+        *bias_rules("a"),
     ),
     outputs=(Output("out", "a.dtype", ("a.shape[0]", "b.shape[1] if trans_b else b.shape[2]")),),
-    differentiable=("a", "b"),
+    differentiable=("a", "b", "bias"),
     semantics=(
-        "Rows bins[e-1]:bins[e] of the output are a[those rows] @ b[e] (or b[e].T). "
+        "Rows bins[e-1]:bins[e] of the output are a[those rows] @ b[e] (or b[e].T), plus "
+        "bias[e] when bias is given. "
+        + BIAS_ARITHMETIC
+        + " "
         + ROWS_PAST_GROUPS
         + ": their output rows are 0, their rows of a's gradient are 0 and they add nothing to b's "
         "gradient. "
@@ -921,10 +959,19 @@ def _activate_rows(x: Tensor, name: str) -> Tensor:
     return activate_with(call, x, name)
 
 
+GELU_NAMES_DOC = (
+    "'gelu' is the tanh approximation (MegaBlocks' default; 'gelu_tanh' names it explicitly), "
+    "'gelu_erf' the exact erf form (torch's and transformers' 'gelu')"
+)
 ROW_ACTIVATION_DOC = (
-    "'gelu' (tanh approximation), 'silu' or 'relu'; or gated, on rows that hold gate and up side "
-    "by side, (rows, 2n) -> (rows, n) as glu: 'geglu', 'swiglu', 'reglu' (act(gate) * up with "
-    "GELU, SiLU, ReLU) or 'bilinear' (gate * up) (megablocks_core.activations)"
+    "'gelu', 'gelu_tanh', 'gelu_erf', 'silu' or 'relu'; or gated, on rows that hold gate and up "
+    "side by side, (rows, 2n) -> (rows, n) as glu: 'geglu' (= 'geglu_tanh'), 'geglu_erf', "
+    "'swiglu', 'reglu' (act(gate) * up with that GELU, SiLU, ReLU), 'bilinear' (gate * up) or "
+    "'swiglu_oai' (GPT-OSS's clamped SwiGLU, glu's 'silu_oai'); each gated one but 'bilinear' "
+    "also with the suffix '_interleaved' for rows holding gate and up interleaved (gate in even "
+    "columns, up in odd), whose gradient is interleaved too (megablocks_core.activations; "
+    + GELU_NAMES_DOC
+    + ")"
 )
 ACTIVATION = ChoiceArg(
     "activation",
@@ -969,7 +1016,19 @@ GATHER_GMM = OpContract(
     name="gather_gmm",
     family="grouped_gemm",
     summary="Grouped GEMM whose rows are read from the tokens through the routing indices (gather fused).",
-    args=(TOKENS, EXPERT_MATRICES, INDICES, BIN_IDS, BINS, TOP_K, TRANS_B, ROWS_OUT),
+    args=(
+        TOKENS,
+        EXPERT_MATRICES,
+        INDICES,
+        BIN_IDS,
+        BINS,
+        TOP_K,
+        TRANS_B,
+        ROWS_OUT,
+        TensorArg(
+            "bias", FLOAT_DTYPES, (2,), BIAS_DOC, optional=True, serve=bias_ops.serve_gather_gmm
+        ),
+    ),
     rules=(
         SAME_DTYPE_B,
         ONE_MATRIX_PER_BIN,
@@ -978,6 +1037,7 @@ GATHER_GMM = OpContract(
         *ROUTED_RULES,
         ROWS_WITHIN,
         ROWS_COVER_BINS,
+        *bias_rules("x"),
     ),
     outputs=(
         Output(
@@ -987,9 +1047,9 @@ GATHER_GMM = OpContract(
             "expert-sorted rows",
         ),
     ),
-    differentiable=("x", "b"),
+    differentiable=("x", "b", "bias"),
     semantics=(
-        "Exactly gmm(gather(x, indices, bin_ids, bins, top_k), b, batch_sizes, trans_b) with "
+        "Exactly gmm(gather(x, indices, bin_ids, bins, top_k), b, batch_sizes, trans_b, bias) with "
         "batch_sizes[e] = bins[e] - bins[e-1]: sorted row i is x[indices[i] // top_k] @ b[e] "
         "(b[e].T with trans_b) for the expert e whose rows hold i. A fused kernel need never "
         "write the gathered (tokens * top_k, k) rows, and the backward keeps none: "
@@ -1016,10 +1076,20 @@ GMM_SCATTER = OpContract(
         TRANS_B,
         ACTIVATION,
         ROWS_IN,
+        TensorArg(
+            "bias",
+            FLOAT_DTYPES,
+            (2,),
+            "per-expert bias added to each (token, k) product row before the weighted sum, "
+            "(experts, n) in x's dtype; None: none",
+            optional=True,
+            serve=bias_ops.serve_gmm_scatter,
+        ),
     ),
     rules=(
         SAME_DTYPE_B,
         ONE_MATRIX_PER_BIN,
+        *bias_rules("x"),
         GATED_EVEN,
         Rule(
             f"{ACTIVATED_WIDTH} == (b.shape[2] if trans_b else b.shape[1])",
@@ -1041,10 +1111,10 @@ GMM_SCATTER = OpContract(
             "one row per token",
         ),
     ),
-    differentiable=("x", "b", "weights"),
+    differentiable=("x", "b", "weights", "bias"),
     semantics=(
-        "Exactly scatter(gmm(act(x), b, batch_sizes, trans_b), indices, bin_ids, weights, bins, "
-        "top_k) with batch_sizes from bins, act the named activation (identity for None, "
+        "Exactly scatter(gmm(act(x), b, batch_sizes, trans_b, bias), indices, bin_ids, weights, "
+        "bins, top_k) with batch_sizes from bins, act the named activation (identity for None, "
         "computed in float32 or wider and rounded to x's dtype; a gated one is glu of x's two "
         "halves): out[t] = sum over k of "
         "weights[t*top_k + k] * (act(x[i]) @ b[e]) where indices[i] = t*top_k + k. The backward "
@@ -1060,7 +1130,10 @@ GMM_SCATTER = OpContract(
         + ": they are skipped (their product row is 0, so their (token, k) adds nothing to out, "
         "and their rows of x's gradient and their weights' gradient are 0). With rows, x holds "
         "the first rows sorted rows only (x's gradient too); the pairs past them are skipped "
-        "alike. " + FP32_ACCUMULATION
+        "alike. With bias, token t also gets sum over k of weights[t*top_k + k] * bias[e]; the "
+        "weights' gradient gains <grad[t], bias[e]> and bias's gradient is the sum over each "
+        "expert's pairs of weights * grad[t] (a kernel without bias: the core adds it, "
+        "megablocks_core.bias). " + FP32_ACCUMULATION
     ),
     edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )
@@ -1077,9 +1150,12 @@ GATE_UP = TensorArg(
 )
 GLU_ACTIVATION = ChoiceArg(
     "activation",
-    "the gate's activation: 'gelu' (tanh approximation: GEGLU), 'silu' (SwiGLU) or 'relu' "
-    "(megablocks_core.activations); None: none (a bilinear unit)",
-    ACTIVATION_NAMES,
+    "the gate's activation: 'gelu', 'gelu_tanh' or 'gelu_erf' (GEGLU), 'silu' (SwiGLU) or "
+    "'relu' (megablocks_core.activations; " + GELU_NAMES_DOC + "); 'silu_oai': GPT-OSS's "
+    "clamped unit (up + 1) * g * sigmoid(1.702 g) with g = min(gate, 7) and up clamped to "
+    "[-7, 7]; any of them with the suffix '_interleaved': gate and up interleaved (gate in even "
+    "columns, up in odd) instead of side by side; None: none (a bilinear unit)",
+    GLU_NAMES,
 )
 EVEN_WIDTH = Rule("x.shape[1] % 2 == 0", "x holds gate and up halves of equal width")
 GLU_ARITHMETIC = (
@@ -1097,7 +1173,9 @@ GLU = OpContract(
     outputs=(Output("out", "x.dtype", ("x.shape[0]", "x.shape[1] // 2")),),
     differentiable=("x",),
     semantics=(
-        "out[i, j] = act(x[i, j]) * x[i, n + j] with n = x.shape[1] // 2: one pass over the "
+        "out[i, j] = act(x[i, j]) * x[i, n + j] with n = x.shape[1] // 2 (an '_interleaved' name: "
+        "gate x[i, 2j] and up x[i, 2j + 1]; 'silu_oai': GPT-OSS's clamped unit of them): one pass "
+        "over the "
         "first GEMM's (rows, 2n) output of gated experts (SwiGLU, GEGLU), instead of separate "
         "activation and product passes. The backward keeps x only (act is recomputed there) and "
         "writes x's gradient, both halves, with glu_backward. " + GLU_ARITHMETIC.format("glu")
@@ -1126,7 +1204,9 @@ GLU_BACKWARD = OpContract(
     outputs=(Output("out", "x.dtype", "tuple(x.shape)", "(grad of the gate | grad of up)"),),
     semantics=(
         "out[i, j] = grad[i, j] * x[i, n + j] * act'(x[i, j]) and out[i, n + j] = grad[i, j] * "
-        "act(x[i, j]). " + GLU_ARITHMETIC.format("glu_backward")
+        "act(x[i, j]) (an '_interleaved' name: the gate's gradient in out[i, 2j], up's in "
+        "out[i, 2j + 1]; 'silu_oai': the gradient of its clamped unit, 0 where a clamp cuts). "
+        + GLU_ARITHMETIC.format("glu_backward")
     ),
     edge_cases=("rows = 0 or n = 0: an empty result",),
 )
@@ -1187,6 +1267,301 @@ ACTIVATION_BACKWARD = OpContract(
         "conformance kit's tolerances)."
     ),
     edge_cases=("rows = 0: empty results; n = 0: an empty grad_x, dots 0",),
+)
+
+# ---------------------------------------------------------------------------
+# Megatron-Core / Transformer Engine permutation (``moe_permute``): a routing map in, permuted
+# rows out, and a row map that the other ops of the family read. The row map is the contract
+# between them, written here once: every backend writes and reads exactly this format, so a
+# permute on one backend and the unpermute on another agree.
+
+ROW_MAP_FORMAT = (
+    "Row map: int32 (tokens, slots), the routing map's shape; the slots are the experts of a "
+    "(tokens, experts) bool mask, or the top_k choices of (tokens, top_k) expert ids. "
+    "row_map[t, j] is the permuted row that slot j of token t goes to, or -1 when it goes "
+    "nowhere (mask False; an id outside [0, num_experts); a row at or past num_out_tokens, "
+    "dropped). Permuted rows are expert-major: expert e owns rows [start(e), start(e) + "
+    "round_up(count(e), align_size)), start(e) the sum of the rounded counts of the experts "
+    "before it; within an expert the rows follow their tokens in ascending order (in the index "
+    "form a token naming one expert twice: ascending k). Rows past an expert's count up to its "
+    "rounded count are padding; every row no slot names is 0."
+)
+ROW_MAP = TensorArg(
+    "row_map",
+    frozenset({torch.int32}),
+    (2,),
+    "int32 (tokens, slots): the permuted row of each slot, or -1 (the row map format)",
+)
+NUM_OUT_TOKENS = IntArg(
+    "num_out_tokens",
+    "rows of the permuted tensor: a static upper bound (e.g. tokens * top_k, dropless), never "
+    "exceeded; rows past the real count are 0",
+    min=0,
+    max=2**31 - 1,
+)
+SLOT_PROBS = TensorArg(
+    "probs",
+    FLOAT_DTYPES,
+    (2,),
+    "one probability per slot, the routing map's shape (tokens, slots); None means 1",
+    optional=True,
+)
+ONE_ROW_PER_TOKEN = Rule("row_map.shape[0] == x.shape[0]", "one row map row per token of x")
+PROBS_PER_SLOT = Rule(
+    "probs is None or probs.shape == row_map.shape",
+    "one probability per slot of the row map",
+)
+DESTINATIONS_IN_OUTPUT = Rule(
+    "in_range(row_map, -1, num_out_tokens)",
+    "row map entries are -1 or rows of the permuted output",
+    checked=True,
+)
+DESTINATIONS_IN_X = Rule(
+    "in_range(row_map, -1, x.shape[0])",
+    "row map entries are -1 or rows of x",
+    checked=True,
+)
+ROW_MAP_BAD = (
+    UNCHECKED + "row map entries outside [-1, rows): such a slot goes nowhere (it writes "
+    "nothing and reads nothing); two slots naming one row: each element of that row is the "
+    "element of one of them (which one is unspecified)"
+)
+NO_HOST_SYNC = (
+    "No device-to-host sync: every output size comes from the arguments' shapes and ints, so "
+    "the op can be captured in a CUDA graph and traced by torch.compile(fullgraph=True)."
+)
+
+MOE_PERMUTE_MAP = OpContract(
+    name="moe_permute_map",
+    family="permutation",
+    summary="The row map and per-expert row counts of a routing map (mask or top-k ids).",
+    args=(
+        TensorArg(
+            "routing_map",
+            frozenset({torch.bool}) | INT_DTYPES,
+            (2,),
+            "bool (tokens, experts) mask, or integer (tokens, top_k) expert ids",
+        ),
+        IntArg("num_experts", "number of experts", min=1),
+        NUM_OUT_TOKENS,
+        IntArg(
+            "align_size",
+            "each expert's rows rounded up to a multiple of this (16 for FP8 GEMMs, 32 for "
+            "MXFP8); 1: no padding",
+            min=1,
+            default=1,
+        ),
+    ),
+    rules=(
+        Rule(
+            "routing_map.dtype != torch.bool or routing_map.shape[1] == num_experts",
+            "a mask has one column per expert",
+        ),
+        Rule(
+            "routing_map.numel() + num_experts * (align_size - 1) < 2**31",
+            "the padded rows of any routing must fit the int32 row map",
+        ),
+    ),
+    outputs=(
+        Output(
+            "row_map",
+            "torch.int32",
+            ("routing_map.shape[0]", "routing_map.shape[1]"),
+            "the row map (its format below)",
+        ),
+        Output(
+            "counts",
+            "torch.int32",
+            ("num_experts",),
+            "rows of the permuted output each expert owns, padding included and cut at "
+            "num_out_tokens: sum(counts) is the real row count",
+        ),
+    ),
+    semantics=(
+        ROW_MAP_FORMAT
+        + " counts[e] = min(end(e), num_out_tokens) - min(start(e), num_out_tokens), on the "
+        "device. " + NO_HOST_SYNC + " Megatron-Core's unfused permute order (expert-major, "
+        "tokens ascending) is this one with align_size 1."
+    ),
+    edge_cases=(
+        "zero tokens: an empty row map, all-zero counts",
+        "empty experts: count 0 (a multiple of every align_size), no rows",
+        "num_out_tokens smaller than the routed (padded) rows: the rows past it are dropped "
+        "(their slots -1), the counts cut there; larger: the rows past the real count are "
+        "owned by no expert",
+        "index form: an id outside [0, num_experts) (e.g. -1, or an expert of another rank's) "
+        "routes its slot nowhere (-1); it is not counted",
+    ),
+    deviations=(
+        "Not in MegaBlocks. Transformer Engine's mask-form row map is (tokens, 2 * experts + 1) "
+        "and its index form (tokens * top_k,); this one is the routing map's shape in both forms, "
+        "and also holds the padded form (no separate pad offsets).",
+    ),
+)
+
+MOE_PERMUTE = OpContract(
+    name="moe_permute",
+    family="permutation",
+    summary="Copy each token's row to the permuted rows its row map names.",
+    args=(
+        TensorArg("x", FLOAT_DTYPES, (2,), "token rows, (tokens, hidden)"),
+        ROW_MAP,
+        TensorArg(
+            SLOT_PROBS.name,
+            SLOT_PROBS.dtypes,
+            SLOT_PROBS.ndim,
+            "optional per-slot scale (kernel level only: used by moe_unpermute's backward)",
+            optional=True,
+            public=False,
+        ),
+        NUM_OUT_TOKENS,
+    ),
+    rules=(ONE_ROW_PER_TOKEN, PROBS_PER_SLOT, DESTINATIONS_IN_OUTPUT),
+    outputs=(
+        Output("out", "x.dtype", ("num_out_tokens", "x.shape[1]"), "permuted rows; unnamed rows 0"),
+    ),
+    differentiable=("x", "probs"),
+    semantics=(
+        "out[row_map[t, j]] = x[t] (times probs[t, j] at kernel level) for every slot with "
+        "row_map[t, j] >= 0; rows no slot names (padding, rows past the real count) are 0. "
+        + FP32_ACCUMULATION
+        + " "
+        + NO_HOST_SYNC
+    ),
+    edge_cases=("zero tokens: all-zero rows", "num_out_tokens = 0: empty output", ROW_MAP_BAD),
+)
+
+MOE_PERMUTE_PROBS = OpContract(
+    name="moe_permute_probs",
+    family="permutation",
+    summary="Each slot's probability at its permuted row (Transformer Engine's permuted_probs).",
+    args=(
+        TensorArg("probs", FLOAT_DTYPES, (2,), "one probability per slot, (tokens, slots)"),
+        ROW_MAP,
+        NUM_OUT_TOKENS,
+    ),
+    rules=(
+        Rule("probs.shape == row_map.shape", "one probability per slot"),
+        DESTINATIONS_IN_OUTPUT,
+    ),
+    outputs=(Output("out", "probs.dtype", ("num_out_tokens",), "0 where no slot lands"),),
+    differentiable=("probs",),
+    semantics="out[row_map[t, j]] = probs[t, j] for every slot with row_map[t, j] >= 0; other "
+    "rows 0. " + NO_HOST_SYNC,
+    edge_cases=("zero tokens: all zeros", ROW_MAP_BAD),
+)
+
+MOE_UNPERMUTE = OpContract(
+    name="moe_unpermute",
+    family="permutation",
+    summary="Sum each token's permuted rows back into one row, optionally weighted (merging probs).",
+    args=(
+        TensorArg("x", FLOAT_DTYPES, (2,), "permuted rows, (num_out_tokens, hidden)"),
+        ROW_MAP,
+        TensorArg(
+            SLOT_PROBS.name,
+            SLOT_PROBS.dtypes,
+            SLOT_PROBS.ndim,
+            "merging probabilities, (tokens, slots) (any float dtype); None means 1",
+            optional=True,
+        ),
+    ),
+    rules=(PROBS_PER_SLOT, DESTINATIONS_IN_X),
+    outputs=(Output("out", "x.dtype", ("row_map.shape[0]", "x.shape[1]"), "one row per token"),),
+    differentiable=("x", "probs"),
+    semantics=(
+        "out[t] = sum over slots j with row_map[t, j] >= 0 of probs[t, j] * x[row_map[t, j]]; "
+        "a token every slot of which was dropped gets 0. Padding rows are never read. "
+        + FP32_ACCUMULATION
+        + " "
+        + NO_HOST_SYNC
+    ),
+    edge_cases=("zero tokens: empty output", ROW_MAP_BAD),
+)
+
+MOE_UNPERMUTE_WGRAD = OpContract(
+    name="moe_unpermute_wgrad",
+    family="permutation",
+    public=False,
+    summary="Gradient of moe_unpermute with respect to its merging probabilities.",
+    args=(
+        TensorArg("x", FLOAT_DTYPES, (2,), "permuted rows, (num_out_tokens, hidden)"),
+        TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of the unpermuted rows, (tokens, hidden)"),
+        ROW_MAP,
+    ),
+    rules=(
+        Rule("row_map.shape[0] == grad.shape[0]", "one row map row per token of grad"),
+        GRAD_HIDDEN,
+        GRAD_DTYPE,
+        DESTINATIONS_IN_X,
+    ),
+    outputs=(Output("out", "x.dtype", ("row_map.shape[0]", "row_map.shape[1]"), "per slot"),),
+    differentiable=("x", "grad"),
+    semantics="out[t, j] = dot(x[row_map[t, j]], grad[t]) accumulated in float32, 0 for a slot "
+    "that goes nowhere.",
+    edge_cases=("zero tokens: empty output", ROW_MAP_BAD),
+)
+
+MOE_SORT_CHUNKS = OpContract(
+    name="moe_sort_chunks",
+    family="permutation",
+    summary="Reorder consecutive chunks of rows (expert parallelism's all-to-all layout).",
+    args=(
+        TensorArg("x", FLOAT_DTYPES, (2,), "rows, (rows, hidden), in chunks of split_sizes"),
+        TensorArg(
+            "split_sizes",
+            INT_DTYPES,
+            (1,),
+            "rows of each chunk, in order; on x's device (no sync) or on the CPU",
+            any_device=True,
+        ),
+        TensorArg(
+            "sorted_index",
+            INT_DTYPES,
+            (1,),
+            "the chunk to place at each output position; on x's device or on the CPU",
+            any_device=True,
+        ),
+    ),
+    rules=(
+        Rule("sorted_index.shape[0] == split_sizes.shape[0]", "one position per chunk"),
+        Rule(
+            "sizes_within(split_sizes, x.shape[0])",
+            "chunk sizes are not negative and none exceeds the rows of x",
+            checked="split_sizes",
+        ),
+        Rule(
+            "total(split_sizes, x.shape[0]) <= x.shape[0]",
+            "the chunks fit in the rows of x",
+            checked="split_sizes",
+        ),
+        Rule("is_permutation(sorted_index)", "sorted_index orders every chunk once", checked=True),
+    ),
+    outputs=(Output("out", "x.dtype", ("x.shape[0]", "x.shape[1]"), "the chunks reordered"),),
+    differentiable=("x",),
+    semantics=(
+        "The output holds chunk sorted_index[0], then chunk sorted_index[1], …, chunk c being "
+        "rows [sum(split_sizes[:c]), sum(split_sizes[:c + 1])) of x (Megatron-Core's "
+        "sort_chunks_by_idxs, Transformer Engine's moe_sort_chunks_by_index). Rows past the "
+        "chunks are 0. Device-side sizes: no host sync."
+    ),
+    edge_cases=(
+        "zero rows or no chunks: an empty or all-zero output",
+        "empty chunks: take no rows",
+        UNCHECKED + "negative sizes count as 0, chunks past the rows of x are cut there, an "
+        "index outside [0, chunks) places an empty chunk; sorted_index repeating a chunk copies "
+        "it again while the output has rows; rows no chunk fills are 0",
+    ),
+    deviations=("Not in MegaBlocks.",),
+)
+
+MOE_PERMUTATION_OPS: tuple[OpContract, ...] = (
+    MOE_PERMUTE_MAP,
+    MOE_PERMUTE,
+    MOE_PERMUTE_PROBS,
+    MOE_UNPERMUTE,
+    MOE_UNPERMUTE_WGRAD,
+    MOE_SORT_CHUNKS,
 )
 
 # ---------------------------------------------------------------------------
@@ -1269,6 +1644,7 @@ ALL: tuple[OpContract, ...] = (
     BINNED_GATHER,
     BINNED_SCATTER,
     BINNED_SCATTER_WGRAD,
+    *MOE_PERMUTATION_OPS,
     GMM,
     GMM_WEIGHT_GRAD,
     GMM_WEIGHT_GRAD_ACCUMULATE,

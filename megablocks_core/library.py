@@ -42,6 +42,8 @@ def schema(contract: OpContract) -> str:
     for a in contract.args:
         if isinstance(a, TensorArg) and a.mutable:
             parts.append(f"Tensor({next(aliases)}!) {a.name}")
+        elif isinstance(a, TensorArg) and a.serve is not None:  # a trailing option
+            parts.append(f"Tensor? {a.name}=None")
         elif isinstance(a, TensorArg):
             parts.append(f"Tensor{'?' if a.optional else ''} {a.name}")
         elif isinstance(a, IntArg) and a.option is not None:  # a trailing option

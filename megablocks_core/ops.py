@@ -144,14 +144,17 @@ def binned_scatter(
 # --- grouped GEMM --------------------------------------------------------------
 
 
-def gmm(a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool = False) -> Tensor:
-    """Grouped GEMM: rows of each expert's group of a times that expert's matrix of b.
+def gmm(
+    a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool = False, bias: Tensor | None = None
+) -> Tensor:
+    """Grouped GEMM: rows of each expert's group of a times that expert's matrix of b (plus
+    ``bias[e]``, (experts, n), for each row of expert e when given).
 
     ``batch_sizes`` may be a CPU int64 tensor (MegaBlocks' convention) or live on a's device: the
     sync-free form (no device→host copy; CUDA-graph capturable with the triton or
     ``torch._grouped_mm`` providers).
     """
-    return _gmm(a, b, batch_sizes, trans_b)
+    return _gmm(a, b, batch_sizes, trans_b, bias)
 
 
 def gather_gmm(
@@ -163,13 +166,14 @@ def gather_gmm(
     top_k: int,
     trans_b: bool = False,
     rows: int | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """``gmm(gather(x, indices, bin_ids, bins, top_k), b, counts, trans_b)`` without writing the
+    """``gmm(gather(x, indices, bin_ids, bins, top_k), b, counts, trans_b, bias)`` without writing the
     gathered rows: (tokens, k) tokens → (tokens * top_k, n) expert-sorted rows. The expert groups
     come from ``bins`` (no host sync). ``rows``: compute only the first ``rows`` sorted rows (at
     least ``bins[-1]``; those past it belong to no expert), e.g. a receiving rank's own pairs
     under expert parallelism."""
-    return _gather_gmm(x, b, indices, bin_ids, bins, top_k, trans_b, rows)
+    return _gather_gmm(x, b, indices, bin_ids, bins, top_k, trans_b, rows, bias)
 
 
 def gmm_scatter(
@@ -183,14 +187,18 @@ def gmm_scatter(
     trans_b: bool = False,
     activation: str | None = None,
     rows: int | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """``scatter(gmm(act(x), b, counts, trans_b), indices, bin_ids, weights, bins, top_k)``:
+    """``scatter(gmm(act(x), b, counts, trans_b, bias), indices, bin_ids, weights, bins, top_k)``:
     expert-sorted rows (tokens * top_k, k) → (tokens, n), each token's (weighted) rows summed.
-    ``activation`` ("gelu", "silu", "relu" or None) is applied to x's rows first (a transient
+    ``activation`` ("gelu" (tanh), "gelu_tanh", "gelu_erf" (exact), "silu", "relu", a gated
+    name such as "swiglu", or None) is applied to x's rows first (a transient
     act(x)). Its backward keeps no (tokens * top_k, n) product, and with an activation only x
     (act(x) is recomputed there). ``rows``: x holds only the first ``rows`` sorted rows
     (``gather_gmm``'s with the same ``rows``)."""
-    return _gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows)
+    return _gmm_scatter(
+        x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias
+    )
 
 
 # --- activation --------------------------------------------------------------
@@ -198,8 +206,8 @@ def gmm_scatter(
 
 def glu(x: Tensor, activation: str | None = None) -> Tensor:
     """Gated experts' unit: ``act(x[:, :n]) * x[:, n:]`` for x of (rows, 2n), the first GEMM's
-    output through ``[w1 | v1]`` side by side (``activation`` "silu": SwiGLU; "gelu" (tanh):
-    GEGLU; "relu"; None: bilinear) → (rows, n), in float32 rounded once. Its backward keeps x
+    output through ``[w1 | v1]`` side by side (``activation`` "silu": SwiGLU; "gelu" or
+    "gelu_tanh" (tanh), "gelu_erf" (exact): GEGLU; "relu"; None: bilinear) → (rows, n), in float32 rounded once. Its backward keeps x
     only."""
     return _glu(x, activation)
 
@@ -292,4 +300,55 @@ __all__ = [
     "sort",
     "sum",
     "topology",
+]
+
+
+# --- Megatron-Core / Transformer Engine permutation ---------------------------------------
+# The row map format is written in the contracts (docs/contracts.md, moe_permute_map); the
+# drop-in for Transformer Engine's functions is megablocks_core.integrations.transformer_engine.
+
+_moe_permute_map = ENTRIES["moe_permute_map"]
+_moe_permute = ENTRIES["moe_permute"]
+_moe_permute_probs = ENTRIES["moe_permute_probs"]
+_moe_unpermute = ENTRIES["moe_unpermute"]
+_moe_sort_chunks = ENTRIES["moe_sort_chunks"]
+
+
+def moe_permute_map(
+    routing_map: Tensor, num_experts: int, num_out_tokens: int, align_size: int = 1
+) -> tuple[Tensor, Tensor]:
+    """(row_map, counts) of a bool (tokens, experts) mask or (tokens, top_k) expert ids:
+    each slot's row in the expert-major permuted tensor of ``num_out_tokens`` rows (or -1), and
+    the rows each expert owns there (rounded up to ``align_size``), on the device."""
+    return _moe_permute_map(routing_map, num_experts, num_out_tokens, align_size)
+
+
+def moe_permute(x: Tensor, row_map: Tensor, num_out_tokens: int) -> Tensor:
+    """Copy each token row to the rows its row map names: (tokens, h) → (num_out_tokens, h),
+    unnamed rows zero."""
+    return _moe_permute(x, row_map, None, num_out_tokens)
+
+
+def moe_permute_probs(probs: Tensor, row_map: Tensor, num_out_tokens: int) -> Tensor:
+    """Each slot's probability at its permuted row: (tokens, slots) → (num_out_tokens,)."""
+    return _moe_permute_probs(probs, row_map, num_out_tokens)
+
+
+def moe_unpermute(x: Tensor, row_map: Tensor, probs: Tensor | None) -> Tensor:
+    """Sum each token's permuted rows back, weighted by ``probs`` (tokens, slots) or not:
+    (num_out_tokens, h) → (tokens, h)."""
+    return _moe_unpermute(x, row_map, probs)
+
+
+def moe_sort_chunks(x: Tensor, split_sizes: Tensor, sorted_index: Tensor) -> Tensor:
+    """The chunks of x (consecutive rows, ``split_sizes``) in the order ``sorted_index``."""
+    return _moe_sort_chunks(x, split_sizes, sorted_index)
+
+
+__all__ += [
+    "moe_permute",
+    "moe_permute_map",
+    "moe_permute_probs",
+    "moe_sort_chunks",
+    "moe_unpermute",
 ]

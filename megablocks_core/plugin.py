@@ -24,7 +24,8 @@ backends in this repository use nothing else, like any third-party plugin.
 - :func:`glu_definition`, :func:`glu_backward_definition` and
   :func:`activation_backward_definition` are the activation ops' arithmetic in plain torch
   (float32, rounded once), which a kernel must match; :data:`GATED_ACTIVATIONS` maps the gated
-  activation names (``gmm_scatter``, ``activation_backward``) to their gate's activation.
+  activation names (``gmm_scatter``, ``activation_backward``) to the glu names that compute them
+  (:data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT` are GPT-OSS's unit's constants).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from .activations import GATED as GATED_ACTIVATIONS
+from .activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from .activations import activation_backward as activation_backward_definition
 from .activations import glu as glu_definition
 from .activations import glu_backward as glu_backward_definition
@@ -80,6 +82,8 @@ __all__ = [
     "DENSE_BF16_TFLOPS",
     "ENTRY_POINT_GROUP",
     "GATED_ACTIVATIONS",
+    "SWIGLU_OAI_ALPHA",
+    "SWIGLU_OAI_LIMIT",
     "ArchLimits",
     "BackendHooks",
     "CallInfo",

@@ -26,7 +26,7 @@ from . import __version__
 from .contracts import BY_NAME
 from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
-from .schema import ChoiceArg, is_option
+from .schema import ChoiceArg, TensorArg, is_option
 
 log = logging.getLogger("megablocks_core")
 
@@ -164,18 +164,22 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
     """``fn``, which takes the first ``taken`` arguments, as a kernel of the whole contract: each
     option it lacks is served around it. A choice is applied to its argument first
     (``ChoiceArg.apply``); a row count pads its argument with zero rows or cuts the output
-    (:class:`RowsOption`)."""
+    (:class:`RowsOption`); a tensor option is applied to the output (``TensorArg.serve``)."""
     names = contract.arg_names
     options = [(i, a) for i, a in enumerate(contract.args) if i >= taken and is_option(a)]
 
     def kernel(*args: Any) -> Any:
         given = list(args[:taken])
         keep_rows = None
+        served = []
         for at, arg in options:
             value = args[at]
             if value is None:
                 continue
-            if isinstance(arg, ChoiceArg):
+            if isinstance(arg, TensorArg):
+                assert arg.serve is not None  # is_option's test
+                served.append(arg.serve)
+            elif isinstance(arg, ChoiceArg):
                 assert arg.applies_to is not None and arg.apply is not None  # is_option's test
                 target = names.index(arg.applies_to)
                 given[target] = arg.apply(given[target], value)
@@ -186,11 +190,26 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
             else:
                 keep_rows = value
         out = fn(*given)
-        return out if keep_rows is None else out[:keep_rows]
+        out = out if keep_rows is None else out[:keep_rows]
+        for serve in served:
+            out = serve(dict(zip(names, args, strict=True)), out)
+        return out
 
-    kernel.__wrapped__ = fn  # type: ignore[attr-defined]
-    kernel.__qualname__ = getattr(fn, "__qualname__", "kernel")
-    return kernel
+    # The call without any of the options it lacks goes straight to fn (one frame, no loop).
+    params = ", ".join(names)
+    none_given = " and ".join(f"{names[at]} is None" for at, _ in options)
+    source = (
+        f"def direct({params}):\n"
+        f"    if {none_given}:\n"
+        f"        return _fn({', '.join(names[:taken])})\n"
+        f"    return _served({params})\n"
+    )
+    scope: dict[str, Any] = {"_fn": fn, "_served": kernel}
+    exec(source, scope)
+    direct: Callable[..., Any] = scope["direct"]
+    direct.__wrapped__ = fn  # type: ignore[attr-defined]
+    direct.__qualname__ = getattr(fn, "__qualname__", "kernel")
+    return direct
 
 
 def _check_kernel(item: Any, hook: str) -> Kernel:

@@ -52,10 +52,17 @@ class TensorArg:
     instead of returning it. It must be contiguous (checked on every call: a kernel writes
     through it, and a copy made to suit a kernel would take the result away) and on the op's
     device; no other argument may be mutated. Never optional."""
+    serve: Callable[[Mapping[str, Any], Any], Any] | None = None
+    """Set for a trailing option added to an op after kernels for it existed (e.g. the grouped
+    GEMMs' ``bias``): ``serve(arguments by name, output)`` is what the option does to the output
+    of a kernel whose function does not take it (:mod:`megablocks_core.registry`), so such a
+    kernel keeps serving the op, option or not. Must be optional."""
 
     def __post_init__(self) -> None:
         if self.mutable and (self.optional or self.any_device or not self.public):
             raise ValueError(f"mutable tensor argument {self.name!r} must be required and public")
+        if self.serve is not None and not self.optional:
+            raise ValueError(f"tensor option {self.name!r} must be optional (None: not used)")
 
     def describe(self) -> str:
         ranks = " or ".join(f"{n}-D" for n in self.ndim) + " " if self.ndim else ""
@@ -172,9 +179,12 @@ Arg = TensorArg | IntArg | BoolArg | ChoiceArg | SequenceArg
 def is_option(arg: Arg) -> bool:
     """An argument added to an op after kernels (and callers) for it existed, which a kernel and
     a caller may leave out (the op's trailing ones): a :class:`ChoiceArg` the core can apply
-    itself, or a sorted-row count it can serve by padding or cutting (:class:`RowsOption`)."""
+    itself, a sorted-row count it can serve by padding or cutting (:class:`RowsOption`), or a
+    tensor whose effect it adds to the output (``TensorArg.serve``)."""
     if isinstance(arg, ChoiceArg):
         return arg.apply is not None
+    if isinstance(arg, TensorArg):
+        return arg.serve is not None
     return isinstance(arg, IntArg) and arg.option is not None
 
 
@@ -297,15 +307,20 @@ class OpContract:
                 a, BoolArg
             ):
                 parts.append(f"{a.name}={a.default!r}")
-            elif isinstance(a, ChoiceArg):
+            elif isinstance(a, ChoiceArg) or (isinstance(a, TensorArg) and a.serve is not None):
                 parts.append(f"{a.name}=None")
             else:
                 parts.append(a.name)
         return f"{self.name}({', '.join(parts)})"
 
     def bind(self, args: tuple[Any, ...]) -> dict[str, Any]:
-        """Name the kernel-order positional arguments."""
-        return dict(zip(self.arg_names, args, strict=True))
+        """Name the kernel-order positional arguments; trailing options left out (as a caller
+        written before they existed leaves them) are None."""
+        names = self.arg_names
+        missing = len(names) - len(args)
+        if missing > 0 and all(is_option(a) for a in self.args[len(args) :]):
+            args = (*args, *(None,) * missing)
+        return dict(zip(names, args, strict=True))
 
 
 # Helpers that rule expressions may call; kept here so the rules stay one-liners.

@@ -113,6 +113,27 @@ def _opcheck_samples():
         "glu": (torch.randn(8, 6, requires_grad=True), "silu"),
         "glu_backward": (torch.randn(8, 3), torch.randn(8, 6), "gelu"),
         "activation_backward": (torch.randn(8, 3), torch.randn(8, 3), torch.rand(8), "silu"),
+        **_moe_permute_samples(),
+    }
+
+
+def _moe_permute_samples():
+    mask = torch.zeros(4, 3, dtype=torch.bool)
+    mask[[0, 0, 1, 2, 3], [0, 2, 1, 1, 2]] = True
+    row_map, _ = ops.moe_permute_map(mask, 3, 9, 2)
+    probs = torch.rand(4, 3, requires_grad=True)
+    permuted = torch.randn(9, 3, requires_grad=True)
+    return {
+        "moe_permute_map": (mask, 3, 9, 2),
+        "moe_permute": (torch.randn(4, 3, requires_grad=True), row_map, probs, 9),
+        "moe_permute_probs": (probs, row_map, 9),
+        "moe_unpermute": (permuted, row_map, probs),
+        "moe_unpermute_wgrad": (permuted, torch.randn(4, 3, requires_grad=True), row_map),
+        "moe_sort_chunks": (
+            torch.randn(6, 3, requires_grad=True),
+            torch.tensor([2, 0, 4]),
+            torch.tensor([2, 0, 1]),
+        ),
     }
 
 

@@ -922,7 +922,7 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
         }
     if op == "gather_gmm":
         b = torch.ones(r.E, hidden, 5, dtype=dtype)
-        return {"x": x_tokens, "b": b, **routing, "trans_b": False, "rows": None}
+        return {"x": x_tokens, "b": b, **routing, "trans_b": False, "rows": None, "bias": None}
     if op == "gmm_scatter":
         rows = torch.ones(r.T * r.K, 4, dtype=dtype)
         b = torch.ones(r.E, 5, 4, dtype=dtype)
@@ -934,15 +934,38 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "trans_b": True,
             "activation": "silu",
             "rows": r.T * r.K,
+            "bias": None,
         }
     if op == "glu":
         return {"x": torch.ones(r.T * r.K, 6, dtype=dtype), "activation": "silu"}
+    if op.startswith("moe_"):  # Megatron-Core's vocabulary: a top-k id map and its row map
+        ids = tensor(r.top, torch.int32).reshape(r.T, r.K)
+        n = r.T * r.K
+        if op == "moe_permute_map":
+            return {"routing_map": ids, "num_experts": r.E, "num_out_tokens": n, "align_size": 1}
+        with megablocks_core.use_backend("reference"):
+            row_map, counts = ops.moe_permute_map(ids, r.E, n, 1)
+        probs = torch.ones(r.T, r.K, dtype=dtype)
+        if op == "moe_permute":
+            return {"x": x_tokens, "row_map": row_map, "num_out_tokens": n}
+        if op == "moe_permute_probs":
+            return {"probs": probs, "row_map": row_map, "num_out_tokens": n}
+        if op == "moe_unpermute":
+            return {"x": torch.ones(n, hidden, dtype=dtype), "row_map": row_map, "probs": probs}
+        if op == "moe_sort_chunks":
+            order = torch.arange(r.E, dtype=torch.int32).flip(0)
+            return {
+                "x": torch.ones(n, hidden, dtype=dtype),
+                "split_sizes": counts,
+                "sorted_index": order,
+            }
     if op == "gmm":
         return {
             "a": torch.ones(int(r.counts.sum()), 4, dtype=dtype),
             "b": torch.ones(r.E, 4, 5, dtype=dtype),
             "batch_sizes": tensor(r.counts, torch.int64),
             "trans_b": False,
+            "bias": None,
         }
     raise AssertionError(op)
 
@@ -966,6 +989,11 @@ PUBLIC_DISPATCHED = (
     "gather_gmm",
     "gmm_scatter",
     "glu",
+    "moe_permute_map",
+    "moe_permute",
+    "moe_permute_probs",
+    "moe_unpermute",
+    "moe_sort_chunks",
 )
 WRONG_DTYPES = (
     torch.bool,

@@ -61,3 +61,41 @@ def test_routing_and_permutation_do_not_sync_the_host():
                 route_and_permute(logits, top, x, weights)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
+
+
+def moe_permute_round_trip(
+    mask: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, probs: torch.Tensor
+) -> None:
+    rows = TOKENS * TOP_K + EXPERTS * 15  # a static bound for any routing padded to 16
+    for routing in (mask, ids):
+        row_map, _ = ops.moe_permute_map(routing, EXPERTS, rows, 16)
+        permuted = ops.moe_permute(x, row_map, rows)
+        slot_probs = probs if routing is mask else probs.gather(1, ids.long())
+        ops.moe_permute_probs(slot_probs, row_map, rows)
+        ops.moe_unpermute(permuted, row_map, slot_probs)
+    sizes = mask.sum(0).int()
+    ops.moe_sort_chunks(x, sizes, torch.arange(EXPERTS - 1, -1, -1, device="cuda"))
+
+
+def test_moe_permute_ops_do_not_sync_the_host_and_capture_in_a_cuda_graph():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    probs = torch.randn(TOKENS, EXPERTS, device="cuda", generator=gen).softmax(-1)
+    ids = probs.topk(TOP_K).indices.int()
+    mask = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, ids.long(), True)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    backends = gpu_backends("moe_permute", torch.bfloat16)
+    assert backends, "no GPU backend serves moe_permute"
+    for backend in backends:
+        with mb.use_backend(backend):
+            moe_permute_round_trip(mask, ids, x, probs)  # warm up
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                moe_permute_round_trip(mask, ids, x, probs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                moe_permute_round_trip(mask, ids, x, probs)
+            graph.replay()
+            torch.cuda.synchronize()

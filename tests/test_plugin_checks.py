@@ -391,7 +391,7 @@ def test_only_trailing_options_may_be_missing_from_a_kernel(plugins):
         " devices=('cpu',))]",
     )
     reason = broken_reason(plugins, body)
-    assert "cannot take the 10 arguments" in reason and "activation" in reason, reason
+    assert "cannot take the 11 arguments" in reason and "activation" in reason, reason
 
 
 def test_a_glu_kernel_must_take_its_activation(plugins):

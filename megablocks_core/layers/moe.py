@@ -349,7 +349,8 @@ class DroplessMoE(torch.nn.Module):
             combines them in one pass. ``load_state_dict`` also takes the two apart, as ``w1``
             and ``v1`` of ``(E, hidden, ffn)`` each (joined on load).
         activation: expert activation: ``"gelu"`` (tanh approximation; the default, as
-            MegaBlocks), ``"silu"``, ``"relu"``, or any callable. With a named activation the
+            MegaBlocks; also named ``"gelu_tanh"``), ``"gelu_erf"`` (the exact GELU, torch's
+            and transformers' ``"gelu"``), ``"silu"``, ``"relu"``, or any callable. With a named activation the
             experts keep only the first GEMM's output for backward (gated experts: both
             projections and their product) and recompute the activation there.
         normalize_expert_weights: if set, divide each token's top-k weights by their p-norm with

@@ -35,6 +35,7 @@ from ..entries import ENTRIES
 from ..policy import use_backend
 from ..ranking import NoKernelError
 from ..validation import ContractError, ContractTypeError
+from . import moe_permute_cases
 from .kit import REFERENCE, TOLERANCES, Mismatch, call_on_copies, check_meta, compare
 
 __all__ = [
@@ -371,12 +372,15 @@ GMM_OPS = ("gmm", "gmm_weight_grad", "gmm_weight_grad_accumulate")
 
 
 def _gmm_cases() -> list[BadCase]:
-    def gmm_args(device: torch.device, sizes: Sequence[int], op: str) -> Args:
+    def gmm_args(device: torch.device, sizes: Sequence[int], op: str, bias: bool = False) -> Args:
         gen = torch.Generator().manual_seed(4)
         a = torch.randn(12, 8, generator=gen).to(device)
         batch = torch.tensor(sizes, dtype=torch.int64, device=device)
         if op == "gmm":
-            return a, torch.randn(3, 8, 5, generator=gen).to(device), batch, False
+            b = torch.randn(3, 8, 5, generator=gen).to(device)
+            if bias:  # rows of no group get no bias either
+                return a, b, batch, False, torch.randn(3, 5, generator=gen).to(device)
+            return a, b, batch, False
         grad = torch.randn(12, 5, generator=gen).to(device)
         if op == "gmm_weight_grad_accumulate":  # the gradient added to: random, not zero
             return a, grad, batch, torch.randn(len(sizes), 8, 5, generator=gen).to(device)
@@ -393,13 +397,20 @@ def _gmm_cases() -> list[BadCase]:
         BadCase(f"{op}/{what}", op, functools.partial(gmm_args, sizes=s, op=op))
         for op in GMM_OPS
         for what, s in sizes.items()
+    ] + [
+        BadCase(
+            f"gmm/{what}, bias", "gmm", functools.partial(gmm_args, sizes=s, op="gmm", bias=True)
+        )
+        for what, s in sizes.items()
     ]
 
 
 FUSED_OPS = ("gather_gmm", "gmm_scatter")
 
 
-def _fused_args(op: str, r: _Routing, mut: _Mut, rows: int | None = None) -> Args:
+def _fused_args(
+    op: str, r: _Routing, mut: _Mut, rows: int | None = None, bias: bool = False
+) -> Args:
     indices, bins, _ = mut(r)
     gen = torch.Generator().manual_seed(7)
     n, hidden, ffn, k = indices.shape[0], r.x.shape[1], 6, r.top_k
@@ -408,16 +419,19 @@ def _fused_args(op: str, r: _Routing, mut: _Mut, rows: int | None = None) -> Arg
         return torch.randn(*shape, generator=gen).to(r.x.device)
 
     if op == "gather_gmm":
-        return (r.x, rand(bins.shape[0], hidden, ffn), indices, r.bin_ids, bins, k, False, rows)
+        w = rand(bins.shape[0], hidden, ffn)
+        gathering = (r.x, w, indices, r.bin_ids, bins, k, False, rows)
+        return (*gathering, rand(bins.shape[0], ffn)) if bias else gathering
     b = rand(bins.shape[0], ffn, hidden)
     x = rand(n if rows is None else rows, ffn)
-    return (x, b, indices, r.bin_ids, r.weights, bins, k, False, None, rows)
+    scattering = (x, b, indices, r.bin_ids, r.weights, bins, k, False, None, rows)
+    return (*scattering, rand(bins.shape[0], hidden)) if bias else scattering
 
 
 def _fused_cases() -> list[BadCase]:
-    def build(device: torch.device, op: str, mut: _Mut, first: bool) -> Args:
+    def build(device: torch.device, op: str, mut: _Mut, first: bool, bias: bool = False) -> Args:
         r = _routing(device)
-        return _fused_args(op, r, mut, _first_rows(r) if first else None)
+        return _fused_args(op, r, mut, _first_rows(r) if first else None, bias)
 
     # With a row count (first rows), "bins past the rows" also ends past it: groups cut there.
     return [
@@ -434,7 +448,21 @@ def _fused_cases() -> list[BadCase]:
         # bins ending before the last row are valid for the fused ops (rows routed to no
         # expert; the kit's scenarios with unrouted pairs check them).
         and what != "bins too short"
+    ] + [
+        # A per-expert bias: added to the groups as the kernel reads them, and to no other row.
+        BadCase(
+            f"{op}/{what}, bias",
+            op,
+            functools.partial(build, op=op, mut=mut, first=False, bias=True),
+        )
+        for op in FUSED_OPS
+        for what, mut in BINS_MUTATIONS.items()
+        if what != "bins too short"
     ]
+
+
+def _moe_permute_cases() -> list[BadCase]:
+    return [BadCase(name, op, build) for name, op, build in moe_permute_cases.cases()]
 
 
 CASES: tuple[BadCase, ...] = (
@@ -442,6 +470,7 @@ CASES: tuple[BadCase, ...] = (
     *_permutation_cases(),
     *_gmm_cases(),
     *_fused_cases(),
+    *_moe_permute_cases(),
 )
 _BY_NAME = {c.name: c for c in CASES}
 
@@ -672,9 +701,12 @@ def _check_gmm(op: str, args: dict[str, Any], out: torch.Tensor) -> None:
         start += size
     if op == "gmm":
         b = args["b"].double().cpu()
+        bias = args.get("bias")
         want = torch.zeros(rows, b.shape[1] if args["trans_b"] else b.shape[2], dtype=torch.float64)
         for e, (s, size) in enumerate(groups):
             want[s : s + size] = a[s : s + size] @ (b[e].t() if args["trans_b"] else b[e])
+            if bias is not None:
+                want[s : s + size] += bias[e].double().cpu()
     else:
         g = args["grad"].double().cpu()
         want = torch.stack([a[s : s + size].t() @ g[s : s + size] for s, size in groups])
@@ -714,7 +746,12 @@ def check_result(op: str, args: Args, out: Any, written: tuple[torch.Tensor, ...
         return
     outs = out if isinstance(out, tuple) else (out,)
     tol = TOLERANCES.get(outs[0].dtype, 0.0)
-    if op in ("gather", "padded_gather", "binned_gather"):
+    if op in moe_permute_cases.OPS:
+        try:
+            moe_permute_cases.check(op, bound, out)
+        except AssertionError as exc:
+            raise Mismatch(str(exc).splitlines()[0]) from None
+    elif op in ("gather", "padded_gather", "binned_gather"):
         _check_gather(op, bound, out, tol)
     elif op in ("scatter", "padded_scatter", "binned_scatter"):
         _check_scatter(op, bound, out, tol)
@@ -734,6 +771,8 @@ def check_result(op: str, args: Args, out: Any, written: tuple[torch.Tensor, ...
 
 def _valid_args(op: str, device: torch.device) -> Args:
     """A valid call of ``op`` of the same kind, run after each bad one."""
+    if op in moe_permute_cases.OPS:
+        return moe_permute_cases.valid_args(op, device)
     if op in FUSED_OPS:
         return _fused_args(
             op, _routing(device, seed=5), lambda r: (r.indices, r.bins, r.padded_bins)

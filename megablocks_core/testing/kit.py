@@ -492,6 +492,48 @@ def _check_compile(backend: str, contract: OpContract, args: tuple[Any, ...]) ->
 # Entry points
 
 
+#: The moe_permute ops that write or read a row map. Each is also run inside the whole
+#: pipeline (moe_permute_map → moe_permute → moe_unpermute) with the other two on the reference,
+#: so that a row map written by one backend and read by another is proven to agree.
+ROW_MAP_OPS = ("moe_permute_map", "moe_permute", "moe_unpermute")
+
+
+def _check_row_map_pairing(label: str, contract: OpContract, args: tuple[Any, ...]) -> None:
+    op = contract.name
+    routing_map: tuple[Any, ...] | None = None
+    if op == "moe_permute_map":
+        routing_map = args
+        tokens, rows = args[0].shape[0], args[2]
+        given_map = None
+        like = torch.empty(0, device=args[0].device)
+    else:
+        given_map = args[1]
+        tokens = given_map.shape[0]
+        rows = args[3] if op == "moe_permute" else args[0].shape[0]
+        like = args[0]
+    gen = torch.Generator().manual_seed(tokens + rows)
+    hidden = like.shape[1] if like.dim() == 2 else 3
+    dtype = like.dtype if like.is_floating_point() else torch.float32
+    x = torch.randn(tokens, hidden, generator=gen).to(device=like.device, dtype=dtype)
+    slots = (given_map if given_map is not None else args[0]).shape[1]
+    probs = torch.rand(tokens, slots, generator=gen).to(device=like.device, dtype=dtype)
+
+    def pipeline() -> torch.Tensor:
+        row_map = given_map
+        if routing_map is not None:
+            row_map, _ = ENTRIES["moe_permute_map"](*routing_map)
+        permuted = ENTRIES["moe_permute"](x, row_map, None, rows)
+        return ENTRIES["moe_unpermute"](permuted * 2, row_map, probs)
+
+    with use_backend(REFERENCE):
+        want = pipeline()
+    with _on(label, op):
+        got = pipeline()
+    compare(
+        got, want, f"moe_unpermute(moe_permute(x)) with {op} on {label}, the rest on the reference"
+    )
+
+
 def check_op(
     backend: str,
     op: str,
@@ -561,6 +603,10 @@ def _check_kernel(
                 continue
             stage, case = "", f" ({scenario.name})"
             _check_sample(label, contract, args)
+            if op in ROW_MAP_OPS:
+                stage = "row map pairing"
+                _check_row_map_pairing(label, contract, args)
+                stage = ""
             ran += 1
             first = first or args
         if first is not None:

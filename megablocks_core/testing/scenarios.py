@@ -247,8 +247,91 @@ def _row_input(r: Routing, plain: torch.Tensor, shift: int = 0) -> torch.Tensor:
     return r.gate_up if _row_activation(r, shift) in GATED else plain
 
 
+def _bias(r: Routing, width: int) -> torch.Tensor | None:
+    """The grouped GEMMs' per-expert bias (experts, width), for odd seeds (None for even ones),
+    from its own generator (the other tensors stay what they were before bias existed)."""
+    s = r.scenario
+    if s.seed % 2 == 0:
+        return None
+    gen = torch.Generator().manual_seed(s.seed + 2)
+    bias = torch.randn(s.experts, width, generator=gen)
+    return bias.to(device=r.x.device, dtype=s.dtype)
+
+
 #: activation_backward's activations run this far ahead of gmm_scatter's (half of the names).
 _BACKWARD_SHIFT = 4
+
+
+def _moe_routing_map(r: Routing) -> torch.Tensor:
+    """The moe_permute ops' routing map: the scenario's top-k experts as a (tokens, experts) bool
+    mask (even seeds) or as (tokens, top_k) ids (odd seeds; unrouted pairs keep the sentinel id
+    ``experts``, which names no expert)."""
+    s = r.scenario
+    ids = r.top_experts.view(s.tokens, s.top_k)
+    if s.seed % 2:
+        return ids
+    routed = ids.long() < s.experts
+    mask = torch.zeros(s.tokens, s.experts + 1, dtype=torch.bool, device=ids.device)
+    mask.scatter_(1, torch.where(routed, ids.long(), s.experts), True)
+    return mask[:, : s.experts].contiguous()
+
+
+def _moe_counts(routing_map: torch.Tensor, experts: int) -> torch.Tensor:
+    if routing_map.dtype == torch.bool:
+        return routing_map.long().sum(0)
+    ids = routing_map.long().reshape(-1)
+    return torch.bincount(ids[ids < experts], minlength=experts)
+
+
+def _moe_out_tokens(r: Routing) -> int:
+    """Rows of the permuted output: every padded row and a few to spare, or (every third seed)
+    half of them, so that rows are dropped."""
+    s = r.scenario
+    counts = _moe_counts(_moe_routing_map(r).cpu(), s.experts)
+    needed = int(((counts + s.block_size - 1) // s.block_size * s.block_size).sum())
+    return needed // 2 if s.seed % 3 == 2 else needed + 3
+
+
+def _moe_row_map(r: Routing) -> torch.Tensor:
+    """The row map of :func:`_moe_routing_map` (the contract's format), built here with plain
+    torch, one expert at a time, so that no backend under test takes part."""
+    s = r.scenario
+    routing = _moe_routing_map(r).cpu()
+    rows, align = _moe_out_tokens(r), s.block_size
+    if routing.dtype == torch.bool:
+        expert_of = torch.where(routing, torch.arange(s.experts), -1)
+    else:
+        expert_of = routing.long()
+    flat = expert_of.reshape(-1)
+    row_map = torch.full_like(flat, -1)
+    start = 0
+    for e in range(s.experts):
+        slots = (flat == e).nonzero().reshape(-1)  # ascending: token order, then k
+        dest = start + torch.arange(slots.numel())
+        row_map[slots] = torch.where(dest < rows, dest, -1)
+        start += -(-slots.numel() // align) * align
+    return row_map.view(routing.shape).to(device=r.x.device, dtype=torch.int32)
+
+
+def _moe_probs(r: Routing) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(r.scenario.seed + 3)
+    shape = _moe_routing_map(r).shape
+    return torch.rand(*shape, generator=gen).to(device=r.x.device, dtype=r.scenario.dtype)
+
+
+def _moe_permuted(r: Routing) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(r.scenario.seed + 4)
+    rows = torch.randn(_moe_out_tokens(r), r.scenario.hidden, generator=gen)
+    return rows.to(device=r.x.device, dtype=r.scenario.dtype)
+
+
+def _moe_chunks(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_sort_chunks' arguments: the sorted rows in the experts' chunks, placed in a shuffled
+    order; the sizes on the CPU in odd seeds (both places are accepted)."""
+    gen = torch.Generator().manual_seed(r.scenario.seed + 5)
+    order = torch.randperm(r.scenario.experts, generator=gen)
+    sizes = r.counts if r.scenario.seed % 2 == 0 else r.counts.cpu()
+    return r.rows, sizes, order.to(device=sizes.device, dtype=r.scenario.index_dtype)
 
 
 #: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;
@@ -310,7 +393,33 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "binned_gather": lambda r: (r.x, r.indices, r.weights, r.bins, r.bin_size, r.scenario.top_k),
     "binned_scatter": lambda r: (r.binned_x, r.indices, r.weights, r.bins, r.scenario.top_k),
     "binned_scatter_wgrad": lambda r: (r.binned_x, r.grad, r.indices, r.bins, r.scenario.top_k),
-    "gmm": lambda r: (r.rows, r.expert_weights, r.batch_sizes, r.scenario.trans_b),
+    "moe_permute_map": lambda r: (
+        _moe_routing_map(r),
+        r.scenario.experts,
+        _moe_out_tokens(r),
+        r.scenario.block_size,
+    ),
+    "moe_permute": lambda r: (
+        r.x,
+        _moe_row_map(r),
+        _moe_probs(r) if r.scenario.weighted else None,
+        _moe_out_tokens(r),
+    ),
+    "moe_permute_probs": lambda r: (_moe_probs(r), _moe_row_map(r), _moe_out_tokens(r)),
+    "moe_unpermute": lambda r: (
+        _moe_permuted(r),
+        _moe_row_map(r),
+        _moe_probs(r) if r.scenario.weighted else None,
+    ),
+    "moe_unpermute_wgrad": lambda r: (_moe_permuted(r), r.grad, _moe_row_map(r)),
+    "moe_sort_chunks": _moe_chunks,
+    "gmm": lambda r: (
+        r.rows,
+        r.expert_weights,
+        r.batch_sizes,
+        r.scenario.trans_b,
+        _bias(r, r.scenario.ffn_size),
+    ),
     "gmm_weight_grad": lambda r: (r.rows, r.gmm_grad, r.batch_sizes),
     "gmm_weight_grad_accumulate": lambda r: (
         r.rows,
@@ -327,6 +436,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.top_k,
         r.scenario.trans_b,
         r.row_count,
+        _bias(r, r.scenario.ffn_size),
     ),
     # The second expert GEMM: sorted (rows, ffn) back to (tokens, hidden), its activation (or
     # none; a gated one of (rows, 2 * ffn)) taken in turn by seed.
@@ -341,6 +451,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.trans_b,
         _row_activation(r),
         r.row_count,
+        _bias(r, r.scenario.hidden),
     ),
     # The gated unit, its activation (or none) taken in turn by seed as gmm_scatter's.
     "glu": lambda r: (r.gate_up, _activation(r)),

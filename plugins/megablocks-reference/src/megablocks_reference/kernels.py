@@ -25,6 +25,16 @@ from megablocks_core.plugin import (
     glu_definition,
 )
 
+# Megatron-Core / Transformer Engine permutation: its own module, served from here by name.
+from .moe_permute import (  # noqa: F401
+    moe_permute,
+    moe_permute_map,
+    moe_permute_probs,
+    moe_sort_chunks,
+    moe_unpermute,
+    moe_unpermute_wgrad,
+)
+
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float32, or float64 for float64 data."""

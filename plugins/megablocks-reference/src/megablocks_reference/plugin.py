@@ -39,6 +39,12 @@ OPS: dict[str, tuple[str, ...]] = {
         "binned_gather",
         "binned_scatter",
         "binned_scatter_wgrad",
+        "moe_permute_map",
+        "moe_permute",
+        "moe_permute_probs",
+        "moe_unpermute",
+        "moe_unpermute_wgrad",
+        "moe_sort_chunks",
     ),
     "grouped_gemm": (
         "gmm",

@@ -17,16 +17,29 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from megablocks_core.plugin import GATED_ACTIVATIONS
+from megablocks_core.plugin import GATED_ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 
 from .config import launch_configs
 from .launch import BoundLaunch, bind, cdiv, next_power_of_2, remember
 
 #: The ``ACTIVATION`` constexpr of the kernels, by the contract's name.
-_CODES = {None: 0, "gelu": 1, "silu": 2, "relu": 3}
+#: 5: GPT-OSS's clamped SwiGLU unit (glu's "silu_oai"), which also transforms up.
+_CODES = {None: 0, "gelu": 1, "gelu_tanh": 1, "silu": 2, "relu": 3, "gelu_erf": 4, "silu_oai": 5}
+_INTERLEAVED = "_interleaved"
 # Globals a jit function reads must be constexprs.
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_CUBIC = tl.constexpr(0.044715)
+_SQRT_HALF = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
+_OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
+
+
+def _unit(name: str | None) -> tuple[int, bool]:
+    """(the ACTIVATION code, INTERLEAVED) of a glu name."""
+    if name is not None and name.endswith(_INTERLEAVED):
+        return _CODES[name[: -len(_INTERLEAVED)]], True
+    return _CODES[name], False
 
 
 @triton.jit
@@ -38,6 +51,11 @@ def _activate(gate, ACTIVATION: tl.constexpr):
         return gate / (1.0 + tl.exp(-gate))
     elif ACTIVATION == 3:  # ReLU
         return tl.maximum(gate, 0.0)
+    elif ACTIVATION == 4:  # GELU, exact: g Phi(g)
+        return 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
+    elif ACTIVATION == 5:  # GPT-OSS: g sigmoid(alpha g) of g = min(gate, limit)
+        clamped = tl.minimum(gate, _OAI_LIMIT)
+        return clamped / (1.0 + tl.exp(-_OAI_ALPHA * clamped))
     else:
         return gate
 
@@ -57,21 +75,79 @@ def _derivative(gate, ACTIVATION: tl.constexpr):
         return s * (1.0 + gate * (1.0 - s))
     elif ACTIVATION == 3:
         return tl.where(gate > 0.0, 1.0, 0.0)
+    elif ACTIVATION == 4:  # Phi(g) + g phi(g)
+        cdf = 0.5 * (1.0 + tl.math.erf(gate * _SQRT_HALF))
+        return cdf + gate * _INV_SQRT_2PI * tl.exp(-0.5 * gate * gate)
+    elif ACTIVATION == 5:  # the clamp passes the gradient where gate <= limit (as torch.clamp)
+        clamped = tl.minimum(gate, _OAI_LIMIT)
+        s = 1.0 / (1.0 + tl.exp(-_OAI_ALPHA * clamped))
+        return tl.where(gate <= _OAI_LIMIT, s + _OAI_ALPHA * clamped * s * (1.0 - s), 0.0)
     else:
         return tl.full(gate.shape, 1.0, tl.float32)
 
 
 @triton.jit
-def _halves(x_ptr, rows, n, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """This program's (BLOCK_R, BLOCK_C) tile of gate and up (float32), the tile's offsets in a
-    (rows, n) tensor and in x, and its mask."""
+def _up(up, ACTIVATION: tl.constexpr):
+    """The up projection as the unit multiplies it: GPT-OSS's clamp(up, -limit, limit) + 1."""
+    if ACTIVATION == 5:
+        return tl.minimum(tl.maximum(up, -_OAI_LIMIT), _OAI_LIMIT) + 1.0
+    else:
+        return up
+
+
+@triton.jit
+def _up_slope(up, ACTIVATION: tl.constexpr):
+    """d _up(up) / d up."""
+    if ACTIVATION == 5:
+        return tl.where((up >= -_OAI_LIMIT) & (up <= _OAI_LIMIT), 1.0, 0.0)
+    else:
+        return tl.full(up.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _pairs(row_start, c):
+    """Offsets of the (gate, up) pairs of interleaved columns 2c and 2c + 1: (..., 2), so that
+    one contiguous load reads both (split after), instead of two loads of every other element."""
+    return (row_start + 2 * c)[:, :, None] + tl.arange(0, 2)[None, None, :]
+
+
+@triton.jit
+def _load_gate_up(x_ptr, row_start, c, n, mask, INTERLEAVED: tl.constexpr):
+    """gate and up (float32) of the rows starting at ``row_start`` (x's row offsets), columns c:
+    x's two halves, or (INTERLEAVED) its even and odd columns."""
+    if INTERLEAVED:
+        both = tl.load(x_ptr + _pairs(row_start, c), mask=mask[:, :, None], other=0.0)
+        gate, up = tl.split(both.to(tl.float32))
+    else:
+        gate = tl.load(x_ptr + (row_start + c), mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + (row_start + c + n), mask=mask, other=0.0).to(tl.float32)
+    return gate, up
+
+
+@triton.jit
+def _store_gate_up(out_ptr, row_start, c, n, grad_gate, grad_up, mask, INTERLEAVED: tl.constexpr):
+    """Stores the gradients of gate and up where _load_gate_up read them (in out's dtype)."""
+    dtype = out_ptr.dtype.element_ty
+    if INTERLEAVED:
+        both = tl.join(grad_gate.to(dtype), grad_up.to(dtype))
+        tl.store(out_ptr + _pairs(row_start, c), both, mask=mask[:, :, None])
+    else:
+        tl.store(out_ptr + (row_start + c), grad_gate.to(dtype), mask=mask)
+        tl.store(out_ptr + (row_start + c + n), grad_up.to(dtype), mask=mask)
+
+
+@triton.jit
+def _halves(
+    x_ptr, rows, n, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, INTERLEAVED: tl.constexpr
+):
+    """This program's (BLOCK_R, BLOCK_C) tile of gate and up (float32), its offsets in a
+    (rows, n) tensor, the offsets of its rows in x and its columns, and its mask."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
     mask = (r < rows) & (c < n)
-    in_x = r * (2 * n) + c
-    gate = tl.load(x_ptr + in_x, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + in_x + n, mask=mask, other=0.0).to(tl.float32)
-    return gate, up, r * n + c, in_x, mask
+    row_start = r * (2 * n)
+    gate, up = _load_gate_up(x_ptr, row_start, c, n, mask, INTERLEAVED)
+    return gate, up, r * n + c, row_start, c, mask
 
 
 @triton.jit
@@ -83,9 +159,10 @@ def _glu_kernel(
     ACTIVATION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
 ):
-    gate, up, at, _, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C)
-    out = _activate(gate, ACTIVATION) * up
+    gate, up, at, _, _, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C, INTERLEAVED)
+    out = _activate(gate, ACTIVATION) * _up(up, ACTIVATION)
     tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,12 +176,13 @@ def _glu_backward_kernel(
     ACTIVATION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
 ):
-    gate, up, at, in_x, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C)
+    gate, up, at, row_start, c, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C, INTERLEAVED)
     grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + in_x, (grad * up * _derivative(gate, ACTIVATION)).to(dtype), mask=mask)
-    tl.store(out_ptr + in_x + n, (grad * _activate(gate, ACTIVATION)).to(dtype), mask=mask)
+    grad_gate = grad * _up(up, ACTIVATION) * _derivative(gate, ACTIVATION)
+    grad_up = grad * _activate(gate, ACTIVATION) * _up_slope(up, ACTIVATION)
+    _store_gate_up(out_ptr, row_start, c, n, grad_gate, grad_up, mask, INTERLEAVED)
 
 
 @triton.jit
@@ -121,6 +199,7 @@ def _activation_backward_kernel(
     GATED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    INTERLEAVED: tl.constexpr = False,
 ):
     # Whole rows per program, so that each row's dot is summed in one place, in one order.
     # n is grad's width; a gated x holds gate and up side by side, rows of 2n. act(x) is written
@@ -136,25 +215,29 @@ def _activation_backward_kernel(
         c = start + tl.arange(0, BLOCK_C)[None, :]
         mask = r_ok[:, None] & (c < n)
         at = r[:, None] * n + c
-        in_x = r[:, None] * x_width + c
-        x = tl.load(x_ptr + in_x, mask=mask, other=0.0).to(tl.float32)
+        row_start = r[:, None] * x_width
+        if INTERLEAVED:  # gated rows holding gate and up in even and odd columns: one load
+            x, up = _load_gate_up(x_ptr, row_start, c, n, mask, True)
+        else:
+            x = tl.load(x_ptr + (row_start + c), mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
         activated = _activate(x, ACTIVATION)
         if GATED:
-            up = tl.load(x_ptr + in_x + n, mask=mask, other=0.0).to(tl.float32)
-            act = (activated * up).to(dtype)
+            if not INTERLEAVED:
+                up = tl.load(x_ptr + (row_start + c + n), mask=mask, other=0.0).to(tl.float32)
+            act = (activated * _up(up, ACTIVATION)).to(dtype)
         else:
             act = activated.to(dtype)
         dots += tl.sum(act.to(tl.float32) * grad, axis=1)
         if HAS_SCALE:
             grad = grad * scale
         if GATED:  # glu's backward: the gate's gradient, then up's
-            tl.store(
-                grad_x_ptr + in_x, (grad * up * _derivative(x, ACTIVATION)).to(dtype), mask=mask
-            )
-            tl.store(grad_x_ptr + in_x + n, (grad * activated).to(dtype), mask=mask)
+            grad_gate = grad * _up(up, ACTIVATION) * _derivative(x, ACTIVATION)
+            grad_up = grad * activated * _up_slope(up, ACTIVATION)
+            _store_gate_up(grad_x_ptr, row_start, c, n, grad_gate, grad_up, mask, INTERLEAVED)
         else:
-            tl.store(grad_x_ptr + in_x, (grad * _derivative(x, ACTIVATION)).to(dtype), mask=mask)
+            grad_x = (grad * _derivative(x, ACTIVATION)).to(dtype)
+            tl.store(grad_x_ptr + (row_start + c), grad_x, mask=mask)
         # Every thread has used its grad values (act does not depend on them, and a thread may
         # store elements another thread loaded): the barrier orders those reads before act's
         # writes over them.
@@ -188,7 +271,9 @@ def _launch(
     if plan is None:
         grid, blocks = _tiles(rows, n)
         options = configs.launch_options("permutation")  # bandwidth-bound, like a copy
-        bound = bind(kernel, grid, rows, n, ACTIVATION=_CODES[activation], **blocks, **options)
+        code, interleaved = _unit(activation)
+        layout = {"INTERLEAVED": True} if interleaved else {}  # the default keeps the old key
+        bound = bind(kernel, grid, rows, n, ACTIVATION=code, **blocks, **layout, **options)
         plan = remember(_PLANS, key, bound)
     return plan
 
@@ -230,17 +315,19 @@ def activation_backward(
         block_c = min(next_power_of_2(n), 256)
         block_r = min(max(2048 // block_c, 1), next_power_of_2(rows))
         options = configs.launch_options("permutation")
+        code, interleaved = _unit(gate)
         bound = bind(
             kernel,
             (cdiv(rows, block_r),),
             rows,
             n,
             HAS_SCALE=scale is not None,
-            ACTIVATION=_CODES[gate],
+            ACTIVATION=code,
             GATED=gated,
             BLOCK_R=block_r,
             BLOCK_C=block_c,
             num_warps=4,
+            **({"INTERLEAVED": True} if interleaved else {}),
             **options,
         )
         plan = remember(_PLANS, key, bound)

@@ -74,7 +74,7 @@ def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
     """(op, call) for every op of the backend at ``shape`` with ``dtype`` activations."""
-    from . import activation, gmm, permutation, routing
+    from . import activation, gmm, moe_permute, permutation, routing
 
     t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
     rows = t * k
@@ -117,6 +117,23 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
                 _meta(padded, h, dtype=dtype), ids, ids, weights, counts, padded_bins.to("meta"), k
             ),
         )
+        # Megatron-Core / Transformer Engine permutation: mask and top-k id maps, FP8 padding.
+        mask, top = _meta(t, e, dtype=torch.bool), _meta(t, k, dtype=i32)
+        row_map, probs = _meta(t, k, dtype=i32), _meta(t, k, dtype=torch.float32)
+        yield "moe_permute_map", lambda: moe_permute.moe_permute_map(mask, e, rows, 1)
+        yield "moe_permute_map", lambda: moe_permute.moe_permute_map(top, e, rows, 16)
+        yield "moe_permute", lambda: moe_permute.moe_permute(x, row_map, None, rows)
+        yield "moe_permute", lambda: moe_permute.moe_permute(x, row_map, probs, rows)
+        yield "moe_permute_probs", lambda: moe_permute.moe_permute_probs(probs, row_map, rows)
+        yield "moe_unpermute", lambda: moe_permute.moe_unpermute(sorted_rows, row_map, probs)
+        yield (
+            "moe_unpermute_wgrad",
+            lambda: moe_permute.moe_unpermute_wgrad(sorted_rows, x, row_map),
+        )
+        yield (
+            "moe_sort_chunks",
+            lambda: moe_permute.moe_sort_chunks(sorted_rows, counts, _meta(e, dtype=i32)),
+        )
         yield "glu", lambda: activation.glu(_meta(rows, 2 * f, dtype=dtype), "silu")
         yield (
             "glu_backward",
@@ -126,6 +143,24 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
             "activation_backward",
             lambda: activation.activation_backward(
                 hidden_rows, _meta(rows, f, dtype=dtype), _meta(rows, dtype=dtype), "gelu"
+            ),
+        )
+        # GPT-OSS's experts (interleaved clamped SwiGLU) and the exact GELU: other code paths.
+        gpt_oss = "silu_oai_interleaved"
+        yield "glu", lambda: activation.glu(_meta(rows, 2 * f, dtype=dtype), gpt_oss)
+        yield (
+            "activation_backward",
+            lambda: activation.activation_backward(
+                hidden_rows,
+                _meta(rows, 2 * f, dtype=dtype),
+                _meta(rows, dtype=dtype),
+                "swiglu_oai_interleaved",
+            ),
+        )
+        yield (
+            "activation_backward",
+            lambda: activation.activation_backward(
+                hidden_rows, _meta(rows, f, dtype=dtype), _meta(rows, dtype=dtype), "gelu_erf"
             ),
         )
     # The layer's grouped GEMMs: forward, x's gradient (trans_b), both weight gradients.

@@ -50,7 +50,15 @@ PERMUTATION = (
     "binned_gather",
     "binned_scatter",
     "binned_scatter_wgrad",
+    "moe_permute_map",
+    "moe_permute",
+    "moe_permute_probs",
+    "moe_unpermute",
+    "moe_unpermute_wgrad",
+    "moe_sort_chunks",
 )
+#: The Megatron-Core / Transformer Engine permutation ops of PERMUTATION: their own module.
+MOE_PERMUTATION = PERMUTATION[-6:]
 GROUPED_GEMM = ("gmm", "gmm_weight_grad", "gmm_weight_grad_accumulate", "gather_gmm", "gmm_scatter")
 ACTIVATION = ("glu", "glu_backward", "activation_backward")
 
@@ -102,6 +110,7 @@ def _permutation_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
     return {
         op: {"x": floats, **({"grad": floats} if op.endswith("wgrad") else weights)}
         for op in PERMUTATION
+        if op not in MOE_PERMUTATION
     }
 
 
@@ -291,9 +300,27 @@ def megablocks_routing_kernels() -> list[Kernel]:
     return _kernels("routing", ROUTING, _routing_dtypes())
 
 
+def _moe_permutation_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
+    # Probabilities may be any float (Megatron keeps them in float32 beside bf16 rows); fp64
+    # rows go to the reference (it accumulates in fp64). moe_permute_map takes bool or int maps.
+    floats = _computed(_FLOATS)
+    probs = _computed(_ANY_FLOAT)
+    return {
+        "moe_permute_map": {"routing_map": frozenset({torch.bool}) | _INTS},
+        "moe_permute": {"x": floats, "probs": probs},
+        "moe_permute_probs": {"probs": probs},
+        "moe_unpermute": {"x": floats, "probs": probs},
+        "moe_unpermute_wgrad": {"x": floats, "grad": floats},
+        "moe_sort_chunks": {"x": floats},
+    }
+
+
 @hookimpl
 def megablocks_permutation_kernels() -> list[Kernel]:
-    return _kernels("permutation", PERMUTATION, _permutation_dtypes())
+    classic = tuple(op for op in PERMUTATION if op not in MOE_PERMUTATION)
+    return _kernels("permutation", classic, _permutation_dtypes()) + _kernels(
+        "moe_permute", MOE_PERMUTATION, _moe_permutation_dtypes()
+    )
 
 
 @hookimpl

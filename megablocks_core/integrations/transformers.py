@@ -1,0 +1,203 @@
+"""An experts implementation for Hugging Face transformers' MoE models, on megablocks-core's ops.
+
+Importing this module registers ``"megablocks"`` in ``transformers.integrations.moe``'s
+``ExpertsInterface``; that import is the one line a user adds::
+
+    import megablocks_core.integrations.transformers  # noqa: F401
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="megablocks")
+
+Every MoE model of transformers 5.x keeps its router and hands its ``Experts`` module the tokens
+``(T, H)``, the top-k expert ids ``(T, K)`` and their weights ``(T, K)``; this implementation
+serves that call with ``route`` → ``gather_gmm`` → ``gmm_scatter``, reading the module's own 3-D
+weights in their own layout (no conversion, so checkpoints, weight init and tensor-parallel
+plans stay transformers'): every layout the ``@use_experts_implementation`` flags describe,
+[gate | up] or interleaved (``is_concatenated``), (out, in) or (in, out) (``is_transposed``),
+with per-expert biases (``has_bias``: the ops' ``bias``) or without, gated or not, with SiLU,
+ReLU, the exact or tanh GELU, or GPT-OSS's clamped SwiGLU. The activation is applied inside ``gmm_scatter`` and recomputed in backward, so
+a step keeps only the first GEMM's output. Nothing reads a count on the host: a step is as
+sync-free (and CUDA-graph capturable) as the backends that serve the ops.
+
+A module this cannot serve exactly (an activation with no fused equivalent, a custom gate, a
+post-expert norm) raises :class:`UnsupportedExpertsError` naming what is unsupported, instead of
+computing something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from .. import ops
+from ..activations import GATED, INTERLEAVED, SWIGLU_OAI, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
+__all__ = ["IMPLEMENTATION", "UnsupportedExpertsError", "experts_forward", "register"]
+
+#: The name to pass as ``experts_implementation=``.
+IMPLEMENTATION = "megablocks"
+
+# Only padded_bins uses it, and nothing here reads padded_bins.
+_BLOCK_SIZE = 128
+
+#: transformers' activation classes (transformers.activations.ACT2CLS) → our activation names.
+_ACTIVATIONS_BY_CLASS: dict[str, str] = {
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+    "ReLU": "relu",
+    "GELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu_erf",
+}
+
+#: A glu name → the gated name gmm_scatter takes ("silu" → "swiglu").
+_GATED_BY_UNIT = {unit: name for name, unit in GATED.items() if unit is not None}
+
+
+class UnsupportedExpertsError(NotImplementedError):
+    """An Experts module whose computation this implementation cannot reproduce exactly."""
+
+
+@dataclass(frozen=True)
+class ExpertsLayout:
+    """How one Experts module's weights and activation map onto the fused ops."""
+
+    first: str
+    """The first GEMM's weight attribute: ``gate_up_proj`` (gated) or ``up_proj``."""
+    trans_b: bool
+    """The weights are stored (experts, out, in) (transformers' ``is_transposed=False``)."""
+    activation: str
+    """gmm_scatter's activation name (a gated one for gated experts)."""
+    first_bias: str | None = None
+    """The first GEMM's bias attribute (``has_bias=True``), else None."""
+    second_bias: str | None = None
+    """The second GEMM's bias attribute (``down_proj_bias``), else None."""
+
+
+def _unsupported(module: torch.nn.Module, what: str) -> UnsupportedExpertsError:
+    return UnsupportedExpertsError(
+        f"experts_implementation={IMPLEMENTATION!r} cannot serve {type(module).__name__}: {what}; "
+        "use another experts_implementation (e.g. 'eager') for this model"
+    )
+
+
+def _activation_name(module: torch.nn.Module) -> str:
+    act = getattr(module, "act_fn", None)
+    if act is None:
+        raise _unsupported(module, "it has no act_fn")
+    kind = type(act).__name__
+    name = _ACTIVATIONS_BY_CLASS.get(kind)
+    if name is None:
+        raise _unsupported(module, f"activation {kind} is not supported")
+    return name
+
+
+def _gate_function(module: torch.nn.Module) -> Any:
+    return getattr(type(module), "_apply_gate", None)
+
+
+def _is_gpt_oss_gate(module: torch.nn.Module) -> bool:
+    try:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return False
+    return _gate_function(module) is GptOssExperts._apply_gate
+
+
+def _gate_unit(module: torch.nn.Module) -> str:
+    """The glu name (side by side) of a gated module's gate: act(gate) * up for transformers'
+    default gate, GPT-OSS's clamped SwiGLU for its own."""
+    from transformers.integrations import moe
+
+    if _gate_function(module) is moe._default_apply_gate:
+        return _activation_name(module)
+    if _is_gpt_oss_gate(module):
+        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+        if (alpha, limit) != (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):
+            raise _unsupported(
+                module,
+                f"a clamped SwiGLU with alpha={alpha} and limit={limit} (supported: GPT-OSS's "
+                f"alpha={SWIGLU_OAI_ALPHA}, limit={SWIGLU_OAI_LIMIT})",
+            )
+        if getattr(module, "is_concatenated", True):
+            raise _unsupported(
+                module, "GPT-OSS's gate reads interleaved columns, yet is_concatenated=True"
+            )
+        return SWIGLU_OAI
+    raise _unsupported(module, f"its own gate function ({type(module).__name__}._apply_gate)")
+
+
+def layout_of(module: torch.nn.Module) -> ExpertsLayout:
+    """The layout of a transformers Experts module, from the flags its
+    ``@use_experts_implementation`` decorator set (``is_concatenated``, ``is_transposed``,
+    ``has_bias``, ``has_gate``, ``has_post_expert_norm``) and its gate and activation; raises
+    :class:`UnsupportedExpertsError` for one it cannot serve."""
+    if getattr(module, "has_post_expert_norm", False):
+        raise _unsupported(
+            module, "a post-expert norm (has_post_expert_norm=True) is not supported"
+        )
+    gated = getattr(module, "has_gate", True)
+    if gated:
+        unit = _gate_unit(module)
+        if not getattr(module, "is_concatenated", True):
+            unit += INTERLEAVED
+        activation = _GATED_BY_UNIT[unit]
+    else:
+        activation = _activation_name(module)
+    first = "gate_up_proj" if gated else "up_proj"
+    biased = getattr(module, "has_bias", False)
+    return ExpertsLayout(
+        first=first,
+        trans_b=not getattr(module, "is_transposed", False),
+        activation=activation,
+        first_bias=first + "_bias" if biased else None,
+        second_bias="down_proj_bias" if biased else None,
+    )
+
+
+def experts_forward(
+    self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """transformers' experts call ``(T, H), (T, K) ids, (T, K) weights -> (T, H)`` through
+    ``route``, ``gather_gmm`` and ``gmm_scatter``."""
+    layout = layout_of(self)
+    num_experts = cast(int, self.num_experts)
+    top_k = top_k_index.shape[-1]
+    expert_ids = top_k_index.reshape(-1).to(torch.int32)
+    experts_routed = num_experts
+    if getattr(self, "_is_expert_parallel", False):
+        # Ids of experts on other ranks (>= num_experts, zero weight) go to one extra bin that
+        # sorts last; bins[:num_experts] then ends before them, so no GEMM computes them.
+        expert_ids = expert_ids.clamp(max=num_experts)
+        experts_routed = num_experts + 1
+    indices, bin_ids, _, bins, _ = ops.route(expert_ids, experts_routed, _BLOCK_SIZE)
+    bins = bins[:num_experts]
+    first: Tensor = getattr(self, layout.first)
+    second = cast(Tensor, self.down_proj)
+    x = hidden_states.to(first.dtype)
+    weights = top_k_weights.reshape(-1).to(first.dtype)
+    first_bias = _bias(self, layout.first_bias)
+    second_bias = _bias(self, layout.second_bias)
+    trans_b = layout.trans_b
+    h = ops.gather_gmm(x, first, indices, bin_ids, bins, top_k, trans_b, None, first_bias)
+    out = ops.gmm_scatter(
+        h, second, indices, bin_ids, weights, bins, top_k, trans_b, layout.activation, None,
+        second_bias,
+    )  # fmt: skip
+    return out.to(hidden_states.dtype)
+
+
+def _bias(module: torch.nn.Module, name: str | None) -> Tensor | None:
+    return None if name is None else cast(Tensor, getattr(module, name))
+
+
+def register(name: str = IMPLEMENTATION) -> None:
+    """Registers :func:`experts_forward` in transformers' ``ExpertsInterface`` as ``name``
+    (done for ``"megablocks"`` on import of this module)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, experts_forward)
+
+
+register()

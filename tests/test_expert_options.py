@@ -1,0 +1,189 @@
+"""The expert options transformers' MoE families need: the grouped GEMMs' per-expert bias, the
+exact and tanh GELUs by name, interleaved gate/up rows and GPT-OSS's clamped SwiGLU.
+
+Each is checked against an independent per-token loop or formula (float64 on the reference
+backend, tight), and the Triton kernels against the definitions (float32 under the
+interpreter, the kit's tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from triton_interpreter import interpreting
+
+import megablocks_core.ops as ops
+from megablocks_core import use_backend
+from megablocks_core.activations import (
+    ACTIVATIONS,
+    GATED,
+    GLU_NAMES,
+    ROW_NAMES,
+    activation_backward,
+    glu,
+    glu_backward,
+)
+from megablocks_core.entries import call
+from megablocks_core.testing.kit import TOLERANCES
+
+EXPERTS, HIDDEN, FFN, TOKENS, TOP_K = 3, 4, 5, 6, 2
+
+
+def _oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU, written as transformers writes it."""
+    gate = gate.clamp(min=None, max=7.0)
+    up = up.clamp(min=-7.0, max=7.0)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
+def test_gelu_names() -> None:
+    x = torch.linspace(-5, 5, 101, dtype=torch.float64)
+    torch.testing.assert_close(ACTIVATIONS["gelu_erf"][0](x), 0.5 * x * (1 + torch.erf(x / 2**0.5)))
+    tanh = F.gelu(x, approximate="tanh")
+    torch.testing.assert_close(ACTIVATIONS["gelu_tanh"][0](x), tanh)
+    torch.testing.assert_close(ACTIVATIONS["gelu"][0](x), tanh)  # MegaBlocks' "gelu"
+    assert (ACTIVATIONS["gelu_erf"][0](x) - tanh).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_clamped_swiglu_definition(interleaved: bool) -> None:
+    x = (torch.randn(9, 12, dtype=torch.float64) * 6).requires_grad_()
+    gate, up = (x[:, 0::2], x[:, 1::2]) if interleaved else x.chunk(2, dim=-1)
+    want = _oai(gate, up)
+    name = "silu_oai" + ("_interleaved" if interleaved else "")
+    torch.testing.assert_close(glu(x.detach(), name), want.detach(), rtol=1e-14, atol=1e-14)
+    grad = torch.randn_like(want)
+    (want_grad,) = torch.autograd.grad(want, x, grad)
+    torch.testing.assert_close(glu_backward(grad, x.detach(), name), want_grad)
+
+
+@pytest.mark.parametrize("name", [n for n in GLU_NAMES if n.endswith("_interleaved")])
+def test_interleaved_is_the_side_by_side_unit_of_the_columns(name: str) -> None:
+    x = torch.randn(7, 10, dtype=torch.float64) * 3
+    side_by_side = torch.cat([x[:, 0::2], x[:, 1::2]], dim=-1)
+    base = name.removesuffix("_interleaved")
+    torch.testing.assert_close(glu(x, name), glu(side_by_side, base))
+    grad = torch.randn(7, 5, dtype=torch.float64)
+    back = glu_backward(grad, side_by_side, base)
+    torch.testing.assert_close(
+        glu_backward(grad, x, name), torch.stack(back.chunk(2, dim=-1), dim=-1).flatten(-2)
+    )
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton kernels on CPU tensors")
+def test_triton_activation_kernels_match_the_definitions() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 10, generator=gen) * 4
+    grad = torch.randn(7, 5, generator=gen)
+    scale = torch.rand(7, generator=gen)
+    tol = TOLERANCES[torch.float32]
+    with use_backend("triton"):
+        for name in (*GLU_NAMES, None):
+            torch.testing.assert_close(call("glu", x, name), glu(x, name), rtol=tol, atol=tol)
+            torch.testing.assert_close(
+                call("glu_backward", grad, x, name),
+                glu_backward(grad, x, name),
+                rtol=tol,
+                atol=tol,
+            )
+        for name in (*ROW_NAMES, None):
+            rows = x if name in GATED else x[:, :5].contiguous()
+            got_grad, want_grad = grad.clone(), grad.clone()
+            got = call("activation_backward", got_grad, rows, scale, name)
+            want = activation_backward(want_grad, rows, scale, name)
+            for g, w in zip((*got, got_grad), (*want, want_grad), strict=True):
+                torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=str(name))
+
+
+def _routing() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(TOKENS)])
+    return (ids.flatten(), *ops.route(ids.flatten().int(), EXPERTS, 4))
+
+
+def _leaves(dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    shapes = [
+        (TOKENS, HIDDEN),  # x
+        (EXPERTS, HIDDEN, 2 * FFN),  # first GEMM (in, out)
+        (EXPERTS, 2 * FFN),  # its bias
+        (EXPERTS, FFN, HIDDEN),  # second GEMM
+        (EXPERTS, HIDDEN),  # its bias
+    ]
+    leaves = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    weights = torch.rand(TOKENS * TOP_K, generator=gen, dtype=dtype)
+    return [t.requires_grad_() for t in (*leaves, weights)]
+
+
+def _per_token(leaves: list[torch.Tensor], ids: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    x, w1, b1, w2, b2, weights = leaves
+    out = []
+    for t in range(TOKENS):
+        acc = torch.zeros(HIDDEN, dtype=x.dtype)
+        for k in range(TOP_K):
+            e = int(ids[t * TOP_K + k])
+            h = x[t] @ w1[e] + b1[e]
+            gate, up = (h[0::2], h[1::2]) if interleaved else h.chunk(2)
+            acc = acc + weights[t * TOP_K + k] * (_oai(gate, up) @ w2[e] + b2[e])
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("reference", torch.float64), ("triton", torch.float32)]
+)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_biased_clamped_swiglu_experts_and_every_gradient(
+    backend: str, dtype: torch.dtype, interleaved: bool
+) -> None:
+    """GPT-OSS's experts through the fused ops: gather_gmm with a bias, then gmm_scatter with
+    the clamped SwiGLU and a bias, against a per-token loop."""
+    if backend == "triton" and not interpreting():
+        pytest.skip("the Triton kernels on CPU tensors")
+    ids, indices, bin_ids, _, bins, _ = _routing()
+    leaves = _leaves(dtype)
+    x, w1, b1, w2, b2, weights = leaves
+    activation = "swiglu_oai" + ("_interleaved" if interleaved else "")
+    with use_backend(backend):
+        h = ops.gather_gmm(x * 3, w1, indices, bin_ids, bins, TOP_K, False, None, b1 * 3)
+        got = ops.gmm_scatter(h, w2, indices, bin_ids, weights, bins, TOP_K, False, activation,
+                              None, b2)  # fmt: skip
+    scaled = [x * 3, w1, b1 * 3, w2, b2, weights]
+    want = _per_token(scaled, ids, interleaved)
+    probe = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    got_grads = torch.autograd.grad((got * probe).sum(), leaves)
+    want_grads = torch.autograd.grad((want * probe).sum(), leaves)
+    tol = 1e-12 if dtype == torch.float64 else TOLERANCES[dtype]
+    for g, w in zip((got, *got_grads), (want, *want_grads), strict=True):
+        scale = max(1.0, w.abs().max().item())
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol * scale)
+
+
+def test_gmm_bias_per_group_and_none_past_the_groups() -> None:
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    sizes = torch.tensor([2, 0, 5])  # the last two rows belong to no group
+    out = ops.gmm(a, b, sizes, True, bias)
+    experts = [0, 0, 2, 2, 2, 2, 2]
+    want = torch.cat(
+        [torch.stack([a[i] @ b[e].t() + bias[e] for i, e in enumerate(experts)]), a.new_zeros(2, 5)]
+    )
+    torch.testing.assert_close(out, want)
+    probe = torch.randn(9, 5, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((out * probe).sum(), (a, b, bias))
+    expected = torch.autograd.grad((want * probe).sum(), (a, b, bias))
+    for g, w in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_a_bias_of_the_wrong_shape_or_dtype_is_an_error_naming_it() -> None:
+    a = torch.randn(4, 3)
+    b = torch.randn(2, 3, 5)
+    sizes = torch.tensor([2, 2])
+    with pytest.raises(ValueError, match="bias"):
+        ops.gmm(a, b, sizes, False, torch.randn(2, 3))
+    with pytest.raises(TypeError, match="bias"):
+        ops.gmm(a, b, sizes, False, torch.randn(2, 5, dtype=torch.float64))

@@ -1,0 +1,426 @@
+"""The Megatron-Core / Transformer Engine permutation ops (moe_permute_map, moe_permute,
+moe_permute_probs, moe_unpermute, moe_sort_chunks) against Megatron-Core's own unfused path and
+an independent per-slot loop, forward and backward; padding, the index form, dropping;
+cross-backend pairing of permute and unpermute; the Triton kernels and the kit; bad inputs.
+
+Megatron-Core (``megatron-core==0.16.1``, installed with ``--no-deps``) is the oracle written by
+someone else; the tests that need it skip where it is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from moe_routing import (
+    SETTINGS,
+    expert,
+    loop_permute,
+    loop_unpermute,
+    moe_utils,
+    needs_megatron,
+    needs_triton,
+    routing_cases,
+    top_k_mask,
+)
+
+import megablocks_core
+import megablocks_core.ops as ops
+from megablocks_core.integrations import transformer_engine as te
+from megablocks_core.validation import ContractError, ContractTypeError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def on_the_reference():
+    """Every op on the reference unless a test forces another backend (the triton tests do):
+    under TRITON_INTERPRET=1 the triton backend would otherwise win the CPU calls it serves."""
+    with megablocks_core.use_backend("reference"):
+        yield
+
+
+# ---------------------------------------------------------------------------
+# Against Megatron-Core's unfused permute / unpermute / sort_chunks_by_idxs
+
+
+@needs_megatron
+@SETTINGS
+@given(case=routing_cases)
+def test_permute_and_unpermute_match_megatron_unfused(case):
+    tokens, experts = case["tokens"], case["experts"]
+    top_k = min(case["top_k"], experts)
+    mask = top_k_mask(tokens, experts, top_k, min(case["empty"], experts - top_k), case["seed"])
+    gen = torch.Generator().manual_seed(case["seed"] + 1)
+    x = torch.randn(tokens, 6, generator=gen, dtype=torch.float64)
+    probs = torch.rand(tokens, experts, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(tokens, 6, generator=gen, dtype=torch.float64)
+    # Dropless Megatron passes tokens * top_k: a static bound, here with some slack.
+    rows = tokens * top_k + case["slack"]
+    with_probs = case["with_probs"]
+
+    def run(ours: bool) -> tuple[torch.Tensor, ...]:
+        xs = x.clone().requires_grad_(True)
+        ps = probs.clone().requires_grad_(True)
+        if ours:
+            row_map, counts = ops.moe_permute_map(mask, experts, rows)
+            permuted = ops.moe_permute(xs, row_map, rows)
+            permuted_probs = ops.moe_permute_probs(ps, row_map, rows)
+            out = ops.moe_unpermute(expert(permuted), row_map, ps if with_probs else None)
+            assert int(counts.sum()) == tokens * top_k
+        else:
+            permuted, permuted_probs, sorted_indices = moe_utils.permute(
+                xs, mask, probs=ps, num_out_tokens=rows
+            )
+            out = moe_utils.unpermute(
+                expert(permuted),
+                sorted_indices,
+                xs.shape,
+                probs=ps if with_probs else None,
+                routing_map=mask if with_probs else None,
+            )
+        loss = (out * upstream).sum() + (permuted_probs * torch.arange(len(permuted_probs))).sum()
+        loss.backward()
+        return permuted, permuted_probs, out, xs.grad, ps.grad
+
+    ours, theirs = run(True), run(False)
+    real = tokens * top_k
+    assert ours[0].shape == (rows, 6)
+    torch.testing.assert_close(ours[0][:real], theirs[0])
+    assert not ours[0][real:].any(), "rows past the real count are 0"
+    torch.testing.assert_close(ours[1][:real], theirs[1])
+    assert not ours[1][real:].any()
+    for got, want in zip(ours[2:], theirs[2:], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@needs_megatron
+@SETTINGS
+@given(
+    chunks=st.lists(st.integers(0, 4), min_size=1, max_size=8),
+    seed=st.integers(0, 2**16),
+    with_probs=st.booleans(),
+    on_device=st.booleans(),
+)
+def test_sort_chunks_matches_megatron_unfused(chunks, seed, with_probs, on_device):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor(chunks)
+    order = torch.randperm(len(chunks), generator=gen)
+    rows = sum(chunks)
+    x = torch.randn(rows, 5, generator=gen, dtype=torch.float64)
+    probs = torch.rand(rows, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(rows, 5, generator=gen, dtype=torch.float64)
+
+    def run(ours: bool) -> tuple[torch.Tensor | None, ...]:
+        xs = x.clone().requires_grad_(True)
+        ps = probs.clone().requires_grad_(True)
+        if ours:
+            out, sorted_probs = te.moe_sort_chunks_by_index_with_probs(xs, ps, sizes, order)
+            if not with_probs:
+                out, sorted_probs = te.moe_sort_chunks_by_index(xs, sizes, order), None
+        else:
+            out, sorted_probs = moe_utils.sort_chunks_by_idxs(
+                xs, sizes, order, probs=ps if with_probs else None
+            )
+        loss = (out * upstream).sum()
+        if sorted_probs is not None:
+            loss = loss + (sorted_probs * torch.arange(rows)).sum()
+        if rows:
+            loss.backward()
+        return out, sorted_probs, xs.grad, ps.grad
+
+    for got, want in zip(run(True), run(False), strict=True):
+        if want is None:
+            assert got is None or not got.any()
+        else:
+            torch.testing.assert_close(got, want)
+
+
+@needs_megatron
+@pytest.mark.parametrize("align", [1, 16, 32, 128])
+def test_padded_form_equals_megatrons_padded_routing_map(align):
+    """Megatron pads for FP8 by routing extra tokens (probability 0) to each expert; our padded
+    form adds zero rows instead. The experts see row counts that are multiples of align either
+    way, and the unpermuted outputs and gradients agree."""
+    tokens, experts, top_k = 40, 4, 2
+    mask = top_k_mask(tokens, experts, top_k, 1, seed=align)
+    gen = torch.Generator().manual_seed(align + 1)
+    x = torch.randn(tokens, 6, generator=gen, dtype=torch.float64)
+    probs = torch.rand(tokens, experts, generator=gen, dtype=torch.float64) * mask
+    rows = tokens * top_k + experts * (align - 1)  # a static bound for any routing
+
+    def run(ours: bool) -> tuple[torch.Tensor, ...]:
+        xs, ps = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        if ours:
+            row_map, counts = ops.moe_permute_map(mask, experts, rows, align)
+            out = ops.moe_unpermute(expert(ops.moe_permute(xs, row_map, rows)), row_map, ps)
+            assert not (counts % align).any()
+        else:
+            padded = moe_utils.pad_routing_map(mask.clone(), align)
+            permuted, _, order = moe_utils.permute(xs, padded, probs=ps)
+            out = moe_utils.unpermute(
+                expert(permuted), order, xs.shape, probs=ps, routing_map=padded
+            )
+        out.square().sum().backward()
+        return out, xs.grad, ps.grad
+
+    ours, theirs = run(True), run(False)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1])
+    # Megatron's padding tokens also give their (zero) probabilities a gradient; ours has none.
+    torch.testing.assert_close(ours[2] * mask, theirs[2] * mask)
+
+
+# ---------------------------------------------------------------------------
+# Against the independent loop: padding, the index form, dropping
+
+
+@SETTINGS
+@given(
+    case=routing_cases,
+    align=st.sampled_from([1, 16, 32, 128]),
+    index_form=st.booleans(),
+    short=st.booleans(),
+)
+def test_padded_index_and_dropping_forms_match_a_loop(case, align, index_form, short):
+    tokens, experts = case["tokens"], case["experts"]
+    top_k = min(case["top_k"], experts)
+    mask = top_k_mask(tokens, experts, top_k, min(case["empty"], experts - top_k), case["seed"])
+    gen = torch.Generator().manual_seed(case["seed"] + 2)
+    if index_form:  # (tokens, top_k) ids, an unrouted (-1) one now and then
+        routing = torch.multinomial(torch.ones(max(tokens, 1), experts), top_k, generator=gen)
+        routing = routing[:tokens].to(torch.int32)
+        if tokens > 1:
+            routing[1, 0] = -1
+    else:
+        routing = mask
+    needed = int(
+        sum(
+            -(-int(c) // align) * align
+            for c in torch.bincount(
+                (routing[routing >= 0].long() if index_form else mask.nonzero()[:, 1]).reshape(-1),
+                minlength=experts,
+            )
+        )
+    )
+    rows = max(needed // 2, 0) if short else needed + case["slack"]
+    x = torch.randn(tokens, 4, generator=gen)
+    probs = torch.rand(*routing.shape, generator=gen) if case["with_probs"] else None
+    want_map, want_counts, want_rows, want_probs = loop_permute(
+        x, routing, experts, rows, align, probs
+    )
+    row_map, counts = ops.moe_permute_map(routing, experts, rows, align)
+    assert torch.equal(row_map, want_map)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(ops.moe_permute(x, row_map, rows), want_rows)
+    if probs is not None:
+        assert torch.equal(ops.moe_permute_probs(probs, row_map, rows), want_probs)
+    y = torch.randn(rows, 4, generator=gen)
+    torch.testing.assert_close(
+        ops.moe_unpermute(y, row_map, probs), loop_unpermute(y, row_map, probs).float()
+    )
+
+
+def test_a_wrong_row_order_fails_the_oracle():
+    """The oracle is not vacuous: two rows of one expert swapped no longer match."""
+    mask = top_k_mask(6, 3, 2, 0, seed=1)
+    x = torch.randn(6, 4)
+    want_map, _, want_rows, _ = loop_permute(x, mask, 3, 12, 1, None)
+    row_map, _ = ops.moe_permute_map(mask, 3, 12)
+    first, second = (row_map == 0).nonzero()[0], (row_map == 1).nonzero()[0]
+    swapped = row_map.clone()
+    swapped[tuple(first)], swapped[tuple(second)] = 1, 0
+    assert not torch.equal(swapped, want_map)
+    assert not torch.equal(ops.moe_permute(x, swapped, 12), want_rows)
+
+
+def test_gradcheck_through_permute_map_permute_and_unpermute():
+    mask = top_k_mask(5, 4, 2, 1, seed=3)
+    row_map, _ = ops.moe_permute_map(mask, 4, 13, 4)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(5, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(13, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda a: ops.moe_permute(a, row_map, 13), (x,))
+    torch.autograd.gradcheck(lambda p: ops.moe_permute_probs(p, row_map, 13), (probs,))
+    torch.autograd.gradcheck(lambda a, p: ops.moe_unpermute(a, row_map, p), (y, probs))
+    torch.autograd.gradgradcheck(lambda a, p: ops.moe_unpermute(a, row_map, p), (y, probs))
+    sizes, order = torch.tensor([2, 0, 3]), torch.tensor([2, 0, 1])
+    torch.autograd.gradcheck(lambda a: ops.moe_sort_chunks(a, sizes, order), (x,))
+
+
+# ---------------------------------------------------------------------------
+# Cross-backend pairing, torch.compile
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "permute_on, unpermute_on", [("triton", "reference"), ("reference", "triton")]
+)
+def test_permute_on_one_backend_unpermute_on_another(permute_on, unpermute_on):
+    mask = top_k_mask(9, 5, 2, 1, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    x, probs = torch.randn(9, 4, generator=gen), torch.rand(9, 5, generator=gen)
+    with megablocks_core.use_backend(moe_permute_map=permute_on, moe_permute=permute_on):
+        row_map, _ = ops.moe_permute_map(mask, 5, 40, 4)  # 40: room for every padded row
+        permuted = ops.moe_permute(x, row_map, 40)
+    with megablocks_core.use_backend(moe_unpermute=unpermute_on):
+        back = ops.moe_unpermute(permuted, row_map, probs)
+    torch.testing.assert_close(back, x * (probs * mask).sum(1, keepdim=True))
+
+
+@needs_triton
+def test_the_pairing_forced_through_the_environment():
+    code = """
+import torch, megablocks_core.ops as ops
+from megablocks_core.dispatch import explain
+mask = torch.rand(7, 4, generator=torch.Generator().manual_seed(0)) > 0.5
+x = torch.randn(7, 3)
+row_map, _ = ops.moe_permute_map(mask, 4, 28, 4)
+back = ops.moe_unpermute(ops.moe_permute(x, row_map, 28), row_map, None)
+torch.testing.assert_close(back, x * mask.sum(1, keepdim=True))
+print(*(explain(op, "cpu").winner.backend
+        for op in ("moe_permute_map", "moe_permute", "moe_unpermute")))
+"""
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "MEGABLOCKS_BACKEND": "moe_permute_map=triton,moe_permute=triton,moe_unpermute=reference",
+    }
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["triton", "triton", "reference"]
+
+
+def test_compile_fullgraph_static_shapes():
+    mask = top_k_mask(8, 4, 2, 0, seed=15)
+    gen = torch.Generator().manual_seed(16)
+    x, probs = torch.randn(8, 3, generator=gen), torch.rand(8, 4, generator=gen)
+
+    def layer(x: torch.Tensor, mask: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        row_map, _ = ops.moe_permute_map(mask, 4, 16, 1)
+        return ops.moe_unpermute(expert(ops.moe_permute(x, row_map, 16)), row_map, probs)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, mask, probs), layer(x, mask, probs))
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs: a clear error or the documented safe result
+
+
+def test_bad_routing_maps_and_probs_are_clear_errors():
+    mask = top_k_mask(4, 3, 1, 0, seed=17)
+    x = torch.randn(4, 2)
+    with pytest.raises(ContractTypeError, match="routing_map"):
+        ops.moe_permute_map(mask.float(), 3, 4)
+    with pytest.raises(ContractError, match="routing_map"):
+        ops.moe_permute_map(mask.reshape(-1), 3, 4)
+    with pytest.raises(ContractError, match="one column per expert"):
+        ops.moe_permute_map(mask, 5, 4)
+    with pytest.raises(ContractError, match="num_out_tokens"):
+        ops.moe_permute_map(mask, 3, -1)
+    row_map, _ = ops.moe_permute_map(mask, 3, 4)
+    with pytest.raises(ContractError, match="one row map row per token"):
+        ops.moe_permute(x[:3], row_map, 4)
+    with pytest.raises(ContractError, match="one probability per slot"):
+        ops.moe_unpermute(x, row_map, torch.rand(4, 2))
+    with pytest.raises(ContractTypeError, match="row_map"):
+        ops.moe_unpermute(x, row_map.long(), None)
+    with pytest.raises(TypeError, match=r"mask routing_map must be torch\.bool"):
+        te.moe_permute(x, mask.int(), 4)
+
+
+def test_num_out_tokens_too_small_drops_the_rows_past_it():
+    mask = top_k_mask(6, 3, 2, 0, seed=18)
+    x = torch.randn(6, 2)
+    row_map, counts = ops.moe_permute_map(mask, 3, 5)
+    assert int(row_map.max()) == 4 and int(counts.sum()) == 5
+    assert int((row_map >= 0).sum()) == 5
+    out = ops.moe_permute(x, row_map, 5)
+    back = ops.moe_unpermute(out, row_map, None)
+    kept = (row_map >= 0).sum(1, keepdim=True)
+    torch.testing.assert_close(back, x * kept)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_row_map_entries_out_of_range_touch_nothing(backend, monkeypatch):
+    from megablocks_core.policy import overrides
+
+    monkeypatch.setattr(overrides, "checked", False)
+    x = torch.randn(3, 2)
+    row_map = torch.tensor([[0, 99], [-7, 2], [2**30, 1]], dtype=torch.int32)
+    with megablocks_core.use_backend(backend):
+        out = ops.moe_permute(x, row_map, 3)
+        back = ops.moe_unpermute(out, row_map, None)
+        probs = ops.moe_permute_probs(torch.ones(3, 2), row_map, 3)
+    torch.testing.assert_close(out, torch.stack([x[0], x[2], x[1]]))
+    torch.testing.assert_close(back, x)
+    assert probs.tolist() == [1.0, 1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------
+# The Triton kernels (under the interpreter) and the conformance kit
+
+
+@needs_triton
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=routing_cases, align=st.sampled_from([1, 16, 32]), index_form=st.booleans())
+def test_triton_matches_the_loop(case, align, index_form):
+    tokens, experts = case["tokens"] % 7, case["experts"]
+    top_k = min(case["top_k"], experts)
+    mask = top_k_mask(tokens, experts, top_k, min(case["empty"], experts - top_k), case["seed"])
+    routing = mask.nonzero()[:, 1].view(tokens, top_k).to(torch.int64) if index_form else mask
+    if index_form and tokens:
+        routing[0, 0] = experts + 4  # names no expert
+    gen = torch.Generator().manual_seed(case["seed"])
+    rows = max(tokens * top_k + experts * (align - 1) - case["slack"], 0)  # slack: dropping
+    x = torch.randn(tokens, 3, generator=gen)
+    probs = torch.rand(*routing.shape, generator=gen)
+    want_map, want_counts, want_rows, want_probs = loop_permute(
+        x, routing, experts, rows, align, probs
+    )
+    y = torch.randn(rows, 3, generator=gen, requires_grad=True)
+    with megablocks_core.use_backend("triton"):
+        row_map, counts = ops.moe_permute_map(routing, experts, rows, align)
+        permuted = ops.moe_permute(x, row_map, rows)
+        permuted_probs = ops.moe_permute_probs(probs, row_map, rows)
+        back = ops.moe_unpermute(y, row_map, probs)
+        back.sum().backward()
+    assert torch.equal(row_map, want_map) and torch.equal(counts, want_counts)
+    assert torch.equal(permuted, want_rows) and torch.equal(permuted_probs, want_probs)
+    torch.testing.assert_close(back, loop_unpermute(y.detach(), row_map, probs).float())
+    with megablocks_core.use_backend("reference"):
+        y_ref = y.detach().clone().requires_grad_(True)
+        ops.moe_unpermute(y_ref, row_map, probs).sum().backward()
+    torch.testing.assert_close(y.grad, y_ref.grad)
+
+
+@needs_triton
+def test_the_kit_passes_triton_on_the_moe_permute_ops_paired_with_the_reference():
+    from megablocks_core.testing import kit
+
+    names = [c.name for c in megablocks_core.contracts.MOE_PERMUTATION_OPS]
+    results = kit.check(["triton"], "cpu", quick=True, ops=names)
+    assert {r.op: r.status for r in results} == dict.fromkeys(names, "pass"), [
+        r.message for r in results if r.status != "pass"
+    ]
+
+
+def test_the_bad_data_checks_catch_wrong_results():
+    from megablocks_core.testing import Mismatch, bad_data
+
+    case = next(c for c in bad_data.CASES if c.name == "moe_permute_map/expert ids out of range")
+    args = case.build(torch.device("cpu"))
+    row_map, counts = ops.moe_permute_map(*args)
+    bad_data.check_result("moe_permute_map", args, (row_map, counts))
+    swapped = row_map.flip(0).contiguous()
+    with pytest.raises(Mismatch):
+        bad_data.check_result("moe_permute_map", args, (swapped, counts))
+    case = next(c for c in bad_data.CASES if c.name == "moe_permute/row map out of range")
+    args = case.build(torch.device("cpu"))
+    out = ops.moe_permute(args[0], args[1], args[3])
+    with pytest.raises(Mismatch):  # the unweighted rows where weighted ones are due
+        bad_data.check_result("moe_permute", args, out)
