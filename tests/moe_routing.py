@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+import megablocks_core
 from megablocks_core.dispatch import registry
 
 with warnings.catch_warnings():
@@ -34,6 +35,16 @@ def _triton_ok() -> bool:
 needs_triton = pytest.mark.skipif(
     not _triton_ok(), reason="the triton kernels run on the CPU only under TRITON_INTERPRET=1"
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def on_the_reference():
+    """Every op on the reference unless a test forces another backend (the triton tests do):
+    under TRITON_INTERPRET=1 the triton backend would otherwise win the CPU calls it serves.
+    Autouse in each module that imports it."""
+    with megablocks_core.use_backend("reference"):
+        yield
+
 
 SETTINGS = settings(
     max_examples=25,

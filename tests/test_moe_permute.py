@@ -25,6 +25,7 @@ from moe_routing import (
     moe_utils,
     needs_megatron,
     needs_triton,
+    on_the_reference,  # noqa: F401 (an autouse fixture)
     routing_cases,
     top_k_mask,
 )
@@ -33,15 +34,6 @@ import megablocks_core
 import megablocks_core.ops as ops
 from megablocks_core.integrations import transformer_engine as te
 from megablocks_core.validation import ContractError, ContractTypeError
-
-
-@pytest.fixture(autouse=True, scope="module")
-def on_the_reference():
-    """Every op on the reference unless a test forces another backend (the triton tests do):
-    under TRITON_INTERPRET=1 the triton backend would otherwise win the CPU calls it serves."""
-    with megablocks_core.use_backend("reference"):
-        yield
-
 
 # ---------------------------------------------------------------------------
 # Against Megatron-Core's unfused permute / unpermute / sort_chunks_by_idxs

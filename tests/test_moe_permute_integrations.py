@@ -14,6 +14,7 @@ from moe_routing import (
     moe_utils,
     needs_megatron,
     needs_triton,
+    on_the_reference,  # noqa: F401 (an autouse fixture)
     top_k_mask,
 )
 
@@ -21,15 +22,6 @@ import megablocks_core
 import megablocks_core.ops as ops
 from megablocks_core.integrations import megatron as mcore_adapter
 from megablocks_core.integrations import transformer_engine as te
-
-
-@pytest.fixture(autouse=True, scope="module")
-def on_the_reference():
-    """Every op on the reference unless a test forces another backend (the triton tests do):
-    under TRITON_INTERPRET=1 the triton backend would otherwise win the CPU calls it serves."""
-    with megablocks_core.use_backend("reference"):
-        yield
-
 
 # ---------------------------------------------------------------------------
 # The Megatron-Core adapter and a permute → experts → unpermute round trip
