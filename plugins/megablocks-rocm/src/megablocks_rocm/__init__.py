@@ -1,7 +1,8 @@
 """AMD ROCm backend for megablocks-core.
 
-The Triton kernels of ``megablocks-triton``, declared for device kind ``"rocm"`` and launched with
-launch configurations chosen per AMD architecture (:mod:`megablocks_rocm.arch`,
+The Triton kernels of ``megablocks-triton`` (taken through its API for other plugins,
+:mod:`megablocks_triton.api`), declared for device kind ``"rocm"`` and launched with launch
+configurations chosen per AMD architecture (:mod:`megablocks_rocm.arch`,
 :mod:`megablocks_rocm.launch`). Importing this package needs neither triton nor a GPU.
 """
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from megablocks_triton.config import use_launch_configs
+from megablocks_triton.api import use_launch_configs
 
 from megablocks_core.plugin import describe_device
 

@@ -1,6 +1,6 @@
 """Launch shapes for the Triton kernels on AMD GPUs (64-wide wavefronts, CU counts).
 
-:class:`RocmLaunchConfigs` is a :class:`megablocks_triton.config.LaunchConfigs` for one device:
+:class:`RocmLaunchConfigs` is a :class:`megablocks_triton.api.LaunchConfigs` for one device:
 a pure function of its :class:`~megablocks_core.plugin.DeviceInfo`, so tests build it for simulated
 MI200/MI300/MI350 devices. It sizes the routing, permutation and grouped-GEMM launches (tiles per
 CDNA family: :data:`GMM_TILES`) and adds the HIP launch options (:func:`megablocks_rocm.arch.launch_options`).
@@ -13,17 +13,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from megablocks_triton.config import (
+from megablocks_triton.api import (
     KERNEL_KINDS,
     GmmConfig,
     LaunchConfigs,
     PermutationConfig,
     RoutingConfig,
+    cdiv,
     dtype_class,
     fit_gmm_tiles,
+    next_power_of_2,
     permutation_wgrad_shape,
 )
-from megablocks_triton.launch import cdiv, next_power_of_2
 
 from megablocks_core.plugin import DeviceInfo
 

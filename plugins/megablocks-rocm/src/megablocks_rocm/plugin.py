@@ -67,7 +67,7 @@ def megablocks_unavailable_reason() -> str | None:
             "install a ROCm build of torch to use AMD GPUs"
         )
     try:
-        import megablocks_triton.config  # noqa: F401  (imports triton)
+        import megablocks_triton.api  # noqa: F401  (imports triton)
     except ImportError as exc:
         return f"the triton backend cannot be imported ({exc})"
     if not torch.cuda.is_available():
@@ -77,30 +77,30 @@ def megablocks_unavailable_reason() -> str | None:
 
 @hookimpl
 def megablocks_routing_kernels() -> list[Kernel]:
-    from megablocks_triton import plugin as triton_plugin
+    from megablocks_triton import api
 
-    return _rocm_kernels(triton_plugin.megablocks_routing_kernels())
+    return _rocm_kernels(api.routing_kernels())
 
 
 @hookimpl
 def megablocks_permutation_kernels() -> list[Kernel]:
-    from megablocks_triton import plugin as triton_plugin
+    from megablocks_triton import api
 
-    return _rocm_kernels(triton_plugin.megablocks_permutation_kernels())
+    return _rocm_kernels(api.permutation_kernels())
 
 
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
-    from megablocks_triton import plugin as triton_plugin
+    from megablocks_triton import api
 
-    return _rocm_kernels(triton_plugin.megablocks_grouped_gemm_kernels())
+    return _rocm_kernels(api.grouped_gemm_kernels())
 
 
 @hookimpl
 def megablocks_activation_kernels() -> list[Kernel]:
-    from megablocks_triton import plugin as triton_plugin
+    from megablocks_triton import api
 
-    return _rocm_kernels(triton_plugin.megablocks_activation_kernels())
+    return _rocm_kernels(api.activation_kernels())
 
 
 @hookimpl
@@ -109,8 +109,8 @@ def megablocks_compile_jobs(device: DeviceInfo, shape: CompileShape) -> list[Com
     # CDNA family), on the archs it serves.
     if device.kind != "rocm" or arch.unsupported(device) is not None:
         return []
-    from megablocks_triton import aot
+    from megablocks_triton import api
 
     from .launch import RocmLaunchConfigs
 
-    return aot.compile_jobs(device, shape, RocmLaunchConfigs(device))
+    return api.compile_jobs(device, shape, RocmLaunchConfigs(device))

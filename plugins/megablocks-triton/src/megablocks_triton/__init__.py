@@ -4,6 +4,9 @@ The kernel functions take the op contracts' positional arguments and assume
 validated, contiguous inputs on one device (the core checks and copies).
 :func:`route` (the whole routing metadata in one or two launches) and :func:`router_topk` (a
 router's top-k in one launch) are extras beyond MegaBlocks' ops.
+
+Another plugin that reuses these kernels (e.g. under its own launch policy) imports
+:mod:`megablocks_triton.api` and nothing else of this package.
 """
 
 from __future__ import annotations
