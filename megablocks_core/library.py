@@ -18,10 +18,8 @@ import torch
 from . import autograd, validation
 from .contracts import ALL
 from .schema import (
-    RULE_HELPERS,
     BoolArg,
     ChoiceArg,
-    DataDim,
     IntArg,
     OpContract,
     TensorArg,
@@ -64,23 +62,6 @@ def schema(contract: OpContract) -> str:
     return f"{contract.name}({', '.join(parts)}) -> {outs}"
 
 
-def output_meta(
-    contract: OpContract, bound: dict[str, Any], data_dim: Callable[[DataDim], Any]
-) -> list[tuple[tuple[Any, ...], torch.dtype]]:
-    """Each output's (shape, dtype) from the contract; ``data_dim`` sizes data-dependent dims."""
-    scope = {**RULE_HELPERS, **bound}
-    result = []
-    for out in contract.outputs:
-        if isinstance(out.shape, str):
-            shape = tuple(eval(out.shape, scope))
-        else:
-            shape = tuple(
-                data_dim(d) if isinstance(d, DataDim) else eval(d, scope) for d in out.shape
-            )
-        result.append((shape, eval(out.dtype, scope)))
-    return result
-
-
 def _complete(contract: OpContract, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """All of the op's arguments: torch passes a trailing argument left at its schema default
     (``str? activation=None``, ``SymInt? rows=None``) on to the implementations only when it
@@ -97,7 +78,7 @@ def _fake(contract: OpContract) -> Callable[..., Any]:
         bound = contract.bind(args)
         device = bound[contract.primary.name].device
         ctx = torch.library.get_ctx()
-        metas = output_meta(contract, bound, lambda _: ctx.new_dynamic_size())
+        metas = validation.output_meta(contract, bound, lambda _: ctx.new_dynamic_size())
         outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
         if not outs:
             return None  # an op that only writes its mutable arguments

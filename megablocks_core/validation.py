@@ -14,7 +14,7 @@ import ast
 import functools
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -229,17 +229,26 @@ def _names(expr: str) -> set[str]:
     }
 
 
-def output_shapes(
-    op: OpContract, bound: dict[str, Any]
-) -> list[tuple[tuple[int | None, ...], torch.dtype]]:
-    """Each output's (shape, dtype) from the contract, with None for a size that depends on data."""
+def _unknown_size(dim: DataDim) -> None:
+    return None
+
+
+def output_meta(
+    op: OpContract,
+    bound: dict[str, Any],
+    data_dim: Callable[[DataDim], Any] = _unknown_size,
+) -> list[tuple[tuple[Any, ...], torch.dtype]]:
+    """Each output's (shape, dtype) from the contract; ``data_dim`` sizes each dim that depends
+    on data (None unless given)."""
     scope = {**RULE_HELPERS, **bound}
     result = []
     for out in op.outputs:
         if isinstance(out.shape, str):
-            shape: tuple[int | None, ...] = tuple(eval(out.shape, scope))
+            shape = tuple(eval(out.shape, scope))
         else:
-            shape = tuple(None if isinstance(d, DataDim) else eval(d, scope) for d in out.shape)
+            shape = tuple(
+                data_dim(d) if isinstance(d, DataDim) else eval(d, scope) for d in out.shape
+            )
         result.append((shape, eval(out.dtype, scope)))
     return result
 
@@ -251,7 +260,7 @@ def _check_output_sizes(op: OpContract, bound: dict[str, Any]) -> None:
     if not isinstance(primary, torch.Tensor) or primary.is_meta:
         return  # meta tensors allocate nothing
     try:
-        shapes = output_shapes(op, bound)
+        shapes = output_meta(op, bound)
     except Exception:  # a shape the rules let through but cannot be evaluated: the kernel will say
         return
     limit = memory_limit(primary.device)
@@ -304,7 +313,7 @@ def check_outputs(op: OpContract, args: tuple[Any, ...], result: Any, backend: s
         raise BackendError(
             f"{where} returned {len(outs)} output(s); the contract says {len(op.outputs)}"
         )
-    for out, value, (shape, dtype) in zip(op.outputs, outs, output_shapes(op, bound), strict=True):
+    for out, value, (shape, dtype) in zip(op.outputs, outs, output_meta(op, bound), strict=True):
         if not isinstance(value, torch.Tensor):
             raise BackendError(
                 f"{where} returned {_what(value)} as output '{out.name}'; "

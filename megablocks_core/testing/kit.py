@@ -34,9 +34,9 @@ from ..contracts import ALL, BY_NAME
 from ..devices import describe
 from ..dispatch import describe_call, explain, explain_call, registry
 from ..entries import ENTRIES
-from ..library import output_meta
 from ..policy import Policy, use_backend
 from ..schema import RULE_HELPERS, BoolArg, ChoiceArg, IntArg, OpContract, TensorArg
+from ..validation import output_meta
 from .scenarios import Routing, Scenario, applies, routing, sample, scenarios
 
 REFERENCE = "reference"
