@@ -191,12 +191,8 @@ def gmm_tile_family(device: DeviceInfo) -> str:
     return "cpu"  # the interpreter runs the kernels on the host
 
 
-def _pow2(x: int) -> int:
-    return next_power_of_2(max(int(x), 1))
-
-
 def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, _pow2(x))
+    return max(floor, next_power_of_2(x))
 
 
 def fit_gmm_tiles(
@@ -240,8 +236,8 @@ def permutation_wgrad_shape(
     until ``min_programs`` programs exist. ``num_warps``: (fewer, more), the latter for tiles of
     ``more_warps_from`` elements or more.
     """
-    k_pad = _pow2(top_k)
-    block_h = min(_pow2(hidden), max(tile_elements // k_pad, min_block_h), 4096)
+    k_pad = next_power_of_2(top_k)
+    block_h = min(next_power_of_2(hidden), max(tile_elements // k_pad, min_block_h), 4096)
     h_blocks = cdiv(hidden, block_h)
     split_h = 1
     while num_tokens * split_h < min_programs and split_h * 2 <= h_blocks:
@@ -280,7 +276,7 @@ class LaunchConfigs:
         # for the H200's 132 SMs and a short serial in-tile rank chain, few
         # enough that every program can re-read the whole (tiles x bins) count
         # table from L2 (128 KB at E=256) instead of a third launch/host sync.
-        tile = min(max(_pow2(n // 128), 256), 8192)
+        tile = min(max(next_power_of_2(n // 128), 256), 8192)
         # The in-tile rank is an O(chunk) compare per key; 64 keeps the
         # (chunk x chunk) mask at 4K elements (registers, no spills).
         chunk = 64
@@ -300,14 +296,14 @@ class LaunchConfigs:
         # H200, E = 128: one program as fast on the GPU as a memset and atomics up to 4096 keys
         # (5.2-5.3 µs in a CUDA graph), one launch less on the host; 7.9 against 5.0 at 8192.
         if n <= 4096:
-            return max(_pow2(n), 32)
-        return min(max(_pow2(n // 128), 256), 4096)
+            return max(next_power_of_2(n), 32)
+        return min(max(next_power_of_2(n // 128), 256), 4096)
 
     def scan_block(self, length: int) -> int:
-        return min(_pow2(length), 2048)
+        return min(next_power_of_2(length), 2048)
 
     def elementwise_block(self, n: int) -> int:
-        return min(_pow2(n), 1024)
+        return min(next_power_of_2(n), 1024)
 
     def permutation(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int
@@ -318,7 +314,7 @@ class LaunchConfigs:
         accumulator then needs 32-64 registers per thread), so every copy's destination is
         looked up once. With few tokens, rows are split so that >= ~1024 programs exist.
         """
-        block_h = min(_pow2(hidden), 16384)
+        block_h = min(next_power_of_2(hidden), 16384)
         split_h = cdiv(hidden, block_h)
         while num_tokens * split_h < 1024 and block_h > 512:
             block_h //= 2
@@ -344,7 +340,7 @@ class LaunchConfigs:
         # against 5.3 in 256-id steps and 5.6 inverted first); at 2048 rows the inverse is faster
         # on the GPU (6.5 against 7.5 in 2048-id steps), at 4096 more so (7.7 against 11.5).
         rows = num_tokens * top_k
-        return _pow2(rows) if rows <= 1024 else 0
+        return next_power_of_2(rows) if rows <= 1024 else 0
 
     def wgrad(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int

@@ -68,7 +68,16 @@ from megablocks_core.plugin import (
 )
 
 from .config import GmmConfig, LaunchConfigs, launch_configs
-from .launch import BoundLaunch, bind, bind_descriptors, cdiv, launch, recorded_device, remember
+from .launch import (
+    BoundLaunch,
+    bind,
+    bind_descriptors,
+    cdiv,
+    launch,
+    next_power_of_2,
+    recorded_device,
+    remember,
+)
 
 __all__ = [
     "MAX_EXPERTS",
@@ -113,10 +122,6 @@ _ENV_VAR = {
     "wgrad": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG",
     "wgrad_accumulate": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG",
 }
-
-
-def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(max(x, 1)))
 
 
 def _parse_env_config(text: str) -> GmmConfig:
@@ -581,7 +586,7 @@ def _device_sizes(batch_sizes: torch.Tensor, device: torch.device) -> torch.Tens
 def _check_experts(num_experts: int) -> int:
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"triton gmm supports at most {MAX_EXPERTS} experts, got {num_experts}")
-    return _pow2_at_least(num_experts, 16)
+    return max(16, next_power_of_2(num_experts))
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
