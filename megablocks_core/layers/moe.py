@@ -688,7 +688,8 @@ class DroplessMoE(torch.nn.Module):
 
     def _expert_parallel_forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``forward`` with the experts sharded over ``expert_parallel_group``."""
-        from .parallel import DEFAULT_CHUNKS, expert_parallel_moe
+        # The constructor has checked the expert-parallel arguments: no second check per call.
+        from .parallel import DEFAULT_CHUNKS, _expert_parallel_moe
 
         group, chunks = self.expert_parallel_group, self.expert_parallel_chunks
         dispatch = self.expert_parallel_dispatch
@@ -698,7 +699,7 @@ class DroplessMoE(torch.nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         probs, weights, top_experts = self.route(x)
-        out = expert_parallel_moe(
+        out = _expert_parallel_moe(
             x,
             weights,
             top_experts,

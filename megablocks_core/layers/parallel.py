@@ -693,6 +693,34 @@ def expert_parallel_moe(
     world = dist.get_world_size(group)
     if num_experts % world:
         raise ValueError(f"{_NAME}: {num_experts} experts do not divide over {world} ranks")
+    return _expert_parallel_moe(
+        x,
+        weights,
+        top_experts,
+        num_experts,
+        experts,
+        expert_parameters,
+        group,
+        chunks=chunks,
+        dispatch=dispatch,
+    )
+
+
+def _expert_parallel_moe(
+    x: Tensor,
+    weights: Tensor,
+    top_experts: Tensor,
+    num_experts: int,
+    experts: FusedExperts,
+    expert_parameters: Sequence[Tensor],
+    group: dist.ProcessGroup,
+    *,
+    chunks: int,
+    dispatch: str,
+) -> Tensor:
+    """:func:`expert_parallel_moe` without its argument checks, for callers that have made them:
+    :class:`DroplessMoE` checks its expert-parallel arguments in its constructor and its input in
+    ``forward``, and routes the tokens itself."""
     record = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, weights, *expert_parameters)
     )
