@@ -49,11 +49,6 @@ class DeviceInfo:
     """32 on NVIDIA, 64 on most AMD GPUs (the wavefront)."""
     multiprocessors: int | None = None
     """SM count on NVIDIA, CU count on AMD."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Anything else a plugin's detection wants to carry (vendor specific)."""
-
-    def __hash__(self) -> int:  # ``extra`` is a dict: leave it out (equal infos still hash equal)
-        return hash((self.kind, self.type, self.index, self.name, self.arch, self.capability))
 
     def __str__(self) -> str:
         where = self.kind if self.index is None else f"{self.kind}:{self.index}"

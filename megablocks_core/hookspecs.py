@@ -13,11 +13,13 @@ contracts in :mod:`megablocks_core.contracts`.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import pluggy
 
+from .contracts import family_ops
 from .descriptors import DeviceInfo, Kernel
 
 if TYPE_CHECKING:
@@ -52,11 +54,7 @@ class BackendHooks:
 
     @hookspec
     def megablocks_routing_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
-        """Return kernels for the routing ops.
-
-        Routing ops: sort, histogram, inclusive_cumsum, exclusive_cumsum,
-        topology, replicate, replicate_backward, route (all routing metadata in
-        one op) and router_topk (each token's top-k experts and weights).
+        """Return kernels for the routing ops (``megablocks_core.plugin.family_ops("routing")``).
 
         Example::
 
@@ -67,11 +65,8 @@ class BackendHooks:
 
     @hookspec
     def megablocks_permutation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
-        """Return kernels for the permutation ops.
-
-        Permutation ops: gather, scatter, scatter_wgrad, padded_gather,
-        padded_scatter, padded_scatter_wgrad, binned_gather, binned_scatter,
-        binned_scatter_wgrad.
+        """Return kernels for the permutation ops
+        (``megablocks_core.plugin.family_ops("permutation")``).
 
         Example::
 
@@ -82,11 +77,8 @@ class BackendHooks:
 
     @hookspec
     def megablocks_grouped_gemm_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
-        """Return kernels for the grouped GEMM ops.
-
-        Grouped GEMM ops: gmm (forward and data gradient), gmm_weight_grad (the
-        variable-K weight gradient), gmm_weight_grad_accumulate (the same, added in place
-        into an existing gradient), and the fused gather_gmm and gmm_scatter.
+        """Return kernels for the grouped GEMM ops
+        (``megablocks_core.plugin.family_ops("grouped_gemm")``).
 
         Example::
 
@@ -98,12 +90,8 @@ class BackendHooks:
 
     @hookspec
     def megablocks_activation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
-        """Return kernels for the activation ops.
-
-        Activation ops: glu (act(gate) * up of gated experts' (rows, 2n) GEMM output),
-        glu_backward (its gradient) and activation_backward (an expert MLP's activation in
-        gmm_scatter's backward: x's gradient, the rows' dots and act(x), written over the
-        gradient it reads, in one pass).
+        """Return kernels for the activation ops
+        (``megablocks_core.plugin.family_ops("activation")``).
 
         Example::
 
@@ -150,3 +138,23 @@ KERNEL_HOOKS = {
     "megablocks_grouped_gemm_kernels": "grouped_gemm",
     "megablocks_activation_kernels": "activation",
 }
+
+
+def _list_family_ops(hook: str, family: str) -> None:
+    """Write the family's ops, as the contracts name them, into the hook's docstring after its
+    first paragraph: a list kept by hand would miss the ops added later."""
+    spec = getattr(BackendHooks, hook)
+    if spec.__doc__ is None:  # python -OO strips docstrings
+        return
+    summary, rest = spec.__doc__.split("\n\n", 1)
+    ops = textwrap.fill(
+        ", ".join(family_ops(family)) + ".",
+        width=96,
+        initial_indent=" " * 8 + "Its ops: ",
+        subsequent_indent=" " * 8,
+    )
+    spec.__doc__ = f"{summary}\n\n{ops}\n\n{rest}"
+
+
+for _hook, _family in KERNEL_HOOKS.items():
+    _list_family_ops(_hook, _family)

@@ -147,12 +147,14 @@ def binned_scatter(
 def gmm(
     a: Tensor, b: Tensor, batch_sizes: Tensor, trans_b: bool = False, bias: Tensor | None = None
 ) -> Tensor:
-    """Grouped GEMM: rows of each expert's group of a times that expert's matrix of b (plus
-    ``bias[e]``, (experts, n), for each row of expert e when given).
+    """Grouped GEMM: a (rows, k), grouped by expert, → (rows, n): each expert's rows of a times
+    that expert's matrix of b, (experts, k, n) or (experts, n, k) with ``trans_b`` (plus
+    ``bias[e]``, (experts, n) in a's dtype, for each row of expert e when given).
 
-    ``batch_sizes`` may be a CPU int64 tensor (MegaBlocks' convention) or live on a's device: the
-    sync-free form (no device→host copy; CUDA-graph capturable with the triton or
-    ``torch._grouped_mm`` providers).
+    ``batch_sizes`` (int32 or int64, one group size per expert) may be a CPU tensor (MegaBlocks'
+    convention) or live on a's device: the sync-free form (no device→host copy; CUDA-graph
+    capturable with the triton or ``torch._grouped_mm`` providers). The groups may cover fewer
+    rows than a has: the rows past the last group belong to no expert and their output rows are 0.
     """
     return _gmm(a, b, batch_sizes, trans_b, bias)
 
@@ -168,11 +170,13 @@ def gather_gmm(
     rows: int | None = None,
     bias: Tensor | None = None,
 ) -> Tensor:
-    """``gmm(gather(x, indices, bin_ids, bins, top_k), b, counts, trans_b, bias)`` without writing the
-    gathered rows: (tokens, k) tokens → (tokens * top_k, n) expert-sorted rows. The expert groups
-    come from ``bins`` (no host sync). ``rows``: compute only the first ``rows`` sorted rows (at
-    least ``bins[-1]``; those past it belong to no expert), e.g. a receiving rank's own pairs
-    under expert parallelism."""
+    """``gmm(gather(x, indices, bin_ids, bins, top_k), b, batch_sizes, trans_b, bias)`` without
+    writing the gathered rows, ``batch_sizes[e] = bins[e] - bins[e - 1]``: (tokens, k) tokens →
+    (tokens * top_k, n) expert-sorted rows. The expert groups come from ``bins`` (no host sync);
+    sorted rows past ``bins[-1]`` belong to no expert and their output rows are 0. ``rows``:
+    compute only the first ``rows`` sorted rows, (rows, n) (at least ``bins[-1]``), e.g. a
+    receiving rank's own pairs under expert parallelism. ``bias``: (experts, n) in x's dtype,
+    added to each of expert e's rows."""
     return _gather_gmm(x, b, indices, bin_ids, bins, top_k, trans_b, rows, bias)
 
 
@@ -189,13 +193,20 @@ def gmm_scatter(
     rows: int | None = None,
     bias: Tensor | None = None,
 ) -> Tensor:
-    """``scatter(gmm(act(x), b, counts, trans_b, bias), indices, bin_ids, weights, bins, top_k)``:
-    expert-sorted rows (tokens * top_k, k) → (tokens, n), each token's (weighted) rows summed.
-    ``activation`` ("gelu" (tanh), "gelu_tanh", "gelu_erf" (exact), "silu", "relu", a gated
-    name such as "swiglu", or None) is applied to x's rows first (a transient
-    act(x)). Its backward keeps no (tokens * top_k, n) product, and with an activation only x
-    (act(x) is recomputed there). ``rows``: x holds only the first ``rows`` sorted rows
-    (``gather_gmm``'s with the same ``rows``)."""
+    """``scatter(gmm(act(x), b, batch_sizes, trans_b, bias), indices, bin_ids, weights, bins,
+    top_k)``, ``batch_sizes`` from ``bins``: expert-sorted rows (tokens * top_k, k) → (tokens, n),
+    each token's rows summed, weighted by ``weights`` (flat, tokens * top_k; None: 1).
+
+    ``activation`` is applied to x's rows first (a transient act(x)): "gelu" (= "gelu_tanh", the
+    tanh approximation), "gelu_erf" (exact), "silu" or "relu"; or gated, on rows holding gate and
+    up side by side, (rows, 2k) → (rows, k) as :func:`glu`: "geglu" (= "geglu_tanh"),
+    "geglu_erf", "swiglu", "reglu" (act(gate) * up), "bilinear" (gate * up) or "swiglu_oai"
+    (GPT-OSS's clamped SwiGLU), each but "bilinear" also with the suffix "_interleaved" (gate in
+    even columns, up in odd); None: none. Its backward keeps no (tokens * top_k, n) product, and
+    with an activation only x (act(x) is recomputed there). ``rows``: x holds only the first
+    ``rows`` sorted rows (``gather_gmm``'s with the same ``rows``); sorted rows past ``bins[-1]``
+    add nothing. ``bias``: (experts, n) in x's dtype, added to each (token, k) product row before
+    the weighted sum."""
     return _gmm_scatter(
         x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias
     )
@@ -206,9 +217,12 @@ def gmm_scatter(
 
 def glu(x: Tensor, activation: str | None = None) -> Tensor:
     """Gated experts' unit: ``act(x[:, :n]) * x[:, n:]`` for x of (rows, 2n), the first GEMM's
-    output through ``[w1 | v1]`` side by side (``activation`` "silu": SwiGLU; "gelu" or
-    "gelu_tanh" (tanh), "gelu_erf" (exact): GEGLU; "relu"; None: bilinear) → (rows, n), in float32 rounded once. Its backward keeps x
-    only."""
+    output through ``[w1 | v1]`` side by side, → (rows, n), in float32 rounded once.
+
+    ``activation``: "silu" (SwiGLU); "gelu" or "gelu_tanh" (tanh), "gelu_erf" (exact): GEGLU;
+    "relu"; "silu_oai" (GPT-OSS's clamped unit); any of them with the suffix "_interleaved" for
+    gate and up interleaved (gate in even columns, up in odd); None: bilinear. Its backward keeps
+    x only."""
     return _glu(x, activation)
 
 
@@ -317,9 +331,11 @@ _moe_sort_chunks = ENTRIES["moe_sort_chunks"]
 def moe_permute_map(
     routing_map: Tensor, num_experts: int, num_out_tokens: int, align_size: int = 1
 ) -> tuple[Tensor, Tensor]:
-    """(row_map, counts) of a bool (tokens, experts) mask or (tokens, top_k) expert ids:
-    each slot's row in the expert-major permuted tensor of ``num_out_tokens`` rows (or -1), and
-    the rows each expert owns there (rounded up to ``align_size``), on the device."""
+    """(row_map, counts) of a bool (tokens, experts) mask or integer (tokens, top_k) expert ids:
+    int32 ``row_map``, the routing map's shape, holds each slot's row in the expert-major
+    permuted tensor of ``num_out_tokens`` rows (or -1: routed nowhere, or dropped past
+    ``num_out_tokens``); int32 ``counts``, (num_experts,), the rows each expert owns there
+    (rounded up to ``align_size``, cut at ``num_out_tokens``). Both on the device, no host sync."""
     return _moe_permute_map(routing_map, num_experts, num_out_tokens, align_size)
 
 
@@ -330,18 +346,20 @@ def moe_permute(x: Tensor, row_map: Tensor, num_out_tokens: int) -> Tensor:
 
 
 def moe_permute_probs(probs: Tensor, row_map: Tensor, num_out_tokens: int) -> Tensor:
-    """Each slot's probability at its permuted row: (tokens, slots) → (num_out_tokens,)."""
+    """Each slot's probability at its permuted row: (tokens, slots) → (num_out_tokens,), 0 where
+    no slot lands."""
     return _moe_permute_probs(probs, row_map, num_out_tokens)
 
 
 def moe_unpermute(x: Tensor, row_map: Tensor, probs: Tensor | None) -> Tensor:
-    """Sum each token's permuted rows back, weighted by ``probs`` (tokens, slots) or not:
-    (num_out_tokens, h) → (tokens, h)."""
+    """Sum each token's permuted rows back, weighted by ``probs`` (tokens, slots) or not (None):
+    (num_out_tokens, h) → (tokens, h); a token none of whose slots has a row gets 0."""
     return _moe_unpermute(x, row_map, probs)
 
 
 def moe_sort_chunks(x: Tensor, split_sizes: Tensor, sorted_index: Tensor) -> Tensor:
-    """The chunks of x (consecutive rows, ``split_sizes``) in the order ``sorted_index``."""
+    """The chunks of x (consecutive rows, ``split_sizes``) in the order ``sorted_index``: (rows,
+    h) → (rows, h), rows past the chunks 0."""
     return _moe_sort_chunks(x, split_sizes, sorted_index)
 
 
