@@ -109,13 +109,13 @@ _RUNNABLE = interpreting() if DEVICE.type == "cpu" else torch.cuda.is_available(
 @pytest.mark.parametrize("case", list(BAD_BINS))
 def test_backward_after_bad_bins_is_the_same_on_every_backend_and_device(case):
     pytest.importorskip("megablocks_triton")
+    # The bins (and the counts the backward derives from them) live where the tokens do: on
+    # the CPU under the interpreter, on the GPU otherwise. Either way the same as the reference.
     want = _step("reference", torch.tensor(BAD_BINS[case], dtype=torch.int32), F64, "cpu")
-    places = {"cpu"} | {str(DEVICE)}
-    for place in sorted(places):
-        bins = torch.tensor(BAD_BINS[case], dtype=torch.int32, device=place)
-        got = _step("triton", bins, torch.float32, DEVICE if place != "cpu" else "cpu")
-        for g, w, name in zip(got, want, ("x", "w1", "w2", "weights"), strict=True):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"{name} on {place}")
+    bins = torch.tensor(BAD_BINS[case], dtype=torch.int32, device=DEVICE)
+    got = _step("triton", bins, torch.float32, DEVICE)
+    for g, w, name in zip(got, want, ("x", "w1", "w2", "weights"), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"{name} on {DEVICE}")
 
 
 def test_an_error_inside_a_backward_names_the_op_that_was_called(monkeypatch):
