@@ -53,16 +53,23 @@ def _on_both(fn):
     return got, want
 
 
-def _assert_equal(got, want, what: str) -> None:
+def _assert_equal(got, want, what: str, rtol: float = 2**-7) -> None:
+    """Equal up to ``rtol`` (default one bf16 unit: a kernel may round its float32 result in
+    another order) and one bf16 subnormal step."""
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.dtype == w.dtype, f"{what} output {i}"
         if g.is_floating_point():
-            # One bf16 unit of slack: a kernel may round its float32 result in another order.
-            torch.testing.assert_close(g.float(), w.float(), rtol=2**-7, atol=TINY, msg=what)
+            torch.testing.assert_close(g.float(), w.float(), rtol=rtol, atol=TINY)
         else:
             assert torch.equal(g, w), f"{what} output {i}"
+
+
+#: Mixed with normal numbers, glu's tanh GELU differs from the reference by up to ~2 % in its far
+#: negative tail, where the reference's 0.5 g (1 + tanh z) cancels and the kernel's
+#: g sigmoid(2z) does not (seen on the H200: gate -4.5625, up -0.365: 1.311e-6 vs 1.289e-6).
+GELU_TAIL_RTOL = 2e-2
 
 
 @pytest.mark.parametrize("activation", [None, "silu", "gelu", "relu"])
@@ -70,7 +77,8 @@ def _assert_equal(got, want, what: str) -> None:
 def test_glu_on_subnormals(activation, mixed):
     x = _subnormals(64, 96, seed=1, mixed=mixed)
     got, want = _on_both(lambda: ops.glu(x, activation))
-    _assert_equal(got, want, f"glu({activation})")
+    rtol = GELU_TAIL_RTOL if mixed and activation == "gelu" else 2**-7
+    _assert_equal(got, want, f"glu({activation})", rtol)
 
 
 @pytest.mark.parametrize("mixed", [False, True])
