@@ -91,7 +91,7 @@ from megablocks_core import contracts, dispatch, entries, explain, ops, use_back
 from megablocks_core.cli import CLIError
 from megablocks_core.devices import describe
 from megablocks_core.layers import DroplessMoE
-from megablocks_core.layers.shapes import SHAPES
+from megablocks_core.shapes import SHAPES
 
 #: The shapes a run uses when none is given: model shapes on accelerators, ``tiny`` on the CPU.
 DEFAULT_SHAPES = ("mixtral", "qwen3", "dsv3")
@@ -510,10 +510,10 @@ def _our_layer(
     case: Case, glu: bool, fuse_permutation: bool = True, grad_accumulation_fusion: bool = False
 ) -> _LayerUnderTest:
     layer = DroplessMoE(
-        case.hidden,
-        case.ffn,
-        case.experts,
-        case.top_k,
+        hidden_size=case.hidden,
+        ffn_hidden_size=case.ffn,
+        num_experts=case.experts,
+        top_k=case.top_k,
         glu=glu,
         dtype=case.x.dtype,
         device=case.x.device,

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from megablocks_core.layers import DroplessMoE
 from megablocks_core.layers.parallel import _RoutingLayout, expert_parallel_baseline
-from megablocks_core.layers.shapes import SHAPES
+from megablocks_core.shapes import SHAPES
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-9}
 #: Exit status when --timeout expires.
@@ -333,11 +333,17 @@ def run_shape(
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
     grad_out = torch.randn(x.shape, device=device, dtype=dtype, generator=gen)
     kwargs = dict(top_k=top_k, glu=args.glu, seed=0, dtype=dtype, device=device)
-    full = DroplessMoE(hidden, ffn, experts, **kwargs)
+    full = DroplessMoE(hidden_size=hidden, ffn_hidden_size=ffn, num_experts=experts, **kwargs)
     # The sharded layer is the full one's slice (as its own initialisation would draw it, on the
     # CPU): build it on the meta device and copy the slice on the device, which is quicker.
     meta = {**kwargs, "device": "meta"}
-    sharded = DroplessMoE(hidden, ffn, experts, expert_parallel_group=dist.group.WORLD, **meta)
+    sharded = DroplessMoE(
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_experts=experts,
+        expert_parallel_group=dist.group.WORLD,
+        **meta,
+    )
     sharded.to_empty(device=device)
     lo, hi = sharded.expert_offset, sharded.expert_offset + sharded.num_local_experts
     expert_names = ["w1", "w2"]

@@ -17,7 +17,7 @@ import torch
 from megablocks_triton import gmm as G
 from triton.testing import do_bench
 
-from megablocks_core.layers.shapes import SHAPES
+from megablocks_core.shapes import SHAPES
 
 # BM, BN, BK, GROUP_M, WARPS, STAGES, PROGRAMS_PER_SM
 CANDIDATES = [

@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 import megablocks_core as mb
 from megablocks_core import ops
-from megablocks_core.layers.shapes import SHAPES
+from megablocks_core.shapes import SHAPES
 
 PRIMITIVES = ("sort", "histogram", "inclusive_cumsum", "exclusive_cumsum", "topology", "sequence")
 

@@ -40,7 +40,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megablocks_core.layers import DroplessMoE
-from megablocks_core.layers.shapes import SHAPES
+from megablocks_core.shapes import SHAPES
 
 #: (part, name fragments), first match wins; names are lower-cased kernel or operator names.
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -76,9 +76,9 @@ def make_layer(
     tokens = args.tokens or tokens
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layer = DroplessMoE(
-        hidden,
-        ffn,
-        experts,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_experts=experts,
         top_k=top_k,
         glu=args.glu,
         activation="silu" if args.glu else "gelu",

@@ -14,7 +14,7 @@ import os as _os
 
 from . import ops
 from .autograd import fuse_grad_accumulation, is_grad_accumulation_fused
-from .descriptors import DeviceInfo, Kernel
+from .descriptors import DeviceInfo, Kernel, Tier
 from .dispatch import explain, registry, reload
 from .hookspecs import hookimpl
 from .policy import Policy, current_policy, set_backend, use_backend
@@ -36,6 +36,7 @@ __all__ = [
     "NoKernelError",
     "PluginLoadError",
     "Policy",
+    "Tier",
     "__version__",
     "current_policy",
     "explain",

@@ -145,7 +145,7 @@ def _trace_dict(trace: Trace) -> dict[str, Any]:
             {
                 "backend": c.kernel.backend,
                 "variant": c.kernel.variant,
-                "priority": c.kernel.priority,
+                "tier": c.kernel.tier.label,
                 "devices": list(c.kernel.devices),
                 "accepted": c.accepted,
                 "reason": c.reason,
@@ -212,7 +212,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     rows = [
         [
             c.kernel.label,
-            str(c.kernel.priority),
+            c.kernel.tier.label,
             ", ".join(c.kernel.devices),
             "yes" if c.accepted else "no",
             c.reason,
@@ -220,7 +220,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for c in trace.candidates
     ]
     print(
-        _table(rows, ["candidate", "priority", "devices", "eligible", "reason"])
+        _table(rows, ["candidate", "tier", "devices", "eligible", "reason"])
         if rows
         else "no candidates"
     )
@@ -246,7 +246,7 @@ def _explain_calls(
 ) -> dict[str, dict[str, Any]]:
     """Calls to show per-shape choices for: the ``--shape`` items (:func:`_parse_shapes`), else
     well-known model shapes."""
-    from .layers.shapes import SHAPES
+    from .shapes import SHAPES
 
     def meta(name: str, shape: tuple[int, ...]) -> TensorMeta:
         spec = contracts.BY_NAME[op].arg(name)
@@ -444,7 +444,7 @@ def _backend_policy(spec: str) -> Policy:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .layers import demo
+    from . import demo
 
     _device(args.device, runs=True)
     _in_range(args, "steps", 2)

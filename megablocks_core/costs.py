@@ -3,10 +3,10 @@
 A :attr:`Kernel.cost <megablocks_core.descriptors.Kernel.cost>` hint is built with
 :func:`gmm_cost_hint` from the provider's measured points.
 
-Why cost hints: static priorities cannot know that a cuBLAS loop wins for 8 large experts while a
+Why cost hints: static tiers cannot know that a cuBLAS loop wins for 8 large experts while a
 persistent kernel wins for 256 small ones. A provider therefore declares how fast it measured
 itself on a device family, and the core picks, per call shape, the kernel with the lowest
-estimate among the eligible kernels of the highest priority (:mod:`megablocks_core.ranking`).
+estimate among the eligible kernels of the highest tier (:mod:`megablocks_core.ranking`).
 
 For grouped GEMMs a provider describes its speed by *measured points*: ``(rows_per_expert, k, n,
 efficiency)`` where efficiency is its TFLOP/s divided by a dense matmul's with the same FLOPs,
@@ -67,7 +67,7 @@ def gmm_estimate_us(
     """Estimated µs of a grouped GEMM call: FLOPs / (efficiency x dense rate) + ``extra_us``.
 
     ``points_by_arch`` maps a device arch (``"sm_90"``) to the provider's measured points; an arch
-    with no points, or no known dense rate, gives None (no estimate: priority decides).
+    with no points, or no known dense rate, gives None (no estimate: the tier order decides).
     ``extra_us`` is a fixed cost the points do not show (e.g. a host sync of device counts).
     """
     points = points_by_arch.get(base_arch(device))

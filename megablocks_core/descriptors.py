@@ -8,6 +8,7 @@ predicates look at; the core computes it once per device.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,34 @@ DEVICE_KINDS = ("cpu", "cuda", "rocm", "xpu", "npu", "mps", "hpu", "meta")
 #: A kernel that lists this kind serves every device; it ranks below any kernel
 #: that names the device kind explicitly (the portable fallback).
 ANY_DEVICE = "any"
+
+
+class Tier(enum.IntEnum):
+    """How strongly a kernel claims the calls it can serve: a higher tier wins; within a tier,
+    cost hints decide (the whole rule: :mod:`megablocks_core.ranking`).
+
+    A backend picks the tier from what its kernel *is*, never from another package's numbers:
+
+    * ``PORTABLE``: plain framework code, correct everywhere (the reference; a CPU-only example).
+    * ``GENERIC_ACCELERATOR``: accelerator kernels written once for several vendors (Triton), and
+      the kernels that compete with them call shape by call shape through cost hints (a vendor's
+      grouped-GEMM library), or rank after them until measured (``Kernel.yields_to``).
+    * ``VENDOR``: one vendor's kernels measured faster than the generic ones on its hardware, for
+      the calls their shape predicate accepts (megablocks-rocm's tuned launches, megablocks-cuda's
+      one-launch scatter).
+    * ``SPECIALISED``: a kernel for one arch or one narrow regime that should take every call its
+      predicates accept, over the vendor tier too.
+    """
+
+    PORTABLE = 0
+    GENERIC_ACCELERATOR = 1
+    VENDOR = 2
+    SPECIALISED = 3
+
+    @property
+    def label(self) -> str:
+        """The name shown by the CLI: ``"generic-accelerator"``."""
+        return self.name.lower().replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -94,7 +123,7 @@ class Kernel:
 
     Example::
 
-        Kernel(op="gather", fn=my_gather, devices=("cuda",), priority=100,
+        Kernel(op="gather", fn=my_gather, devices=("cuda",), tier=Tier.GENERIC_ACCELERATOR,
                dtypes={"x": {torch.bfloat16, torch.float16, torch.float32}},
                capability=lambda dev: None if dev.capability >= (8, 0) else "needs sm_80+")
     """
@@ -104,8 +133,9 @@ class Kernel:
     fn: Callable[..., Any]
     devices: tuple[str, ...]
     """Device kinds served, e.g. ``("cuda", "rocm")``, or ``("any",)``."""
-    priority: int = 0
-    """Higher wins among kernels that can serve a call. The reference backend uses 0."""
+    tier: Tier = Tier.PORTABLE
+    """A higher tier wins among the kernels that can serve a call (:class:`Tier` says which to
+    choose); within a tier, cost hints decide."""
     capability: CapabilityCheck | None = None
     """Device-level predicate (arch range, library present); None means always."""
     dtypes: Mapping[str, frozenset[torch.dtype] | set[torch.dtype]] = field(default_factory=dict)
@@ -116,14 +146,36 @@ class Kernel:
     shape, never per call. None: every shape the contract allows."""
     cost: CostEstimate | None = None
     """Shape-aware speed estimate (µs) for ops whose fastest kernel depends on the shapes (gmm).
-    Among the eligible kernels of the highest priority, the lowest estimate wins per call shape;
-    see :mod:`megablocks_core.costs` for helpers. None: rank by priority alone."""
+    Among the eligible kernels of the highest tier, the lowest estimate wins per call shape;
+    see :mod:`megablocks_core.costs` for helpers. None: rank by tier alone."""
+    yields_to: tuple[str, ...] = ()
+    """Backends this kernel ranks after within its tier when cost hints do not decide: a
+    vendor's alternative not (yet) measured faster than, say, ``("triton",)``'s kernel, which
+    still serves where that backend cannot (not installed, a dtype or shape it declines)."""
     contiguous: bool = False
     """True if ``fn`` needs contiguous tensors: the core copies strided inputs first."""
     variant: str = ""
     """Optional label when a backend offers several kernels for one op (e.g. ``"cublas-loop"``)."""
     backend: str = ""
     """Filled in by the core with the plugin's name; plugins leave it empty."""
+
+    def __post_init__(self) -> None:
+        what = f"kernel for {self.op!r}" + (f" (variant {self.variant!r})" if self.variant else "")
+        if not isinstance(self.tier, Tier):
+            raise TypeError(
+                f"{what}: tier must be a megablocks_core.plugin.Tier (PORTABLE, "
+                f"GENERIC_ACCELERATOR, VENDOR, SPECIALISED), got {self.tier!r}"
+            )
+        if isinstance(self.yields_to, str) or not all(
+            isinstance(name, str) for name in self.yields_to
+        ):
+            raise TypeError(f"{what}: yields_to must be a tuple of backend names")
+        object.__setattr__(self, "yields_to", tuple(self.yields_to))
+
+    @property
+    def priority(self) -> Tier:
+        """The tier, under the name the registry's listing (``backends list --json``) reads."""
+        return self.tier
 
     @property
     def label(self) -> str:

@@ -31,7 +31,7 @@ from .devices import describe
 from .policy import Policy, current_policy, overrides
 from .ranking import NoKernelError, Trace, choose, for_call, rank
 from .registry import Registry, load
-from .schema import OpContract
+from .schema import OpContract, TensorArg
 
 log = logging.getLogger("megablocks_core")
 
@@ -94,32 +94,30 @@ class Selected:
 
 def _runner(kernel: Kernel, contract: OpContract) -> Callable[..., Any]:
     """How the entry calls ``kernel``: its function, or for a kernel that takes contiguous
-    tensors, a wrapper generated for the op's signature that makes each tensor argument
-    contiguous (``.contiguous()`` returns a contiguous tensor itself). Mutable arguments are
-    passed as they are: the contract requires them contiguous, and a copy would take the
-    kernel's writes away."""
+    tensors, a closure that makes each tensor argument contiguous first (``.contiguous()``
+    returns a contiguous tensor itself). Mutable arguments are passed as they are: the contract
+    requires them contiguous, and a copy would take the kernel's writes away."""
     if not kernel.contiguous:
         return kernel.fn
     made = _runners.get((contract.name, id(kernel.fn)))
     if made is not None and made[0] is kernel.fn:
         return made[1]
-    # tensor argument → optional? (mutable arguments: passed through)
-    optional = {a.name: a.optional for a in contract.tensor_args if not a.mutable}
+    fn = kernel.fn
+    # The positions of the tensor arguments to make contiguous (None passes as None).
+    positions = tuple(
+        i for i, a in enumerate(contract.args) if isinstance(a, TensorArg) and not a.mutable
+    )
 
-    def passed(name: str) -> str:
-        if name not in optional:
-            return name
-        if optional[name]:
-            return f"{name} if {name} is None else {name}.contiguous()"
-        return f"{name}.contiguous()"
+    def run_contiguous(*args: Any) -> Any:
+        given = list(args)
+        for i in positions:
+            value = given[i]
+            if value is not None:
+                given[i] = value.contiguous()
+        return fn(*given)
 
-    params = ", ".join(contract.arg_names)
-    body = ", ".join(passed(n) for n in contract.arg_names)
-    scope: dict[str, Any] = {"_fn": kernel.fn}
-    exec(f"def run_contiguous({params}):\n    return _fn({body})\n", scope)
-    run: Callable[..., Any] = scope["run_contiguous"]
-    _runners[(contract.name, id(kernel.fn))] = (kernel.fn, run)
-    return run
+    _runners[(contract.name, id(fn))] = (fn, run_contiguous)
+    return run_contiguous
 
 
 def describe_call(contract: OpContract, args: tuple[Any, ...]) -> dict[str, Any]:
@@ -200,7 +198,7 @@ def explain(
 ) -> Trace:
     """Every candidate for ``op`` on ``device``, accepted or rejected with the reason, and the winner.
 
-    When the trace has a ``cost_tier``, the winner shown is the priority order's; the kernel a
+    When the trace has a ``cost_tier``, the winner shown is the tier order's; the kernel a
     call really gets depends on its shapes: see :func:`explain_call`.
     """
     if op not in BY_NAME or not BY_NAME[op].dispatched:

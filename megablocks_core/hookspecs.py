@@ -60,7 +60,8 @@ class BackendHooks:
 
             @hookimpl
             def megablocks_routing_kernels():
-                return [Kernel(op="histogram", fn=my_histogram, devices=("cuda",), priority=100)]
+                return [Kernel(op="histogram", fn=my_histogram, devices=("cuda",),
+                               tier=Tier.GENERIC_ACCELERATOR)]
         """
 
     @hookspec
@@ -72,7 +73,7 @@ class BackendHooks:
 
             @hookimpl
             def megablocks_permutation_kernels():
-                return [Kernel(op="gather", fn=my_gather, devices=("npu",), priority=100)]
+                return [Kernel(op="gather", fn=my_gather, devices=("npu",), tier=Tier.VENDOR)]
         """
 
     @hookspec
@@ -84,7 +85,7 @@ class BackendHooks:
 
             @hookimpl
             def megablocks_grouped_gemm_kernels():
-                return [Kernel(op="gmm", fn=my_gmm, devices=("cuda",), priority=100,
+                return [Kernel(op="gmm", fn=my_gmm, devices=("cuda",), tier=Tier.GENERIC_ACCELERATOR,
                                dtypes={"a": {torch.bfloat16}, "b": {torch.bfloat16}})]
         """
 
@@ -97,7 +98,8 @@ class BackendHooks:
 
             @hookimpl
             def megablocks_activation_kernels():
-                return [Kernel(op="glu", fn=my_glu, devices=("cuda",), priority=100)]
+                return [Kernel(op="glu", fn=my_glu, devices=("cuda",),
+                               tier=Tier.GENERIC_ACCELERATOR)]
         """
 
     @hookspec

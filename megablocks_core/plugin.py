@@ -5,7 +5,8 @@ ops); every other module of the core is private and may change between minor ver
 backends in this repository use nothing else, like any third-party plugin.
 
 - :data:`hookimpl` marks the hook implementations (the hooks: :class:`BackendHooks`);
-- :class:`Kernel` is what the kernel hooks return; :class:`DeviceInfo`, :class:`TensorMeta` and
+- :class:`Kernel` is what the kernel hooks return, ranked by its :class:`Tier` and, within a
+  tier, its cost hint; :class:`DeviceInfo`, :class:`TensorMeta` and
   :data:`CallInfo` are what its predicates and cost hints receive;
 - :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
   :func:`call_op` runs any dispatched op, kernel-level ones included, for a kernel that
@@ -52,6 +53,7 @@ from .descriptors import (
     Kernel,
     ShapeCheck,
     TensorMeta,
+    Tier,
 )
 from .devices import ARCH_FAMILIES, DENSE_BF16_TFLOPS, arch_family, dense_tflops
 from .devices import describe as describe_device
@@ -99,6 +101,7 @@ __all__ = [
     "OpContract",
     "ShapeCheck",
     "TensorMeta",
+    "Tier",
     "activation_backward_definition",
     "arch_family",
     "call_op",

@@ -7,15 +7,20 @@
 3. Among the rest: a backend forced for this op (``gather=triton``) or for all
    ops (``MEGABLOCKS_BACKEND=triton``) must win or the call fails; otherwise the
    first backend of a preference list that can serve wins; otherwise the
-   highest priority, then kernels naming the device kind before portable ones,
-   then backend name (so the choice is deterministic).
+   kernels of the highest :class:`~megablocks_core.descriptors.Tier` compete
+   (``PORTABLE`` < ``GENERIC_ACCELERATOR`` < ``VENDOR`` < ``SPECIALISED``) and,
+   within that tier, in this order: a kernel that ``yields_to`` another backend
+   of the tier ranks after it, then kernels naming the device kind before
+   portable ones, then backend name, then variant (so the choice is
+   deterministic).
 4. Per call shape: a kernel whose shape predicate (``supports``: alignment,
    layout) rejects the call's shapes drops out, and steps 3-4 run again on the
-   rest; when two or more eligible kernels of the highest priority declare a
+   rest; when two or more eligible kernels of the highest tier declare a
    ``cost`` hint, the one with the lowest estimate for the call's shapes wins
-   (kernels without an estimate rank after those with one). That is how
-   ``gmm`` picks between, say, a persistent Triton kernel and
-   ``torch._grouped_mm`` per shape (:mod:`megablocks_core.costs`).
+   (kernels without an estimate rank after those with one; equal estimates keep
+   step 3's order). Cost hints never cross tiers. That is how ``gmm`` picks
+   between, say, a persistent Triton kernel and ``torch._grouped_mm`` per shape
+   (:mod:`megablocks_core.costs`): both declare the generic-accelerator tier.
 
 The dispatcher caches steps 1-3 per (op, device, dtype signature, policy) and
 step 4 per call shape, so this module runs once per new signature, not per call.
@@ -57,7 +62,7 @@ class Trace:
     why: str
     error: str | None = None
     cost_tier: tuple[Kernel, ...] = ()
-    """Eligible kernels of the winner's priority that declare cost hints, when there are two or
+    """Eligible kernels of the winner's tier that declare cost hints, when there are two or
     more and no forced/preferred backend decided: the choice then depends on the call's shapes."""
     per_call: bool = False
     """Some eligible kernel has a shape predicate (``Kernel.supports``): each new call shape is
@@ -96,8 +101,16 @@ def _rejection(
     return None
 
 
-def _order(k: Kernel) -> tuple[int, int, str, str]:
-    return (-k.priority, int(k.portable), k.backend, k.variant)
+def _ranked(kernels: list[Kernel], peers: list[Kernel]) -> list[Kernel]:
+    """``kernels`` in step 3's order; ``yields_to`` counts only backends among ``peers`` (the
+    eligible kernels) of the same tier."""
+    present = {(k.tier, k.backend) for k in peers}
+
+    def order(k: Kernel) -> tuple[int, int, int, str, str]:
+        yields = any((k.tier, name) in present for name in k.yields_to if name != k.backend)
+        return (-k.tier, int(yields), int(k.portable), k.backend, k.variant)
+
+    return sorted(kernels, key=order)
 
 
 def rank(
@@ -117,7 +130,9 @@ def rank(
     for record, k in registry.kernels_for(op):
         reason = _rejection(record, k, device, dtypes)
         judged.append(Candidate(k, reason is None, reason or "can serve"))
-    judged.sort(key=lambda c: _order(c.kernel))
+    by_kernel = {id(c.kernel): c for c in judged}
+    accepted = [c.kernel for c in judged if c.accepted]
+    judged = [by_kernel[id(k)] for k in _ranked([c.kernel for c in judged], accepted)]
     eligible = [c.kernel for c in judged if c.accepted]
     reasons = {id(c.kernel): c.reason for c in judged}
     known = {
@@ -161,6 +176,7 @@ def _select(
     ``known``: every installed backend → None when it loaded, else why not (its status and error).
     """
     what = "this call" if call is not None else _dtype_text(dtypes)
+    eligible = _ranked(eligible, eligible)
     forced = policy.forced_for(op)
     if forced is not None:  # a backend name, or "backend/variant" for one of its kernels
         if forced.partition("/")[0] not in known:
@@ -213,24 +229,24 @@ def _select(
             (),
         )
     top = eligible[0]
-    tier = tuple(k for k in eligible if k.priority == top.priority and k.cost is not None)
+    tier = tuple(k for k in eligible if k.tier == top.tier and k.cost is not None)
     if len(tier) < 2:
         return (
             top,
-            "highest priority" + (" (portable fallback)" if _is_fallback(top, device) else ""),
+            "highest tier" + (" (portable fallback)" if _is_fallback(top, device) else ""),
             None,
             (),
         )
-    if call is None:  # no shapes yet: the priority order's pick, refined per call
+    if call is None:  # no shapes yet: the tier order's pick, refined per call
         labels = ", ".join(k.label for k in tier)
-        return top, f"highest priority; per call shape, lowest cost hint of {labels}", None, tier
+        return top, f"highest tier; per call shape, lowest cost hint of {labels}", None, tier
     scored = [
         (value, i, k)
         for i, (k, value) in enumerate(_estimates(tier, device, call))
         if value is not None
     ]
     if not scored:
-        return top, "highest priority (no cost hint had an estimate for this shape)", None, tier
+        return top, "highest tier (no cost hint had an estimate for this shape)", None, tier
     value, _, best = min(scored, key=lambda t: (t[0], t[1]))
     others = ", ".join(f"{k.label} {v:.1f}" for v, _, k in scored if k is not best)
     return (
@@ -254,7 +270,7 @@ def _estimates(
     for k in kernels:
         try:
             value = k.cost(device, call) if k.cost is not None else None
-        except Exception:  # a buggy hint must not break the call: priority order decides
+        except Exception:  # a buggy hint must not break the call: the tier order decides
             value = None
         out.append((k, None if value is None or value != value else float(value)))
     return out
@@ -276,7 +292,7 @@ def _shape_rejection(k: Kernel, device: DeviceInfo, call: CallInfo) -> str | Non
 
 def for_call(trace: Trace, call: CallInfo) -> tuple[Kernel | None, str, str | None]:
     """The kernel one call gets (step 4): the trace's eligible kernels minus those whose shape
-    predicate rejects the call, then policy, priority and cost hints. (winner, why, error)."""
+    predicate rejects the call, then policy, tier and cost hints. (winner, why, error)."""
     if not (trace.per_call or trace.cost_tier) or trace.winner is None:
         return trace.winner, trace.why, trace.error
     candidates = [c.kernel for c in trace.candidates]

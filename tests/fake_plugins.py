@@ -32,7 +32,7 @@ PRELUDE = """\
 import functools
 
 import torch
-from megablocks_core import DeviceInfo, Kernel, hookimpl
+from megablocks_core import DeviceInfo, Kernel, Tier, hookimpl
 from megablocks_reference import kernels as _reference
 
 CALLS = []

@@ -75,7 +75,7 @@ def test_backends_list_shows_a_broken_plugin_with_its_reason(capsys, plugins):
     plugins.add(
         "nowidget",
         permutation(
-            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR)]",
             extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
         ),
     )
@@ -113,10 +113,10 @@ def test_explain_gather_bfloat16_on_cpu(capsys):
     lines = out.splitlines()
     assert lines[0] == "gather on cpu (CPU) with x=bfloat16, weights=bfloat16"
     assert lines[1] == "policy: default ranking"
-    assert "winner: reference (highest priority)" in out
+    assert "winner: reference (highest tier)" in out
     assert "portable fallback" not in out
     ref_row = next(line for line in lines if line.startswith("reference "))
-    assert "yes" in ref_row.split() and "chosen: highest priority" in ref_row
+    assert "yes" in ref_row.split() and "chosen: highest tier" in ref_row
 
 
 def test_explain_json(capsys):
@@ -125,20 +125,20 @@ def test_explain_json(capsys):
     data = json.loads(out)
     assert data["op"] == "gather" and data["device_kind"] == "cpu"
     assert data["dtypes"] == {"x": "bfloat16"}
-    assert data["winner"] == "reference" and data["why"] == "highest priority"
+    assert data["winner"] == "reference" and data["why"] == "highest tier"
     assert data["fallback"] is False and data["error"] is None
     assert data["policy"] == "default ranking"
     assert isinstance(data["candidates"], list) and data["candidates"]
     ref = next(c for c in data["candidates"] if c["backend"] == "reference")
-    assert ref["accepted"] is True and ref["devices"] == ["any"] and ref["priority"] == 0
-    assert ref["reason"] == "chosen: highest priority"
+    assert ref["accepted"] is True and ref["devices"] == ["any"] and ref["tier"] == "portable"
+    assert ref["reason"] == "chosen: highest tier"
 
 
 def test_explain_shows_a_fake_winner_and_the_rejection_reasons(capsys, plugins):
     plugins.add(
         "fast",
         permutation(
-            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=50,"
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR,"
             " dtypes={'x': {torch.float32}})]"
         ),
     )
@@ -156,7 +156,7 @@ def test_explain_mentions_the_portable_fallback(capsys):
     # xpu is described without touching a device, so this works on a CPU-only host
     code, out, _ = run(capsys, "backends", "explain", "gather", "--device", "xpu")
     assert code == 0
-    assert "winner: reference (highest priority (portable fallback))" in out
+    assert "winner: reference (highest tier (portable fallback))" in out
     assert "note: this is the portable fallback" in out
     code, out, _ = run(capsys, "backends", "explain", "gather", "--device", "xpu", "--json")
     data = json.loads(out)
@@ -245,13 +245,13 @@ def test_explain_rejects_a_shape_given_twice(capsys):
 def test_explain_shows_the_choice_for_a_shape_that_changes_nothing(capsys):
     code, out, err = run(capsys, "backends", "explain", "gather", "--shape", "x=3x4")
     assert code == 0 and err == ""
-    assert out.splitlines()[-1] == "x=3x4: reference (highest priority)"
+    assert out.splitlines()[-1] == "x=3x4: reference (highest tier)"
     code, out, _ = run(capsys, "backends", "explain", "gather", "--shape", " x = 3X4 ", "--json")
     assert code == 0
     assert json.loads(out)["call"] == {
         "shapes": {"x": [3, 4]},
         "kernel": "reference",
-        "why": "highest priority",
+        "why": "highest tier",
     }
 
 
@@ -291,7 +291,7 @@ def test_check_where_no_backend_can_run_fails(capsys, plugins):
     plugins.add(
         "nowidget",
         permutation(
-            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR)]",
             extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
         ),
     )
@@ -423,7 +423,7 @@ def test_a_short_demo_passes_when_its_loss_falls(capsys, steps):
 
 
 def test_demo_success_rule_fits_the_step_count():
-    from megablocks_core.layers.demo import required_fraction
+    from megablocks_core.demo import required_fraction
 
     assert required_fraction(2) == pytest.approx(0.95)
     assert required_fraction(5) == pytest.approx(0.8)
@@ -441,7 +441,7 @@ def test_demo_success_rule_fits_the_step_count():
 def test_demo_backend_takes_what_megablocks_backend_takes(
     capsys, monkeypatch, spec, force, prefer, per_op
 ):
-    from megablocks_core.layers import demo
+    from megablocks_core import demo
 
     policies = []
     batch = demo.ClusterTask.batch

@@ -533,7 +533,7 @@ def test_example_plugin_installed_as_a_wheel_is_listed_ranked_and_conforms(tmp_p
     assert plugins["example"]["device_kinds"] == ["cpu"]
 
     code, trace = megablocks("backends", "explain", "histogram", "--device", "cpu", "--json")
-    assert code == 0 and trace["winner"] == "example" and trace["why"] == "highest priority"
+    assert code == 0 and trace["winner"] == "example" and trace["why"] == "highest tier"
     # It declares int32/int64 keys only: int16 calls go to the reference.
     code, trace = megablocks("backends", "explain", "histogram", "--dtype", "int16", "--json")
     assert code == 0 and trace["winner"] == "reference"

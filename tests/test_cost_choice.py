@@ -1,8 +1,8 @@
 """Per-shape choice by cost hints (ranking step 4) and the helpers in megablocks_core.costs.
 
-Two fake grouped-GEMM backends of equal priority declare opposite speed profiles: "loop" is
+Two fake grouped-GEMM backends of one tier declare opposite speed profiles: "loop" is
 fast for few large experts, "persistent" for many small ones. The dispatcher must pick per call
-shape, cache the choice per shape, and leave forced backends and priorities in charge.
+shape, cache the choice per shape, and leave forced backends and tiers in charge.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def broken_check(device, call):
 """
 
 
-def gmm_backend(plugins, name, cost, priority=50, supports=None):
+def gmm_backend(plugins, name, cost, tier="GENERIC_ACCELERATOR", supports=None):
     kernel = (
-        f"Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), priority={priority}, "
+        f"Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), tier=Tier.{tier}, "
         f"cost={cost}, supports={supports})"
     )
     return plugins.add(
@@ -104,11 +104,11 @@ def test_forced_backend_beats_cost(two_gmms):
     assert two_gmms.calls("loop") == []
 
 
-def test_cost_only_decides_within_the_top_priority(plugins):
-    gmm_backend(plugins, "loop", "loop_cost", priority=10)
-    gmm_backend(plugins, "persistent", "persistent_cost", priority=50)
+def test_cost_only_decides_within_the_top_tier(plugins):
+    gmm_backend(plugins, "loop", "loop_cost", tier="PORTABLE")
+    gmm_backend(plugins, "persistent", "persistent_cost")
     plugins.reload()
-    run_gmm(tokens=400, experts=2)  # loop would be cheaper, but it has lower priority
+    run_gmm(tokens=400, experts=2)  # loop would be cheaper, but it is in a lower tier
     assert plugins.calls("persistent") == ["gmm"]
     assert dispatch.explain("gmm", CPU).cost_tier == ()
 
@@ -130,7 +130,7 @@ def test_raising_hint_counts_as_no_estimate(plugins):
 
 
 def test_shape_predicate_sends_other_shapes_to_the_next_kernel(plugins):
-    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    gmm_backend(plugins, "even", None, tier="VENDOR", supports="even_k")
     plugins.reload()
     run_gmm(tokens=8, experts=2, k=8)
     run_gmm(tokens=8, experts=2, k=7)  # rejected by its shape check: the reference serves it
@@ -141,7 +141,7 @@ def test_shape_predicate_sends_other_shapes_to_the_next_kernel(plugins):
 
 
 def test_forced_backend_that_declines_the_shape_raises_with_its_reason(plugins):
-    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    gmm_backend(plugins, "even", None, tier="VENDOR", supports="even_k")
     plugins.reload()
     with mb.use_backend("even"):
         run_gmm(tokens=8, experts=2, k=8)
@@ -159,7 +159,7 @@ def test_shape_predicate_and_cost_together(plugins):
 
 
 def test_raising_shape_check_rejects_only_its_kernel(plugins):
-    gmm_backend(plugins, "buggy", None, priority=60, supports="broken_check")
+    gmm_backend(plugins, "buggy", None, tier="VENDOR", supports="broken_check")
     plugins.reload()
     run_gmm(tokens=8, experts=2)
     assert plugins.calls("buggy") == []
@@ -234,7 +234,9 @@ def test_gmm_estimate_is_flops_over_rate():
     assert costs.gmm_estimate_us(H200, call, points) == pytest.approx(want_us)
     assert costs.gmm_estimate_us(H200, call, points, extra_us=7.0) == pytest.approx(want_us + 7.0)
     a100 = DeviceInfo(kind="cuda", type="cuda", index=0, arch="sm_80", capability=(8, 0))
-    assert costs.gmm_estimate_us(a100, call, points) is None  # unmeasured arch: priority decides
+    assert (
+        costs.gmm_estimate_us(a100, call, points) is None
+    )  # unmeasured arch: the tier order decides
 
 
 def test_gmm_cost_hint_estimates_from_points_and_can_refuse_device_counts():
@@ -246,7 +248,9 @@ def test_gmm_cost_hint_estimates_from_points_and_can_refuse_device_counts():
     assert hint(H200, device_counts) == hint(H200, call)
     host_only = costs.gmm_cost_hint(points, host_counts_only=True)
     assert host_only(H200, call) == pytest.approx(costs.gmm_estimate_us(H200, call, points))
-    assert host_only(H200, device_counts) is None  # it would sync: no estimate, priority decides
+    assert (
+        host_only(H200, device_counts) is None
+    )  # it would sync: no estimate, the tier order decides
     assert hint(CPU, call) is None
 
 
@@ -326,7 +330,7 @@ def test_cli_explain_shows_the_per_shape_choice(two_gmms, capsys):
 def test_kit_counts_declined_shapes_as_declined_not_failed(plugins):
     from megablocks_core import testing
 
-    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    gmm_backend(plugins, "even", None, tier="VENDOR", supports="even_k")
     plugins.reload()
     [result] = [r for r in testing.check(["even"], device="cpu") if r.op == "gmm"]
     assert result.status == "pass", result.message
@@ -336,7 +340,7 @@ def test_kit_counts_declined_shapes_as_declined_not_failed(plugins):
 def test_cli_explain_shows_a_declined_shape(plugins, capsys):
     from megablocks_core import cli
 
-    gmm_backend(plugins, "even", None, priority=60, supports="even_k")
+    gmm_backend(plugins, "even", None, tier="VENDOR", supports="even_k")
     plugins.reload()
     assert cli.main(["backends", "explain", "gmm", "--shape", "a=8x7", "--shape", "b=2x7x4"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]

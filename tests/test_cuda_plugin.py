@@ -19,7 +19,7 @@ from megablocks_cuda import extension, gmm, plugin, tuning
 import megablocks_core
 from megablocks_core import DeviceInfo
 from megablocks_core.descriptors import TensorMeta
-from megablocks_core.plugin import DENSE_BF16_TFLOPS, GmmPoint
+from megablocks_core.plugin import DENSE_BF16_TFLOPS, GmmPoint, Tier
 from megablocks_core.ranking import for_call, rank
 from megablocks_core.registry import PluginRecord, Registry
 
@@ -139,14 +139,17 @@ def test_every_op_is_registered_with_its_variant_and_dtypes():
     assert set(kernels) == expected
     for op in ROUTING:
         k = kernels[(op, "")]
-        assert k.devices == ("cuda",) and k.priority == plugin.PRIORITY[op] == 90
+        # Triton's tier, ranked after triton's kernels until measured (above the reference).
+        assert k.devices == ("cuda",) and k.tier == plugin.TIER == Tier.GENERIC_ACCELERATOR
+        assert k.yields_to == ("triton",)
         assert k.dtypes == {} and k.contiguous  # every dtype of the contract
     for op in ("sort", "route"):
         k = kernels[(op, "one-block")]
-        assert k.priority == plugin.ONE_BLOCK_PRIORITY > 100  # above triton's routing kernels
+        assert k.tier == plugin.MEASURED_FASTER_TIER == Tier.VENDOR  # above triton's routing
+        assert k.yields_to == ()
         assert k.dtypes == {} and not k.contiguous and callable(k.supports)  # C++ makes it so
     k = kernels[("scatter", "scan")]
-    assert k.priority == plugin.ONE_BLOCK_PRIORITY > 100  # above triton's scatter
+    assert k.tier == Tier.VENDOR and k.yields_to == ()  # above triton's scatter
     assert k.dtypes == {} and not k.contiguous and callable(k.supports)
     for variant in ("grouped_mm", "grouped_gemm"):
         assert kernels[("gmm", variant)].dtypes == {"a": {torch.bfloat16}, "b": {torch.bfloat16}}
@@ -154,7 +157,9 @@ def test_every_op_is_registered_with_its_variant_and_dtypes():
             "a": {torch.bfloat16},
             "grad": {torch.bfloat16},
         }
-        assert all(kernels[(op, variant)].priority == 100 for op in ("gmm", "gmm_weight_grad"))
+        for op in ("gmm", "gmm_weight_grad"):  # triton's tier: the cost hints compare them
+            assert kernels[(op, variant)].tier == Tier.GENERIC_ACCELERATOR
+            assert kernels[(op, variant)].yields_to == ()
 
 
 def test_cost_hooks_are_declared_for_the_grouped_gemms():

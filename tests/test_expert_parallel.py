@@ -33,7 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 import megablocks_core
-from megablocks_core.layers import DroplessMoE
+from megablocks_core.layers import DroplessMoE, MoEConfig
 from megablocks_core.layers.moe import expert_seed
 from megablocks_core.layers.parallel import (
     DEFAULT_CHUNKS,
@@ -101,18 +101,20 @@ CASES = {
 
 def make_layer(case: Case, group: object | None = None) -> DroplessMoE:
     layer = DroplessMoE(
-        HIDDEN,
-        FFN,
-        case.experts,
-        case.top_k,
-        glu=case.glu,
-        seed=11,
-        normalize_expert_weights=case.normalize,
-        dtype=torch.float64,
-        load_balancing_loss_coefficient=0.1,
-        expert_parallel_group=group,
-        expert_parallel_chunks=case.chunks,
-        expert_parallel_dispatch=case.dispatch,
+        MoEConfig(
+            HIDDEN,
+            FFN,
+            case.experts,
+            case.top_k,
+            glu=case.glu,
+            seed=11,
+            normalize_expert_weights=case.normalize,
+            dtype=torch.float64,
+            load_balancing_loss_coefficient=0.1,
+            expert_parallel_group=group,
+            expert_parallel_chunks=case.chunks,
+            expert_parallel_dispatch=case.dispatch,
+        )
     )
     # A larger router than the 0.02 default: clear top-k choices, no near-ties between experts.
     with torch.no_grad():
@@ -308,7 +310,9 @@ def _child(rank: int, world: int, port: int, outdir: str) -> None:
             finally:
                 overrides.checked = checked
             try:  # an indivisible expert count is refused before any collective
-                DroplessMoE(HIDDEN, FFN, 2 * world + 1, 1, expert_parallel_group=dist.group.WORLD)
+                DroplessMoE(
+                    MoEConfig(HIDDEN, FFN, 2 * world + 1, 1, expert_parallel_group=dist.group.WORLD)
+                )
                 results["indivisible"] = "accepted"
             except ValueError as error:
                 results["indivisible"] = str(error)
@@ -570,7 +574,7 @@ def test_bad_arguments_rejected_before_any_collective():
     with pytest.raises(TypeError, match="integer top_experts"):
         call(top_experts=top.float())
     with pytest.raises(ValueError, match="expert_parallel_chunks must be an int >= 1"):
-        DroplessMoE(HIDDEN, FFN, 4, 2, expert_parallel_chunks=0)
+        DroplessMoE(MoEConfig(HIDDEN, FFN, 4, 2, expert_parallel_chunks=0))
 
 
 @pytest.mark.parametrize("world", list(CASES))
@@ -583,7 +587,7 @@ def test_single_process_layer_unchanged():
     """Without a group: all experts, offset 0; the router drawn from the seed's generator and
     each expert's matrices from the documented per-expert seeds (which a rank with a group
     draws for its own experts only)."""
-    layer = DroplessMoE(HIDDEN, FFN, 4, 2, glu=True, seed=3)
+    layer = DroplessMoE(MoEConfig(HIDDEN, FFN, 4, 2, glu=True, seed=3))
     assert layer.num_local_experts == 4 and layer.expert_offset == 0
     router = torch.randn(layer.router.shape, generator=torch.Generator().manual_seed(3))
     assert torch.equal(layer.router.detach(), router * 0.02)
@@ -681,7 +685,7 @@ def test_exchange_makes_its_input_dense_and_refuses_a_strided_output():
 
 
 def test_baseline_needs_an_expert_parallel_layer():
-    layer = DroplessMoE(HIDDEN, 8, 4, top_k=2, seed=0, dtype=torch.float64)
+    layer = DroplessMoE(MoEConfig(HIDDEN, 8, 4, top_k=2, seed=0, dtype=torch.float64))
     with pytest.raises(ValueError, match="no expert_parallel_group"):
         expert_parallel_baseline(layer, torch.zeros(3, HIDDEN, dtype=torch.float64))
 
@@ -690,10 +694,12 @@ def test_layer_refuses_an_unknown_dispatch_and_chunks_with_allgather():
     with pytest.raises(
         ValueError, match=r"expert_parallel_dispatch must be one of \('alltoall', 'allgather'\)"
     ):
-        DroplessMoE(HIDDEN, FFN, 4, 2, expert_parallel_dispatch="all2all")
+        DroplessMoE(MoEConfig(HIDDEN, FFN, 4, 2, expert_parallel_dispatch="all2all"))
     with pytest.raises(ValueError, match="runs in one piece; expert_parallel_chunks must be"):
         DroplessMoE(
-            HIDDEN, FFN, 4, 2, expert_parallel_dispatch="allgather", expert_parallel_chunks=2
+            MoEConfig(
+                HIDDEN, FFN, 4, 2, expert_parallel_dispatch="allgather", expert_parallel_chunks=2
+            )
         )
     x, weights = torch.zeros(3, HIDDEN), torch.zeros(3, 2)
     top = torch.zeros(3, 2, dtype=torch.int32)

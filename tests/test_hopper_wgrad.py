@@ -32,7 +32,6 @@ PLAIN = G.GmmConfig(128, 256, 64, num_warps=8, num_stages=4)  # the Triton kerne
 PLAIN_REDUCE = G.GmmConfig(
     128, 256, 32, num_warps=8, num_stages=6, use_tma=True, reduce_epilogue=True
 )
-WARP_SPECIALIZED = G.GmmConfig(128, 256, 64, warp_specialized=True)
 
 
 def _aligned(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -41,8 +40,7 @@ def _aligned(rows: int, cols: int, dtype: torch.dtype = torch.bfloat16) -> torch
 
 def test_serves_16_bit_tma_layouts_only() -> None:
     def serves(a: torch.Tensor, g: torch.Tensor, out: torch.Tensor, **where: object) -> bool:
-        cfg, info = where.get("cfg", WARP_SPECIALIZED), where.get("info", H200)
-        return G._warp_specialized(cfg, info, a, g, out) is hopper_wgrad
+        return G._warp_specialized(where.get("info", H200), a, g, out) is hopper_wgrad
 
     a, g, out = _aligned(64, 128), _aligned(64, 256), torch.zeros(2, 128, 256, dtype=torch.bfloat16)
     assert serves(a, g, out)
@@ -54,8 +52,7 @@ def test_serves_16_bit_tma_layouts_only() -> None:
     assert not serves(_aligned(128, 64).t(), g, out)  # a column-major a
     assert not serves(a, g, torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2))
     assert not serves(_aligned(65, 128).view(-1)[4:8196].view(64, 128), g, out)  # base
-    # Only where the config asks for it, and only on sm_90.
-    assert not serves(a, g, out, cfg=PLAIN)
+    # Only on sm_90 (which calls it takes is the declared variant's predicate: test_tiers.py).
     assert not serves(a, g, out, info=B200)
 
 
@@ -174,7 +171,7 @@ def _loop(a: torch.Tensor, g: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_new_gradient_equals_the_triton_kernel(name: str, dtype: torch.dtype) -> None:
     a, g, sizes = _case(name, dtype)
-    got = G.gmm_weight_grad(a, g, sizes, config=WARP_SPECIALIZED)
+    got = G.gmm_weight_grad_warp_specialized(a, g, sizes)
     want = G.gmm_weight_grad(a, g, sizes, config=PLAIN)
     assert torch.isfinite(got).all()
     assert torch.equal(got, want)
@@ -192,7 +189,7 @@ def test_accumulating_equals_the_triton_reduction(name: str, dtype: torch.dtype)
     a, g, sizes = _case(name, dtype)
     start = torch.randn(sizes.numel(), a.shape[1], g.shape[1], device="cuda").to(dtype)
     got, want = start.clone(), start.clone()
-    G.gmm_weight_grad_accumulate(a, g, sizes, got, config=WARP_SPECIALIZED)
+    G.gmm_weight_grad_accumulate_warp_specialized(a, g, sizes, got)
     G.gmm_weight_grad_accumulate(a, g, sizes, want, config=PLAIN_REDUCE)
     assert torch.equal(got, want)
     empty = (sizes == 0).nonzero().flatten()
@@ -206,7 +203,7 @@ def test_bad_sizes_stay_inside_the_buffers() -> None:
     a, g, _ = _case("odd sizes, empty experts", torch.bfloat16)
     for bad in ([-5, 300, 2**30, 4, -1], [2**31 - 1, 1, 1], [0, 0, 0]):
         sizes = torch.tensor(bad, dtype=torch.int32, device="cuda")
-        got = G.gmm_weight_grad(a, g, sizes, config=WARP_SPECIALIZED)
+        got = G.gmm_weight_grad_warp_specialized(a, g, sizes)
         assert torch.equal(got, G.gmm_weight_grad(a, g, sizes, config=PLAIN))
 
 
@@ -215,9 +212,17 @@ def test_the_default_policy_takes_it_for_a_new_gradient(monkeypatch: pytest.Monk
     calls = []
     real = hopper_wgrad.launch
     monkeypatch.setattr(hopper_wgrad, "launch", lambda *a, **k: calls.append(k) or real(*a, **k))
+    import megablocks_core as mb
+    from megablocks_core.plugin import call_op
+
     a, g, sizes = _case("odd sizes, empty experts", torch.bfloat16)
-    G.gmm_weight_grad(a, g, sizes)
-    G.gmm_weight_grad(a.float(), g.float(), sizes)  # float32 operands: the Triton kernel
     out = torch.zeros(sizes.numel(), a.shape[1], g.shape[1], device="cuda", dtype=torch.bfloat16)
-    G.gmm_weight_grad_accumulate(a, g, sizes, out)  # the policy keeps the Triton reduction here
+    # The triton backend forced (its kernels against other providers are the cost hints' choice):
+    # the ranking gives the call to its declared variant triton/gluon-hopper.
+    with mb.use_backend(gmm_weight_grad="triton", gmm_weight_grad_accumulate="triton"):
+        call_op("gmm_weight_grad", a, g, sizes)
+        call_op("gmm_weight_grad", a.float(), g.float(), sizes)  # float32: the Triton kernel
+        call_op("gmm_weight_grad_accumulate", a, g, sizes, out)  # the policy keeps Triton's
     assert [c["accumulate"] for c in calls] == [False]
+    G.gmm_weight_grad(a, g, sizes)  # the plain kernel never runs it
+    assert len(calls) == 1

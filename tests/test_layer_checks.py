@@ -1,8 +1,10 @@
-"""The dMoE layer's argument checks: every constructor argument, the grad_accumulation_fusion
-setter, and forward's input (shape, dtype, device), eagerly and under torch.compile."""
+"""The dMoE layer's argument checks: every field of its record (MoEConfig, however the record is
+made), the grad_accumulation_fusion setter, and forward's input (shape, dtype, device), eagerly
+and under torch.compile."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -13,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megablocks_core.layers import DroplessMoE, dMoE
+from megablocks_core.layers import DroplessMoE, MoEConfig, dMoE
 
 pytestmark = pytest.mark.usefixtures("reference_backend")
 
@@ -139,6 +141,49 @@ def test_constructor_refuses_a_bad_argument(
     with pytest.raises(error, match=LAYER + message) as raised:
         make(**changes)
     assert type(raised.value) is error  # not a subclass standing in for the other kind
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    BAD_ARGUMENTS,
+    ids=[",".join(f"{k}={v!r}" for k, v in c.items()) for c, _, _ in BAD_ARGUMENTS],
+)
+def test_the_record_refuses_a_bad_field_and_so_does_replacing_one(
+    changes: dict[str, object], error: type[Exception], message: str
+) -> None:
+    # The one validation: the record's, whether it is made directly, derived from a good one,
+    # or handed to the layer as keywords replacing the good one's fields.
+    good = MoEConfig(HIDDEN, FFN, EXPERTS, TOP_K, dtype=torch.float64)
+    for build in (
+        lambda: MoEConfig(**(dataclasses.asdict(good) | changes)),  # type: ignore[arg-type]
+        lambda: dataclasses.replace(good, **changes),  # type: ignore[arg-type]
+        lambda: dMoE(good, **changes),
+    ):
+        with pytest.raises(error, match=LAYER + message) as raised:
+            build()
+        assert type(raised.value) is error
+
+
+def test_the_layer_takes_its_record_or_keywords_alike() -> None:
+    config = MoEConfig(HIDDEN, FFN, EXPERTS, TOP_K, glu=True, seed=5, dtype=torch.float64)
+    layer = dMoE(config)
+    assert layer.config is config and (layer.top_k, layer.glu) == (TOP_K, True)
+    by_keywords = make(glu=True, seed=5)
+    assert by_keywords.config == config
+    for p, q in zip(layer.parameters(), by_keywords.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # Keywords beside the record replace its fields; the record itself is left as it was.
+    reseeded = dMoE(config, seed=6)
+    assert reseeded.config == dataclasses.replace(config, seed=6) and config.seed == 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.top_k = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("config", [HIDDEN, {"hidden_size": HIDDEN}, "config"], ids=repr)
+def test_the_layer_refuses_anything_but_a_record_as_config(config: object) -> None:
+    message = LAYER + r"config must be a megablocks_core.layers.MoEConfig .*; got "
+    with pytest.raises(TypeError, match=message):
+        dMoE(config)  # type: ignore[arg-type]
 
 
 def test_constructor_accepts_the_edges_of_each_range() -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import megablocks_core
 from megablocks_core import cli
-from megablocks_core.layers import DroplessMoE, dMoE, load_balancing_loss
+from megablocks_core.layers import DroplessMoE, MoEConfig, dMoE, load_balancing_loss
 from megablocks_core.layers.moe import expert_seed
 
 pytestmark = pytest.mark.usefixtures("reference_backend")
@@ -19,7 +19,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def make(hidden=8, ffn=12, experts=8, top_k=2, glu=False, dtype=torch.float64, device="cpu", **kw):
-    model = DroplessMoE(hidden, ffn, experts, top_k, glu=glu, dtype=dtype, device=device, **kw)
+    model = DroplessMoE(
+        MoEConfig(hidden, ffn, experts, top_k, glu=glu, dtype=dtype, device=device, **kw)
+    )
     # Larger router weights than the 0.02 default: clear top-k choices, no near-ties between experts.
     with torch.no_grad():
         model.router.copy_(
@@ -112,12 +114,12 @@ def test_activations_match_loop(activation, glu):
 
 def test_unknown_activation_name_is_rejected():
     with pytest.raises(ValueError, match="activation must be one of"):
-        DroplessMoE(4, 4, 2, activation="swish")
+        DroplessMoE(MoEConfig(4, 4, 2, activation="swish"))
     # A gated unit's name is not an expert activation: the error says how to ask for it.
     with pytest.raises(
         ValueError, match=r"'swiglu' \(gated experts: glu=True with activation='silu'\)"
     ):
-        DroplessMoE(4, 4, 2, activation="swiglu")
+        DroplessMoE(MoEConfig(4, 4, 2, activation="swiglu"))
 
 
 def _composed_layer(model: DroplessMoE, x: torch.Tensor) -> torch.Tensor:
@@ -291,13 +293,13 @@ def test_bf16_layer_keeps_float32_router_weights():
 
 
 def test_initialisation_is_seeded_and_scaled():
-    a, b, c = (DroplessMoE(64, 128, 8, 2, glu=True, seed=s) for s in (3, 3, 4))
+    a, b, c = (DroplessMoE(MoEConfig(64, 128, 8, 2, glu=True, seed=s)) for s in (3, 3, 4))
     for pa, pb, pc in zip(a.parameters(), b.parameters(), c.parameters(), strict=True):
         assert torch.equal(pa, pb) and not torch.equal(pa, pc)
     assert float(a.w1.std()) == pytest.approx(0.02, rel=0.05)
     assert dMoE is DroplessMoE
     with pytest.raises(ValueError, match="top_k"):
-        DroplessMoE(8, 8, 4, 5)
+        DroplessMoE(MoEConfig(8, 8, 4, 5))
 
 
 def test_initialisation_draws_one_expert_at_a_time(monkeypatch):
@@ -307,11 +309,11 @@ def test_initialisation_draws_one_expert_at_a_time(monkeypatch):
     sizes = []
     randn = torch.randn
     monkeypatch.setattr(torch, "randn", lambda *a, **k: sizes.append(a[0]) or randn(*a, **k))
-    mlp = DroplessMoE(64, 128, 8, 2, seed=3)
+    mlp = DroplessMoE(MoEConfig(64, 128, 8, 2, seed=3))
     assert max(torch.Size(s).numel() for s in sizes) == 64 * 128  # the router's or one expert's
     assert len(sizes) == 1 + 2 * 8
     monkeypatch.undo()
-    glu = DroplessMoE(64, 128, 8, 2, glu=True, seed=3)
+    glu = DroplessMoE(MoEConfig(64, 128, 8, 2, glu=True, seed=3))
     assert torch.equal(mlp.w1, glu.w1[..., :128]) and torch.equal(mlp.w2, glu.w2)
     assert torch.equal(mlp.router, glu.router)
     flat = [m.flatten() for p in (glu.w1[..., :128], glu.w1[..., 128:], glu.w2) for m in p]
@@ -325,10 +327,10 @@ def test_meta_layer_draws_nothing_and_loads_values_after_to_empty(monkeypatch):
     drawn = []
     randn = torch.randn
     monkeypatch.setattr(torch, "randn", lambda *a, **k: drawn.append(a) or randn(*a, **k))
-    layer = DroplessMoE(64, 128, 8, 2, glu=True, seed=3, device="meta")
+    layer = DroplessMoE(MoEConfig(64, 128, 8, 2, glu=True, seed=3, device="meta"))
     assert drawn == [] and all(p.is_meta for p in layer.parameters())
     monkeypatch.undo()
-    reference = DroplessMoE(64, 128, 8, 2, glu=True, seed=3)
+    reference = DroplessMoE(MoEConfig(64, 128, 8, 2, glu=True, seed=3))
     layer.to_empty(device="cpu")
     layer.load_state_dict(reference.state_dict())
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
@@ -478,7 +480,7 @@ def test_grad_accumulation_fusion_is_a_settable_bool():
     model.grad_accumulation_fusion = False
     assert not any(megablocks_core.is_grad_accumulation_fused(w) for w in _expert_weights(model))
     with pytest.raises(TypeError, match="grad_accumulation_fusion must be a bool"):
-        DroplessMoE(8, 8, 2, grad_accumulation_fusion=1)
+        DroplessMoE(MoEConfig(8, 8, 2, grad_accumulation_fusion=1))
 
 
 def _hand_composed_moe(x, router, w1, w2, top_k):
@@ -551,7 +553,16 @@ def test_demo_trains(capsys):
 
 def _gpu_model(dtype=torch.bfloat16):
     model = DroplessMoE(
-        256, 512, 8, 2, glu=True, dtype=dtype, device="cuda", load_balancing_loss_coefficient=0.01
+        MoEConfig(
+            256,
+            512,
+            8,
+            2,
+            glu=True,
+            dtype=dtype,
+            device="cuda",
+            load_balancing_loss_coefficient=0.01,
+        )
     )
     x = torch.randn(1024, 256, device="cuda", dtype=dtype)
     return model, x
@@ -669,7 +680,9 @@ def test_cuda_compile_fullgraph_matches_eager():
 
 def test_gelu_default_is_tanh_approximation():
     x = torch.linspace(-3, 3, 7)
-    torch.testing.assert_close(DroplessMoE(4, 4, 2).activation(x), F.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(
+        DroplessMoE(MoEConfig(4, 4, 2)).activation(x), F.gelu(x, approximate="tanh")
+    )
 
 
 def test_gated_layer_loads_gate_and_up_saved_apart():

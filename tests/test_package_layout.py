@@ -25,15 +25,40 @@ def test_importing_the_ops_imports_no_layer_benchmark_demo_or_cli():
         m
         for m in loaded
         if m.startswith(
-            ("megablocks_core.layers", "megablocks_core.cli", "megablocks_bench", "bench")
+            (
+                "megablocks_core.layers",
+                "megablocks_core.demo",
+                "megablocks_core.cli",
+                "megablocks_bench",
+                "bench",
+            )
         )
     }
     assert applications == set()
 
 
-def test_the_layer_package_exports_the_layer():
+def test_the_layer_package_exports_the_layer_and_its_record():
     loaded = _modules_after(
-        "from megablocks_core.layers import DroplessMoE, dMoE\nassert dMoE is DroplessMoE"
+        "from megablocks_core.layers import DroplessMoE, MoEConfig, dMoE\n"
+        "assert dMoE is DroplessMoE and MoEConfig.__module__ == 'megablocks_core.layers.config'"
     )
-    assert "megablocks_core.layers.moe" in loaded
-    assert "megablocks_core.layers.demo" not in loaded and "megablocks_bench" not in loaded
+    assert {"megablocks_core.layers.moe", "megablocks_core.layers.config"} <= loaded
+    assert "megablocks_core.demo" not in loaded and "megablocks_bench" not in loaded
+
+
+def test_the_layer_package_holds_only_layers():
+    """The demo and the model shapes are not layers: they live beside the package, and the
+    benchmarks' baseline exchange is not part of its namespace."""
+    import megablocks_core.layers as layers
+
+    assert set(layers.__all__) == {
+        "DroplessMoE",
+        "MoEConfig",
+        "dMoE",
+        "gelu_tanh",
+        "load_balancing_loss",
+    }
+    assert not hasattr(layers, "expert_parallel_apply") and not hasattr(layers, "all_to_all")
+    from megablocks_core import demo, shapes
+
+    assert demo.TinyMoEModel and "tiny" in shapes.SHAPES

@@ -103,7 +103,8 @@ def test_kernels_that_can_take_the_arguments_load(plugins, fn):
 @pytest.mark.parametrize(
     "field, value, expected",
     [
-        ("priority", "'high'", "priority must be an int"),
+        ("tier", "100", "tier must be a megablocks_core.plugin.Tier"),
+        ("yields_to", "'triton'", "yields_to must be a tuple of backend names"),
         ("contiguous", "1", "contiguous must be a bool"),
         ("capability", "'sm_90'", "capability must be callable or None"),
         (
@@ -184,7 +185,7 @@ def test_strict_mode_raises_at_import(plugins):
 
 VENDOR_DEVICE = """
 import torch
-from megablocks_core import Kernel, hookimpl
+from megablocks_core import Kernel, Tier, hookimpl
 from megablocks_reference import kernels as _reference
 
 # What a vendor's torch extension does on import (torch_npu names its device "npu").
@@ -193,7 +194,7 @@ torch.utils.rename_privateuse1_backend("{kind}")
 
 @hookimpl
 def megablocks_permutation_kernels():
-    return [Kernel(op="gather", fn=_reference.gather, devices=("{kind}",), priority=100)]
+    return [Kernel(op="gather", fn=_reference.gather, devices=("{kind}",), tier=Tier.VENDOR)]
 """
 
 
@@ -221,8 +222,7 @@ def test_a_vendor_registered_device_kind_is_declarable_and_named_on_the_cli(plug
     )
     assert result.returncode == 0, result.stderr
     assert (
-        f"gather on {kind}:0" in result.stdout
-        and "winner: vendor (highest priority)" in result.stdout
+        f"gather on {kind}:0" in result.stdout and "winner: vendor (highest tier)" in result.stdout
     )
 
 
@@ -247,8 +247,8 @@ def test_a_kernel_exception_names_backend_and_op_and_keeps_type_and_cause(plugin
     plugins.add(
         "raiser",
         permutation(
-            "[Kernel(op='gather', fn=gather_value_error, devices=('cpu',), priority=50),"
-            " Kernel(op='scatter', fn=scatter_vendor_error, devices=('cpu',), priority=50)]",
+            "[Kernel(op='gather', fn=gather_value_error, devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR),"
+            " Kernel(op='scatter', fn=scatter_vendor_error, devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR)]",
             RAISING,
         ),
     )
@@ -294,12 +294,12 @@ def test_checked_mode_compares_kernel_outputs_with_the_contract(plugins):
     plugins.add(
         "sloppy",
         permutation(
-            "[Kernel(op='gather', fn=gather_short, devices=('cpu',), priority=50),"
-            " Kernel(op='scatter', fn=scatter_float64, devices=('cpu',), priority=50)]",
+            "[Kernel(op='gather', fn=gather_short, devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR),"
+            " Kernel(op='scatter', fn=scatter_float64, devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR)]",
             WRONG_OUTPUTS,
         )
         + "\n@hookimpl\ndef megablocks_routing_kernels():\n"
-        "    return [Kernel(op='sort', fn=sort_one_output, devices=('cpu',), priority=50)]\n",
+        "    return [Kernel(op='sort', fn=sort_one_output, devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR)]\n",
     )
     plugins.reload({"MEGABLOCKS_CHECK": "1"})
     x, indices, bin_ids, bins, weights = routing_inputs()

@@ -29,13 +29,14 @@ def fast_plugin(
     name="fast",
     ops_=("gather",),
     devices=("cpu",),
-    priority=50,
+    tier="GENERIC_ACCELERATOR",
     extra="",
     kernel_args="",
     **add_kwargs,
 ):
     kernels = ", ".join(
-        f"Kernel(op={op!r}, fn=recording({op!r}), devices={devices!r}, priority={priority}{kernel_args})"
+        f"Kernel(op={op!r}, fn=recording({op!r}), devices={devices!r}, tier=Tier.{tier}"
+        f"{kernel_args})"
         for op in ops_
     )
     return plugins.add(name, permutation(f"[{kernels}]", extra), **add_kwargs)
@@ -85,7 +86,7 @@ def test_fast_plugin_is_discovered_and_wins_on_cpu(plugins):
 
     trace = mb.explain("gather", "cpu")
     assert trace.winner.backend == "fast"
-    assert trace.why == "highest priority"
+    assert trace.why == "highest tier"
     assert not trace.fallback
     assert candidate(trace, "reference").accepted  # eligible, but outranked
     assert candidate(trace, "fast").reason.startswith("chosen:")
@@ -96,24 +97,24 @@ def test_fast_plugin_is_discovered_and_wins_on_cpu(plugins):
     assert plugins.calls("fast") == ["gather", "gather"]
 
 
-def test_device_specific_kernel_beats_portable_one_of_equal_priority(plugins):
+def test_device_specific_kernel_beats_portable_one_of_equal_tier(plugins):
     # Named so that the backend-name tie-break alone would pick the portable kernel.
-    fast_plugin(plugins, "aportable", devices=("any",), priority=5)
-    fast_plugin(plugins, "zspecific", devices=("cpu",), priority=5)
+    fast_plugin(plugins, "aportable", devices=("any",))
+    fast_plugin(plugins, "zspecific", devices=("cpu",))
     plugins.reload()
     assert mb.explain("gather", "cpu").winner.backend == "zspecific"
     run_gather()
     assert plugins.calls("zspecific") == ["gather"] and plugins.calls("aportable") == []
 
     npu = mb.explain("gather", DeviceInfo(kind="npu", type="npu"))
-    assert npu.winner.backend == "aportable"  # priority 5 > reference's 0
+    assert npu.winner.backend == "aportable"  # the generic tier over the reference's portable
     assert candidate(npu, "zspecific").reason == "serves cpu, not npu"
     assert npu.fallback
 
 
-def test_equal_priority_ties_are_broken_by_backend_name(plugins):
-    fast_plugin(plugins, "beta", priority=7)
-    fast_plugin(plugins, "alpha", priority=7)
+def test_equal_tier_ties_are_broken_by_backend_name(plugins):
+    fast_plugin(plugins, "beta")
+    fast_plugin(plugins, "alpha")
     plugins.reload()
     trace = mb.explain("gather", "cpu")
     assert trace.winner.backend == "alpha"
@@ -134,7 +135,7 @@ def test_contiguous_kernel_receives_contiguous_tensors_and_none(plugins):
     module = plugins.add(
         "strided",
         permutation(
-            "[Kernel(op='scatter', fn=scatter, devices=('cpu',), priority=50, contiguous=True)]",
+            "[Kernel(op='scatter', fn=scatter, devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR, contiguous=True)]",
             extra,
         ),
     )
@@ -192,8 +193,8 @@ def test_capability_predicate_that_raises_rejects_only_its_own_kernel(plugins):
     plugins.add(
         "fast",
         permutation(
-            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=50, capability=boom),"
-            " Kernel(op='scatter', fn=recording('scatter'), devices=('cpu',), priority=50,"
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR, capability=boom),"
+            " Kernel(op='scatter', fn=recording('scatter'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR,"
             "        capability=lambda dev: None)]",
             extra="def boom(device):\n    raise ZeroDivisionError('bad predicate')\n",
         ),
@@ -213,9 +214,9 @@ def test_capability_predicate_that_raises_rejects_only_its_own_kernel(plugins):
 
 
 GPU_PLUGIN = permutation(
-    "[Kernel(op='gather', fn=recording('gather'), devices=('rocm',), priority=100, variant='hip',"
+    "[Kernel(op='gather', fn=recording('gather'), devices=('rocm',), tier=Tier.GENERIC_ACCELERATOR, variant='hip',"
     "        capability=lambda d: None if (d.arch or '').startswith('gfx9') else f'needs gfx9, got {d.arch}'),"
-    " Kernel(op='gather', fn=recording('gather'), devices=('cuda',), priority=100, variant='sm90',"
+    " Kernel(op='gather', fn=recording('gather'), devices=('cuda',), tier=Tier.GENERIC_ACCELERATOR, variant='sm90',"
     "        capability=lambda d: None if d.capability and d.capability >= (9, 0)"
     "                   else f'needs compute capability >= 9.0, device has {d.capability}')]"
 )
@@ -317,7 +318,7 @@ def test_hooks_are_called_once_per_load(plugins):
         @hookimpl
         def megablocks_permutation_kernels():
             HOOK_CALLS[0] += 1
-            return [Kernel(op="gather", fn=recording("gather"), devices=("cpu",), priority=50)]
+            return [Kernel(op="gather", fn=recording("gather"), devices=("cpu",), tier=Tier.GENERIC_ACCELERATOR)]
     """,
     )
     plugins.reload()
@@ -337,10 +338,16 @@ def test_hooks_are_called_once_per_load(plugins):
 
 @pytest.fixture
 def fast_and_slow(plugins):
-    """fast: gather + scatter at priority 50; slow: gather + scatter + scatter_wgrad at -10,
-    so slow serves only when a policy asks for it."""
+    """fast: gather + scatter in the generic tier; slow: gather + scatter + scatter_wgrad in the
+    portable tier, yielding to the reference, so slow serves only when a policy asks for it."""
     fast_plugin(plugins, "fast", ops_=("gather", "scatter"))
-    fast_plugin(plugins, "slow", ops_=("gather", "scatter", "scatter_wgrad"), priority=-10)
+    fast_plugin(
+        plugins,
+        "slow",
+        ops_=("gather", "scatter", "scatter_wgrad"),
+        tier="PORTABLE",
+        kernel_args=", yields_to=('reference',)",
+    )
     return plugins
 
 
@@ -429,7 +436,7 @@ def test_forced_unavailable_backend_raises_with_its_reason(plugins):
     plugins.add(
         "nowidget",
         permutation(
-            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=100)]",
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR)]",
             extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
         ),
     )
@@ -578,7 +585,7 @@ def test_backward_runs_on_the_backend_forced_for_the_forward(fast_and_slow):
 
 
 def test_backward_with_forced_backend_lacking_the_backward_op_raises(plugins):
-    fast_plugin(plugins, "gatheronly", priority=-10)
+    fast_plugin(plugins, "gatheronly", tier="PORTABLE", kernel_args=", yields_to=('reference',)")
     plugins.reload()
     x, indices, bin_ids, bins, _ = routing_inputs()
     x.requires_grad_()
@@ -591,7 +598,7 @@ def test_backward_with_forced_backend_lacking_the_backward_op_raises(plugins):
 # ---------------------------------------------------------------------------
 # broken, incompatible, disabled and unavailable plugins
 
-KERNEL = "Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=50)"
+KERNEL = "Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.VENDOR)"
 
 BROKEN = {
     "import error": ("raise ImportError('kaboom on import')\n", "ImportError: kaboom on import"),
@@ -755,14 +762,14 @@ def test_unavailable_plugin_never_wins(plugins):
     plugins.add(
         "nowidget",
         permutation(
-            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu', 'any'), priority=1000)]",
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu', 'any'), tier=Tier.SPECIALISED)]",
             extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return 'no widget'\n",
         ),
     )
     plugins.add(
         "widget",
         permutation(
-            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), priority=10)]",
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.VENDOR)]",
             extra="@hookimpl\ndef megablocks_unavailable_reason():\n    return None\n",
         ),
     )
@@ -819,7 +826,7 @@ def test_portable_reference_on_an_accelerator_is_a_visible_fallback(plugins):
 
 
 def test_device_specific_plugin_removes_the_fallback(plugins):
-    fast_plugin(plugins, "npu", devices=("npu",), priority=10)
+    fast_plugin(plugins, "npu", devices=("npu",))
     plugins.reload()
     trace = mb.explain("gather", DeviceInfo(kind="npu", type="npu"))
     assert trace.winner.backend == "npu" and not trace.fallback

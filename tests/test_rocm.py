@@ -120,12 +120,12 @@ def test_listed_unavailable_on_this_host(clean_env):
 CUDA_ONLY = """
 @hookimpl
 def megablocks_permutation_kernels():
-    return [Kernel(op="gather", fn=recording("gather"), devices=("cuda",), priority=10_000)]
+    return [Kernel(op="gather", fn=recording("gather"), devices=("cuda",), tier=Tier.SPECIALISED)]
 
 
 @hookimpl
 def megablocks_grouped_gemm_kernels():
-    return [Kernel(op="gmm", fn=recording("gmm"), devices=("cuda",), priority=10_000,
+    return [Kernel(op="gmm", fn=recording("gmm"), devices=("cuda",), tier=Tier.SPECIALISED,
                    variant="grouped_mm")]
 """
 

@@ -644,7 +644,7 @@ def test_plugin_descriptors() -> None:
     from megablocks_triton import plugin
 
     from megablocks_core import contracts
-    from megablocks_core.descriptors import Kernel
+    from megablocks_core.descriptors import Kernel, Tier
 
     assert plugin.megablocks_unavailable_reason() is None  # interpreter or GPU here
     by_name = {c.name: c for c in contracts.ALL}
@@ -652,7 +652,7 @@ def test_plugin_descriptors() -> None:
     assert {k.op for k in kernels} == set(plugin.ROUTING) | set(plugin.PERMUTATION)
     for k in kernels:
         assert isinstance(k, Kernel)
-        assert k.priority == 100 and k.contiguous
+        assert k.tier == plugin.TIER == Tier.GENERIC_ACCELERATOR and k.contiguous
         assert k.devices == (("cuda", "rocm", "cpu") if interpreting() else ("cuda", "rocm"))
         # Positional arguments in the contract's order, and dtype keys naming real arguments.
         names = tuple(inspect.signature(k.fn).parameters)

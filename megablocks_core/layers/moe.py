@@ -52,11 +52,10 @@ all-to-all split sizes (:func:`megablocks_core.layers.parallel.expert_parallel_m
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -65,10 +64,7 @@ from torch import Tensor
 from .. import ops
 from ..activations import ACTIVATIONS, GATED, gelu_tanh
 from ..autograd import fuse_grad_accumulation, is_grad_accumulation_fused
-from ..schema import FLOAT_DTYPES
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
+from .config import _LAYER, MoEConfig, _check_bool, _check_init, _got
 
 #: A gate's activation → gmm_scatter's gated name for act(gate) * up ("silu" → "swiglu").
 _GATED_BY_GATE = {gate: name for name, gate in GATED.items()}
@@ -144,268 +140,30 @@ def expert_seed(seed: int, matrix: int, expert: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)  # torch seeds are < 2**64; keep it positive
 
 
-#: How the layer's errors name it.
-_LAYER = "megablocks_core.layers.dMoE"
-
-#: The parameter dtypes the ops take, for the messages.
-_DTYPE_NAMES = ", ".join(sorted(map(str, FLOAT_DTYPES)))
-
-
-def _got(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _check_int(
-    name: str, value: object, low: int, high: int | None = None, bounds: str = ""
-) -> None:
-    """``value`` is an int in [low, high] (no upper bound for None); a bool is refused (True would
-    pass as 1). ``bounds`` replaces the range in the message."""
-    bounds = bounds or (f">= {low}" if high is None else f"in [{low}, {high}]")
-    message = f"{_LAYER}: {name} must be an int {bounds}; got {_got(value)}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(message)
-    if value < low or (high is not None and value > high):
-        raise ValueError(message)
-
-
-def _check_number(name: str, value: object, requirement: str, ok: Callable[[float], bool]) -> None:
-    """``value`` is an int or float (not a bool) for which ``ok`` holds."""
-    message = f"{_LAYER}: {name} must be {requirement}; got {_got(value)}"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(message)
-    if not ok(value):
-        raise ValueError(message)
-
-
-def _finite_non_negative(value: float) -> bool:
-    # An int is always finite (math.isfinite would overflow on a huge one).
-    return value >= 0 and (isinstance(value, int) or math.isfinite(value))
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):  # 0/1 or a tensor would be read as a truth value
-        raise TypeError(f"{_LAYER}: {name} must be a bool (True or False); got {_got(value)}")
-
-
-def _check_init(std: object, seed: object) -> None:
-    """The initialisation's arguments (the constructor's ``init_std`` and ``seed``)."""
-    _check_number("init_std", std, "a finite number >= 0", _finite_non_negative)
-    # torch.Generator.manual_seed's range.
-    _check_int("seed", seed, -(1 << 63), (1 << 64) - 1, "in [-2**63, 2**64)")
-
-
-def _check_activation(activation: object) -> None:
-    requirement = f"one of {sorted(ACTIVATIONS)} or a callable"
-    if isinstance(activation, str):
-        if activation not in ACTIVATIONS:
-            gated = GATED.get(activation)
-            hint = (
-                f" (gated experts: glu=True with activation={gated!r})"
-                if activation in GATED and gated is not None
-                else ""
-            )
-            raise ValueError(
-                f"{_LAYER}: activation must be {requirement}; got {activation!r}{hint}"
-            )
-    elif not callable(activation):
-        raise TypeError(f"{_LAYER}: activation must be {requirement}; got {_got(activation)}")
-
-
-def _check_dtype(dtype: object) -> None:
-    if dtype is None:
-        return
-    message = f"{_LAYER}: dtype must be a floating torch.dtype ({_DTYPE_NAMES}) or None"
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{message}; got {_got(dtype)}")
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{message}; got {dtype}")
-
-
-def _check_device(device: object) -> None:
-    if device is None:
-        return
-    requirement = "a torch.device, a device string such as 'cuda:0', a CUDA device index or None"
-    if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
-        raise TypeError(f"{_LAYER}: device must be {requirement}; got {_got(device)}")
-    try:
-        torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(
-            f"{_LAYER}: device must be {requirement}; got {_got(device)}: {error}"
-        ) from error
-
-
-def _check_expert_parallelism(
-    group: object, num_experts: int, chunks: object, dispatch: object
-) -> None:
-    from .parallel import DISPATCHES
-
-    if chunks is not None:
-        _check_int("expert_parallel_chunks", chunks, 1, bounds=">= 1 or None")
-    requirement = f"one of {DISPATCHES}"
-    if not isinstance(dispatch, str):
-        raise TypeError(
-            f"{_LAYER}: expert_parallel_dispatch must be {requirement}; got {_got(dispatch)}"
-        )
-    if dispatch not in DISPATCHES:
-        raise ValueError(
-            f"{_LAYER}: expert_parallel_dispatch must be {requirement}; got {dispatch!r}"
-        )
-    if dispatch == "allgather" and chunks not in (None, 1):
-        raise ValueError(
-            f"{_LAYER}: expert_parallel_dispatch='allgather' runs in one piece; "
-            f"expert_parallel_chunks must be None or 1; got {_got(chunks)}"
-        )
-    if group is None:
-        return
-    import torch.distributed as dist  # only expert parallelism needs it
-
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(
-            f"{_LAYER}: expert_parallel_group must be a torch.distributed.ProcessGroup or None; "
-            f"got {_got(group)}"
-        )
-    world = dist.get_world_size(group)
-    if num_experts % world:
-        raise ValueError(
-            f"{_LAYER}: num_experts={num_experts} is not divisible by the expert_parallel_group's "
-            f"size {world}"
-        )
-
-
-def _check_arguments(
-    *,
-    hidden_size: object,
-    ffn_hidden_size: object,
-    num_experts: object,
-    top_k: object,
-    glu: object,
-    activation: object,
-    normalize_expert_weights: object,
-    load_balancing_loss_coefficient: object,
-    block_size: object,
-    init_std: object,
-    seed: object,
-    dtype: object,
-    device: object,
-    expert_parallel_group: object,
-    fuse_permutation: object,
-    expert_parallel_chunks: object,
-    grad_accumulation_fusion: object,
-    expert_parallel_dispatch: object,
-) -> None:
-    """Every argument of :class:`DroplessMoE`'s constructor, before anything is allocated:
-    TypeError for a wrong type, ValueError for a wrong value, each naming the argument."""
-    for name, size in (
-        ("hidden_size", hidden_size),
-        ("ffn_hidden_size", ffn_hidden_size),
-        ("num_experts", num_experts),
-    ):
-        _check_int(name, size, 1)
-    assert isinstance(num_experts, int)
-    _check_int("top_k", top_k, 1, num_experts, f"in [1, num_experts={num_experts}]")
-    for name, flag in (
-        ("glu", glu),
-        ("fuse_permutation", fuse_permutation),
-        ("grad_accumulation_fusion", grad_accumulation_fusion),
-    ):
-        _check_bool(name, flag)
-    _check_activation(activation)
-    if normalize_expert_weights is not None:
-        _check_number(
-            "normalize_expert_weights",
-            normalize_expert_weights,
-            "the p of a p-norm, a number > 0 (math.inf allowed), or None",
-            lambda p: p > 0,  # NaN fails it too
-        )
-    _check_number(
-        "load_balancing_loss_coefficient",
-        load_balancing_loss_coefficient,
-        "a finite number >= 0",
-        _finite_non_negative,
-    )
-    _check_int("block_size", block_size, 1)
-    _check_init(init_std, seed)
-    _check_dtype(dtype)
-    _check_device(device)
-    _check_expert_parallelism(
-        expert_parallel_group, num_experts, expert_parallel_chunks, expert_parallel_dispatch
-    )
-
-
 class DroplessMoE(torch.nn.Module):
     """Dropless mixture of experts: top-k softmax router, expert MLPs via ``ops.gmm``, no token dropped.
 
     Args:
-        hidden_size: model width (last dimension of the input).
-        ffn_hidden_size: width of each expert's MLP.
-        num_experts: number of experts E.
-        top_k: experts per token (1 ≤ top_k ≤ E).
-        glu: gated experts, ``act(x @ gate) * (x @ up) @ w2`` (MegaBlocks' ``mlp_type="glu"``,
-            whose ``w1`` and ``v1`` are the gate and up here); with ``activation="silu"`` this
-            is SwiGLU (Llama, Mixtral, Qwen3-MoE, DeepSeek-V3). The two projections are one
-            parameter, ``w1`` of ``(E, hidden, 2 * ffn)`` with the gate in ``w1[..., :ffn]``
-            and up in ``w1[..., ffn:]``, so that one grouped GEMM computes both and ``ops.glu``
-            combines them in one pass. ``load_state_dict`` also takes the two apart, as ``w1``
-            and ``v1`` of ``(E, hidden, ffn)`` each (joined on load).
-        activation: expert activation: ``"gelu"`` (tanh approximation; the default, as
-            MegaBlocks; also named ``"gelu_tanh"``), ``"gelu_erf"`` (the exact GELU, torch's
-            and transformers' ``"gelu"``), ``"silu"``, ``"relu"``, or any callable. With a named activation the
-            experts keep only the first GEMM's output for backward (gated experts: both
-            projections and their product) and recompute the activation there.
-        normalize_expert_weights: if set, divide each token's top-k weights by their p-norm with
-            this p (MegaBlocks' ``moe_normalize_expert_weights``; 1 makes them sum to 1).
-        load_balancing_loss_coefficient: MegaBlocks' ``moe_loss_weight``; 0 disables the loss.
-        block_size: padding granularity passed to ``ops.route`` (only its ``padded_bins`` use it,
-            which this grouped layer ignores).
-        init_std: parameters are drawn from N(0, init_std²), MegaBlocks' default ``init_method``
-            (std 0.02) for the router and both expert matrices.
-        seed: initialisation seed, an int in [-2**63, 2**64) (the same values across runs and
-            devices): the router's CPU generator's, and each expert's through
-            :func:`expert_seed` (see :meth:`reset_parameters`).
-        dtype, device: of the parameters; dtype one of bfloat16, float16, float32, float64.
-        expert_parallel_group: a ``torch.distributed`` process group of W ranks over which the
-            experts are sharded (``num_experts % W == 0``); rank r of the group holds experts
-            ``[r * E/W, (r + 1) * E/W)`` only (``w1`` and ``w2`` have E/W rows), the router is
-            replicated. None (default): one process holds every expert. With the same seed, every
-            rank's parameters are the matching slices of the single-process layer's.
-        fuse_permutation: True (default): ``gather_gmm`` and ``gmm_scatter`` (no (tokens * top_k,
-            hidden) tensor written or kept). False: ``gather``, ``gmm`` and ``scatter`` as separate
-            ops, MegaBlocks' dataflow, which keeps the gathered tokens and the expert outputs
-            for backward; for comparison (expert parallelism has its own exchange).
-        expert_parallel_chunks: token chunks whose exchanges overlap the experts of the others
-            (1: no overlap; the same on every rank of the group). None (default):
-            ``megablocks_core.layers.parallel.DEFAULT_CHUNKS`` (1). See
-            :func:`megablocks_core.layers.parallel.expert_parallel_moe`.
-        expert_parallel_dispatch: how tokens reach the experts' ranks. ``"alltoall"``
-            (default): each token goes once to each rank holding one of its top-k experts, with
-            one host sync per call for the split sizes. ``"allgather"``: every rank gathers every
-            rank's tokens, runs its experts on them and a reduce-scatter sums the outputs back:
-            no host sync (CUDA-graph friendly), about as many bytes as ``"alltoall"`` on 2 ranks
-            but W - 1 rows per token on W ranks; every rank of the group must pass the same
-            number of tokens (checked only with ``MEGABLOCKS_CHECK=1``). See
-            :mod:`megablocks_core.layers.parallel`.
-        grad_accumulation_fusion: opt the expert weights (``w1``, ``w2``) in to
-            gradient-accumulation fusion (:func:`megablocks_core.fuse_grad_accumulation`): when a
-            backward finds an expert weight's gradient already there (every micro-batch after
-            the first of a step that accumulates gradients), its weight-gradient GEMM adds into
-            it, or into the weight's ``main_grad`` when it has one (Megatron-LM's convention,
-            e.g. float32 for 16-bit weights, which then get no ``.grad``), instead of autograd
-            adding a fresh (E, ·, ·) gradient in a separate pass. Off by default because
-            autograd's accumulation is bypassed for those weights: their ``register_hook`` hooks
-            get None, and DDP/FSDP reducers are not supported. Both dataflows
-            (``fuse_permutation``) honour it; it has no effect with an ``expert_parallel_group``
-            (whose backward takes the expert gradients through ``torch.autograd.grad``) or under
-            ``torch.compile``. Settable later: ``layer.grad_accumulation_fusion = True``.
+        config: every option of the layer, in one record (:class:`MoEConfig`, each field
+            documented there; MegaBlocks' ``Arguments``): ``DroplessMoE(MoEConfig(4096, 14336,
+            8, 2, glu=True, activation="silu"))``.
+        **options: :class:`MoEConfig` fields by keyword, a convenience: without ``config``
+            they build the record (``DroplessMoE(hidden_size=64, ffn_hidden_size=128,
+            num_experts=8, top_k=2)``); with it they replace its fields
+            (:func:`dataclasses.replace`). Either way the record checks them.
+
+    The layer keeps its record as ``config``, and each field as an attribute of the same name
+    (``layer.top_k``, ...); ``grad_accumulation_fusion`` may be reassigned on the layer later.
 
     ``forward(x)`` takes ``(..., hidden_size)`` and returns ``(out, aux_loss)``: ``out`` has x's
     shape and dtype; ``aux_loss`` is the 0-d load-balancing loss in float32 (float64 for float64
     input) in training mode, and 0 in eval mode or when the coefficient is 0 (as MegaBlocks saves
     it only while training). Add it to the task loss.
 
-    Arguments are checked where they arrive: the constructor refuses any argument that is not
-    what the list above says (TypeError for a wrong type, a bool included where an int or a
-    number is asked for; ValueError for a wrong value), and ``forward`` refuses an x that is not
+    Arguments are checked where they arrive: :class:`MoEConfig` refuses any field that is not
+    what its documentation says (TypeError for a wrong type, a bool included where an int or a
+    number is asked for; ValueError for a wrong value), the constructor anything but a
+    :class:`MoEConfig` as ``config`` (TypeError), and ``forward`` refuses an x that is not
     a floating-point tensor of shape ``(..., hidden_size)`` in the expert weights' dtype on the
     parameters' device, each naming the argument. ``forward``'s checks read only static
     properties (shape, dtype, device): no host sync, and no graph break under ``torch.compile``.
@@ -417,82 +175,52 @@ class DroplessMoE(torch.nn.Module):
     while the router's gradient covers this rank's tokens only (all-reduce it with the data).
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        num_experts: int,
-        top_k: int = 1,
-        *,
-        glu: bool = False,
-        activation: str | Callable[[Tensor], Tensor] = "gelu",
-        normalize_expert_weights: float | None = None,
-        load_balancing_loss_coefficient: float = 0.01,
-        block_size: int = 128,
-        init_std: float = 0.02,
-        seed: int = 0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        expert_parallel_group: dist.ProcessGroup | None = None,
-        fuse_permutation: bool = True,
-        expert_parallel_chunks: int | None = None,
-        grad_accumulation_fusion: bool = False,
-        expert_parallel_dispatch: str = "alltoall",
-    ) -> None:
+    def __init__(self, config: MoEConfig | None = None, /, **options: Any) -> None:
         super().__init__()
-        _check_arguments(
-            hidden_size=hidden_size,
-            ffn_hidden_size=ffn_hidden_size,
-            num_experts=num_experts,
-            top_k=top_k,
-            glu=glu,
-            activation=activation,
-            normalize_expert_weights=normalize_expert_weights,
-            load_balancing_loss_coefficient=load_balancing_loss_coefficient,
-            block_size=block_size,
-            init_std=init_std,
-            seed=seed,
-            dtype=dtype,
-            device=device,
-            expert_parallel_group=expert_parallel_group,
-            fuse_permutation=fuse_permutation,
-            expert_parallel_chunks=expert_parallel_chunks,
-            grad_accumulation_fusion=grad_accumulation_fusion,
-            expert_parallel_dispatch=expert_parallel_dispatch,
-        )
-        self.expert_parallel_group = expert_parallel_group
-        self.expert_parallel_chunks = expert_parallel_chunks
-        self.expert_parallel_dispatch = expert_parallel_dispatch
+        if config is None:
+            config = MoEConfig(**options)
+        elif not isinstance(config, MoEConfig):
+            raise TypeError(
+                f"{_LAYER}: config must be a megablocks_core.layers.MoEConfig (or give its fields "
+                f"by keyword); got {_got(config)}"
+            )
+        elif options:
+            config = dataclasses.replace(config, **options)
+        self.config = config
+        # The fields the forward reads, as attributes (the layer's interface before the record).
+        self.hidden_size, self.ffn_hidden_size = config.hidden_size, config.ffn_hidden_size
+        self.num_experts, self.top_k, self.glu = config.num_experts, config.top_k, config.glu
+        self.normalize_expert_weights = config.normalize_expert_weights
+        self.load_balancing_loss_coefficient = config.load_balancing_loss_coefficient
+        self.block_size = config.block_size
+        self.fuse_permutation = config.fuse_permutation
+        self.expert_parallel_group = group = config.expert_parallel_group
+        self.expert_parallel_chunks = config.expert_parallel_chunks
+        self.expert_parallel_dispatch = config.expert_parallel_dispatch
         # This rank's experts: [expert_offset, expert_offset + num_local_experts).
-        self.num_local_experts, self.expert_offset = num_experts, 0
-        if expert_parallel_group is not None:
+        self.num_local_experts, self.expert_offset = config.num_experts, 0
+        if group is not None:
             import torch.distributed as dist  # only expert parallelism needs it
 
-            self.num_local_experts = num_experts // dist.get_world_size(expert_parallel_group)
-            self.expert_offset = dist.get_rank(expert_parallel_group) * self.num_local_experts
-        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.num_experts, self.top_k, self.glu = num_experts, top_k, glu
-        if isinstance(activation, str):
-            self.activation_name: str | None = activation
-            self.activation = ACTIVATIONS[activation][0]
+            self.num_local_experts = config.num_experts // dist.get_world_size(group)
+            self.expert_offset = dist.get_rank(group) * self.num_local_experts
+        if isinstance(config.activation, str):
+            self.activation_name: str | None = config.activation
+            self.activation = ACTIVATIONS[config.activation][0]
         else:  # any callable; a named one lets gmm_scatter apply it and recompute it in backward
             self.activation_name = None
-            self.activation = activation
-        self.normalize_expert_weights = normalize_expert_weights
-        self.load_balancing_loss_coefficient = load_balancing_loss_coefficient
-        self.block_size = block_size
-        self.fuse_permutation = fuse_permutation
+            self.activation = config.activation
 
         def param(*shape: int) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
+            return torch.nn.Parameter(torch.empty(*shape, dtype=config.dtype, device=config.device))
 
-        self.router = param(num_experts, hidden_size)  # torch.nn.Linear's layout, no bias
-        local = self.num_local_experts
+        hidden, ffn, local = config.hidden_size, config.ffn_hidden_size, self.num_local_experts
+        self.router = param(config.num_experts, hidden)  # torch.nn.Linear's layout, no bias
         # Gated experts: the gate and up projections side by side (one GEMM computes both).
-        self.w1 = param(local, hidden_size, (2 if glu else 1) * ffn_hidden_size)
-        self.w2 = param(local, ffn_hidden_size, hidden_size)
-        self.reset_parameters(init_std, seed)
-        self.grad_accumulation_fusion = grad_accumulation_fusion
+        self.w1 = param(local, hidden, (2 if config.glu else 1) * ffn)
+        self.w2 = param(local, ffn, hidden)
+        self.reset_parameters(config.init_std, config.seed)
+        self.grad_accumulation_fusion = config.grad_accumulation_fusion
 
     def _expert_weights(self) -> list[torch.nn.Parameter]:
         return [self.w1, self.w2]
@@ -735,4 +463,11 @@ class DroplessMoE(torch.nn.Module):
 
 dMoE = DroplessMoE  # MegaBlocks' name
 
-__all__ = ["ACTIVATIONS", "DroplessMoE", "dMoE", "gelu_tanh", "load_balancing_loss"]
+__all__ = [
+    "ACTIVATIONS",
+    "DroplessMoE",
+    "MoEConfig",
+    "dMoE",
+    "gelu_tanh",
+    "load_balancing_loss",
+]

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from megablocks_core.plugin import CompileJob, CompileShape, DeviceInfo, Kernel, hookimpl
+from megablocks_core.plugin import CompileJob, CompileShape, DeviceInfo, Kernel, Tier, hookimpl
 
 from . import kernels
 
-#: Above the reference backend (0): on the CPU these kernels win where their dtypes allow.
-PRIORITY = 10
+#: Plain torch code, like the reference, so the same tier; these kernels name the CPU where the
+#: reference serves "any" device, so on the CPU they rank above it where their dtypes allow (and
+#: below any accelerator-tier kernel, e.g. triton's under its interpreter).
+TIER = Tier.PORTABLE
 
 #: Narrower than the contract (which also allows int16): int16 calls go to another backend.
 KEYS = frozenset({torch.int32, torch.int64})
@@ -31,7 +33,7 @@ def megablocks_routing_kernels() -> list[Kernel]:
             op="histogram",
             fn=kernels.histogram,
             devices=("cpu",),
-            priority=PRIORITY,
+            tier=TIER,
             capability=cpu_only,
             dtypes={"x": KEYS},
         ),
@@ -39,7 +41,7 @@ def megablocks_routing_kernels() -> list[Kernel]:
             op="inclusive_cumsum",
             fn=kernels.inclusive_cumsum,
             devices=("cpu",),
-            priority=PRIORITY,
+            tier=TIER,
             capability=cpu_only,
             dtypes={"x": KEYS},
         ),

@@ -7,16 +7,22 @@ Provides
   (:mod:`megablocks_cuda.extension`), every dtype of the contract;
 * variant ``one-block`` of sort and route for decode-sized calls (up to 4096 keys; route up to
   1024 experts, sort up to end_bit 16: :func:`megablocks_cuda.routing.one_block_limits`): one
-  thread block, one launch, outputs allocated in C++. It ranks above triton's kernels (a call's host time is what these
-  sizes cost; see ``docs/performance.md``); larger calls go to the next kernel;
+  thread block, one launch, outputs allocated in C++. In the vendor tier, above triton's kernels
+  (a call's host time is what these sizes cost; see ``docs/performance.md``); larger calls go to
+  the next kernel;
 * variant ``scan`` of scatter: every thread block scans ``indices`` for its own token's rows, so
   a call is one launch where triton's scatter of more than 1024 rows takes two (it inverts the
-  permutation first). Above triton's kernel (priority 110) for the calls where it was measured
-  faster on the H200 (:mod:`megablocks_cuda.tuning`: 1025 to 4096 rows, at most 512 tokens, rows
+  permutation first). In the vendor tier, above triton's kernel, for the calls where it was
+  measured faster on the H200 (:mod:`megablocks_cuda.tuning`: 1025 to 4096 rows, at most 512 tokens, rows
   of at most 4 KiB); other calls go to the next kernel;
 * grouped GEMM: gmm and gmm_weight_grad, variant ``grouped_mm`` (``torch._grouped_mm``, bf16,
   compute capability 9.x/10.x, no host sync) and variant ``grouped_gemm`` (the ``grouped_gemm``
-  package, bf16, when installed; syncs the host for device-side batch sizes).
+  package, bf16, when installed; syncs the host for device-side batch sizes), in triton's
+  generic-accelerator tier: the cost hints of :mod:`megablocks_cuda.tuning` pick per shape.
+
+The CUB routing kernels are in that tier too, but yield to triton's (``Kernel.yields_to``) until
+GPU measurements say otherwise: they serve where triton cannot (not installed, a shape it
+declines) and above the reference.
 
 Importing this module is cheap on any host: the extension is loaded (or compiled) only when a
 routing kernel is first ranked or called on a CUDA device, never at registry load.
@@ -34,6 +40,7 @@ from megablocks_core.plugin import (
     DeviceInfo,
     Kernel,
     ShapeCheck,
+    Tier,
     gmm_cost_hint,
     gmm_problem,
     hookimpl,
@@ -41,23 +48,15 @@ from megablocks_core.plugin import (
 
 from . import extension, gmm, permutation, routing, tuning
 
-#: Per-op priority. Routing sits below triton's 100 until GPU measurements say otherwise; the
-#: grouped GEMMs share triton's tier so that the cost estimates pick per shape.
-PRIORITY: dict[str, int] = {
-    "sort": 90,
-    "histogram": 90,
-    "inclusive_cumsum": 90,
-    "exclusive_cumsum": 90,
-    "topology": 90,
-    "replicate": 90,
-    "replicate_backward": 90,
-    "gmm": 100,
-    "gmm_weight_grad": 100,
-}
+#: The CUB routing kernels and the grouped-GEMM providers: triton's tier. The providers compete
+#: with triton's grouped GEMM by cost hint; the routing kernels rank after triton's
+#: (:data:`ROUTING_YIELDS_TO`) until GPU measurements say otherwise.
+TIER = Tier.GENERIC_ACCELERATOR
+ROUTING_YIELDS_TO = ("triton",)
 
-#: The one-block sort and route and the scan scatter: above triton's 100 for the calls they take
-#: (see the docstring).
-ONE_BLOCK_PRIORITY = 110
+#: The one-block sort and route and the scan scatter: measured faster than triton's kernels for
+#: the calls their shape predicates take (see the docstring), so the vendor tier.
+MEASURED_FASTER_TIER = Tier.VENDOR
 
 ROUTING_OPS = (
     "sort",
@@ -209,7 +208,8 @@ def megablocks_routing_kernels() -> list[Kernel]:
             op=op,
             fn=getattr(routing, op),
             devices=("cuda",),
-            priority=PRIORITY[op],
+            tier=TIER,
+            yields_to=ROUTING_YIELDS_TO,
             capability=extension_capability,
             contiguous=True,
         )
@@ -219,7 +219,7 @@ def megablocks_routing_kernels() -> list[Kernel]:
             op=op,
             fn=fn,
             devices=("cuda",),
-            priority=ONE_BLOCK_PRIORITY,
+            tier=MEASURED_FASTER_TIER,
             capability=extension_capability,
             supports=supports,
             variant="one-block",  # takes any layout: made contiguous in C++, at no cost when it is
@@ -238,7 +238,7 @@ def megablocks_permutation_kernels() -> list[Kernel]:
             op="scatter",
             fn=permutation.scan_scatter,
             devices=("cuda",),
-            priority=ONE_BLOCK_PRIORITY,
+            tier=MEASURED_FASTER_TIER,
             capability=extension_capability,
             supports=scan_scatter_supports,
             variant="scan",  # takes any layout: made contiguous in C++
@@ -274,7 +274,7 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
             op=op,
             fn=fn,
             devices=("cuda",),
-            priority=PRIORITY[op],
+            tier=TIER,
             capability=check,
             supports=supports,
             dtypes=GMM_DTYPES[op],

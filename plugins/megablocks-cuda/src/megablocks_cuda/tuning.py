@@ -5,7 +5,7 @@ Each point is ``(rows_per_expert, k, n, fraction_of_dense_peak)``: the provider'
 throughput for an op on that problem as a fraction of a dense bf16 matmul with the same FLOPs,
 measured on the device arch named by the key. ``megablocks_core.plugin.gmm_cost_hint`` turns
 them into a provider's cost hint (nearest measured point in log space). An arch without points
-gives no estimate, and the core then ranks by priority alone.
+gives no estimate, and the core then ranks by the tier order alone.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""What the reference backend provides: every op, on any device, at the lowest priority.
+"""What the reference backend provides: every op, on any device, in the lowest tier.
 
-It ranks below every kernel that names a device kind, so it serves only where
-nothing faster can (and the core reports that fallback).
+Its kernels are ``Tier.PORTABLE`` and name no device kind (``("any",)``), so they rank below
+every other kernel that can serve a call and serve only where nothing faster can (the core
+reports that fallback).
 
 The ops are listed here, per family, rather than taken from the core's list: a core that adds
 an op still loads this plugin (which then simply does not provide the new op), and a test
@@ -10,11 +11,11 @@ demands that the list covers every op of the core it is tested with.
 
 from __future__ import annotations
 
-from megablocks_core.plugin import Kernel, hookimpl
+from megablocks_core.plugin import Kernel, Tier, hookimpl
 
 from . import kernels
 
-PRIORITY = 0
+TIER = Tier.PORTABLE
 
 #: Family → the ops this backend provides; kernels.py has one function per op, named after it.
 OPS: dict[str, tuple[str, ...]] = {
@@ -59,8 +60,7 @@ OPS: dict[str, tuple[str, ...]] = {
 
 def _kernels(family: str) -> list[Kernel]:
     return [
-        Kernel(op=op, fn=getattr(kernels, op), devices=("any",), priority=PRIORITY)
-        for op in OPS[family]
+        Kernel(op=op, fn=getattr(kernels, op), devices=("any",), tier=TIER) for op in OPS[family]
     ]
 
 

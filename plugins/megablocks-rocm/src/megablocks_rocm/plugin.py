@@ -1,8 +1,8 @@
 """The ``rocm`` backend's hooks: what it provides, and where.
 
 Provides every op of the triton backend (routing, permutation, grouped GEMM, activation) for
-device kind ``"rocm"`` only, at priority 150 (above triton's 100), on the architectures it has
-launch configurations for (gfx90a, gfx942, gfx950; see
+device kind ``"rocm"`` only, in the vendor tier (above triton's generic-accelerator tier), on
+the architectures it has launch configurations for (gfx90a, gfx942, gfx950; see
 :func:`megablocks_rocm.arch.unsupported`). The kernels are the triton backend's, with the same
 dtype restrictions, run under :class:`megablocks_rocm.launch.RocmLaunchConfigs`. Not provided:
 ``torch._grouped_mm`` (on ROCm a per-group loop with host syncs, its CK path opt-in and not yet
@@ -23,12 +23,14 @@ from megablocks_core.plugin import (
     CompileShape,
     DeviceInfo,
     Kernel,
+    Tier,
     hookimpl,
 )
 
 from . import arch
 
-PRIORITY = 150
+#: Tuned for AMD's archs and measured against the triton backend's portable defaults there.
+TIER = Tier.VENDOR
 DEVICES = ("rocm",)
 
 
@@ -43,7 +45,9 @@ def _capability(own: CapabilityCheck | None) -> CapabilityCheck:
 
 
 def _rocm_kernels(triton_kernels: list[Kernel]) -> list[Kernel]:
-    """Re-declare the triton backend's kernels for ROCm with this backend's policy and predicate."""
+    """Re-declare the triton backend's kernels for ROCm with this backend's policy and predicate
+    (those it declares for AMD GPUs: not its NVIDIA-only variants, such as the Gluon weight
+    gradient for Hopper)."""
     from .kernels import wrap  # imports triton
 
     return [
@@ -51,11 +55,12 @@ def _rocm_kernels(triton_kernels: list[Kernel]) -> list[Kernel]:
             k,
             fn=wrap(k.fn),
             devices=DEVICES,
-            priority=PRIORITY,
+            tier=TIER,
             capability=_capability(k.capability),
             backend="",
         )
         for k in triton_kernels
+        if k.serves_kind("rocm")
     ]
 
 

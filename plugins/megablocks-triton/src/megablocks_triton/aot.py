@@ -3,9 +3,9 @@
 :func:`compile_jobs` runs every op function of the backend on ``meta`` tensors of a layer shape
 while :class:`~megablocks_triton.launch.record_launches` notes each launch instead of running it,
 with the launch policy of the simulated device in force: the tile choices, launch options and
-paths (TMA, the Gluon weight gradient) are the launch path's own, so what is compiled is what
-would run there. Where the policy has a second path for some calls (the Triton weight-gradient
-kernel beside the Gluon one on Hopper), it is compiled too.
+paths (TMA) are the launch path's own, so what is compiled is what would run there. A declared
+variant beside an op's kernel (the Gluon weight gradient on Hopper, ``triton/gluon-hopper``) is
+compiled for the layer's calls its predicates take.
 
 :func:`specialize` turns a recorded launch into Triton's compile inputs; it is the one place that
 relies on Triton internals.
@@ -13,14 +13,20 @@ relies on Triton internals.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from megablocks_core.plugin import ArchLimits, CompileJob, CompileShape, DeviceInfo, device_limits
+from megablocks_core.plugin import (
+    ArchLimits,
+    CompileJob,
+    CompileShape,
+    DeviceInfo,
+    TensorMeta,
+    device_limits,
+)
 
 from .config import (
     SPILLS_ACCEPTED,
@@ -186,20 +192,35 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
 def _alternatives(
     op: str, device: DeviceInfo, shape: CompileShape, dtype: torch.dtype
 ) -> Iterator[Callable[[], Any]]:
-    """The second path of an op where the policy's choice depends on more than the shape: the
-    Triton weight-gradient kernel where the Gluon one is chosen (it serves the calls the Gluon
-    kernel does not: other layouts and dtypes)."""
+    """The declared variants beside an op's plain kernel, for the layer's calls their predicates
+    take: the Gluon weight gradients (``triton/gluon-hopper``,
+    :func:`megablocks_triton.gmm.warp_specialized_problem`) beside the Triton ones."""
     from . import gmm
 
-    if op != "gmm_weight_grad":
+    if op not in ("gmm_weight_grad", "gmm_weight_grad_accumulate"):
+        return
+    if gmm.warp_specialized_capability(device) is not None:
         return
     t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
-    with record_launches(device):  # the policy's choice as a recorded launch sees it
-        cfg = gmm.choose_config("wgrad", h, f, t * k, e, dtype, device)
-    if cfg.warp_specialized:
-        plain = dataclasses.replace(cfg, warp_specialized=False)
-        a, grad = _meta(t * k, h, dtype=dtype), _meta(t * k, f, dtype=dtype)
-        yield lambda: gmm.gmm_weight_grad(a, grad, _meta(e, dtype=torch.int32), config=plain)
+    rows, counts = _meta(t * k, h, dtype=dtype), _meta(e, dtype=torch.int32)
+    hidden_rows = _meta(t * k, f, dtype=dtype)
+    for a, grad in ((rows, hidden_rows), (hidden_rows, rows)):
+        call: dict[str, Any] = {"a": _info(a), "grad": _info(grad), "batch_sizes": _info(counts)}
+        if op == "gmm_weight_grad":
+            if gmm.warp_specialized_problem(op, device, call) is None:
+                yield functools.partial(gmm.gmm_weight_grad_warp_specialized, a, grad, counts)
+            continue
+        for grad_dtype in dict.fromkeys((dtype, torch.float32)):  # .grad, or a float32 main_grad
+            out = _meta(e, a.shape[1], grad.shape[1], dtype=grad_dtype)
+            if gmm.warp_specialized_problem(op, device, {**call, "out": _info(out)}) is None:
+                yield functools.partial(
+                    gmm.gmm_weight_grad_accumulate_warp_specialized, a, grad, counts, out
+                )
+
+
+def _info(t: torch.Tensor) -> TensorMeta:
+    """A meta tensor as a shape predicate sees it on the simulated (CUDA) device."""
+    return TensorMeta(tuple(t.shape), t.dtype, "cuda")
 
 
 def compile_jobs(

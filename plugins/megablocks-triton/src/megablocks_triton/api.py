@@ -10,7 +10,8 @@ What is stable:
 * **The kernel declarations**, per hook family: :func:`routing_kernels`,
   :func:`permutation_kernels`, :func:`grouped_gemm_kernels`, :func:`activation_kernels` return
   the :class:`~megablocks_core.plugin.Kernel` descriptors this backend's hooks return (devices,
-  priority, dtypes, cost hints and shape limits included). They are plain functions, not hook
+  tier, dtypes, cost hints and shape limits included; NVIDIA-only variants such as the Gluon
+  weight gradient declare ``devices=("cuda",)``: keep those whose devices serve yours). They are plain functions, not hook
   implementations, so they are safe to import into another plugin's module.
 * **The launch policy**: every launch asks :func:`launch_configs` for its block sizes, tiles and
   extra launch keywords. :class:`LaunchConfigs` is the default policy, meant to be subclassed;
@@ -28,7 +29,7 @@ What is stable:
 How a vendor plugin uses it::
 
     import dataclasses
-    from megablocks_core.plugin import hookimpl
+    from megablocks_core.plugin import Tier, hookimpl
     from megablocks_triton import api
 
     class MyLaunchConfigs(api.LaunchConfigs):
@@ -44,13 +45,15 @@ How a vendor plugin uses it::
     @hookimpl
     def megablocks_grouped_gemm_kernels():
         return [
-            dataclasses.replace(k, fn=_under_my_policy(k.fn), devices=("rocm",), priority=150)
+            dataclasses.replace(k, fn=_under_my_policy(k.fn), devices=("rocm",), tier=Tier.VENDOR)
             for k in api.grouped_gemm_kernels()
+            if k.serves_kind("rocm")
         ]
 
-The re-labelled kernels keep the triton backend's dtypes and shape limits; give them a priority
-above its 100 on the devices the policy is tuned for, and a capability predicate that rejects the
-others, so the ranking falls through to the triton backend's portable defaults there.
+The re-labelled kernels keep the triton backend's dtypes and shape limits; declare them in the
+vendor tier (above this backend's generic-accelerator tier) on the devices the policy is tuned
+for, with a capability predicate that rejects the others, so the ranking falls through to the
+triton backend's portable defaults there.
 """
 
 from __future__ import annotations

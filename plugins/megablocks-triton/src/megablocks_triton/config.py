@@ -90,10 +90,12 @@ class GmmConfig:
     reduce_epilogue: the accumulating weight gradient with ``use_tma`` on NVIDIA hardware (not
     the interpreter): the tile is rounded to the gradient's dtype and added to it by a TMA
     reduction, asynchronous, instead of being read, added in float32 and written back.
-    warp_specialized: a weight gradient on Hopper (sm_90): the warp-specialized Gluon kernel of
-    :mod:`megablocks_triton.hopper_wgrad` (its own 128x256x64 tiles, 3 stages; a loader warp
-    running ahead across tiles) where it serves the call (16-bit operands and gradient, TMA
-    layouts); other calls take the Triton kernel with this config's tiles. The default policy
+    warp_specialized: a weight gradient on Hopper (sm_90): the policy's choice of the
+    warp-specialized Gluon kernel of :mod:`megablocks_triton.hopper_wgrad` (its own 128x256x64
+    tiles, 3 stages; a loader warp running ahead across tiles) for these shapes. It is read by the
+    shape predicate of the declared variant ``triton/gluon-hopper``
+    (:func:`megablocks_triton.gmm.warp_specialized_problem`), so the ranking, ``explain`` and the
+    kit see it; the plain kernels run the Triton kernel with this config's tiles. The default policy
     sets it for a new gradient (``gmm_wgrad``) of up to 1024 tokens per expert, and for the
     accumulating one into a 16-bit gradient of more than 768 and up to 1024.
     """

@@ -31,9 +31,13 @@ on Hopper, for the accumulating weight gradient into a 16-bit gradient, whose ep
 and writes the gradient's tile through a descriptor too (measured on the H200,
 docs/performance.md). A short forward K loop is flattened into the persistent tile loop
 (``GmmConfig.flatten``) so the next tile's loads overlap the previous tile's epilogue. fp32 inputs use ``input_precision="ieee"`` (no TF32) so results track a float64 reference.
-On Hopper a new weight gradient from 16-bit operands runs a warp-specialized kernel written in
-Gluon instead (``GmmConfig.warp_specialized``, :mod:`megablocks_triton.hopper_wgrad`: a loader
-warp that runs ahead across tiles), with the same tiles and results bit for bit.
+On Hopper the weight gradients have a second kernel, warp-specialized and written in Gluon
+(:mod:`megablocks_triton.hopper_wgrad`: a loader warp that runs ahead across tiles), with the
+same tiles and results bit for bit. It is a declared variant of its own (``triton/gluon-hopper``:
+:func:`gmm_weight_grad_warp_specialized`, :func:`gmm_weight_grad_accumulate_warp_specialized`,
+its predicates :func:`warp_specialized_capability` and :func:`warp_specialized_problem`), taking
+the calls the launch policy measured it faster for (``GmmConfig.warp_specialized``); the plain
+kernels never run it.
 
 The forward ops (``gmm``, ``gather_gmm``, ``gmm_scatter``) prepare their launch once per call
 shape (tile config, grid, scalars, constexprs, the TMA block shapes) and keep it with the
@@ -60,6 +64,7 @@ import triton.language as tl  # type: ignore[import-untyped]
 from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
 from megablocks_core.plugin import (
+    CallInfo,
     DeviceInfo,
     arch_family,
     contract,
@@ -89,6 +94,10 @@ __all__ = [
     "gmm_scatter",
     "gmm_weight_grad",
     "gmm_weight_grad_accumulate",
+    "gmm_weight_grad_accumulate_warp_specialized",
+    "gmm_weight_grad_warp_specialized",
+    "warp_specialized_capability",
+    "warp_specialized_problem",
 ]
 
 #: The in-register expert prefix holds next_pow2(E) values per program; beyond this the register
@@ -888,10 +897,13 @@ def gmm_weight_grad(
     batch_sizes: torch.Tensor,
     *,
     config: GmmConfig | None = None,
+    warp_specialized: bool = False,
 ) -> torch.Tensor:
     """Variable-K grouped GEMM: ``out[e] = a_e.T @ grad_e`` with a (M, K), grad (M, N), giving
     (E, K, N) in a's dtype. Empty groups give exact zeros; rows of a/grad beyond
-    sum(batch_sizes) are never read (a worst-case-allocated buffer may be passed whole)."""
+    sum(batch_sizes) are never read (a worst-case-allocated buffer may be passed whole).
+    ``warp_specialized``: the Gluon kernel where it can take the tensors (the variant
+    :func:`gmm_weight_grad_warp_specialized`), else this Triton kernel."""
     a = _unit_last_stride(a)
     grad = _unit_last_stride(grad)
     out = torch.empty(
@@ -901,7 +913,10 @@ def gmm_weight_grad(
         return out
     if a.shape[0] == 0:
         return out.zero_()
-    _launch_wgrad(a, grad, batch_sizes, out, accumulate=False, config=config)
+    _launch_wgrad(
+        a, grad, batch_sizes, out, accumulate=False, config=config,
+        warp_specialized=warp_specialized,
+    )  # fmt: skip
     return out
 
 
@@ -912,6 +927,7 @@ def gmm_weight_grad_accumulate(
     out: torch.Tensor,
     *,
     config: GmmConfig | None = None,
+    warp_specialized: bool = False,
 ) -> None:
     """``out[e] += a_e.T @ grad_e`` in place (gradient-accumulation fusion): the weight gradient
     is added to the existing ``out`` (E, K, N) in the GEMM's epilogue, in float32, and rounded
@@ -920,13 +936,31 @@ def gmm_weight_grad_accumulate(
     adds it, as the composition ``out += gmm_weight_grad(...)`` rounds. No (E, K, N) temporary
     is written.
     An empty expert's ``out[e]`` is left untouched; rows of a/grad beyond sum(batch_sizes) are
-    never read. ``out`` must be contiguous (the core checks it)."""
+    never read. ``out`` must be contiguous (the core checks it). ``warp_specialized``: as for
+    :func:`gmm_weight_grad`."""
     if out.numel() == 0 or a.shape[0] == 0:
         return  # nothing to add
     _launch_wgrad(
         _unit_last_stride(a), _unit_last_stride(grad), batch_sizes, out, accumulate=True,
-        config=config,
+        config=config, warp_specialized=warp_specialized,
     )  # fmt: skip
+
+
+def gmm_weight_grad_warp_specialized(
+    a: torch.Tensor, grad: torch.Tensor, batch_sizes: torch.Tensor
+) -> torch.Tensor:
+    """The kernel of variant ``gluon-hopper`` of ``gmm_weight_grad``: the Gluon kernel of
+    :mod:`.hopper_wgrad` (tensors whose base or strides do not suit TMA, which the shape
+    predicate cannot see, take the Triton kernel with the policy's tiles)."""
+    return gmm_weight_grad(a, grad, batch_sizes, warp_specialized=True)
+
+
+def gmm_weight_grad_accumulate_warp_specialized(
+    a: torch.Tensor, grad: torch.Tensor, batch_sizes: torch.Tensor, out: torch.Tensor
+) -> None:
+    """The kernel of variant ``gluon-hopper`` of ``gmm_weight_grad_accumulate`` (as
+    :func:`gmm_weight_grad_warp_specialized`: the Gluon kernel's TMA reduction into ``out``)."""
+    gmm_weight_grad_accumulate(a, grad, batch_sizes, out, warp_specialized=True)
 
 
 #: The Triton releases (major, minor) the Gluon kernel of :mod:`.hopper_wgrad` was written and
@@ -954,12 +988,87 @@ def _tma_ready(info: DeviceInfo, tensors: tuple[torch.Tensor, ...]) -> bool:
     return all(_tma_layout_ok(info, t) and not t.data_ptr() & 15 for t in tensors)
 
 
+def warp_specialized_capability(device: DeviceInfo) -> str | None:
+    """The Gluon weight gradient's device predicate: an NVIDIA Hopper GPU, and a Triton release
+    its Gluon code was tested with (:data:`GLUON_TESTED`)."""
+    if device.kind != "cuda" or arch_family(device) != "hopper":
+        return f"the Gluon weight gradient is for NVIDIA Hopper (sm_90), not {device.arch}"
+    if _hopper_wgrad() is None:
+        tested = ", ".join(".".join(map(str, release)) for release in GLUON_TESTED)
+        return f"its Gluon code is tested with Triton {tested} only, not {triton.__version__}"
+    return None
+
+
+#: The Gluon weight gradient's dtypes: 16-bit operands, and a 16-bit gradient it writes.
+WARP_SPECIALIZED_DTYPES = frozenset({torch.bfloat16, torch.float16})
+
+
+def warp_specialized_problem(op: str, device: DeviceInfo, call: CallInfo) -> str | None:
+    """None when the Gluon variant takes this ``gmm_weight_grad`` /
+    ``gmm_weight_grad_accumulate`` call, else why not: its device (:func:`
+    warp_specialized_capability`), its dtypes (one 16-bit dtype for ``a`` and ``grad``, a 16-bit
+    gradient), rows TMA can address (K and N of 16 bytes' multiples) and the launch policy's
+    choice for the shapes (``GmmConfig.warp_specialized``: where it was measured faster).
+    The plain Triton kernel declines exactly these calls, so that the ranking sees one kernel
+    of this backend per call, with the backend's cost hint."""
+    problem = warp_specialized_capability(device)
+    if problem:
+        return problem
+    a, grad, batch_sizes = call["a"], call["grad"], call["batch_sizes"]
+    out_dtype = call["out"].dtype if op == "gmm_weight_grad_accumulate" else a.dtype
+    if not (
+        a.dtype in WARP_SPECIALIZED_DTYPES
+        and grad.dtype == a.dtype
+        and out_dtype in WARP_SPECIALIZED_DTYPES
+    ):
+        return "the Gluon weight gradient takes 16-bit a and grad of one dtype, a 16-bit gradient"
+    k, n = a.shape[1], grad.shape[1]
+    if (k * a.dtype.itemsize) % 16 or (n * a.dtype.itemsize) % 16:
+        return f"K = {k}, N = {n}: the Gluon weight gradient's TMA rows need 16-byte multiples"
+    kind = "wgrad_accumulate" if op == "gmm_weight_grad_accumulate" else "wgrad"
+    if os.environ.get(_ENV_VAR[kind]):
+        return f"{_ENV_VAR[kind]} sets the Triton kernel's tiles (tuning)"
+    policy = launch_configs()
+    rows, experts = a.shape[0], batch_sizes.shape[0]
+    if kind == "wgrad":
+        cfg = policy.gmm_wgrad(device, k, n, rows, experts, a.dtype)
+    else:
+        cfg = policy.gmm_wgrad_accumulate(device, k, n, rows, experts, a.dtype, out_dtype)
+    if not cfg.warp_specialized:
+        return (
+            f"{rows} rows over {experts} experts: the launch policy keeps the Triton kernel "
+            "(the Gluon one is measured faster only where it takes it)"
+        )
+    return None
+
+
+#: The Gluon weight gradient's variant label: ``triton/gluon-hopper`` in ``megablocks backends
+#: explain``, forceable as ``MEGABLOCKS_BACKEND=gmm_weight_grad=triton/gluon-hopper``.
+WARP_SPECIALIZED_VARIANT = "gluon-hopper"
+
+
+def _leaves_to_gluon(op: str, device: DeviceInfo, call: CallInfo) -> str | None:
+    if device.kind != "cuda" or warp_specialized_problem(op, device, call) is not None:
+        return None
+    return f"the Gluon weight gradient (variant {WARP_SPECIALIZED_VARIANT}) takes this call"
+
+
+def gmm_weight_grad_supports(device: DeviceInfo, call: CallInfo) -> str | None:
+    """The plain kernel's shape predicate: every call but those of the Gluon variant."""
+    return _leaves_to_gluon("gmm_weight_grad", device, call)
+
+
+def gmm_weight_grad_accumulate_supports(device: DeviceInfo, call: CallInfo) -> str | None:
+    """The plain kernel's shape predicate: every call but those of the Gluon variant."""
+    return _leaves_to_gluon("gmm_weight_grad_accumulate", device, call)
+
+
 def _warp_specialized(
-    cfg: GmmConfig, info: DeviceInfo, a: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
+    info: DeviceInfo, a: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
 ) -> Any:
-    """:mod:`.hopper_wgrad` when it serves this weight gradient (the config asks for it, an sm_90
-    GPU, its dtypes, TMA layouts), else None."""
-    if not (cfg.warp_specialized and info.kind == "cuda" and arch_family(info) == "hopper"):
+    """:mod:`.hopper_wgrad` when it can take these tensors (an sm_90 GPU, its dtypes, TMA
+    layouts and aligned bases), else None."""
+    if not (info.kind == "cuda" and arch_family(info) == "hopper"):
         return None
     hopper = _hopper_wgrad()
     if hopper is None or not hopper.serves_dtypes(a.dtype, grad.dtype, out.dtype):
@@ -975,8 +1084,11 @@ def _launch_wgrad(
     *,
     accumulate: bool,
     config: GmmConfig | None,
+    warp_specialized: bool = False,
 ) -> None:
-    """One weight-gradient launch writing (or, ``accumulate``, adding to) ``out`` (E, K, N)."""
+    """One weight-gradient launch writing (or, ``accumulate``, adding to) ``out`` (E, K, N):
+    the Gluon kernel when ``warp_specialized`` and it can take the tensors, else the Triton
+    kernel with the policy's (or ``config``'s) tiles."""
     num_experts = batch_sizes.shape[0]
     ka, n = a.shape[1], grad.shape[1]
     block_e = _check_experts(num_experts)
@@ -984,7 +1096,7 @@ def _launch_wgrad(
     info = device_info(a.device)
     op = "wgrad_accumulate" if accumulate else "wgrad"
     cfg = config or choose_config(op, ka, n, a.shape[0], num_experts, a.dtype, info, out.dtype)
-    hopper = _warp_specialized(cfg, info, a, grad, out)
+    hopper = _warp_specialized(info, a, grad, out) if warp_specialized else None
     if hopper is not None:
         hopper.launch(
             a, grad, sizes, out, accumulate=accumulate, block_e=block_e, num_sms=_num_sms(info)

@@ -18,10 +18,13 @@ DeepSeek-V3 shape), so the plain kernel spends a large share of each tile fillin
 and in its epilogue; here both overlap the loads of the next tile. Results equal the plain
 kernel's bit for bit (same tiles, same chunk order, float32 accumulation).
 
-Used by the weight-gradient launch on sm_90 for 16-bit operands and a 16-bit gradient
-(:func:`serves_dtypes`) with TMA-compatible layouts (the launch's own check), with the Triton
+The kernel of the triton backend's declared variant ``triton/gluon-hopper`` of
+``gmm_weight_grad`` and ``gmm_weight_grad_accumulate`` (ranked, listed by ``megablocks backends
+explain``, forceable by the kit): sm_90, 16-bit operands and a 16-bit gradient
+(:func:`serves_dtypes`), the calls the launch policy measured it faster for, with the Triton
 releases it was tested with (``megablocks_triton.gmm.GLUON_TESTED``: Gluon is experimental);
-everything else, the Triton interpreter included, takes the plain kernel. It runs on a Hopper GPU only; on the CPU its tests
+tensors whose layouts TMA cannot take fall back to the plain kernel at launch. Everything else,
+the Triton interpreter included, takes the plain kernel. It runs on a Hopper GPU only; on the CPU its tests
 compile it for sm_90.
 """
 

@@ -7,6 +7,7 @@ triton is imported only inside the hooks.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -22,10 +23,13 @@ from megablocks_core.plugin import (
     CompileShape,
     DeviceInfo,
     Kernel,
+    Tier,
     hookimpl,
 )
 
-PRIORITY = 100
+#: Triton kernels run on NVIDIA and AMD GPUs alike: the generic accelerator tier, where a
+#: vendor's kernel declaring the same tier competes with them by cost hint.
+TIER = Tier.GENERIC_ACCELERATOR
 
 # The ops this backend provides, per family, as data: a core that adds an op still loads this
 # plugin (which then does not provide it). A test demands the lists cover what they should.
@@ -141,14 +145,14 @@ def _kernels(
     if importlib.util.find_spec("triton") is None:  # megablocks_unavailable_reason says so
         return []
     module = importlib.import_module(f"megablocks_triton.{module_name}")
-    from . import tuning  # measured speed: lets the core pick per shape among equal priorities
+    from . import tuning  # measured speed: lets the core pick per shape within the tier
 
     return [
         Kernel(
             op=op,
             fn=getattr(module, op),
             devices=_devices(),
-            priority=PRIORITY,
+            tier=TIER,
             dtypes=dtypes[op],
             contiguous=True,
             cost=tuning.COST_HINTS.get(op),
@@ -240,10 +244,12 @@ def _limits(op: str, module: Any) -> tuple[_Limit, ...]:
     return ()
 
 
-def _supports(op: str, module: Any) -> Callable[[DeviceInfo, Mapping[str, Any]], str | None] | None:
-    """The kernel's shape predicate: the declared :func:`_limits` and the module's own
-    ``<op>_supports``, if any."""
-    own = getattr(module, f"{op}_supports", None)
+def _supports(
+    op: str, module: Any, own: Callable[[DeviceInfo, Mapping[str, Any]], str | None] | None = None
+) -> Callable[[DeviceInfo, Mapping[str, Any]], str | None] | None:
+    """The kernel's shape predicate: the declared :func:`_limits` and ``own``, by default the
+    module's ``<op>_supports``, if any."""
+    own = own or getattr(module, f"{op}_supports", None)
     limits = _limits(op, module)
     if not limits:
         return own
@@ -323,9 +329,49 @@ def megablocks_permutation_kernels() -> list[Kernel]:
     )
 
 
+#: The ops of the Gluon weight gradient, a variant of its own beside the plain Triton kernels.
+WARP_SPECIALIZED_OPS = ("gmm_weight_grad", "gmm_weight_grad_accumulate")
+
+
+def _warp_specialized_kernels() -> list[Kernel]:
+    """Variant ``gluon-hopper`` of the weight gradients (:mod:`megablocks_triton.hopper_wgrad`):
+    NVIDIA Hopper only, 16-bit, for the calls the launch policy measured it faster on
+    (:func:`megablocks_triton.gmm.warp_specialized_problem`; the plain kernels decline exactly
+    those). Same tier and cost hint as the plain kernel: the backend's measured points are of
+    this split (:mod:`megablocks_triton.tuning`), so against other providers nothing changes."""
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from . import gmm, tuning
+
+    sixteen = gmm.WARP_SPECIALIZED_DTYPES
+    functions: dict[str, Callable[..., Any]] = {
+        "gmm_weight_grad": gmm.gmm_weight_grad_warp_specialized,
+        "gmm_weight_grad_accumulate": gmm.gmm_weight_grad_accumulate_warp_specialized,
+    }
+    return [
+        Kernel(
+            op=op,
+            fn=functions[op],
+            devices=("cuda",),
+            tier=TIER,
+            capability=gmm.warp_specialized_capability,
+            dtypes={
+                "a": sixteen,
+                "grad": sixteen,
+                **({"out": sixteen} if op == "gmm_weight_grad_accumulate" else {}),
+            },
+            contiguous=True,
+            cost=tuning.COST_HINTS.get(op),
+            supports=_supports(op, gmm, functools.partial(gmm.warp_specialized_problem, op)),
+            variant=gmm.WARP_SPECIALIZED_VARIANT,
+        )
+        for op in WARP_SPECIALIZED_OPS
+    ]
+
+
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
-    return _kernels("gmm", GROUPED_GEMM, _gmm_dtypes())
+    return _kernels("gmm", GROUPED_GEMM, _gmm_dtypes()) + _warp_specialized_kernels()
 
 
 @hookimpl

@@ -4,7 +4,7 @@ Each point is ``(rows per expert, k, n, fraction of a dense matmul's TFLOP/s)`` 
 H200 (bf16, ``megablocks bench --ops gmm``/``benchmarks/gmm_sweep.py``; figures and dates in
 docs/performance.md). The core estimates a call from the nearest point
 (:func:`megablocks_core.plugin.gmm_cost_hint`); an arch with no points gets no estimate and the
-choice falls back to priorities.
+choice falls back to the tier order.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import current_policy, use_backend
-from ..dispatch import served
-from .moe import DroplessMoE
+from . import current_policy, use_backend
+from .dispatch import served
+from .layers import DroplessMoE, MoEConfig
 
 #: A long enough run must end below this fraction of its first loss.
 REQUIRED_DROP = 0.5
@@ -56,9 +56,10 @@ class TinyMoEModel(torch.nn.Module):
             self.proj = torch.nn.Linear(features, hidden, dtype=dtype, device=device)
             self.head = torch.nn.Linear(hidden, features, dtype=dtype, device=device)
         # The MoE seeds its own generator.
-        self.moe = DroplessMoE(
+        config = MoEConfig(
             hidden, ffn, experts, top_k, glu=True, seed=seed, dtype=dtype, device=device
         )
+        self.moe = DroplessMoE(config)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.proj(x)
