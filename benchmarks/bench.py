@@ -44,9 +44,16 @@ besides the common fields (``us``: step time; ``rate``: TFLOP/s of the expert GE
   (wgrad) of each expert matrix, 6 with ``mlp`` and 9 with ``glu`` — each as a dense
   ``torch.matmul`` of the same ``(m, n, k)`` in the run's dtype (:func:`expert_gemms` lists them;
   the router and permutation are not in the floor), run back to back as one call
-  (:class:`DenseGemms`) and timed round by round beside the layer's step (a step, then the dense
-  GEMMs, and again), so both are measured at the same clocks;
-- ``fwd_floor_ms``: the same for the 2 / 3 forward GEMMs, timed beside the forward;
+  (:class:`DenseGemms`). It is the **sustained** floor: on CUDA the dense GEMMs run back to back
+  for ``SUSTAIN_S`` seconds before they are timed, so the GPU is at the clock a training loop holds
+  (an H200 drops from ~1980 MHz to ~1545 MHz at its power cap); it is measured once per (shape,
+  experts) before the rows and used for every row (ours and MegaBlocks'), so efficiencies compare
+  across rows. Each row is timed the same way: its step runs for ``SUSTAIN_S`` seconds first;
+- ``cold_floor_ms``: the same dense GEMMs timed after an idle second, a short burst (the clock of
+  a GEMM benchmarked alone), beside it for scale;
+- ``floor_after_ms``: the sustained floor measured again after the last row of the (shape,
+  experts): how far the floor drifted during the rows;
+- ``fwd_floor_ms``: the sustained floor of the 2 / 3 forward GEMMs;
 - ``efficiency`` = ``floor_ms / step_ms``; ``fwd_efficiency`` = ``fwd_floor_ms / fwd_ms`` (1 would
   be every other part of the layer free and the grouped GEMMs at dense speed);
 - ``activation_mib``: ``torch.cuda.memory_allocated()`` right after the forward returns minus just
@@ -108,6 +115,9 @@ OPS = (
     "layer",
     "host",
 )
+#: Seconds a layer row's step (and the floor's dense GEMMs) run back to back before they are timed
+#: on CUDA, so every figure of the layer item is taken at the GPU's sustained clock.
+SUSTAIN_S = 2.0
 #: The host item's token counts (decode and small-batch sizes; CUDA only).
 HOST_TOKENS = (1, 16, 128)
 BLOCK = 128  # padding block for padded ops, as MegaBlocks' sparse path
@@ -126,12 +136,14 @@ class LayerFigures:
     experts: str  # "mlp" or "glu"
     step_ms: float  # forward + backward, gradients accumulating into the existing .grad
     fwd_ms: float  # forward alone, autograd recording, no backward
-    floor_ms: float  # the step's expert GEMMs at dense-matmul speed
-    fwd_floor_ms: float  # the forward's expert GEMMs at dense-matmul speed
+    floor_ms: float  # the step's expert GEMMs at dense-matmul speed, sustained clocks
+    fwd_floor_ms: float  # the forward's expert GEMMs at dense-matmul speed, sustained clocks
     efficiency: float  # floor_ms / step_ms
     fwd_efficiency: float  # fwd_floor_ms / fwd_ms
     activation_mib: float | None  # held after the forward (saved for backward + output); CUDA only
     peak_mib: float | None  # peak of one step above what was allocated before it; CUDA only
+    cold_floor_ms: float | None = None  # floor_ms's GEMMs timed after an idle second
+    floor_after_ms: float | None = None  # the sustained floor again, after the (shape, experts)
     # ours / MegaBlocks' at the same shape and experts (our rows, when both ran): lower is better
     step_vs_megablocks: float | None = None
     fwd_vs_megablocks: float | None = None
@@ -227,24 +239,35 @@ def _activation_mib(forward: Callable[[], Any], device: torch.device) -> float |
     return held / 2**20
 
 
-def _layer_timer(
-    device: torch.device, quick: bool
-) -> Callable[[Sequence[Callable[[], Any]], int], list[float]]:
-    """ms per call of each of ``fns`` after ``warmup`` rounds: ``timer(fns, warmup)``.
+#: ``timer(fns, warmup, sustain_s)`` → ms per call of each function (:func:`_layer_timer`).
+LayerTimer = Callable[[Sequence[Callable[[], Any]], int, float], list[float]]
 
-    Each round calls every function once, in order, so functions timed together share the GPU's
-    clocks: under a sustained load an H200 runs at its power limit, well below the clock of a
-    short burst, so a GEMM timed alone after an idle spell is faster than the same GEMM inside a
-    training loop (docs/performance.md, 2026-12-01). On CUDA: calls launched back to back, a pair
-    of CUDA events around each, the median per function (a call that makes the GPU wait for the
-    host is charged for the wait). Elsewhere: ``time.perf_counter``.
+
+def _layer_timer(device: torch.device, quick: bool) -> LayerTimer:
+    """ms per call of each of ``fns``: ``timer(fns, warmup, sustain_s)``.
+
+    Warm-up: ``warmup`` rounds and, on CUDA, more until ``sustain_s`` seconds have passed, so the
+    GPU reaches the clock it holds under a sustained load (an H200 at its power limit runs well
+    below the clock of a short burst: docs/performance.md). Each round calls every function once,
+    in order. On CUDA: calls launched back to back, a pair of CUDA events around each, the median
+    per function (a call that makes the GPU wait for the host is charged for the wait).
+    Elsewhere: ``time.perf_counter`` and no sustained warm-up.
     """
     reps = (10 if quick else 30) if device.type == "cuda" else (1 if quick else 5)
 
-    def timer(fns: Sequence[Callable[[], Any]], warmup: int) -> list[float]:
-        for _ in range(warmup):
+    def rounds(fns: Sequence[Callable[[], Any]], count: int) -> None:
+        for _ in range(count):
             for fn in fns:
                 fn()
+
+    def timer(fns: Sequence[Callable[[], Any]], warmup: int, sustain_s: float = 0.0) -> list[float]:
+        rounds(fns, warmup)
+        if device.type == "cuda" and sustain_s > 0:
+            began = time.perf_counter()
+            torch.cuda.synchronize(device)
+            while time.perf_counter() - began < sustain_s:
+                rounds(fns, 1)
+                torch.cuda.synchronize(device)  # the queue stays short: the time is the GPU's
         samples: list[list[float]] = [[] for _ in fns]
         if device.type != "cuda":
             for _ in range(reps):
@@ -276,6 +299,37 @@ def _layer_timer(
         ]
 
     return timer
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The GEMM floor of one (shape, experts), ms: what every row of it is compared with."""
+
+    step_ms: float  # sustained
+    fwd_ms: float  # sustained
+    cold_step_ms: float  # after an idle second
+
+
+def measure_floor(
+    gemms: list[tuple[str, tuple[int, int, int]]],
+    device: torch.device,
+    dtype: torch.dtype,
+    timer: LayerTimer,
+    sustain_s: float,
+) -> Floor:
+    """The dense GEMMs of ``gemms`` timed cold (after an idle second, a short burst) and then
+    sustained (after ``sustain_s`` seconds of them back to back); their memory is freed on return."""
+    dense = DenseGemms(gemms, device, dtype)
+    if device.type == "cuda":
+        dense.step()  # cuBLAS's first call picks its kernel
+        torch.cuda.synchronize(device)
+        time.sleep(1.0)
+    (cold,) = timer([dense.step], 0, 0.0)
+    (step,) = timer([dense.step], 1, sustain_s)
+    (fwd,) = timer([dense.forward], 1, 0.0)  # right after: the clock is still the sustained one
+    del dense
+    _free_device_memory(device)
+    return Floor(step, fwd, cold)
 
 
 def _graph_time(fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], float]) -> float:
@@ -589,11 +643,13 @@ def _layer_row(
     provider: str,
     provider_kind: str,
     build: Callable[[], _LayerUnderTest],
-    timer: Callable[[Sequence[Callable[[], Any]], int], list[float]],
+    timer: LayerTimer,
     gemms: list[tuple[str, tuple[int, int, int]]],
+    floor: Floor,
+    sustain_s: float,
 ) -> Result:
-    """Build one layer, check it (ours), and measure it beside the dense matmuls of its GEMM
-    floor (:class:`DenseGemms`); its memory and theirs are freed on return."""
+    """Build one layer, check it (ours), and time it at the sustained clock, against ``floor`` (the
+    same for every row of the shape and experts); its memory is freed on return."""
     device = case.x.device
     under = build()
     if provider_kind == "ours":  # the first steps also allocate the .grad tensors
@@ -606,21 +662,20 @@ def _layer_row(
     # Warm-up: on the CPU (smoke tests, where a step may take seconds under the Triton interpreter)
     # the checked steps are enough.
     warmup = 3 if device.type == "cuda" else 0
-    dense = DenseGemms(gemms, device, case.x.dtype)
-    step_ms, floor_ms = timer([under.step, dense.step], warmup)
-    fwd_ms, fwd_floor_ms = timer([under.forward, dense.forward], warmup)
-    del dense  # before the memory figures: they count what the layer allocates
+    (step_ms,) = timer([under.step], warmup, sustain_s)
+    (fwd_ms,) = timer([under.forward], warmup, 0.0)  # right after: still the sustained clock
     _free_device_memory(device)
     figures = LayerFigures(
         experts=kind,
         step_ms=step_ms,
         fwd_ms=fwd_ms,
-        floor_ms=floor_ms,
-        fwd_floor_ms=fwd_floor_ms,
-        efficiency=floor_ms / step_ms,
-        fwd_efficiency=fwd_floor_ms / fwd_ms,
+        floor_ms=floor.step_ms,
+        fwd_floor_ms=floor.fwd_ms,
+        efficiency=floor.step_ms / step_ms,
+        fwd_efficiency=floor.fwd_ms / fwd_ms,
         activation_mib=_activation_mib(under.forward, device),
         peak_mib=_peak_mb(under.step, device),
+        cold_floor_ms=floor.cold_step_ms,
     )
     flops = sum(2.0 * m * n * k for _, (m, n, k) in gemms)
     return Result(
@@ -631,7 +686,7 @@ def _layer_row(
         step_ms * 1e3,
         flops / (step_ms * 1e-3) / 1e12,  # TFLOP/s of the expert GEMMs over the whole step
         "TFLOP/s",
-        step_ms / floor_ms,
+        step_ms / floor.step_ms,
         check,
         figures.peak_mib,
         figures,
@@ -641,15 +696,20 @@ def _layer_row(
 def _layer_results(
     case: Case,
     kinds: list[str],
-    timer: Callable[[Sequence[Callable[[], Any]], int], list[float]],
+    timer: LayerTimer,
     with_peers: bool,
     log: Callable[[str], None],
+    sustain_s: float = SUSTAIN_S,
 ) -> Iterator[Result]:
-    """The layer item at one shape: for each expert kind, ours then MegaBlocks' (one at a time)."""
+    """The layer item at one shape: for each expert kind, its floor, then ours and MegaBlocks'
+    rows (one layer at a time), then the floor again (``floor_after_ms``)."""
     megablocks = _megablocks_layer_modules(case.x.device) if with_peers else None
+    device, dtype = case.x.device, case.x.dtype
     for kind in kinds:
         glu = kind == "glu"
         gemms = expert_gemms(case.tokens, case.hidden, case.ffn, case.top_k, glu)
+        log(f"[{case.name}] layer ({kind}): the GEMM floor, cold and sustained")
+        floor = measure_floor(gemms, device, dtype, timer, sustain_s)
         builders: list[tuple[str, str, Callable[[], _LayerUnderTest]]] = [
             (OUR_LAYER, "ours", functools.partial(_our_layer, case, glu)),
             # The same layer with gather/gmm/scatter as separate ops: what the fusion changes.
@@ -683,10 +743,21 @@ def _layer_results(
                     build,
                     timer,
                     gemms,
+                    floor,
+                    sustain_s,
                 )
             except Exception as exc:  # a peer that rejects the shape is reported, not fatal
                 failed = LayerFigures(
-                    kind, math.nan, math.nan, math.nan, math.nan, math.nan, math.nan, None, None
+                    kind,
+                    math.nan,
+                    math.nan,
+                    floor.step_ms,
+                    floor.fwd_ms,
+                    math.nan,
+                    math.nan,
+                    None,
+                    None,
+                    floor.cold_step_ms,
                 )
                 error = f"error: {type(exc).__name__}: {exc}"[:200]
                 row = Result(
@@ -704,6 +775,10 @@ def _layer_results(
             _free_device_memory(case.x.device)  # this layer's weights, before the next one's
             rows.append(row)
             yield row  # at once; ours' ratios to MegaBlocks' are filled in below
+        after = measure_floor(gemms, device, dtype, timer, sustain_s)
+        for r in rows:
+            if r.layer is not None:
+                r.layer.floor_after_ms = after.step_ms
         ran = {r.provider: r.layer for r in rows if r.layer and not r.check.startswith("error")}
         ours, theirs = ran.get(OUR_LAYER), ran.get(MEGABLOCKS_LAYER)
         if ours is not None and theirs is not None:
@@ -1032,7 +1107,7 @@ def _sibling(name: str) -> Any:
 OPS_HEADER = f"{'shape':<10}{'op':<18}{'provider':<24}{'kind':<6}{'µs':>10}{'rate':>16}{'vs limit':>10}  check"
 LAYER_HEADER = (
     f"{'layer':<9}{'experts':<8}{'provider':<31}{'kind':<6}{'step ms':>10}{'fwd ms':>10}"
-    f"{'floor ms':>10}{'eff':>6}{'fwd eff':>8}{'act MiB':>9}{'peak MiB':>10}"
+    f"{'floor ms':>10}{'cold ms':>9}{'eff':>6}{'fwd eff':>8}{'act MiB':>9}{'peak MiB':>10}"
     f"  {'vs MegaBlocks: step fwd act peak':<34}check"
 )
 #: What starts the line ``main`` prints for each row as soon as it is measured.
@@ -1070,7 +1145,7 @@ def format_layer_row(r: Result) -> str:
     )
     return (
         f"{r.shape:<9}{f.experts:<8}{r.provider:<31}{r.kind:<6}{f.step_ms:>10.3f}"
-        f"{f.fwd_ms:>10.3f}{f.floor_ms:>10.3f}{f.efficiency:>6.2f}{f.fwd_efficiency:>8.2f}"
+        f"{f.fwd_ms:>10.3f}{f.floor_ms:>10.3f}{num(f.cold_floor_ms, '.3f'):>9}{f.efficiency:>6.2f}{f.fwd_efficiency:>8.2f}"
         f"{num(f.activation_mib, '.0f'):>9}{num(f.peak_mib, '.0f'):>10}"
         f"  {ratios if r.kind == 'ours' else '':<34}{r.check}"
     )

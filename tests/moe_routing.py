@@ -36,6 +36,29 @@ needs_triton = pytest.mark.skipif(
     not _triton_ok(), reason="the triton kernels run on the CPU only under TRITON_INTERPRET=1"
 )
 
+#: Where the tests of the compiled kernels run: the CPU under the interpreter, else the GPU test
+#: device (``MEGABLOCKS_TRITON_TEST_DEVICE``).
+TRITON_DEVICE = torch.device(
+    os.environ.get(
+        "MEGABLOCKS_TRITON_TEST_DEVICE",
+        "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda",
+    )
+)
+
+
+def _triton_device_ok() -> bool:
+    record = registry().plugins.get("triton")
+    if record is None or record.status != "ok":
+        return False
+    if TRITON_DEVICE.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return torch.cuda.is_available()
+
+
+needs_triton_device = pytest.mark.skipif(
+    not _triton_device_ok(), reason=f"the triton kernels cannot run on {TRITON_DEVICE} here"
+)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def on_the_reference():

@@ -160,6 +160,8 @@ LAYER_FIELDS = {
     "fwd_vs_megablocks",
     "activation_vs_megablocks",
     "peak_vs_megablocks",
+    "cold_floor_ms",
+    "floor_after_ms",
 }
 
 
@@ -227,6 +229,18 @@ def test_the_layer_timer_alternates_the_functions_it_times():
     times = timer([lambda: calls.append("layer"), lambda: calls.append("dense")], 2)
     assert calls == ["layer", "dense"] * (2 + 5)  # warm-up rounds, then 5 timed rounds
     assert len(times) == 2 and all(t >= 0 for t in times)
+
+
+def test_every_layer_row_of_a_shape_is_compared_with_one_floor():
+    results = [r for r in _run_layer() if r.op == "layer"]
+    for kind in ("mlp", "glu"):
+        rows = [r.layer for r in results if r.layer.experts == kind]
+        assert len(rows) == 3
+        assert len({f.floor_ms for f in rows}) == 1 and len({f.fwd_floor_ms for f in rows}) == 1
+        assert (
+            len({f.cold_floor_ms for f in rows}) == 1 and len({f.floor_after_ms for f in rows}) == 1
+        )
+        assert all(f.cold_floor_ms > 0 and f.floor_after_ms > 0 for f in rows)
 
 
 def test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory():
@@ -341,7 +355,10 @@ def test_megablocks_rows_ratios_and_failures(monkeypatch, capsys):
     assert mb_mlp.layer.step_vs_megablocks is None  # ratios live on our rows
     # A peer that fails is a row with the error; ours keeps no ratio.
     assert mb_glu.check.startswith("error: RuntimeError: this fake rejects GLU")
-    assert math.isnan(mb_glu.layer.step_ms) and math.isnan(mb_glu.layer.floor_ms)
+    assert math.isnan(mb_glu.layer.step_ms) and math.isnan(mb_glu.layer.efficiency)
+    assert (
+        mb_glu.layer.floor_ms == ours_glu.layer.floor_ms
+    )  # the floor is the shape's, not the row's
     assert ours_glu.check == "ok" and ours_glu.layer.step_vs_megablocks is None
     table = bench.format_table(results)
     ours_line = next(

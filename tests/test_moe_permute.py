@@ -19,12 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from moe_routing import (
     SETTINGS,
+    TRITON_DEVICE,
     expert,
     loop_permute,
     loop_unpermute,
     moe_utils,
     needs_megatron,
     needs_triton,
+    needs_triton_device,
     on_the_reference,  # noqa: F401 (an autouse fixture)
     routing_cases,
     top_k_mask,
@@ -357,7 +359,42 @@ def test_row_map_entries_out_of_range_touch_nothing(backend, monkeypatch):
 # The Triton kernels (under the interpreter) and the conformance kit
 
 
-@needs_triton
+def _triton_against_the_loop(
+    routing: torch.Tensor, experts: int, rows: int, align: int, hidden: int, seed: int
+) -> None:
+    """Triton's map, permute, permuted probs, unpermute and its backward on TRITON_DEVICE
+    against the per-slot loop (and the reference's backward)."""
+    tokens = routing.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    probs = torch.rand(*routing.shape, generator=gen)
+    want_map, want_counts, want_rows, want_probs = loop_permute(
+        x, routing, experts, rows, align, probs
+    )
+    y = torch.randn(rows, hidden, generator=gen)
+    dev = TRITON_DEVICE
+    y_dev = y.to(dev, copy=True).requires_grad_(True)
+    with megablocks_core.use_backend("triton"):
+        row_map, counts = ops.moe_permute_map(routing.to(dev), experts, rows, align)
+        permuted = ops.moe_permute(x.to(dev), row_map, rows)
+        permuted_probs = ops.moe_permute_probs(probs.to(dev), row_map, rows)
+        back = ops.moe_unpermute(y_dev, row_map, probs.to(dev))
+        back.sum().backward()
+    row_map, counts = row_map.cpu(), counts.cpu()
+    assert torch.equal(row_map, want_map) and torch.equal(counts, want_counts)
+    assert torch.equal(permuted.cpu(), want_rows)
+    assert torch.equal(permuted_probs.cpu(), want_probs)
+    torch.testing.assert_close(back.cpu(), loop_unpermute(y, row_map, probs).float())
+    with megablocks_core.use_backend("reference"):
+        y_ref = y.clone().requires_grad_(True)
+        ops.moe_unpermute(y_ref, row_map, probs).sum().backward()
+    # No gradient at all (nothing routed) counts as a zero gradient.
+    got = torch.zeros_like(y) if y_dev.grad is None else y_dev.grad.cpu()
+    want = torch.zeros_like(y) if y_ref.grad is None else y_ref.grad
+    torch.testing.assert_close(got, want)
+
+
+@needs_triton_device
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=routing_cases, align=st.sampled_from([1, 16, 32]), index_form=st.booleans())
 def test_triton_matches_the_loop(case, align, index_form):
@@ -367,27 +404,30 @@ def test_triton_matches_the_loop(case, align, index_form):
     routing = mask.nonzero()[:, 1].view(tokens, top_k).to(torch.int64) if index_form else mask
     if index_form and tokens:
         routing[0, 0] = experts + 4  # names no expert
-    gen = torch.Generator().manual_seed(case["seed"])
     rows = max(tokens * top_k + experts * (align - 1) - case["slack"], 0)  # slack: dropping
-    x = torch.randn(tokens, 3, generator=gen)
-    probs = torch.rand(*routing.shape, generator=gen)
-    want_map, want_counts, want_rows, want_probs = loop_permute(
-        x, routing, experts, rows, align, probs
-    )
-    y = torch.randn(rows, 3, generator=gen, requires_grad=True)
-    with megablocks_core.use_backend("triton"):
-        row_map, counts = ops.moe_permute_map(routing, experts, rows, align)
-        permuted = ops.moe_permute(x, row_map, rows)
-        permuted_probs = ops.moe_permute_probs(probs, row_map, rows)
-        back = ops.moe_unpermute(y, row_map, probs)
-        back.sum().backward()
-    assert torch.equal(row_map, want_map) and torch.equal(counts, want_counts)
-    assert torch.equal(permuted, want_rows) and torch.equal(permuted_probs, want_probs)
-    torch.testing.assert_close(back, loop_unpermute(y.detach(), row_map, probs).float())
-    with megablocks_core.use_backend("reference"):
-        y_ref = y.detach().clone().requires_grad_(True)
-        ops.moe_unpermute(y_ref, row_map, probs).sum().backward()
-    torch.testing.assert_close(y.grad, y_ref.grad)
+    _triton_against_the_loop(routing, experts, rows, align, 3, case["seed"])
+
+
+@needs_triton_device
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "align", "index_form", "drop"),
+    [
+        (300, 160, 3, 16, False, 0),  # two expert blocks, ten slot chunks, several row blocks
+        (300, 160, 3, 1, True, 0),
+        (257, 200, 6, 1, True, 40),  # dropping past num_out_tokens
+        (129, 8, 2, 128, False, 0),  # padding rows to zero
+        (64, 1, 1, 1, True, 0),  # one expert
+    ],
+)
+def test_triton_matches_the_loop_on_multi_block_shapes(
+    tokens, experts, top_k, align, index_form, drop
+):
+    mask = top_k_mask(tokens, experts, top_k, 0, 11)
+    routing = mask.nonzero()[:, 1].view(tokens, top_k).to(torch.int64) if index_form else mask
+    if index_form:
+        routing[1, 0] = -1  # names no expert
+    rows = tokens * top_k + experts * (align - 1) - drop
+    _triton_against_the_loop(routing, experts, rows, align, 40, 12)
 
 
 @needs_triton

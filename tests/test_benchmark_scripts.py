@@ -1,0 +1,115 @@
+"""The H200 benchmarks' scripts on the CPU: their checks compare what they claim to compare.
+
+benchmarks/transformers_experts.py (transformers' experts implementations side by side) and
+benchmarks/megatron_permute.py (Megatron-Core's fused permutation on ours against its unfused
+path) each check our result against the other implementation's before timing it; here they run
+at tiny widths on the reference backend, and a wrong result must show in their check column.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+import megablocks_core
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def transformers_script() -> ModuleType:
+    pytest.importorskip("transformers")
+    return _script("transformers_experts")
+
+
+def _tiny_run(script: ModuleType, tmp_path: Path, models: str) -> dict:
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--tiny", "--tokens", "24", "--models", models, "--sustain", "0"]
+    argv += ["--implementations", "grouped_mm,megablocks,eager", "--reps", "1", "--json", str(path)]
+    with megablocks_core.use_backend("reference"):
+        assert script.main(argv) == 0
+    return json.loads(path.read_text())
+
+
+def test_transformers_experts_checks_every_implementation_against_grouped_mm(
+    transformers_script, tmp_path
+):
+    result = _tiny_run(transformers_script, tmp_path, "qwen3,gpt_oss")
+    rows = result["rows"]
+    assert {(r["model"], r["implementation"]) for r in rows} == {
+        (m, i) for m in ("qwen3", "gpt_oss") for i in ("grouped_mm", "megablocks", "eager")
+    }
+    assert {r["item"] for r in rows} == {"experts", "block", "train"}
+    for r in rows:
+        assert r["ms"] > 0
+        assert (
+            r["check"] == "reference"
+            if r["implementation"] == "grouped_mm"
+            else (r["check"].startswith("ok"))
+        ), r
+    ratios = {(r["model"], r["item"]) for r in result["ratios"]}
+    assert ratios == {(m, i) for m in ("qwen3", "gpt_oss") for i in ("experts", "block", "train")}
+
+
+def test_transformers_experts_check_catches_a_wrong_result(
+    transformers_script, tmp_path, monkeypatch
+):
+    from megablocks_core.integrations import transformers as hf
+
+    right = hf.experts_forward
+
+    def off_by_a_bit(*args, **kwargs):
+        return right(*args, **kwargs) * 1.1
+
+    monkeypatch.setattr(hf, "experts_forward", off_by_a_bit)
+    hf.register()  # the registered forward is looked up at registration
+    try:
+        rows = _tiny_run(transformers_script, tmp_path, "qwen3")["rows"]
+    finally:
+        monkeypatch.undo()
+        hf.register()
+    ours = [r for r in rows if r["implementation"] == "megablocks"]
+    assert ours and all(r["check"].startswith("off by") for r in ours)
+
+
+def test_megatron_permute_checks_ours_against_megatrons_unfused_path(tmp_path, capsys):
+    pytest.importorskip("megatron.core")
+    script = _script("megatron_permute")
+    path = tmp_path / "out.json"
+    with megablocks_core.use_backend("reference"):
+        assert (
+            script.main(
+                ["--device", "cpu", "--tokens", "40", "--shapes", "qwen3", "--json", str(path)]
+            )
+            == 0
+        )
+    rows = json.loads(path.read_text())["rows"]
+    ours = [r for r in rows if r["provider"].startswith("megablocks-core")]
+    assert {r["op"] for r in ours} >= {
+        "permute, mask",
+        "permute, mask + probs",
+        "unpermute, mask + probs",
+        "permute, index",
+        "unpermute, index + probs",
+        "round trip fwd+bwd",
+    }
+    for r in ours:
+        assert r["check"] in ("n/a",) or r["check"].startswith("ok"), r
+        assert r["us"] > 0
+        assert (r["vs_limit"] is None) == (r["limit_us"] is None)
+    assert torch.isfinite(torch.tensor([r["us"] for r in rows])).all()
