@@ -1,32 +1,35 @@
-"""The ``megablocks`` command line."""
+"""The ``megablocks`` command line: its parser, ``main``, and the ``contracts``, ``demo`` and ``bench``
+commands (the benchmark loaded from the source checkout). The ``backends`` commands are in
+:mod:`megablocks_core.cli_backends` (``compile`` in :mod:`megablocks_core.aot`); what every command
+shares (:class:`CLIError`, the registry, ``--device``) in :mod:`megablocks_core.cli_common`."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
-from . import __version__, contracts, dispatch, docgen, ranking
-from .descriptors import DeviceInfo, TensorMeta
-from .devices import describe
-from .policy import Policy, environment_policy
-from .ranking import NoKernelError, Trace
-from .registry import PluginLoadError, Registry
-from .schema import TensorArg
+from . import __version__, contracts, docgen
+from .cli_backends import cmd_check, cmd_explain, cmd_list
+from .cli_common import CLIError, _device, _registry
+from .policy import Policy
+from .ranking import NoKernelError
+from .registry import PluginLoadError
 from .validation import ContractError, ContractTypeError
 
-
-class CLIError(Exception):
-    """A user error: printed on stderr, exit status 2."""
-
+__all__ = [
+    "BENCHMARK_MODULE",
+    "CLIError",
+    "benchmark_path",
+    "build_parser",
+    "load_benchmark",
+    "main",
+]
 
 #: What the user can put right (an option's value, the environment, the installed plugins, inputs
 #: an op's contract rejects): one line on stderr, exit status 2. Any other exception is a bug and
@@ -38,358 +41,6 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     NoKernelError,
     PluginLoadError,
 )
-
-
-def _registry() -> Registry:
-    """The plugin registry, once MEGABLOCKS_BACKEND is known to name only real ops (loading the
-    registry reports a bad one as a ValueError, which outside this check would read as a bug)."""
-    try:
-        environment_policy(os.environ)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from exc
-    return dispatch.registry()
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += [
-        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    ]
-    return "\n".join(lines)
-
-
-def _device(text: str, runs: bool = False) -> DeviceInfo:
-    """Describe a ``--device`` value, after the plugins have loaded: a vendor's torch extension
-    (imported by its plugin) may register the device type (e.g. ``npu``). ``runs``: the command
-    will run ops there, so the device must exist and hold data (``explain`` describes any
-    device, ``meta`` included)."""
-    _registry()
-    try:
-        info = describe(torch.device(text))
-    except (RuntimeError, ValueError) as exc:
-        raise CLIError(f"device {text!r}: {str(exc).splitlines()[0]}") from exc
-    if runs and info.type == "meta":
-        raise CLIError(f"device {text!r}: meta tensors hold no data, so no op can run there")
-    if runs and info.type not in ("cpu", "cuda"):  # cuda: describe() has checked it
-        module = getattr(torch, info.type, None)
-        available = getattr(module, "is_available", None)
-        if callable(available) and not available():
-            raise CLIError(f"device {text!r}: torch sees no {info.type} device")
-    return info
-
-
-def _parse_dtypes(op: str, items: Sequence[str]) -> dict[str, torch.dtype]:
-    """``bfloat16`` applies to every tensor argument that accepts it; ``x=bfloat16`` to one."""
-    contract = contracts.BY_NAME[op]
-    chosen: dict[str, torch.dtype] = {}
-    for item in items:
-        arg, _, name = item.rpartition("=")
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise CLIError(f"unknown dtype {name!r} (try bfloat16, float16, float32, int32, int64)")
-        targets = [
-            a
-            for a in contract.tensor_args
-            if (not arg or a.name == arg) and (not a.dtypes or dtype in a.dtypes)
-        ]
-        if not targets:
-            raise CLIError(f"{op} has no tensor argument {arg or ''} that accepts {name}")
-        chosen.update({a.name: dtype for a in targets})
-    return chosen
-
-
-def _parse_shapes(op: str, items: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """``--shape ARG=DIMxDIM…`` items: each names a tensor argument of ``op`` once, with one
-    non-negative size per dimension, as many dimensions as the argument may have."""
-    tensors = {a.name: a for a in contracts.BY_NAME[op].tensor_args}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for item in items:
-        name, equals, dims = (part.strip() for part in item.partition("="))
-        where = f"--shape {item!r}"
-        if not equals or not name or not dims:
-            raise CLIError(f"{where}: expected ARG=DIMxDIM…, e.g. a=32768x4096")
-        spec = tensors.get(name)
-        if spec is None:
-            raise CLIError(
-                f"{where}: {op} has no tensor argument {name!r} (it has {', '.join(tensors)})"
-            )
-        if name in shapes:
-            raise CLIError(f"{where}: {name} is given twice")
-        try:
-            shape = tuple(int(d) for d in dims.lower().split("x"))
-        except ValueError:
-            raise CLIError(f"{where}: sizes must be integers joined by x, got {dims!r}") from None
-        if any(d < 0 for d in shape):
-            raise CLIError(f"{where}: sizes must be at least 0, got {dims!r}")
-        if spec.ndim and len(shape) not in spec.ndim:
-            raise CLIError(f"{where}: {name} is a {spec.describe()}, got {len(shape)}-D")
-        shapes[name] = shape
-    return shapes
-
-
-def _trace_dict(trace: Trace) -> dict[str, Any]:
-    return {
-        "op": trace.op,
-        "device": str(trace.device),
-        "device_kind": trace.device.kind,
-        "dtypes": {k: str(v).removeprefix("torch.") for k, v in trace.dtypes.items()},
-        "policy": trace.policy.describe(),
-        "winner": trace.winner.label if trace.winner else None,
-        "why": trace.why,
-        "fallback": trace.fallback,
-        "error": trace.error,
-        "cost_tier": [k.label for k in trace.cost_tier],
-        "candidates": [
-            {
-                "backend": c.kernel.backend,
-                "variant": c.kernel.variant,
-                "tier": c.kernel.tier.label,
-                "devices": list(c.kernel.devices),
-                "accepted": c.accepted,
-                "reason": c.reason,
-            }
-            for c in trace.candidates
-        ],
-    }
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    plugins = list(_registry().plugins.values())
-    if args.json:
-        print(
-            json.dumps(
-                {"core_version": __version__, "plugins": [p.as_dict() for p in plugins]}, indent=2
-            )
-        )
-        return 0
-    if not plugins:
-        print("no backends installed (pip install megablocks-reference)")
-        return 0
-    status_text = {"ok": "ok", "unavailable": "unavailable here"}
-    rows = [
-        [
-            p.name,
-            f"{p.distribution or '?'} {p.version or ''}".strip(),
-            status_text.get(p.status, p.status),
-            ", ".join(p.device_kinds) or "-",
-            str(len(p.ops)),
-        ]
-        for p in plugins
-    ]
-    print(_table(rows, ["backend", "distribution", "status", "devices", "ops"]))
-    for p in plugins:
-        if p.reason:
-            print(f"\n{p.name}: {p.reason}")
-    if args.verbose:
-        for p in plugins:
-            print(f"\n{p.name} provides: {', '.join(p.ops) or 'nothing'}")
-    return 0
-
-
-def cmd_explain(args: argparse.Namespace) -> int:
-    if args.op not in contracts.BY_NAME or not contracts.BY_NAME[args.op].dispatched:
-        names = ", ".join(c.name for c in contracts.ALL if c.dispatched)
-        raise CLIError(f"unknown op {args.op!r}; ops: {names}")
-    shapes = _parse_shapes(args.op, args.shape)
-    trace = dispatch.explain(args.op, _device(args.device), _parse_dtypes(args.op, args.dtype))
-    if args.json:
-        report = _trace_dict(trace)
-        if shapes:
-            [call] = _explain_calls(args.op, trace, shapes).values()
-            kernel, why = dispatch.explain_call(trace, call)
-            report["call"] = {
-                "shapes": {name: list(dims) for name, dims in shapes.items()},
-                "kernel": kernel.label if kernel else None,
-                "why": why,
-            }
-        print(json.dumps(report, indent=2))
-        return 0 if trace.winner else 1
-    dtypes = ", ".join(f"{k}={str(v).removeprefix('torch.')}" for k, v in trace.dtypes.items())
-    print(f"{args.op} on {trace.device}" + (f" with {dtypes}" if dtypes else ""))
-    print(f"policy: {trace.policy.describe()}\n")
-    rows = [
-        [
-            c.kernel.label,
-            c.kernel.tier.label,
-            ", ".join(c.kernel.devices),
-            "yes" if c.accepted else "no",
-            c.reason,
-        ]
-        for c in trace.candidates
-    ]
-    print(
-        _table(rows, ["candidate", "tier", "devices", "eligible", "reason"])
-        if rows
-        else "no candidates"
-    )
-    if trace.winner:
-        print(f"\nwinner: {trace.winner.label} ({trace.why})")
-        if trace.cost_tier:
-            _print_cost_choices(trace, _explain_calls(args.op, trace, shapes))
-        elif trace.per_call or shapes:  # shape predicates only, or the winner for any shape
-            for label, call in _explain_calls(args.op, trace, shapes).items():
-                kernel, why = dispatch.explain_call(trace, call)
-                print(f"{label}: {kernel.label if kernel else 'no kernel'} ({why})")
-        if trace.fallback:
-            print(
-                "note: this is the portable fallback; no kernel specific to this device can serve it"
-            )
-        return 0
-    print(f"\nno winner: {trace.error}", file=sys.stderr)
-    return 1
-
-
-def _explain_calls(
-    op: str, trace: Trace, shapes: dict[str, tuple[int, ...]]
-) -> dict[str, dict[str, Any]]:
-    """Calls to show per-shape choices for: the ``--shape`` items (:func:`_parse_shapes`), else
-    well-known model shapes."""
-    from .shapes import SHAPES
-
-    def meta(name: str, shape: tuple[int, ...]) -> TensorMeta:
-        spec = contracts.BY_NAME[op].arg(name)
-        if not isinstance(spec, TensorArg):
-            raise KeyError(name)  # only tensors have shapes
-        allowed = spec.dtypes
-        fallback = (
-            torch.bfloat16 if not allowed or torch.bfloat16 in allowed else min(allowed, key=str)
-        )
-        return TensorMeta(shape, trace.dtypes.get(name) or fallback, trace.device.type)
-
-    if shapes:
-        call: dict[str, Any] = {"trans_b": False}
-        call.update({name: meta(name, dims) for name, dims in shapes.items()})
-        label = " ".join(f"{name}={'x'.join(map(str, dims))}" for name, dims in shapes.items())
-        return {label: call}
-    calls = {}
-    for label, (tokens, hidden, ffn, experts, top_k) in SHAPES.items():
-        rows = tokens * top_k
-        if op == "gmm":
-            calls[label] = {
-                "a": meta("a", (rows, hidden)),
-                "b": meta("b", (experts, hidden, ffn)),
-                "batch_sizes": meta("batch_sizes", (experts,)),
-                "trans_b": False,
-            }
-        elif op == "gmm_weight_grad":
-            calls[label] = {
-                "a": meta("a", (rows, hidden)),
-                "grad": meta("grad", (rows, ffn)),
-                "batch_sizes": meta("batch_sizes", (experts,)),
-            }
-    return calls
-
-
-def _print_cost_choices(trace: Trace, calls: dict[str, dict[str, Any]]) -> None:
-    print(
-        "per call shape, the lowest cost hint (estimated µs) wins among "
-        f"{', '.join(k.label for k in trace.cost_tier)}:"
-    )
-    if not calls:
-        print("  (pass --shape ARG=DIMxDIM… to see one call's choice)")
-        return
-    rows = []
-    for label, call in calls.items():
-        values = [v for _, v in ranking.estimates(trace, call)]
-        kernel, _ = dispatch.explain_call(trace, call)
-        rows.append(
-            [
-                label,
-                *(f"{v:.1f}" if v is not None else "no estimate" for v in values),
-                kernel.label if kernel else "-",
-            ]
-        )
-    print(_table(rows, ["shape", *(k.label for k in trace.cost_tier), "chosen"]))
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    from . import testing
-
-    _device(args.device, runs=True)  # a clear error for a device this host cannot use
-    installed = _registry().plugins
-    unknown = [name for name in args.names if name not in installed]
-    if unknown:
-        raise CLIError(
-            f"backend(s) {', '.join(unknown)} not installed "
-            f"(installed: {', '.join(sorted(installed)) or 'none'})"
-        )
-    oracle = installed.get(testing.REFERENCE)
-    if oracle is None or oracle.status != "ok":
-        raise CLIError(
-            "the reference backend is the conformance kit's oracle: install megablocks-reference "
-            "(and do not disable it)"
-        )
-    results = testing.check(args.names or None, device=args.device, quick=args.quick)
-    # A run that compared nothing proves nothing: it must not pass.
-    scenarios = sum(r.scenarios for r in results if r.status == "pass")
-    ok = testing.passed(results, required=args.names) and scenarios > 0
-    unchecked = [
-        f"megablocks: nothing of {name} could be checked on {args.device}"
-        for name in args.names
-        if not any(r.backend == name and r.status == "pass" for r in results)
-    ]
-    if not scenarios and not args.names:
-        others = [
-            name
-            for name, record in installed.items()
-            if name != testing.REFERENCE and record.status != "disabled"
-        ]
-        unchecked.append(
-            f"megablocks: nothing was checked on {args.device}: "
-            + (
-                "no backend but the reference (the kit's oracle) is installed and enabled"
-                if not others
-                else f"none of {', '.join(others)} could run an op here"
-            )
-        )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "device": args.device,
-                    "quick": args.quick,
-                    "passed": ok,
-                    "scenarios": scenarios,
-                    "results": [r.as_dict() for r in results],
-                },
-                indent=2,
-            )
-        )
-        for line in unchecked:
-            print(line, file=sys.stderr)
-        return 0 if ok else 1
-    labels = {
-        "pass": "pass",
-        "fail": "FAIL",
-        "not provided": "not provided",
-        "unavailable": "unavailable here",
-    }
-    backends = list(dict.fromkeys(r.backend for r in results))
-    cells = {(r.op, r.backend): labels[r.status] for r in results}
-    ops = list(dict.fromkeys(r.op for r in results))
-    print(
-        _table(
-            [[op, *(cells.get((op, b), "-") for b in backends)] for op in ops], ["op", *backends]
-        )
-    )
-    for r in results:
-        if r.status == "fail":
-            print(f"\nFAIL {r.backend}: {r.message}")
-    for backend, reason in dict.fromkeys(
-        (r.backend, r.message) for r in results if r.status == "unavailable"
-    ):
-        print(f"\n{backend}: unavailable here: {reason}")
-    counts = {s: sum(r.status == s for r in results) for s in labels}
-    print(
-        f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['not provided']} not provided, "
-        f"{counts['unavailable']} unavailable here; on {args.device}"
-        f"{' (--quick)' if args.quick else ''} in {sum(r.seconds for r in results):.1f} s"
-    )
-    for line in unchecked:
-        print(line, file=sys.stderr)
-    return 0 if ok else 1
 
 
 def cmd_contracts(args: argparse.Namespace) -> int:

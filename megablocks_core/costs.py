@@ -11,8 +11,9 @@ estimate among the eligible kernels of the highest tier (:mod:`megablocks_core.r
 For grouped GEMMs a provider describes its speed by *measured points*: ``(rows_per_expert, k, n,
 efficiency)`` where efficiency is its TFLOP/s divided by a dense matmul's with the same FLOPs,
 measured in the same run. A call is estimated from the nearest measured point (distance in
-log-space over the three features) and the arch's dense rate
-(:func:`megablocks_core.devices.dense_tflops`). Estimates are deterministic and
+log-space over the three features) and the arch's dense rate, which the provider declares
+beside its points (``dense_tflops``: device arch -> dense bf16 TFLOP/s, from the provider's own
+per-arch table; the core knows no rates). Estimates are deterministic and
 cheap (a few dozen float operations, once per new call shape), so they never time anything at
 call time: no warm-up, no host sync, nothing that breaks CUDA-graph capture or compilation.
 """
@@ -23,7 +24,7 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 
 from .descriptors import CallInfo, CostEstimate, DeviceInfo
-from .devices import base_arch, dense_tflops
+from .devices import base_arch
 
 #: A measured point: (rows per expert, reduction size k, output columns n, fraction of dense).
 GmmPoint = tuple[float, float, float, float]
@@ -63,15 +64,20 @@ def gmm_estimate_us(
     call: CallInfo,
     points_by_arch: Mapping[str, Sequence[GmmPoint]],
     extra_us: float = 0.0,
+    *,
+    dense_tflops: Mapping[str, float],
 ) -> float | None:
     """Estimated µs of a grouped GEMM call: FLOPs / (efficiency x dense rate) + ``extra_us``.
 
-    ``points_by_arch`` maps a device arch (``"sm_90"``) to the provider's measured points; an arch
-    with no points, or no known dense rate, gives None (no estimate: the tier order decides).
-    ``extra_us`` is a fixed cost the points do not show (e.g. a host sync of device counts).
+    ``points_by_arch`` maps a device arch (``"sm_90"``) to the provider's measured points and
+    ``dense_tflops`` maps it to the dense bf16 matmul TFLOP/s the points are fractions of (both
+    the provider's, read at every estimate); an arch with no points, or no dense rate, gives None
+    (no estimate: the tier order decides). ``extra_us`` is a fixed cost the points do not show
+    (e.g. a host sync of device counts).
     """
-    points = points_by_arch.get(base_arch(device))
-    dense = dense_tflops(device)
+    arch = base_arch(device)
+    points = points_by_arch.get(arch)
+    dense = dense_tflops.get(arch)
     if not points or dense is None:
         return None
     tokens, k, n, experts = gmm_problem(call)
@@ -85,12 +91,13 @@ def gmm_estimate_us(
 def gmm_cost_hint(
     points_by_arch: Mapping[str, Sequence[GmmPoint]],
     *,
+    dense_tflops: Mapping[str, float],
     extra_us: float = 0.0,
     device_kinds: Collection[str] | None = None,
     host_counts_only: bool = False,
 ) -> CostEstimate:
     """A ``Kernel.cost`` hint for a grouped GEMM provider from its measured points (see
-    :func:`gmm_estimate_us`).
+    :func:`gmm_estimate_us`; ``dense_tflops``: the provider's dense rate per device arch).
 
     ``device_kinds``: estimate only on these device kinds (None: any).
     ``host_counts_only``: the provider reads ``batch_sizes`` on the host. For a call whose counts
@@ -104,6 +111,6 @@ def gmm_cost_hint(
             return None
         if host_counts_only and getattr(call.get("batch_sizes"), "device", "cpu") != "cpu":
             return None
-        return gmm_estimate_us(device, call, points_by_arch, extra_us)
+        return gmm_estimate_us(device, call, points_by_arch, extra_us, dense_tflops=dense_tflops)
 
     return cost

@@ -173,11 +173,6 @@ class Kernel:
         object.__setattr__(self, "yields_to", tuple(self.yields_to))
 
     @property
-    def priority(self) -> Tier:
-        """The tier, under the name the registry's listing (``backends list --json``) reads."""
-        return self.tier
-
-    @property
     def label(self) -> str:
         """``backend`` or ``backend/variant``, as shown by the CLI."""
         return f"{self.backend}/{self.variant}" if self.variant else self.backend

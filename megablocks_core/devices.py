@@ -1,7 +1,9 @@
 """Devices: what kind of device a tensor lives on (computed once per device), and per-arch facts.
 
-The facts every backend may share live here, once: the family of an AMD gfx arch, and the dense
-matmul rate a cost hint measures itself against (:mod:`megablocks_core.costs`).
+The facts every backend may share live here, once: the family of a GPU arch's name. Tuning
+facts (tiles, launch options, a backend's measured speed and the dense matmul rate its cost hints
+measure against) belong to the backend that measured them, in its own per-arch table
+(docs/writing-a-plugin.md, "Extension paths").
 """
 
 from __future__ import annotations
@@ -57,11 +59,7 @@ def describe(device: torch.device | str) -> DeviceInfo:
     return DeviceInfo(kind=device.type, type=device.type, index=device.index)
 
 
-#: Dense bf16 matmul TFLOP/s per device arch, measured at the benchmark shapes (docs/performance.md).
-#: Cost hints compare providers by their *ratio* to it, so an approximate rate is enough.
-DENSE_BF16_TFLOPS: Mapping[str, float] = MappingProxyType({"sm_90": 690.0})
-
-#: AMD gfx arch → its architecture family (a gfx name's feature suffix, e.g. ``:xnack-``, is ignored).
+#: GPU arch → its architecture family (a gfx name's feature suffix, e.g. ``:xnack-``, is ignored).
 ARCH_FAMILIES: Mapping[str, str] = MappingProxyType(
     {
         "sm_80": "ampere",
@@ -90,8 +88,3 @@ def arch_family(device: DeviceInfo | str | None) -> str | None:
     """The family of a device's arch (``"cdna3"`` for gfx942), or None for an arch not listed in
     :data:`ARCH_FAMILIES`."""
     return ARCH_FAMILIES.get(base_arch(device))
-
-
-def dense_tflops(device: DeviceInfo | str | None) -> float | None:
-    """The dense bf16 matmul TFLOP/s of a device's arch, or None where it was not measured."""
-    return DENSE_BF16_TFLOPS.get(base_arch(device))

@@ -16,8 +16,9 @@ backends in this repository use nothing else, like any third-party plugin.
   :class:`ArchLimits` (shared memory, registers; the table: :data:`ARCH_LIMITS`), for a launch to
   refuse what exceeds them;
 - :func:`describe_device` gives the :class:`DeviceInfo` of a torch device; :func:`arch_family`
-  and :func:`dense_tflops` (tables :data:`ARCH_FAMILIES`, :data:`DENSE_BF16_TFLOPS`) are the
-  per-arch facts the backends share;
+  (table :data:`ARCH_FAMILIES`) names an arch's family and :func:`base_arch` strips a gfx name's
+  feature suffixes. Tuning (tiles, measured points, dense rates) is each backend's own, in one
+  per-arch table of its own;
 - :func:`gmm_cost_hint` turns a grouped-GEMM provider's measured points (:data:`GmmPoint`) into a
   ``Kernel.cost`` hint (:func:`gmm_estimate_us` and :func:`gmm_problem` are its parts);
 - :class:`ContractError` / :class:`ContractTypeError` are what a kernel raises for input it
@@ -55,7 +56,7 @@ from .descriptors import (
     TensorMeta,
     Tier,
 )
-from .devices import ARCH_FAMILIES, DENSE_BF16_TFLOPS, arch_family, dense_tflops
+from .devices import ARCH_FAMILIES, arch_family, base_arch
 from .devices import describe as describe_device
 from .hookspecs import ENTRY_POINT_GROUP, BackendHooks, hookimpl
 from .schema import OpContract
@@ -81,7 +82,6 @@ __all__ = [
     "ARCH_FAMILIES",
     "ARCH_LIMITS",
     "COMPILE_SHAPES",
-    "DENSE_BF16_TFLOPS",
     "ENTRY_POINT_GROUP",
     "GATED_ACTIVATIONS",
     "SWIGLU_OAI_ALPHA",
@@ -104,9 +104,9 @@ __all__ = [
     "Tier",
     "activation_backward_definition",
     "arch_family",
+    "base_arch",
     "call_op",
     "contract",
-    "dense_tflops",
     "describe_device",
     "device_limits",
     "family_ops",

@@ -24,7 +24,7 @@ from packaging.utils import canonicalize_name
 
 from . import __version__
 from .contracts import BY_NAME
-from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel
+from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel, Tier
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
 from .schema import ChoiceArg, TensorArg, is_option
 
@@ -71,7 +71,7 @@ class PluginRecord:
                     "op": k.op,
                     "variant": k.variant,
                     "devices": list(k.devices),
-                    "priority": k.priority,
+                    "tier": k.tier.label,
                 }
                 for k in self.kernels
             ],
@@ -115,15 +115,16 @@ def _incompatibility(dist: metadata.Distribution | None) -> str | None:
     return None
 
 
-def known_device_kinds() -> frozenset[str]:
-    """Device kinds a kernel may declare: the core's (:data:`DEVICE_KINDS`, ``"any"``) and every
-    device type torch accepts now, including one a vendor's extension registered (e.g. ``npu`` after
+def core_device_kinds() -> frozenset[str]:
+    """The device kinds the core itself names (:data:`DEVICE_KINDS` and ``"any"``). A kernel may
+    also declare any device type torch accepts now (:func:`_is_device_kind`), including one a
+    vendor's extension registered (e.g. ``npu`` after
     ``torch.utils.rename_privateuse1_backend("npu")``, done when the plugin module is imported)."""
     return frozenset({*DEVICE_KINDS, ANY_DEVICE})
 
 
 def _is_device_kind(kind: str) -> bool:
-    if kind in known_device_kinds():
+    if kind in core_device_kinds():
         return True
     try:
         return torch.device(kind).type == kind
@@ -244,11 +245,11 @@ def _check_kernel(item: Any, hook: str) -> Kernel:
     if unknown_kinds:
         raise ValueError(
             f"{what}: unknown device kind(s) {unknown_kinds}; a kind is one of "
-            f"{', '.join(sorted(known_device_kinds()))} or a device type torch accepts "
+            f"{', '.join(sorted(core_device_kinds()))} or a device type torch accepts "
             "(register a vendor's type before the hooks return)"
         )
-    if isinstance(item.priority, bool) or not isinstance(item.priority, int):
-        raise TypeError(f"{what}: priority must be an int, got {item.priority!r}")
+    if not isinstance(item.tier, Tier):
+        raise TypeError(f"{what}: tier must be a megablocks_core.plugin.Tier, got {item.tier!r}")
     if not isinstance(item.contiguous, bool):
         raise TypeError(f"{what}: contiguous must be a bool, got {item.contiguous!r}")
     for field_name in ("capability", "supports", "cost"):

@@ -67,7 +67,8 @@ def test_backends_list_json(capsys):
     assert ref["distribution"] == "megablocks-reference"
     assert ref["device_kinds"] == ["any"]
     assert {"gather", "gmm", "scatter", "sort", "gmm_weight_grad"} <= set(ref["ops"])
-    assert all(k["priority"] == 0 and k["devices"] == ["any"] for k in ref["kernels"])
+    assert all(k["tier"] == "portable" and k["devices"] == ["any"] for k in ref["kernels"])
+    assert all("priority" not in k for k in ref["kernels"])
 
 
 def test_backends_list_shows_a_broken_plugin_with_its_reason(capsys, plugins):

@@ -228,26 +228,34 @@ def test_nearest_efficiency_matches_brute_force():
 
 def test_gmm_estimate_is_flops_over_rate():
     points = {"sm_90": [(4096, 4096, 14336, 0.5)]}
+    dense = {"sm_90": 690.0}  # the provider's rate, per arch
     call = gmm_call(32768, 4096, 14336, 8)
     flops = 2 * 32768 * 4096 * 14336
-    want_us = flops / (0.5 * 690.0 * 1e12) * 1e6  # the H200 dense bf16 rate of docs/performance.md
-    assert costs.gmm_estimate_us(H200, call, points) == pytest.approx(want_us)
-    assert costs.gmm_estimate_us(H200, call, points, extra_us=7.0) == pytest.approx(want_us + 7.0)
+    want_us = flops / (0.5 * 690.0 * 1e12) * 1e6
+    assert costs.gmm_estimate_us(H200, call, points, dense_tflops=dense) == pytest.approx(want_us)
+    assert costs.gmm_estimate_us(
+        H200, call, points, extra_us=7.0, dense_tflops=dense
+    ) == pytest.approx(want_us + 7.0)
     a100 = DeviceInfo(kind="cuda", type="cuda", index=0, arch="sm_80", capability=(8, 0))
     assert (
-        costs.gmm_estimate_us(a100, call, points) is None
+        costs.gmm_estimate_us(a100, call, points, dense_tflops=dense) is None
     )  # unmeasured arch: the tier order decides
 
 
 def test_gmm_cost_hint_estimates_from_points_and_can_refuse_device_counts():
     points = {"sm_90": [(4096, 4096, 14336, 0.5)]}
+    dense = {"sm_90": 690.0}  # the provider's rate, per arch
     call = gmm_call(32768, 4096, 14336, 8)  # host-side batch_sizes
     device_counts = {**call, "batch_sizes": TensorMeta((8,), torch.int64, "cuda")}
-    hint = costs.gmm_cost_hint(points, extra_us=3.0)
-    assert hint(H200, call) == pytest.approx(costs.gmm_estimate_us(H200, call, points) + 3.0)
+    hint = costs.gmm_cost_hint(points, dense_tflops=dense, extra_us=3.0)
+    assert hint(H200, call) == pytest.approx(
+        costs.gmm_estimate_us(H200, call, points, dense_tflops=dense) + 3.0
+    )
     assert hint(H200, device_counts) == hint(H200, call)
-    host_only = costs.gmm_cost_hint(points, host_counts_only=True)
-    assert host_only(H200, call) == pytest.approx(costs.gmm_estimate_us(H200, call, points))
+    host_only = costs.gmm_cost_hint(points, dense_tflops=dense, host_counts_only=True)
+    assert host_only(H200, call) == pytest.approx(
+        costs.gmm_estimate_us(H200, call, points, dense_tflops=dense)
+    )
     assert (
         host_only(H200, device_counts) is None
     )  # it would sync: no estimate, the tier order decides
@@ -275,12 +283,13 @@ def test_arch_family(arch, family):
     assert plugin.arch_family(DeviceInfo(kind="rocm", type="cuda", arch=arch)) == family
 
 
-def test_dense_rate_is_known_for_the_measured_arch_only():
+def test_dense_rate_is_the_providers_own_and_known_for_the_measured_arch_only():
     from megablocks_core import plugin
 
-    assert plugin.dense_tflops(H200) == plugin.DENSE_BF16_TFLOPS["sm_90"] > 0
-    assert plugin.dense_tflops(DeviceInfo(kind="cuda", type="cuda", arch="sm_80")) is None
-    assert plugin.dense_tflops(CPU) is None
+    assert not hasattr(plugin, "dense_tflops") and not hasattr(plugin, "DENSE_BF16_TFLOPS")
+    tuning = pytest.importorskip("megablocks_triton.tuning")
+    assert tuning.DENSE_BF16_TFLOPS["sm_90"] > 0
+    assert "sm_80" not in tuning.DENSE_BF16_TFLOPS
 
 
 def test_triton_hint_prefers_itself_only_where_measured():

@@ -19,7 +19,7 @@ from megablocks_cuda import extension, gmm, plugin, tuning
 import megablocks_core
 from megablocks_core import DeviceInfo
 from megablocks_core.descriptors import TensorMeta
-from megablocks_core.plugin import DENSE_BF16_TFLOPS, GmmPoint, Tier
+from megablocks_core.plugin import GmmPoint, Tier
 from megablocks_core.ranking import for_call, rank
 from megablocks_core.registry import PluginRecord, Registry
 
@@ -307,15 +307,16 @@ def test_ranking_on_an_a100_with_grouped_gemm(fake_grouped_gemm):
 
 def test_efficiency_points_are_measured_per_arch():
     for provider in ("grouped_mm", "grouped_gemm"):
-        assert set(tuning.MEASURED[provider]) == {"gmm", "gmm_weight_grad"}
+        assert set(tuning.ARCHS["hopper"].measured[provider]) == {"gmm", "gmm_weight_grad"}
         for op in ("gmm", "gmm_weight_grad"):
-            assert set(tuning.MEASURED[provider][op]) == {"sm_90"}  # only the H200 was measured
-            for rows, k, n, fraction in tuning.MEASURED[provider][op]["sm_90"]:
+            # only the H200 was measured
+            assert set(tuning.points_by_arch(provider, op)) == {"sm_90"}
+            for rows, k, n, fraction in tuning.points_by_arch(provider, op)["sm_90"]:
                 assert min(rows, k, n) > 0 and 0 < fraction <= 1
 
 
 def _measured(provider, rows_per_expert, k, n, op="gmm"):
-    points = tuning.MEASURED[provider][op]["sm_90"]
+    points = tuning.points_by_arch(provider, op)["sm_90"]
     return {p[:3]: p[3] for p in points}[(rows_per_expert, k, n)]
 
 
@@ -342,7 +343,12 @@ def test_weight_grad_hints_use_their_own_points() -> None:
     mm = {
         k.op: k.cost for k in plugin.megablocks_grouped_gemm_kernels() if k.variant == "grouped_mm"
     }
-    tables = {"triton": triton_tuning.MEASURED, "grouped_mm": tuning.MEASURED["grouped_mm"]}
+    tables = {
+        "triton": triton_tuning.MEASURED,
+        "grouped_mm": {
+            op: tuning.points_by_arch("grouped_mm", op) for op in triton_tuning.MEASURED
+        },
+    }
     hints = {"triton": triton_tuning.COST_HINTS, "grouped_mm": mm}
     experts = 8  # every estimate scales with the experts alike: the choice does not depend on it
     wgrad: dict[str, dict[tuple[float, float, float], float]] = {}
@@ -379,7 +385,7 @@ def _call(rows_per_expert, k, n, experts, sizes_on="cuda"):
 
 
 def _dense_us(rows_per_expert, k, n, experts):
-    return 2.0 * rows_per_expert * experts * k * n / (DENSE_BF16_TFLOPS["sm_90"] * 1e6)
+    return 2.0 * rows_per_expert * experts * k * n / (tuning.dense_tflops_by_arch()["sm_90"] * 1e6)
 
 
 def test_costs_follow_the_measured_efficiency():

@@ -269,13 +269,14 @@ def _gmm_call(tokens: int, k: int, n: int, experts: int, counts_on: str) -> dict
 def test_gmm_cost_hint() -> None:
     h200 = plugin_api.DeviceInfo(kind="cuda", type="cuda", arch="sm_90", capability=(9, 0))
     points = {"sm_90": [(1024.0, 2048.0, 768.0, 0.5)]}
+    dense = {"sm_90": 690.0}
     on_host, on_device = _gmm_call(8192, 2048, 768, 8, "cpu"), _gmm_call(8192, 2048, 768, 8, "cuda")
-    want = plugin_api.gmm_estimate_us(h200, on_host, points)
+    want = plugin_api.gmm_estimate_us(h200, on_host, points, dense_tflops=dense)
     assert want is not None and want > 0
-    anywhere = plugin_api.gmm_cost_hint(points)
+    anywhere = plugin_api.gmm_cost_hint(points, dense_tflops=dense)
     assert anywhere(h200, on_host) == want and anywhere(h200, on_device) == want
     assert anywhere(dataclasses.replace(h200, arch="sm_80"), on_host) is None  # not measured there
-    only_rocm = plugin_api.gmm_cost_hint(points, device_kinds=("rocm",))
+    only_rocm = plugin_api.gmm_cost_hint(points, dense_tflops=dense, device_kinds=("rocm",))
     assert only_rocm(h200, on_host) is None
-    host_counts = plugin_api.gmm_cost_hint(points, host_counts_only=True)
+    host_counts = plugin_api.gmm_cost_hint(points, dense_tflops=dense, host_counts_only=True)
     assert host_counts(h200, on_host) == want and host_counts(h200, on_device) is None

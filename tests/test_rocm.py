@@ -343,7 +343,7 @@ def test_gmm_tiles_reach_choose_config_under_the_rocm_policy(device, monkeypatch
     # Without it (the triton backend alone), every AMD GPU gets the portable AMD tiles.
     assert (
         tgmm.choose_config("gmm", 8192, 4096, 4096, 8, torch.bfloat16, device)
-        == tconfig.GMM_TILES[("gmm", "amd", "16bit")]
+        == tconfig.ARCHS["amd"].gmm_tiles[("gmm", "16bit")]
     )
 
 

@@ -24,7 +24,7 @@ from megablocks_triton import gmm as G  # noqa: E402
 needs_interpreter = pytest.mark.skipif(
     not interpreting(), reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1"
 )
-from megablocks_triton.config import GMM_TILES, LaunchConfigs, use_launch_configs  # noqa: E402
+from megablocks_triton.config import ARCHS, LaunchConfigs, use_launch_configs  # noqa: E402
 
 SMALL = G.GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 # fp32 must track float64 closely (ieee dot, no tf32); 16-bit outputs are rounded once.
@@ -359,7 +359,7 @@ def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     for device, family in ((RTX5090, "cuda"), (MI300, "amd"), (RX7900, "amd")):
         for op in ("gmm", "wgrad"):
             got = G.choose_config(op, 4096, 4096, 4096, 8, torch.float16, device)
-            assert got == GMM_TILES[(op, family, "16bit")], (device.arch, op)
+            assert got == ARCHS[family].gmm_tiles[(op, "16bit")], (device.arch, op)
     assert G.device_info(torch.device("cpu")).kind == "cpu"
     # Hopper, 16-bit: a short K loop is flattened into the tile loop (qwen3's K = 768, and 1536
     # for gated experts' x gradient), a long one is not; the accumulating weight gradient goes

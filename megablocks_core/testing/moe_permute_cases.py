@@ -1,7 +1,7 @@
 """Bad data for the moe_permute ops (Megatron-Core / Transformer Engine permutation): the calls
 and their documented safe results, written as per-slot loops independent of every backend.
 
-:mod:`.bad_data` adds these cases to its own and routes their results here.
+:mod:`.bad_cases` adds these cases to its own and :mod:`.bad_results` routes their results here.
 """
 
 from __future__ import annotations

@@ -281,7 +281,10 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
             contiguous=True,
             variant=variant,
             cost=gmm_cost_hint(
-                tuning.MEASURED[variant][op], device_kinds=("cuda",), host_counts_only=host_only
+                tuning.points_by_arch(variant, op),
+                dense_tflops=tuning.dense_tflops_by_arch(),
+                device_kinds=("cuda",),
+                host_counts_only=host_only,
             ),
         )
         for variant, check, supports, host_only, fns in providers

@@ -1,16 +1,20 @@
-"""Measured tuning of this plugin: the grouped-GEMM providers' efficiency points per device arch,
-and the calls the scan scatter takes.
+"""Measured tuning of this plugin, its one home for per-arch facts: per GPU arch family
+(:data:`ARCHS`) the dense bf16 rate and the grouped-GEMM providers' efficiency points; and the
+calls the scan scatter takes.
 
 Each point is ``(rows_per_expert, k, n, fraction_of_dense_peak)``: the provider's bf16
-throughput for an op on that problem as a fraction of a dense bf16 matmul with the same FLOPs,
-measured on the device arch named by the key. ``megablocks_core.plugin.gmm_cost_hint`` turns
-them into a provider's cost hint (nearest measured point in log space). An arch without points
-gives no estimate, and the core then ranks by the tier order alone.
+throughput for an op on that problem as a fraction of a dense bf16 matmul with the same FLOPs
+(the row's ``dense_bf16_tflops``), measured on an arch of the row. ``megablocks_core.plugin.
+gmm_cost_hint`` turns them into a provider's cost hint (nearest measured point in log space). An
+arch without points or rate gives no estimate, and the core then ranks by the tier order alone.
+A new arch's tuning is one new row of :data:`ARCHS`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from megablocks_core.plugin import GmmPoint
 
@@ -22,36 +26,79 @@ _GROUPED_GEMM_FORWARD: tuple[GmmPoint, ...] = (
     (512, 7168, 2048, 0.79),
 )
 
-#: provider (the kernel's variant) -> op -> device arch -> measured points.
-MEASURED: Mapping[str, Mapping[str, Mapping[str, Sequence[GmmPoint]]]] = {
-    "grouped_mm": {
-        # H200, torch 2.11 + CUDA 13.0, bf16 forward, `megablocks bench --ops gmm` (mean of two
-        # runs, docs/performance.md): the mixtral, qwen3 and dsv3 shapes.
-        "gmm": {
-            "sm_90": ((4096, 4096, 14336, 0.94), (1024, 2048, 768, 0.84), (512, 7168, 2048, 0.79)),
-        },
-        # Weight gradient, softmax top-k routing, do_bench medians of three beside a dense
-        # matmul and megablocks-triton's in the same run
-        # (docs/bench/h200-2026-12-01h-wgrad-points.jsonl): both orientations of the qwen3 / dsv3
-        # / mixtral layers' weight gradients (k = a's columns).
-        "gmm_weight_grad": {
-            "sm_90": (
-                (1024, 2048, 768, 0.71),
-                (1024, 768, 2048, 0.70),
-                (512, 7168, 2048, 0.75),
-                (512, 2048, 7168, 0.72),
-                (4096, 4096, 14336, 0.93),
-                (4096, 14336, 4096, 0.91),
-            ),
-        },
-    },
-    "grouped_gemm": {
-        # The forward's points for both ops: its weight gradient was not measured separately
-        # (it reads the counts on the host, so with device-side counts it gives no estimate).
-        "gmm": {"sm_90": _GROUPED_GEMM_FORWARD},
-        "gmm_weight_grad": {"sm_90": _GROUPED_GEMM_FORWARD},
-    },
-}
+
+@dataclass(frozen=True)
+class ArchTuning:
+    """What this plugin measured on one GPU arch family."""
+
+    archs: tuple[str, ...]
+    """The device archs (:attr:`DeviceInfo.arch`) of the family."""
+    dense_bf16_tflops: float | None
+    """Dense bf16 matmul TFLOP/s, what the points are fractions of (approximate is enough)."""
+    measured: Mapping[str, Mapping[str, Sequence[GmmPoint]]]
+    """provider (the kernel's variant) -> op -> measured points."""
+
+
+#: GPU arch family -> what was measured on it.
+ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
+    {
+        "hopper": ArchTuning(
+            archs=("sm_90",),
+            dense_bf16_tflops=690.0,  # H200, at the benchmark shapes (docs/performance.md)
+            measured={
+                "grouped_mm": {
+                    # H200, torch 2.11 + CUDA 13.0, bf16 forward, `megablocks bench --ops gmm`
+                    # (mean of two runs, docs/performance.md): the mixtral, qwen3 and dsv3 shapes.
+                    "gmm": (
+                        (4096, 4096, 14336, 0.94),
+                        (1024, 2048, 768, 0.84),
+                        (512, 7168, 2048, 0.79),
+                    ),
+                    # Weight gradient, softmax top-k routing, do_bench medians of three beside a
+                    # dense matmul and megablocks-triton's in the same run
+                    # (docs/bench/h200-2026-12-01h-wgrad-points.jsonl): both orientations of the
+                    # qwen3 / dsv3 / mixtral layers' weight gradients (k = a's columns).
+                    "gmm_weight_grad": (
+                        (1024, 2048, 768, 0.71),
+                        (1024, 768, 2048, 0.70),
+                        (512, 7168, 2048, 0.75),
+                        (512, 2048, 7168, 0.72),
+                        (4096, 4096, 14336, 0.93),
+                        (4096, 14336, 4096, 0.91),
+                    ),
+                },
+                # The forward's points for both ops: its weight gradient was not measured
+                # separately (it reads the counts on the host, so with device-side counts it
+                # gives no estimate).
+                "grouped_gemm": {
+                    "gmm": _GROUPED_GEMM_FORWARD,
+                    "gmm_weight_grad": _GROUPED_GEMM_FORWARD,
+                },
+            },
+        ),
+    }
+)
+
+
+def points_by_arch(provider: str, op: str) -> dict[str, Sequence[GmmPoint]]:
+    """Device arch -> ``provider``'s measured points for ``op`` (what
+    ``megablocks_core.plugin.gmm_cost_hint`` takes), from :data:`ARCHS` as it is now."""
+    return {
+        arch: points
+        for row in ARCHS.values()
+        if (points := row.measured.get(provider, {}).get(op))
+        for arch in row.archs
+    }
+
+
+def dense_tflops_by_arch() -> dict[str, float]:
+    """Device arch -> the dense bf16 rate of its :data:`ARCHS` row."""
+    return {
+        arch: row.dense_bf16_tflops
+        for row in ARCHS.values()
+        if row.dense_bf16_tflops is not None
+        for arch in row.archs
+    }
 
 
 #: The calls the scan scatter (variant ``scan`` of scatter) takes, measured on the H200 against

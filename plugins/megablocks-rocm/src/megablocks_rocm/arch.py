@@ -1,8 +1,8 @@
 """AMD GPU families: what each generation offers, and the HIP-only launch options per family.
 
-Which gfx arch belongs to which family is the core's table
-(:data:`megablocks_core.plugin.ARCH_FAMILIES`); this module holds what this backend needs to know
-about each family.
+This module is the backend's one table of per-arch facts (:data:`FAMILIES`): each family's gfx
+archs, LDS, wavefront and HIP launch options; a new arch is a new row (its Triton tiles are
+:data:`megablocks_rocm.launch.GMM_TILES`, keyed by the family's name, as they need triton).
 
 Pure functions of a :class:`~megablocks_core.plugin.DeviceInfo` (no triton, no GPU), so that every
 choice can be tested with simulated devices.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from megablocks_core.plugin import ARCH_FAMILIES, ARCH_LIMITS, DeviceInfo, arch_family
+from megablocks_core.plugin import ARCH_LIMITS, DeviceInfo, base_arch
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class Family:
 
     name: str
     """``"cdna2"``, ``"cdna3"``, ``"cdna4"`` or ``"generic"``."""
+    archs: tuple[str, ...]
+    """The gfx names of the family (:attr:`DeviceInfo.arch` without feature suffixes)."""
     products: str
     lds_kib: int
     """Shared memory (LDS) per CU: the core's limits table (:data:`ARCH_LIMITS`)."""
@@ -37,25 +39,32 @@ def _lds_kib(target: str) -> int:
     return ARCH_LIMITS[target].shared_memory_per_block // 1024
 
 
-#: Family name (the core's :data:`~megablocks_core.plugin.ARCH_FAMILIES`) -> what we know of it.
+#: Family name -> what we know of it.
 FAMILIES: Mapping[str, Family] = MappingProxyType(
     {
-        "cdna2": Family("cdna2", "MI200 (MI210, MI250, MI250X)", lds_kib=_lds_kib("gfx90a")),
+        "cdna2": Family(
+            "cdna2", ("gfx90a",), "MI200 (MI210, MI250, MI250X)", lds_kib=_lds_kib("gfx90a")
+        ),
         # AMD's MI300X Triton tuning guide pairs 16x16 MFMA with kpack=2 for GEMMs.
         "cdna3": Family(
-            "cdna3", "MI300 (MI300X, MI300A, MI325X)", lds_kib=_lds_kib("gfx942"), kpack=2
+            "cdna3",
+            ("gfx942",),
+            "MI300 (MI300X, MI300A, MI325X)",
+            lds_kib=_lds_kib("gfx942"),
+            kpack=2,
         ),
-        "cdna4": Family("cdna4", "MI350 (MI350X, MI355X)", lds_kib=_lds_kib("gfx950")),
+        "cdna4": Family("cdna4", ("gfx950",), "MI350 (MI350X, MI355X)", lds_kib=_lds_kib("gfx950")),
     }
 )
 
 #: Anything else with a gfx name (RDNA's wave32 parts, older CDNA): no tuning of ours.
-GENERIC = Family("generic", "other AMD GPUs", lds_kib=64)  # the least of any CDNA/RDNA part
+GENERIC = Family("generic", (), "other AMD GPUs", lds_kib=64)  # the least of any CDNA/RDNA part
 
 
 def family(device: DeviceInfo | str | None) -> Family:
     """The family of a device or gfx name (``"gfx942:sramecc+:xnack-"`` works too)."""
-    return FAMILIES.get(arch_family(device) or "", GENERIC)
+    arch = base_arch(device)
+    return next((fam for fam in FAMILIES.values() if arch in fam.archs), GENERIC)
 
 
 def unsupported(device: DeviceInfo) -> str | None:
@@ -67,9 +76,9 @@ def unsupported(device: DeviceInfo) -> str | None:
     fam = family(device)
     if fam is GENERIC:
         known = ", ".join(
-            f"{gfx} ({FAMILIES[name].products.split(' (')[0]})"
-            for gfx, name in ARCH_FAMILIES.items()
-            if name in FAMILIES
+            f"{gfx} ({fam.products.split(' (')[0]})"
+            for fam in FAMILIES.values()
+            for gfx in fam.archs
         )
         return (
             f"no ROCm launch configuration for {device.arch or 'an unknown arch'} "

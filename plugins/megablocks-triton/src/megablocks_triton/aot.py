@@ -28,13 +28,7 @@ from megablocks_core.plugin import (
     device_limits,
 )
 
-from .config import (
-    SPILLS_ACCEPTED,
-    LaunchConfigs,
-    dtype_class,
-    gmm_tile_family,
-    use_launch_configs,
-)
+from .config import LaunchConfigs, arch_tuning, dtype_class, use_launch_configs
 from .launch import RecordedLaunch, record_launches
 
 
@@ -234,26 +228,26 @@ def compile_jobs(
         return []
     jobs: list[CompileJob] = []
     seen: set[Any] = set()
-    accepted = SPILLS_ACCEPTED if configs is None else {}
+    accepted = arch_tuning(device).spills_accepted if configs is None else {}
     with use_launch_configs(configs or LaunchConfigs()):
         for dtype in shape.dtypes:
             for op, call in _op_calls(shape, dtype):
                 launches = _record(device, [call, *_alternatives(op, device, shape, dtype)])
                 for launch in launches:
-                    reason = accepted.get(_spill_key(launch, device))
+                    reason = accepted.get(_spill_key(launch))
                     jobs.extend(_jobs(op, launch, lim, seen, reason))
     return jobs
 
 
-#: Kernel function name -> its class in :data:`~megablocks_triton.config.SPILLS_ACCEPTED`.
+#: Kernel function name -> its class in :attr:`~megablocks_triton.config.ArchTuning.spills_accepted`.
 _SPILL_CLASSES = {"_gmm_kernel": "gmm", "_gmm_wgrad_kernel": "wgrad", "_scatter_kernel": "scatter"}
 
 
-def _spill_key(launch: RecordedLaunch, device: DeviceInfo) -> tuple[str, str, str]:
+def _spill_key(launch: RecordedLaunch) -> tuple[str, str]:
     kind = _SPILL_CLASSES.get(launch.kernel.fn.__name__, "")
     floats = [a.dtype for a in launch.args if isinstance(a, torch.Tensor) and a.is_floating_point()]
     dtype = dtype_class(floats[0]) if floats else ""
-    return kind, gmm_tile_family(device), dtype
+    return kind, dtype
 
 
 def _record(device: DeviceInfo, calls: Sequence[Callable[[], Any]]) -> list[RecordedLaunch]:

@@ -1,0 +1,171 @@
+"""The backward rules of the grouped GEMMs (gmm, the fused gather_gmm and gmm_scatter, the weight
+gradient) and of the gated activation."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .. import bias as bias_ops
+from ..activations import activate_backward, activate_with, glu_backward
+from .base import Call, Grads
+from .fusion import _weight_grad
+from .permutation import _first_rows, _identity, _row_scales, _scale_rows, _weighted_rows
+
+
+def _gmm(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+    out: Grads = {}
+    trans_b = a["trans_b"]
+    if needs["a"]:
+        out["a"] = call("gmm", grad, a["b"], a["batch_sizes"], not trans_b)
+    if needs["b"]:
+        if trans_b:  # b[e] is (n, k): its gradient is grad_e^T a_e
+            out["b"] = _weight_grad(call, a, "b", grad, a["a"], a["batch_sizes"])
+        else:
+            out["b"] = _weight_grad(call, a, "b", a["a"], grad, a["batch_sizes"])
+    if needs["bias"]:
+        out["bias"] = bias_ops.group_sums(call, grad, a["batch_sizes"])
+    return out
+
+
+def _weight_grad_by_bins(
+    call: Call, bound: Mapping[str, Any], x: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor | None:
+    """b's gradient over the groups that cumulative bins give (sorted rows of x and grad).
+
+    The counts stay on bins' device (no host sync). They are the groups as the fused forward read
+    them, also for bins that are not a cumulative sum (unchecked data the forward accepted): a
+    negative group counts as 0 and the groups are cut at the last row of x. So the weight
+    gradient sees valid counts wherever they live, and the backward neither raises about an
+    argument the caller never passed nor behaves differently for CPU and device-side bins."""
+    return _weight_grad(call, bound, "b", x, grad, _counts_from_bins(bound["bins"], x.shape[0]))
+
+
+def _counts_from_bins(bins: torch.Tensor, rows: int) -> torch.Tensor:
+    """Group sizes (int32, each <= rows) from cumulative bins as the fused ops read them."""
+    ends = bias_ops.group_ends(bins, rows)  # int64: sums of int32 bins cannot wrap
+    return torch.diff(ends, prepend=ends.new_zeros(1)).int()
+
+
+def _gather_gmm(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    routing = (a["indices"], a["bin_ids"])
+    trans_b, top_k, bins, first = a["trans_b"], a["top_k"], a["bins"], a["rows"]
+    if needs["x"]:  # every (token, k) row's gradient, summed back into its token
+        out["x"] = call(
+            "gmm_scatter", grad, a["b"], *routing, None, bins, top_k, not trans_b, None, first
+        )
+    if needs["b"]:
+        # The gathered rows were not kept: gather them again, a transient copy (a gather kernel
+        # and the best weight-gradient GEMM beat a GEMM reading rows through the indices).
+        rows = call("gather", a["x"], *routing, None, bins, top_k, first)
+        if trans_b:  # b[e] is (n, k): grad_e^T @ rows_e
+            out["b"] = _weight_grad_by_bins(call, a, grad, rows)
+        else:
+            out["b"] = _weight_grad_by_bins(call, a, rows, grad)
+    if needs["bias"]:
+        out["bias"] = bias_ops.group_sums(call, grad, _counts_from_bins(bins, grad.shape[0]))
+    return out
+
+
+def _row_dots(
+    call: Call,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    identity: torch.Tensor,
+    routing: tuple[torch.Tensor, ...],
+    bins: torch.Tensor,
+) -> torch.Tensor:
+    """dot(x[i], y[i]) for each row, accumulated in float32: scatter_wgrad with identity indices
+    and top_k 1 (its one-row-per-token form), a bandwidth-bound kernel where a batched GEMV of
+    1x1 products runs several times slower."""
+    return call("scatter_wgrad", x, y, identity, routing[1], bins, 1)
+
+
+def _by_flat_id(values: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Tensor:
+    """out[indices[i]] = values[i] for ids in [0, n) (``indices`` may name the first sorted rows
+    only); ids no row names get 0, ids out of range are dropped."""
+    flat = indices.long()
+    slot = torch.where((flat >= 0) & (flat < n), flat, n)  # out-of-range ids land in a cut-off slot
+    return values.new_zeros(n + 1).index_copy_(0, slot, values)[:n]
+
+
+def _gmm_scatter(
+    call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    out: Grads = {}
+    routing = (a["indices"], a["bin_ids"])
+    trans_b, top_k, weights, bins = a["trans_b"], a["top_k"], a["weights"], a["bins"]
+    activation, first = a["activation"], a["rows"]
+    # x holds the first `first` sorted rows (all when None): so do the per-row tensors below.
+    row_routing = _first_rows(routing, first)
+    # With an activation whose input needs a gradient, one activation_backward pass gives that
+    # gradient, act(x) and the weights' dots together (when this backward is itself recorded,
+    # the differentiable composition below runs instead).
+    one_pass = activation is not None and needs["x"] and not torch.is_grad_enabled()
+    # The GEMM's input rows: x, or act(x) recomputed (transient) from the kept pre-activation.
+    x_in = a["x"]
+    if activation is not None and not one_pass and (needs["weights"] or needs["b"]):
+        x_in = activate_with(call, x_in, activation)
+    if needs["x"] or needs["weights"]:
+        # grad[t] @ b[e].T for each sorted row: act(x)'s gradient before weighting, and (dotted
+        # with act(x)) the weights' gradient, so the forward's (rows, n) product need not be kept.
+        rows_grad = call("gather_gmm", grad, a["b"], *routing, bins, top_k, not trans_b, first)
+        if one_pass:
+            scale = None if weights is None else _row_scales(weights, row_routing[0])
+            # act(x), the weight gradient's operand, is written over rows_grad (its last use).
+            out["x"], dots = call("activation_backward", rows_grad, a["x"], scale, activation)
+            x_in = rows_grad
+        else:
+            identity = _identity(row_routing[0])
+            if needs["weights"]:
+                dots = _row_dots(call, x_in, rows_grad, identity, row_routing, bins)
+            if needs["x"]:
+                if weights is not None:
+                    scale = _row_scales(weights, row_routing[0])
+                    rows_grad = _scale_rows(call, rows_grad, scale, row_routing, bins, identity)
+                if activation is not None:
+                    rows_grad = activate_backward(rows_grad, a["x"], activation)
+                out["x"] = rows_grad
+        if needs["weights"]:
+            n = a["indices"].shape[0]
+            out["weights"] = _by_flat_id(dots, row_routing[0], n).to(weights.dtype)
+    # bias is kept only for the weights' gradient (its own needs none of its values).
+    bias_in_weights = needs["weights"] and a["bias"] is not None
+    if needs["bias"] or bias_in_weights:
+        grad_bias, bias_dots = bias_ops.scatter_bias_grads(a, grad, needs["bias"], bias_in_weights)
+        if grad_bias is not None:
+            out["bias"] = grad_bias
+        weights_grad = out.get("weights")
+        if bias_dots is not None and weights_grad is not None:
+            out["weights"] = (weights_grad + bias_dots).to(weights.dtype)
+    if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
+        rows = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
+        if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
+            out["b"] = _weight_grad_by_bins(call, a, rows, x_in)
+        else:
+            out["b"] = _weight_grad_by_bins(call, a, x_in, rows)
+    return out
+
+
+def _glu(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+    if torch.is_grad_enabled():  # recorded (double backward): the differentiable definition
+        return {"x": glu_backward(grad, a["x"], a["activation"])}
+    return {"x": call("glu_backward", grad, a["x"], a["activation"])}
+
+
+def _gmm_weight_grad(
+    call: Call, a: Mapping[str, Any], out_grad: torch.Tensor, needs: Mapping[str, bool]
+) -> Grads:
+    # out[e] = a_e^T grad_e: a_e's gradient is grad_e out_grad[e]^T, grad_e's is a_e out_grad[e].
+    out: Grads = {}
+    sizes = a["batch_sizes"]
+    if needs["a"]:
+        out["a"] = call("gmm", a["grad"], out_grad.to(a["grad"].dtype), sizes, True)
+    if needs["grad"]:
+        out["grad"] = call("gmm", a["a"], out_grad.to(a["a"].dtype), sizes, False)
+    return out
