@@ -23,7 +23,7 @@ from megablocks_core.plugin import TensorMeta
 
 pytest.importorskip("triton")
 
-from megablocks_triton import config, tuning
+from megablocks_triton import arch_table, config, tuning
 
 FAMILY = "rtx-blackwell"
 DENSE = 210.0  # made up: what the points below are fractions of
@@ -47,7 +47,10 @@ def triton_row(monkeypatch):
         measured=MappingProxyType({"gmm": TRITON_POINTS, "gmm_weight_grad": TRITON_POINTS}),
         gmm_small_n_stages=3,  # a data-driven adjustment, as Hopper's
     )
-    monkeypatch.setattr(config, "ARCHS", MappingProxyType({**config.ARCHS, FAMILY: row}))
+    table = MappingProxyType({**config.ARCHS, FAMILY: row})
+    # The table's lookups read arch_table.ARCHS; the policy's LaunchConfigs.gmm reads config's.
+    monkeypatch.setattr(arch_table, "ARCHS", table)
+    monkeypatch.setattr(config, "ARCHS", table)
     return row
 
 

@@ -30,6 +30,7 @@ from megablocks_rocm import launch as rocm_launch  # noqa: E402
 from megablocks_rocm.launch import RocmLaunchConfigs  # noqa: E402
 from megablocks_triton import config as tconfig  # noqa: E402
 from megablocks_triton import gmm as tgmm  # noqa: E402
+from megablocks_triton import gmm_configs as tgmm_configs  # noqa: E402
 
 
 def amd(arch_name: str, cus: int, name: str) -> DeviceInfo:
@@ -413,7 +414,7 @@ def _rocm_fn(hook, op):
 @pytest.mark.parametrize("device", TUNED, ids=lambda d: d.arch)
 def test_rocm_kernels_launch_with_the_arch_policy(device, monkeypatch, launches):
     monkeypatch.setattr(rocm_kernels, "describe_device", lambda _dev: device)
-    monkeypatch.setattr(tgmm, "describe_device", lambda _dev: device)
+    monkeypatch.setattr(tgmm_configs, "describe_device", lambda _dev: device)  # device_info
     monkeypatch.setattr(rocm_kernels, "_BY_DEVICE", {})  # no policy of another test's device
     x, indices, bin_ids, bins, _ = routing_inputs(tokens=8, hidden=32)
     gather = _rocm_fn(plugin.megablocks_permutation_kernels, "gather")

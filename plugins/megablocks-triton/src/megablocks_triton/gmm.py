@@ -49,46 +49,60 @@ Tile configs come from the launch policy (:meth:`megablocks_triton.config.Launch
 a vendor plugin may override) through :func:`choose_config`; they can be overridden per call
 (``config=``) or by environment variable for tuning, see :func:`choose_config`.
 
-This module is the host side (configs, plans, the op functions); the ``@triton.jit`` kernels
-are :mod:`megablocks_triton.kernels.gmm`, and ``_gmm_kernel`` and ``_gmm_wgrad_kernel`` are
-imported here.
+This module is the forward ops' host side (per-shape plans, the op functions); the tile configs
+and operand helpers are :mod:`megablocks_triton.gmm_configs`, the weight gradients (with the
+Gluon variant's predicates) :mod:`megablocks_triton.gmm_wgrad`, both re-exported here; the
+``@triton.jit`` kernels are :mod:`megablocks_triton.kernels.gmm`, and ``_gmm_kernel`` and
+``_gmm_wgrad_kernel`` are imported here.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
-import triton  # type: ignore[import-untyped]
-from triton.tools.tensor_descriptor import TensorDescriptor  # type: ignore[import-untyped]
 
-from megablocks_core.plugin import (
-    CallInfo,
-    DeviceInfo,
-    contract,
-    describe_device,
-    device_limits,
-)
+from megablocks_core.plugin import contract
 
-from .config import GmmConfig, LaunchConfigs, arch_tuning, launch_configs
-from .kernels.gmm import (
-    _gmm_kernel,
-    _gmm_wgrad_kernel,
+from .config import GmmConfig, LaunchConfigs, launch_configs
+from .gmm_configs import _ENV_VAR as _ENV_VAR
+from .gmm_configs import (
+    MAX_EXPERTS,
+    _check_experts,
+    _device_sizes,
+    _num_sms,
+    _tma_layout_ok,
+    _unit_last_stride,
+    choose_config,
+    device_info,
 )
-from .launch import (
-    BoundLaunch,
-    bind,
-    bind_descriptors,
-    cdiv,
-    launch,
-    next_power_of_2,
-    recorded_device,
-    remember,
+from .gmm_configs import _parse_env_config as _parse_env_config
+from .gmm_configs import _refuse_over_limits as _refuse_over_limits
+from .gmm_configs import _tma_override as _tma_override
+from .gmm_configs import shared_memory_estimate as shared_memory_estimate
+from .gmm_wgrad import GLUON_TESTED as GLUON_TESTED
+from .gmm_wgrad import WARP_SPECIALIZED_DTYPES as WARP_SPECIALIZED_DTYPES
+from .gmm_wgrad import WARP_SPECIALIZED_VARIANT as WARP_SPECIALIZED_VARIANT
+from .gmm_wgrad import _hopper_wgrad as _hopper_wgrad
+from .gmm_wgrad import _launch_wgrad as _launch_wgrad
+from .gmm_wgrad import _leaves_to_gluon as _leaves_to_gluon
+from .gmm_wgrad import _tma_ready as _tma_ready
+from .gmm_wgrad import _warp_specialized as _warp_specialized
+from .gmm_wgrad import (
+    gmm_weight_grad,
+    gmm_weight_grad_accumulate,
+    gmm_weight_grad_accumulate_warp_specialized,
+    gmm_weight_grad_warp_specialized,
+    warp_specialized_capability,
+    warp_specialized_problem,
 )
+from .gmm_wgrad import gmm_weight_grad_accumulate_supports as gmm_weight_grad_accumulate_supports
+from .gmm_wgrad import gmm_weight_grad_supports as gmm_weight_grad_supports
+from .kernels.gmm import _gmm_kernel
+from .kernels.gmm import _gmm_wgrad_kernel as _gmm_wgrad_kernel
+from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
 
 __all__ = [
     "MAX_EXPERTS",
@@ -105,184 +119,6 @@ __all__ = [
     "warp_specialized_capability",
     "warp_specialized_problem",
 ]
-
-#: The in-register expert prefix holds next_pow2(E) values per program; beyond this the register
-#: cost gets silly (and no real MoE has that many experts per rank).
-MAX_EXPERTS = 4096
-
-
-# --------------------------------------------------------------------------------------------
-# Configs
-# --------------------------------------------------------------------------------------------
-
-
-def device_info(device: torch.device) -> DeviceInfo:
-    """The core's (cached) description of ``device``; an index-less CUDA device is the current one.
-    While launches are recorded (ahead-of-time compilation), ``meta`` stands for the recorded
-    device."""
-    if device.type == "meta" and (recorded := recorded_device()) is not None:
-        return recorded
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return describe_device(device)
-
-
-def _num_sms(info: DeviceInfo) -> int:
-    # The interpreter: a few "SMs" so that the persistent loop is exercised.
-    return 4 if info.kind == "cpu" else info.multiprocessors or 1
-
-
-_ENV_VAR = {
-    "gmm": "MEGABLOCKS_TRITON_GMM_CONFIG",
-    "wgrad": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG",
-    "wgrad_accumulate": "MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG",
-}
-
-
-def _parse_env_config(text: str) -> GmmConfig:
-    """Parse "BM,BN,BK[,GROUP_M[,WARPS[,STAGES[,PROGRAMS_PER_SM]]]]" into a GmmConfig."""
-    fields = [int(v) for v in text.replace(" ", "").split(",") if v]
-    if not 3 <= len(fields) <= 7:
-        raise ValueError(f"bad grouped-GEMM config override {text!r}")
-    block_m, block_n, block_k, *rest = fields
-    cfg = GmmConfig(block_m, block_n, block_k)
-    defaults = (cfg.group_m, cfg.num_warps, cfg.num_stages, cfg.programs_per_sm)
-    group_m, num_warps, num_stages, programs_per_sm = (*rest, *defaults[len(rest) :])
-    return GmmConfig(
-        block_m,
-        block_n,
-        block_k,
-        group_m=group_m,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        programs_per_sm=programs_per_sm,
-    )
-
-
-def shared_memory_estimate(cfg: GmmConfig, info: DeviceInfo, dtype: torch.dtype) -> int:
-    """Bytes of shared memory (LDS) the K loop's operand buffers of ``cfg`` take at least: one
-    (BLOCK_M x BLOCK_K) and one (BLOCK_K x BLOCK_N) tile per buffered stage. Triton's NVIDIA
-    pipeliner buffers ``num_stages`` of them, AMD's stream pipeliner ``num_stages - 1``."""
-    stages = cfg.num_stages if info.kind != "rocm" else max(cfg.num_stages - 1, 1)
-    per_stage = (cfg.block_m + cfg.block_n) * cfg.block_k * dtype.itemsize
-    return per_stage * stages
-
-
-def _refuse_over_limits(
-    variable: str, text: str, cfg: GmmConfig, info: DeviceInfo, dtype: torch.dtype
-) -> None:
-    """Raise where a forced config cannot fit ``info``'s arch (the core's limits table): launched,
-    it would fail or corrupt shared memory instead of being slow."""
-    lim = device_limits(info)
-    if lim is None:
-        return
-    shared = shared_memory_estimate(cfg, info, dtype)
-    if shared > lim.shared_memory_per_block:
-        raise ValueError(
-            f"{variable}={text!r} asks for at least {shared // 1024} KiB of shared memory (LDS) per "
-            f"block for {str(dtype).removeprefix('torch.')} operands, over the "
-            f"{lim.shared_memory_per_block // 1024} KiB limit of {lim.arch}; use smaller tiles or "
-            "fewer stages"
-        )
-    threads = cfg.num_warps * lim.warp_size
-    if threads > 1024:
-        raise ValueError(
-            f"{variable}={text!r} asks for {cfg.num_warps} warps ({threads} threads), over the "
-            f"1024 threads per block of {lim.arch}"
-        )
-
-
-def _tma_override(cfg: GmmConfig) -> GmmConfig:
-    # MEGABLOCKS_TRITON_GMM_TMA=0/1 flips the TMA path independently of the tile shape (tuning).
-    env = os.environ.get("MEGABLOCKS_TRITON_GMM_TMA")
-    return cfg if env is None or env == "" else replace(cfg, use_tma=env not in ("0", "false"))
-
-
-def choose_config(
-    op: str,
-    m: int,
-    n: int,
-    k: int,
-    num_experts: int,
-    dtype: torch.dtype,
-    info: DeviceInfo,
-    out_dtype: torch.dtype | None = None,
-) -> GmmConfig:
-    """Pick tile sizes for one call. Pure function of the shapes, dtypes, device and launch policy.
-
-    op: "gmm" (m = rows of a, n = output columns, k = reduction), "wgrad" (m = a.shape[1],
-    n = grad.shape[1], k = total tokens) or "wgrad_accumulate" (the same, adding into an
-    ``out_dtype`` gradient). Steps:
-
-    1. Env override ``MEGABLOCKS_TRITON_GMM_CONFIG`` / ``MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG``
-       ("BM,BN,BK[,GROUP_M[,WARPS[,STAGES[,PROGRAMS_PER_SM]]]]") wins, for tuning sweeps (the
-       weight-gradient one for both weight-gradient ops).
-    2. Else the launch policy in force decides (:meth:`LaunchConfigs.gmm
-       <megablocks_triton.config.LaunchConfigs.gmm>` / ``gmm_wgrad`` / ``gmm_wgrad_accumulate``;
-       a vendor plugin may install its own).
-    3. ``MEGABLOCKS_TRITON_GMM_TMA=0/1`` sets ``use_tma`` (tuning).
-
-    The forward ops ask once per call shape and launch policy and keep the answer with their
-    prepared launch: the environment overrides apply to the forward call shapes first seen after
-    they are set (a sweep sets them before its process starts, or passes ``config=``).
-    """
-    env = os.environ.get(_ENV_VAR[op])
-    if env:
-        forced = _tma_override(_parse_env_config(env))
-        if recorded_device() is None:  # the compile gate compiles it to report what it uses
-            _refuse_over_limits(_ENV_VAR[op], env, forced, info, dtype)
-        return forced
-    policy = launch_configs()
-    if op == "gmm":
-        return _tma_override(policy.gmm(info, m, n, k, num_experts, dtype))
-    if op == "wgrad_accumulate":
-        out = dtype if out_dtype is None else out_dtype
-        return _tma_override(policy.gmm_wgrad_accumulate(info, m, n, k, num_experts, dtype, out))
-    return _tma_override(policy.gmm_wgrad(info, m, n, k, num_experts, dtype))
-
-
-# --------------------------------------------------------------------------------------------
-# Host wrappers
-# --------------------------------------------------------------------------------------------
-
-
-def _device_sizes(batch_sizes: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """batch_sizes on the kernel's device, any int dtype (the kernel casts to int32 in registers,
-    so a device int64 tensor costs no conversion kernel). A CPU tensor is copied H2D — the caller
-    already has the counts on the host, so that is not a new sync."""
-    if batch_sizes.device != device:
-        if (
-            batch_sizes.device.type == "cpu"
-            and device.type != "cpu"
-            and not batch_sizes.is_pinned()
-        ):
-            # From pageable memory the copy would wait for the stream to drain; through pinned
-            # memory (torch's caching host allocator, which keeps the block until the copy has
-            # run) it is queued like a kernel.
-            batch_sizes = batch_sizes.pin_memory()
-        batch_sizes = batch_sizes.to(device, non_blocking=True)
-    return batch_sizes if batch_sizes.is_contiguous() else batch_sizes.contiguous()
-
-
-def _check_experts(num_experts: int) -> int:
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"triton gmm supports at most {MAX_EXPERTS} experts, got {num_experts}")
-    return max(16, next_power_of_2(num_experts))
-
-
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    # Vectorised loads want a unit stride in the innermost dim; other strides are passed through.
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _tma_layout_ok(info: DeviceInfo, t: torch.Tensor) -> bool:
-    """What TMA needs of a tensor besides a 16-byte aligned base (checked per call): sm90+ (or
-    the interpreter, which emulates descriptors), a unit inner stride and 16-byte aligned outer
-    strides."""
-    if not (arch_tuning(info).tma or info.kind == "cpu"):
-        return False
-    size = t.element_size()
-    return t.stride(-1) == 1 and not any((st * size) % 16 for st in t.stride()[:-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,249 +396,3 @@ def _gmm_scatter_plan(
         return reduce(gemm(x, b, bins, bins), indices, weights, bins)
 
     return run
-
-
-def gmm_weight_grad(
-    a: torch.Tensor,
-    grad: torch.Tensor,
-    batch_sizes: torch.Tensor,
-    *,
-    config: GmmConfig | None = None,
-    warp_specialized: bool = False,
-) -> torch.Tensor:
-    """Variable-K grouped GEMM: ``out[e] = a_e.T @ grad_e`` with a (M, K), grad (M, N), giving
-    (E, K, N) in a's dtype. Empty groups give exact zeros; rows of a/grad beyond
-    sum(batch_sizes) are never read (a worst-case-allocated buffer may be passed whole).
-    ``warp_specialized``: the Gluon kernel where it can take the tensors (the variant
-    :func:`gmm_weight_grad_warp_specialized`), else this Triton kernel."""
-    a = _unit_last_stride(a)
-    grad = _unit_last_stride(grad)
-    out = torch.empty(
-        (batch_sizes.shape[0], a.shape[1], grad.shape[1]), dtype=a.dtype, device=a.device
-    )
-    if out.numel() == 0:
-        return out
-    if a.shape[0] == 0:
-        return out.zero_()
-    _launch_wgrad(
-        a, grad, batch_sizes, out, accumulate=False, config=config,
-        warp_specialized=warp_specialized,
-    )  # fmt: skip
-    return out
-
-
-def gmm_weight_grad_accumulate(
-    a: torch.Tensor,
-    grad: torch.Tensor,
-    batch_sizes: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    config: GmmConfig | None = None,
-    warp_specialized: bool = False,
-) -> None:
-    """``out[e] += a_e.T @ grad_e`` in place (gradient-accumulation fusion): the weight gradient
-    is added to the existing ``out`` (E, K, N) in the GEMM's epilogue, in float32, and rounded
-    once to out's dtype (a's dtype, or float32 for 16-bit a); with the TMA reduction (the Hopper
-    policy's ``reduce_epilogue``) the product is rounded to out's dtype and the memory system
-    adds it, as the composition ``out += gmm_weight_grad(...)`` rounds. No (E, K, N) temporary
-    is written.
-    An empty expert's ``out[e]`` is left untouched; rows of a/grad beyond sum(batch_sizes) are
-    never read. ``out`` must be contiguous (the core checks it). ``warp_specialized``: as for
-    :func:`gmm_weight_grad`."""
-    if out.numel() == 0 or a.shape[0] == 0:
-        return  # nothing to add
-    _launch_wgrad(
-        _unit_last_stride(a), _unit_last_stride(grad), batch_sizes, out, accumulate=True,
-        config=config, warp_specialized=warp_specialized,
-    )  # fmt: skip
-
-
-def gmm_weight_grad_warp_specialized(
-    a: torch.Tensor, grad: torch.Tensor, batch_sizes: torch.Tensor
-) -> torch.Tensor:
-    """The kernel of variant ``gluon-hopper`` of ``gmm_weight_grad``: the Gluon kernel of
-    :mod:`.hopper_wgrad` (tensors whose base or strides do not suit TMA, which the shape
-    predicate cannot see, take the Triton kernel with the policy's tiles)."""
-    return gmm_weight_grad(a, grad, batch_sizes, warp_specialized=True)
-
-
-def gmm_weight_grad_accumulate_warp_specialized(
-    a: torch.Tensor, grad: torch.Tensor, batch_sizes: torch.Tensor, out: torch.Tensor
-) -> None:
-    """The kernel of variant ``gluon-hopper`` of ``gmm_weight_grad_accumulate`` (as
-    :func:`gmm_weight_grad_warp_specialized`: the Gluon kernel's TMA reduction into ``out``)."""
-    gmm_weight_grad_accumulate(a, grad, batch_sizes, out, warp_specialized=True)
-
-
-#: The Triton releases (major, minor) the Gluon kernel of :mod:`.hopper_wgrad` was written and
-#: tested with: Gluon is experimental and its API moves between releases.
-GLUON_TESTED = ((3, 6),)
-
-
-@functools.cache
-def _hopper_wgrad() -> Any:
-    """:mod:`.hopper_wgrad`, or None with a Triton it was not tested with or whose Gluon does not
-    import (the Triton kernel then serves every weight gradient)."""
-    release = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    if release not in GLUON_TESTED:
-        return None
-    try:
-        from . import hopper_wgrad
-    except Exception:
-        return None
-    return hopper_wgrad
-
-
-def _tma_ready(info: DeviceInfo, tensors: tuple[torch.Tensor, ...]) -> bool:
-    """Every tensor can be read or written through a TMA descriptor on ``info``: its layout
-    (:func:`_tma_layout_ok`) and a 16-byte aligned base."""
-    return all(_tma_layout_ok(info, t) and not t.data_ptr() & 15 for t in tensors)
-
-
-def warp_specialized_capability(device: DeviceInfo) -> str | None:
-    """The Gluon weight gradient's device predicate: an NVIDIA Hopper GPU, and a Triton release
-    its Gluon code was tested with (:data:`GLUON_TESTED`)."""
-    if not arch_tuning(device).gluon_wgrad:
-        return f"the Gluon weight gradient is for NVIDIA Hopper (sm_90), not {device.arch}"
-    if _hopper_wgrad() is None:
-        tested = ", ".join(".".join(map(str, release)) for release in GLUON_TESTED)
-        return f"its Gluon code is tested with Triton {tested} only, not {triton.__version__}"
-    return None
-
-
-#: The Gluon weight gradient's dtypes: 16-bit operands, and a 16-bit gradient it writes.
-WARP_SPECIALIZED_DTYPES = frozenset({torch.bfloat16, torch.float16})
-
-
-def warp_specialized_problem(op: str, device: DeviceInfo, call: CallInfo) -> str | None:
-    """None when the Gluon variant takes this ``gmm_weight_grad`` /
-    ``gmm_weight_grad_accumulate`` call, else why not: its device (:func:`
-    warp_specialized_capability`), its dtypes (one 16-bit dtype for ``a`` and ``grad``, a 16-bit
-    gradient), rows TMA can address (K and N of 16 bytes' multiples) and the launch policy's
-    choice for the shapes (``GmmConfig.warp_specialized``: where it was measured faster).
-    The plain Triton kernel declines exactly these calls, so that the ranking sees one kernel
-    of this backend per call, with the backend's cost hint."""
-    problem = warp_specialized_capability(device)
-    if problem:
-        return problem
-    a, grad, batch_sizes = call["a"], call["grad"], call["batch_sizes"]
-    out_dtype = call["out"].dtype if op == "gmm_weight_grad_accumulate" else a.dtype
-    if not (
-        a.dtype in WARP_SPECIALIZED_DTYPES
-        and grad.dtype == a.dtype
-        and out_dtype in WARP_SPECIALIZED_DTYPES
-    ):
-        return "the Gluon weight gradient takes 16-bit a and grad of one dtype, a 16-bit gradient"
-    k, n = a.shape[1], grad.shape[1]
-    if (k * a.dtype.itemsize) % 16 or (n * a.dtype.itemsize) % 16:
-        return f"K = {k}, N = {n}: the Gluon weight gradient's TMA rows need 16-byte multiples"
-    kind = "wgrad_accumulate" if op == "gmm_weight_grad_accumulate" else "wgrad"
-    if os.environ.get(_ENV_VAR[kind]):
-        return f"{_ENV_VAR[kind]} sets the Triton kernel's tiles (tuning)"
-    policy = launch_configs()
-    rows, experts = a.shape[0], batch_sizes.shape[0]
-    if kind == "wgrad":
-        cfg = policy.gmm_wgrad(device, k, n, rows, experts, a.dtype)
-    else:
-        cfg = policy.gmm_wgrad_accumulate(device, k, n, rows, experts, a.dtype, out_dtype)
-    if not cfg.warp_specialized:
-        return (
-            f"{rows} rows over {experts} experts: the launch policy keeps the Triton kernel "
-            "(the Gluon one is measured faster only where it takes it)"
-        )
-    return None
-
-
-#: The Gluon weight gradient's variant label: ``triton/gluon-hopper`` in ``megablocks backends
-#: explain``, forceable as ``MEGABLOCKS_BACKEND=gmm_weight_grad=triton/gluon-hopper``.
-WARP_SPECIALIZED_VARIANT = "gluon-hopper"
-
-
-def _leaves_to_gluon(op: str, device: DeviceInfo, call: CallInfo) -> str | None:
-    if device.kind != "cuda" or warp_specialized_problem(op, device, call) is not None:
-        return None
-    return f"the Gluon weight gradient (variant {WARP_SPECIALIZED_VARIANT}) takes this call"
-
-
-def gmm_weight_grad_supports(device: DeviceInfo, call: CallInfo) -> str | None:
-    """The plain kernel's shape predicate: every call but those of the Gluon variant."""
-    return _leaves_to_gluon("gmm_weight_grad", device, call)
-
-
-def gmm_weight_grad_accumulate_supports(device: DeviceInfo, call: CallInfo) -> str | None:
-    """The plain kernel's shape predicate: every call but those of the Gluon variant."""
-    return _leaves_to_gluon("gmm_weight_grad_accumulate", device, call)
-
-
-def _warp_specialized(
-    info: DeviceInfo, a: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
-) -> Any:
-    """:mod:`.hopper_wgrad` when it can take these tensors (an sm_90 GPU, its dtypes, TMA
-    layouts and aligned bases), else None."""
-    if not arch_tuning(info).gluon_wgrad:
-        return None
-    hopper = _hopper_wgrad()
-    if hopper is None or not hopper.serves_dtypes(a.dtype, grad.dtype, out.dtype):
-        return None
-    return hopper if _tma_ready(info, (a, grad, out)) else None
-
-
-def _launch_wgrad(
-    a: torch.Tensor,
-    grad: torch.Tensor,
-    batch_sizes: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    accumulate: bool,
-    config: GmmConfig | None,
-    warp_specialized: bool = False,
-) -> None:
-    """One weight-gradient launch writing (or, ``accumulate``, adding to) ``out`` (E, K, N):
-    the Gluon kernel when ``warp_specialized`` and it can take the tensors, else the Triton
-    kernel with the policy's (or ``config``'s) tiles."""
-    num_experts = batch_sizes.shape[0]
-    ka, n = a.shape[1], grad.shape[1]
-    block_e = _check_experts(num_experts)
-    sizes = _device_sizes(batch_sizes, a.device)
-    info = device_info(a.device)
-    op = "wgrad_accumulate" if accumulate else "wgrad"
-    cfg = config or choose_config(op, ka, n, a.shape[0], num_experts, a.dtype, info, out.dtype)
-    hopper = _warp_specialized(info, a, grad, out) if warp_specialized else None
-    if hopper is not None:
-        hopper.launch(
-            a, grad, sizes, out, accumulate=accumulate, block_e=block_e, num_sms=_num_sms(info)
-        )
-        return
-    total_tiles = num_experts * triton.cdiv(ka, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    grid = max(1, min(_num_sms(info) * cfg.programs_per_sm, total_tiles))
-    descriptors: tuple[Any, ...] = (a, grad, out)  # unused unless TMA
-    # A config may ask for TMA (the policy's, or one passed in); the kernel's TMA epilogue only
-    # fits shared memory for a 16-bit gradient tile, and the descriptors need aligned tensors.
-    # The TMA reduction (cfg.reduce_epilogue) needs the hardware (the interpreter has none) and
-    # stages no (BLOCK_M, BLOCK_N) tile to read, so a float32 gradient fits too.
-    reduce = accumulate and cfg.reduce_epilogue and info.kind == "cuda"
-    tma = (
-        accumulate
-        and cfg.use_tma
-        and (out.element_size() == 2 or reduce)
-        and _tma_ready(info, descriptors)
-    )
-    if tma:
-        descriptors = (
-            TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m]),
-            TensorDescriptor.from_tensor(grad, [cfg.block_k, cfg.block_n]),
-            TensorDescriptor.from_tensor(out, [1, cfg.block_m, cfg.block_n]),
-        )
-    launch(
-        _gmm_wgrad_kernel, (grid,),
-        a, grad, out, sizes, *descriptors,
-        a.shape[0], ka, n, num_experts,
-        a.stride(0), a.stride(1),
-        grad.stride(0), grad.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_E=block_e, GROUP_M=cfg.group_m,
-        IEEE_FP32=a.dtype == torch.float32, ACCUMULATE=accumulate, TMA=tma, REDUCE=tma and reduce,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_configs().launch_options("gmm_wgrad"),
-    )  # fmt: skip

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from megablocks_core.plugin import CostEstimate, GmmPoint, gmm_cost_hint
 
-from .config import ArchTuning, by_arch
+from .arch_table import ArchTuning, by_arch
 
 #: Device arch -> the dense bf16 TFLOP/s of its row (a live view of the table).
 DENSE_BF16_TFLOPS: Mapping[str, float] = by_arch(lambda row: row.dense_bf16_tflops)
