@@ -67,7 +67,7 @@ def render_markdown() -> str:
     lines = [
         "# Op contracts",
         "",
-        "Generated from `megablocks_core/contracts.py` by `megablocks contracts`; do not edit by hand.",
+        "Generated from `megablocks_core/contracts/` by `megablocks contracts`; do not edit by hand.",
         "",
         "Arguments are listed in kernel order: a backend's kernel receives exactly these, positionally.",
         "Every rule marked *always* is checked on every call without reading tensor data; rules marked",
