@@ -135,7 +135,7 @@ def _run_checked(
 
 
 def _signature_source(contract: OpContract) -> str:
-    """The entry's parameters: the trailing options (added to an op after its first callers:
+    """The entry's parameters: the trailing options (a caller may leave them out:
     :func:`~megablocks_core.schema.is_option`) default to None."""
     names = list(contract.arg_names)
     at = len(names)

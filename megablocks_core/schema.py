@@ -53,8 +53,8 @@ class TensorArg:
     through it, and a copy made to suit a kernel would take the result away) and on the op's
     device; no other argument may be mutated. Never optional."""
     serve: Callable[[Mapping[str, Any], Any], Any] | None = None
-    """Set for a trailing option added to an op after kernels for it existed (e.g. the grouped
-    GEMMs' ``bias``): ``serve(arguments by name, output)`` is what the option does to the output
+    """Set for a trailing option a kernel may leave to the core (e.g. the grouped GEMMs'
+    ``bias``): ``serve(arguments by name, output)`` is what the option does to the output
     of a kernel whose function does not take it (:mod:`megablocks_core.registry`), so such a
     kernel keeps serving the op, option or not. Must be optional."""
 
@@ -74,8 +74,8 @@ class TensorArg:
 
 @dataclass(frozen=True)
 class RowsOption:
-    """How the core serves a sorted-row count (``rows``, an :class:`IntArg` option added to an op
-    after kernels for it existed) to a kernel whose function does not take it.
+    """How the core serves a sorted-row count (``rows``, an :class:`IntArg` option a kernel may
+    leave to the core) to a kernel whose function does not take it.
 
     The option says the op works on the first ``rows`` sorted rows only (those past them belong
     to no expert). ``pads`` names the tensor argument that then holds just those rows: a kernel
@@ -86,10 +86,6 @@ class RowsOption:
     total: str
     """Expression over the arguments: the number of sorted rows in all, e.g. ``indices.shape[0]``."""
     pads: str | None = None
-
-    @cached_property
-    def total_code(self) -> Any:
-        return compile(self.total, f"<rows total {self.total}>", "eval")
 
     @staticmethod
     def pad(rows: torch.Tensor, total: int) -> torch.Tensor:
@@ -141,9 +137,9 @@ class BoolArg:
 class ChoiceArg:
     """One of a few names, or None (the default): e.g. ``gmm_scatter``'s ``activation``.
 
-    With ``apply`` set it is an option added to an op after kernels for it exist:
+    With ``apply`` set it is an option a kernel may leave to the core:
     ``apply(args[applies_to], value)`` is what it does to one tensor argument before the op
-    proper, and a kernel whose function does not take the option (a plugin written before it) is
+    proper, and a kernel whose function does not take the option (the reference's, for one) is
     called without it on the transformed argument (:mod:`megablocks_core.registry`), so it keeps
     serving the op, option or not. Without ``apply`` every kernel must take it (``glu``'s
     activation is the op itself)."""
@@ -177,10 +173,12 @@ Arg = TensorArg | IntArg | BoolArg | ChoiceArg | SequenceArg
 
 
 def is_option(arg: Arg) -> bool:
-    """An argument added to an op after kernels (and callers) for it existed, which a kernel and
-    a caller may leave out (the op's trailing ones): a :class:`ChoiceArg` the core can apply
-    itself, a sorted-row count it can serve by padding or cutting (:class:`RowsOption`), or a
-    tensor whose effect it adds to the output (``TensorArg.serve``)."""
+    """An option a kernel may leave to the core and a caller may leave out (the op's trailing
+    arguments): a :class:`ChoiceArg` the core can apply itself, a sorted-row count it can serve
+    by padding or cutting (:class:`RowsOption`), or a tensor whose effect it adds to the output
+    (``TensorArg.serve``: ``bias``, which no plugin kernel takes). A kernel leaves an option to
+    the core by not taking it; if a published op's option ever changes meaning, the op gets a
+    new contract version rather than a second path here."""
     if isinstance(arg, ChoiceArg):
         return arg.apply is not None
     if isinstance(arg, TensorArg):

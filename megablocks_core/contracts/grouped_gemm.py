@@ -86,8 +86,8 @@ GMM_BAD_SIZES = (
     "are 0"
 )
 
-# The per-expert bias (an option added after kernels existed: the core adds it around a kernel
-# without it, megablocks_core.bias).
+# The per-expert bias (an option left to the core: it adds it around a kernel that does not take
+# it, which today is every plugin's, megablocks_core.bias).
 BIAS_DOC = (
     "per-expert bias added to each expert's output rows, (experts, n) in x's dtype; None: none"
 )
