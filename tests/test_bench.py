@@ -31,6 +31,8 @@ def test_bench_tiny_on_cpu(tmp_path, capsys):
             "--quick",
             "--dtype",
             "float32",
+            "--layer-experts",
+            "mlp",  # the gated rows: test_layer_item_on_the_cpu_reports_times_and_floor_and_no_memory
             "--json",
             str(path),
         ]

@@ -412,9 +412,9 @@ def test_triton_matches_the_loop(case, align, index_form):
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "align", "index_form", "drop"),
     [
-        (300, 160, 3, 16, False, 0),  # two expert blocks, ten slot chunks, several row blocks
-        (300, 160, 3, 1, True, 0),
-        (257, 200, 6, 1, True, 40),  # dropping past num_out_tokens
+        (300, 24, 3, 16, False, 0),  # more tokens than one scan block, padding
+        (300, 24, 3, 1, True, 0),
+        (257, 40, 6, 1, True, 40),  # dropping past num_out_tokens
         (129, 8, 2, 128, False, 0),  # padding rows to zero
         (64, 1, 1, 1, True, 0),  # one expert
     ],
@@ -427,7 +427,7 @@ def test_triton_matches_the_loop_on_multi_block_shapes(
     if index_form:
         routing[1, 0] = -1  # names no expert
     rows = tokens * top_k + experts * (align - 1) - drop
-    _triton_against_the_loop(routing, experts, rows, align, 40, 12)
+    _triton_against_the_loop(routing, experts, rows, align, 8, 12)
 
 
 @needs_triton
