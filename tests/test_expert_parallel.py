@@ -650,15 +650,19 @@ def test_benchmark_runs_with_gloo(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_timeout_names_the_phase():
-    """--timeout: every rank says which phase it is in, and the run fails."""
+    """--timeout: a rank that reaches it says which phase it is in, and the run fails.
+
+    Each rank reports and exits on its own; the first to exit makes torchrun stop the others, so
+    on a loaded machine a rank whose watchdog runs late may be stopped before it reports: at least
+    one rank must report, and every report must name a phase rank 0 announced."""
     done = _benchmark("--steps", "100000", "--chunks", "1", "--timeout", "3")
     assert done.returncode != 0
     assert "exitcode: 3" in done.stderr  # torchrun's report of the rank's status
     lines = done.stdout.splitlines()
     announced = [x.split("] ", 1)[1] for x in lines if x.startswith("[ep ") and x.endswith(" ...")]
-    for rank in (0, 1):
-        line = next((x for x in lines if x.startswith(f"[ep rank {rank}] TIMEOUT")), None)
-        assert line is not None, (rank, done.stdout[-3000:], done.stderr[-6000:])
+    reports = [x for x in lines if x.startswith("[ep rank ") and "] TIMEOUT" in x]
+    assert reports, (done.stdout[-3000:], done.stderr[-6000:])
+    for line in reports:
         assert "--timeout 3 s reached in phase '" in line, line
         phase = line.split(" reached in phase '", 1)[1].split("' (in it for ", 1)[0]
         assert f"{phase} ..." in announced, (phase, announced)  # the phases rank 0 printed
