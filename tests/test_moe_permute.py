@@ -430,6 +430,62 @@ def test_triton_matches_the_loop_on_multi_block_shapes(
     _triton_against_the_loop(routing, experts, rows, align, 8, 12)
 
 
+@needs_triton_device
+@pytest.mark.parametrize("experts", [40, 130])  # 130: more slots than the pre-pass's chunk
+def test_triton_compacted_slots_match_the_per_slot_loop_and_a_plain_loop(experts, monkeypatch):
+    """Mask-form row maps with many slots go through the compaction pre-pass: its lists, and
+    permute, unpermute and wgrad bit-identical to the per-slot path and equal to a plain loop;
+    tokens with no slot and with every slot, entries out of range and past num_out_tokens."""
+    from megablocks_triton import moe_permute as kernels
+
+    tokens, hidden = 33, 3  # 33: more tokens than one pre-pass block
+    mask = top_k_mask(tokens, experts, 3, 0, seed=experts)
+    mask[0], mask[1] = False, True
+    rows = int(mask.sum())
+    row_map, _ = ops.moe_permute_map(mask, experts, rows)
+    row_map[2, 0], row_map[3, -1], row_map[3, 1] = rows + 7, -5, 2**30  # bad entries
+    num_out = rows - 2  # permute drops the last two rows
+    gen = torch.Generator().manual_seed(experts)
+    x, y = torch.randn(tokens, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    probs = torch.rand(tokens, experts, generator=gen)
+    dev = TRITON_DEVICE
+    cols, count, compact = kernels._compact_slots(row_map.to(dev), rows)
+    valid = (row_map >= 0) & (row_map < rows)
+    assert compact and torch.equal(count.cpu(), valid.sum(1).to(torch.int32))
+    for t in range(tokens):
+        assert cols[t, : int(count[t])].cpu().tolist() == valid[t].nonzero()[:, 0].tolist()
+
+    def run(n: int) -> list[torch.Tensor]:  # the first n tokens
+        m, p, g = row_map[:n].to(dev), probs[:n].to(dev), x[:n].to(dev)
+        return [
+            kernels.moe_permute(g, m, p, num_out).cpu(),
+            kernels.moe_unpermute(y.to(dev), m, p).cpu(),
+            kernels.moe_unpermute(y.to(dev), m, None).cpu(),
+            kernels.moe_unpermute_wgrad(y.to(dev), g, m).cpu(),
+        ]
+
+    compacted, few = run(tokens), run(4)  # the per-slot path is slow under the interpreter
+    monkeypatch.setattr(kernels, "COMPACT_ABOVE_SLOTS", experts)
+    for got, want in zip(few, run(4), strict=True):
+        assert torch.equal(got, want)
+    want = [
+        torch.zeros(num_out, hidden),
+        torch.zeros(tokens, hidden, dtype=torch.float64),
+        torch.zeros(tokens, hidden, dtype=torch.float64),
+        torch.zeros(tokens, experts, dtype=torch.float64),
+    ]
+    for t, j in (row_map >= 0).nonzero().tolist():
+        r = int(row_map[t, j])
+        if r < num_out:
+            want[0][r] = x[t] * probs[t, j]
+        if r < rows:
+            want[1][t] += float(probs[t, j]) * y[r].double()
+            want[2][t] += y[r].double()
+            want[3][t, j] = (y[r].double() * x[t].double()).sum()
+    for got, expected in zip(compacted, want, strict=True):
+        torch.testing.assert_close(got, expected.float())
+
+
 @needs_triton
 def test_the_kit_passes_triton_on_the_moe_permute_ops_paired_with_the_reference():
     from megablocks_core.testing import kit

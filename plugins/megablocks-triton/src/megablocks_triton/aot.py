@@ -130,6 +130,14 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
             "moe_unpermute_wgrad",
             lambda: moe_permute.moe_unpermute_wgrad(sorted_rows, x, row_map),
         )
+        # The mask form's row map (one slot per expert) takes the compaction pre-pass.
+        mask_map, mask_probs = _meta(t, e, dtype=i32), _meta(t, e, dtype=torch.float32)
+        yield "moe_permute", lambda: moe_permute.moe_permute(x, mask_map, mask_probs, rows)
+        yield "moe_unpermute", lambda: moe_permute.moe_unpermute(sorted_rows, mask_map, mask_probs)
+        yield (
+            "moe_unpermute_wgrad",
+            lambda: moe_permute.moe_unpermute_wgrad(sorted_rows, x, mask_map),
+        )
         yield (
             "moe_sort_chunks",
             lambda: moe_permute.moe_sort_chunks(sorted_rows, counts, _meta(e, dtype=i32)),

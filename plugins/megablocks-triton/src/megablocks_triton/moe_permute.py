@@ -17,6 +17,11 @@ backend's ``moe_unpermute``, and ours reads theirs.
 * ``moe_sort_chunks``: each output row's source row (a few sync-free torch ops over the chunk
   sizes), then a row copy.
 
+Past ``COMPACT_ABOVE_SLOTS`` slots (the mask form: one slot per expert, only top_k used), a
+pre-pass (``_compact_slots_kernel``) first lists each token's valid slots in order, so that the
+per-token kernels loop over those few instead of loading every slot one by one; the sums keep
+their slot order.
+
 No kernel reads a size on the host. Every row map entry is range-checked before it is used
 as an address (bad data writes and reads nothing), and offsets are int64 (no size limit of
 their own; moe_permute_map's routing map is held below 2**31 entries by its contract).
@@ -44,6 +49,11 @@ __all__ = [
 SCAN_BLOCK = 256
 #: Widest hidden block one program handles (wider rows take several programs).
 MAX_HIDDEN_BLOCK = 1024
+#: Row maps with more slots than this go through the compaction pre-pass first.
+COMPACT_ABOVE_SLOTS = 16
+#: Widest slot chunk the pre-pass reads per step, and its tile (tokens x slots) size.
+COMPACT_BLOCK_S = 128
+COMPACT_TILE = 2048
 
 
 def _options() -> dict[str, object]:
@@ -150,22 +160,83 @@ def moe_permute_map(
 
 
 @triton.jit
+def _compact_slots_kernel(
+    row_map_ptr,
+    cols_ptr,
+    count_ptr,
+    tokens,
+    slots,
+    rows,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """For each token of the block: the slots j whose entry is a row in [0, rows), ascending,
+    in cols[t, :count[t]] (the rest of cols is not written), and their number in count[t]."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = t < tokens
+    seen = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for s0 in range(0, slots, BLOCK_S):
+        j = s0 + tl.arange(0, BLOCK_S)
+        inside = in_t[:, None] & (j < slots)[None, :]
+        base = t[:, None] * slots
+        entry = tl.load(row_map_ptr + base + j[None, :], mask=inside, other=-1).to(tl.int64)
+        hit = inside & (entry >= 0) & (entry < rows)
+        hits = hit.to(tl.int32)
+        pos = seen[:, None] + tl.cumsum(hits, axis=1) - 1
+        cols = tl.broadcast_to(j[None, :], (BLOCK_T, BLOCK_S)).to(tl.int32)
+        tl.store(cols_ptr + base + tl.where(hit, pos, 0), cols, mask=hit)
+        seen += tl.sum(hits, axis=1)
+    tl.store(count_ptr + t, seen, mask=in_t)
+
+
+def _compact_slots(row_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The pre-pass's (cols, count) where the row map has many slots, else two unread
+    placeholders; and whether it ran (the kernels' COMPACT)."""
+    tokens, slots = row_map.shape
+    if slots <= COMPACT_ABOVE_SLOTS:
+        return row_map, row_map, False
+    cols = torch.empty(tokens, slots, dtype=torch.int32, device=row_map.device)
+    count = torch.empty(tokens, dtype=torch.int32, device=row_map.device)
+    block_s = min(next_power_of_2(slots), COMPACT_BLOCK_S)
+    block_t = max(COMPACT_TILE // block_s, 1)
+    launch(
+        _compact_slots_kernel,
+        (cdiv(tokens, block_t),),
+        row_map,
+        cols,
+        count,
+        tokens,
+        slots,
+        rows,
+        BLOCK_T=block_t,
+        BLOCK_S=block_s,
+        **_options(),
+    )
+    return cols, count, True
+
+
+@triton.jit
 def _permute_kernel(
     x_ptr,
     row_map_ptr,
     probs_ptr,
     out_ptr,
+    cols_ptr,
+    count_ptr,
     slots,
     hidden,
     num_out,
     HAS_PROBS: tl.constexpr,
+    COMPACT: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = h < hidden
     row = tl.load(x_ptr + t * hidden + h, mask=in_row, other=0.0)
-    for j in range(slots):
+    n = tl.load(count_ptr + t) if COMPACT else slots
+    for i in range(n):
+        j = tl.load(cols_ptr + t * slots + i) if COMPACT else i
         dest = tl.load(row_map_ptr + t * slots + j).to(tl.int64)
         if (dest >= 0) & (dest < num_out):
             value = row
@@ -183,6 +254,7 @@ def moe_permute(
     if tokens == 0 or hidden == 0 or num_out_tokens == 0:
         return out
     block = _hidden_block(hidden)
+    cols, count, compact = _compact_slots(row_map, num_out_tokens)
     launch(
         _permute_kernel,
         (tokens, cdiv(hidden, block)),
@@ -190,10 +262,13 @@ def moe_permute(
         row_map,
         row_map if probs is None else probs,  # an unread placeholder without probs
         out,
+        cols,
+        count,
         row_map.shape[1],
         hidden,
         num_out_tokens,
         HAS_PROBS=probs is not None,
+        COMPACT=compact,
         BLOCK_H=block,
         **_options(),
     )
@@ -238,17 +313,22 @@ def _unpermute_kernel(
     row_map_ptr,
     probs_ptr,
     out_ptr,
+    cols_ptr,
+    count_ptr,
     slots,
     hidden,
     rows,
     HAS_PROBS: tl.constexpr,
+    COMPACT: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = h < hidden
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(slots):
+    n = tl.load(count_ptr + t) if COMPACT else slots
+    for i in range(n):
+        j = tl.load(cols_ptr + t * slots + i) if COMPACT else i
         src = tl.load(row_map_ptr + t * slots + j).to(tl.int64)
         ok = (src >= 0) & (src < rows)
         value = tl.load(x_ptr + tl.where(ok, src, 0) * hidden + h, mask=in_row & ok, other=0.0)
@@ -268,6 +348,7 @@ def moe_unpermute(
     if tokens == 0 or hidden == 0:
         return out
     block = _hidden_block(hidden)
+    cols, count, compact = _compact_slots(row_map, x.shape[0])
     launch(
         _unpermute_kernel,
         (tokens, cdiv(hidden, block)),
@@ -275,10 +356,13 @@ def moe_unpermute(
         row_map,
         row_map if probs is None else probs,  # an unread placeholder without probs
         out,
+        cols,
+        count,
         slots,
         hidden,
         x.shape[0],
         HAS_PROBS=probs is not None,
+        COMPACT=compact,
         BLOCK_H=block,
         **_options(),
     )
@@ -287,10 +371,23 @@ def moe_unpermute(
 
 @triton.jit
 def _unpermute_wgrad_kernel(
-    x_ptr, grad_ptr, row_map_ptr, out_ptr, slots, hidden, rows, BLOCK_H: tl.constexpr
+    x_ptr,
+    grad_ptr,
+    row_map_ptr,
+    out_ptr,
+    cols_ptr,
+    count_ptr,
+    slots,
+    hidden,
+    rows,
+    COMPACT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
+    """Compact: only the listed slots are written (out starts zeroed); else every slot."""
     t = tl.program_id(0).to(tl.int64)
-    for j in range(slots):
+    n = tl.load(count_ptr + t) if COMPACT else slots
+    for i in range(n):
+        j = tl.load(cols_ptr + t * slots + i) if COMPACT else i
         src = tl.load(row_map_ptr + t * slots + j).to(tl.int64)
         ok = (src >= 0) & (src < rows)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -305,10 +402,13 @@ def _unpermute_wgrad_kernel(
 
 def moe_unpermute_wgrad(x: torch.Tensor, grad: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
     tokens, slots = row_map.shape
-    out = torch.empty(tokens, slots, dtype=x.dtype, device=x.device)
+    compact = slots > COMPACT_ABOVE_SLOTS
+    # The compact path writes only the valid slots: the others are 0 from the start.
+    out = (torch.zeros if compact else torch.empty)(tokens, slots, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     hidden = x.shape[1]
+    cols, count, compact = _compact_slots(row_map, x.shape[0])
     launch(
         _unpermute_wgrad_kernel,
         (tokens,),
@@ -316,9 +416,12 @@ def moe_unpermute_wgrad(x: torch.Tensor, grad: torch.Tensor, row_map: torch.Tens
         grad,
         row_map,
         out,
+        cols,
+        count,
         slots,
         hidden,
         x.shape[0],
+        COMPACT=compact,
         BLOCK_H=_hidden_block(hidden),
         **_options(),
     )
