@@ -5,7 +5,7 @@ Each backend keeps its per-arch facts in one table keyed by arch family (megablo
 rate its cost hints measure against included: the core holds no tuning. Here a hypothetical
 ``sm_120`` family ("rtx-blackwell", the RTX 5090 of ``device_infos``) is added to the tables at run
 time, and the triton launch policy, the cost hints and ``megablocks backends explain`` pick it up
-with no other change.
+with no other change; likewise a hypothetical AMD family for megablocks-rocm's launch policy.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import MappingProxyType
 
 import pytest
 import torch
-from device_infos import H200, RTX5090
+from device_infos import H200, MI300, RTX5090
 
 import megablocks_core as mb
 from megablocks_core import dispatch
@@ -147,3 +147,27 @@ def test_explain_shows_the_estimate_on_the_new_arch(triton_on_a_gpu_host, triton
     assert trace.winner.cost(trace.device, call) == pytest.approx(_dense_us(call, 0.5))
     kernel, _ = dispatch.explain_call(trace, call)
     assert kernel is not None and kernel.backend == "triton"
+
+
+def test_a_new_amd_family_is_one_row_of_the_rocm_table(monkeypatch):
+    """megablocks-rocm: a hypothetical next CDNA part (gfx1250 here) served by adding one
+    ``arch.FAMILIES`` row, tiles included; the launch policy and the HIP options read it."""
+    rocm_arch = pytest.importorskip("megablocks_rocm.arch")
+    from megablocks_rocm.launch import RocmLaunchConfigs
+
+    device = dataclasses.replace(MI300, name="AMD Instinct (next)", arch="gfx1250")
+    assert rocm_arch.unsupported(device) is not None  # no row: left to triton's defaults
+    tile = rocm_arch.Tile(128, 256, 64, group_m=4, num_warps=8, num_stages=2)
+    row = rocm_arch.Family(
+        "cdna-next", ("gfx1250",), "hypothetical", lds_kib=160, kpack=2,
+        gmm_tiles=MappingProxyType({"16bit": tile}),
+    )  # fmt: skip
+    monkeypatch.setattr(rocm_arch, "FAMILIES", MappingProxyType({**rocm_arch.FAMILIES, "x": row}))
+    assert rocm_arch.unsupported(device) is None
+    assert rocm_arch.launch_options(device, "gmm")["kpack"] == 2
+    policy = RocmLaunchConfigs(device)
+    got = policy.gmm(device, 8 * 4096, 4096, 4096, 8, torch.bfloat16)
+    assert got == config.GmmConfig(128, 256, 64, group_m=4, num_warps=8, num_stages=2)
+    # A dtype class the row does not list keeps the triton backend's portable AMD tiles.
+    portable = config.LaunchConfigs().gmm(device, 8 * 4096, 4096, 4096, 8, torch.float32)
+    assert policy.gmm(device, 8 * 4096, 4096, 4096, 8, torch.float32) == portable

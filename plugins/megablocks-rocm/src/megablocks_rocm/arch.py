@@ -1,8 +1,9 @@
 """AMD GPU families: what each generation offers, and the HIP-only launch options per family.
 
 This module is the backend's one table of per-arch facts (:data:`FAMILIES`): each family's gfx
-archs, LDS, wavefront and HIP launch options; a new arch is a new row (its Triton tiles are
-:data:`megablocks_rocm.launch.GMM_TILES`, keyed by the family's name, as they need triton).
+archs, LDS, wavefront, HIP launch options and grouped-GEMM starting tiles; a new arch is a new
+row. The tiles are plain numbers here (:class:`Tile`); :mod:`megablocks_rocm.launch` turns them
+into triton's ``GmmConfig``.
 
 Pure functions of a :class:`~megablocks_core.plugin.DeviceInfo` (no triton, no GPU), so that every
 choice can be tested with simulated devices.
@@ -11,11 +12,24 @@ choice can be tested with simulated devices.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from megablocks_core.plugin import ARCH_LIMITS, DeviceInfo, base_arch
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A grouped-GEMM starting tile, before it is fitted to the problem (the fields of triton's
+    ``GmmConfig`` that a family sets)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
 
 
 @dataclass(frozen=True)
@@ -33,17 +47,35 @@ class Family:
     kpack: int = 1
     """Triton's ``kpack`` for dot kernels; 1 = leave the default (HIPOptions warns for != 1 on
     gfx950, where kpack is deprecated)."""
+    gmm_tiles: Mapping[str, Tile] = field(default_factory=lambda: MappingProxyType({}))
+    """Dtype class (``"16bit"``, ``"fp32"``) -> grouped-GEMM starting tile; a class not listed
+    keeps the triton backend's portable AMD tiles."""
 
 
 def _lds_kib(target: str) -> int:
     return ARCH_LIMITS[target].shared_memory_per_block // 1024
 
 
+# The stream pipeliner wants num_stages=2 and holds one stage of A and B tiles in LDS: 256x256x64
+# 16-bit tiles take exactly the 64 KiB of a CDNA3 CU (the usual large-GEMM pick on MI300), with
+# 8 wavefronts keeping the fp32 accumulator at 128 VGPRs per lane. Untested on hardware: AMD's
+# published advice.
+_CDNA3_TILES = MappingProxyType(
+    {"16bit": Tile(256, 256, 64, 4, 8, 2), "fp32": Tile(128, 128, 32, 4, 8, 2)}
+)
+
 #: Family name -> what we know of it.
 FAMILIES: Mapping[str, Family] = MappingProxyType(
     {
+        # CDNA2 keeps the portable AMD tiles of the triton backend (not tuned for it yet).
         "cdna2": Family(
-            "cdna2", ("gfx90a",), "MI200 (MI210, MI250, MI250X)", lds_kib=_lds_kib("gfx90a")
+            "cdna2",
+            ("gfx90a",),
+            "MI200 (MI210, MI250, MI250X)",
+            lds_kib=_lds_kib("gfx90a"),
+            gmm_tiles=MappingProxyType(
+                {"16bit": Tile(128, 128, 64, 4, 8, 2), "fp32": Tile(64, 64, 32, 4, 4, 2)}
+            ),
         ),
         # AMD's MI300X Triton tuning guide pairs 16x16 MFMA with kpack=2 for GEMMs.
         "cdna3": Family(
@@ -52,8 +84,19 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             "MI300 (MI300X, MI300A, MI325X)",
             lds_kib=_lds_kib("gfx942"),
             kpack=2,
+            gmm_tiles=_CDNA3_TILES,
         ),
-        "cdna4": Family("cdna4", ("gfx950",), "MI350 (MI350X, MI355X)", lds_kib=_lds_kib("gfx950")),
+        # CDNA4's 160 KiB of LDS would hold a third stage of these tiles (128 KiB: compiles within
+        # limits for gfx950, the forward spill-free) or 128-deep K steps; the tile size itself is
+        # bound by the register file (128 accumulator VGPRs per lane), not the LDS. Kept at
+        # CDNA3's choice: whether the deeper pipeline pays is unmeasured (no MI350 run).
+        "cdna4": Family(
+            "cdna4",
+            ("gfx950",),
+            "MI350 (MI350X, MI355X)",
+            lds_kib=_lds_kib("gfx950"),
+            gmm_tiles=_CDNA3_TILES,
+        ),
     }
 )
 

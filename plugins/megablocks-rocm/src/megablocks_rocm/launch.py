@@ -2,8 +2,9 @@
 
 :class:`RocmLaunchConfigs` is a :class:`megablocks_triton.api.LaunchConfigs` for one device:
 a pure function of its :class:`~megablocks_core.plugin.DeviceInfo`, so tests build it for simulated
-MI200/MI300/MI350 devices. It sizes the routing, permutation and grouped-GEMM launches (tiles per
-CDNA family: :data:`GMM_TILES`) and adds the HIP launch options (:func:`megablocks_rocm.arch.launch_options`).
+MI200/MI300/MI350 devices. It sizes the routing, permutation and grouped-GEMM launches (the
+starting tiles are each CDNA family's ``gmm_tiles`` in :data:`megablocks_rocm.arch.FAMILIES`) and
+adds the HIP launch options (:func:`megablocks_rocm.arch.launch_options`).
 """
 
 from __future__ import annotations
@@ -38,24 +39,6 @@ def _pow2(x: int) -> int:
 def _pow2_floor(x: int) -> int:
     return 1 << (max(int(x), 1).bit_length() - 1)
 
-
-#: (family, dtype class) -> grouped-GEMM starting tiles, before they are fitted to the problem.
-#: The stream pipeliner wants num_stages=2 and holds one stage of A and B tiles in LDS: 256x256x64
-#: 16-bit tiles take exactly the 64 KiB of a CDNA3 CU (the usual large-GEMM pick on MI300), with
-#: 8 wavefronts keeping the fp32 accumulator at 128 VGPRs per lane. CDNA2 keeps the portable AMD
-#: tiles of the triton backend (not tuned for it yet). Untested on hardware: AMD's published advice.
-GMM_TILES: Mapping[tuple[str, str], GmmConfig] = {
-    ("cdna2", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
-    ("cdna2", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
-    ("cdna3", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
-    ("cdna3", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
-    # CDNA4's 160 KiB of LDS would hold a third stage of these tiles (128 KiB: compiles within
-    # limits for gfx950, the forward spill-free) or 128-deep K steps; the tile size itself is
-    # bound by the register file (128 accumulator VGPRs per lane), not the LDS. Kept at CDNA3's
-    # choice: whether the deeper pipeline pays is unmeasured (no MI350 run).
-    ("cdna4", "16bit"): GmmConfig(256, 256, 64, group_m=4, num_warps=8, num_stages=2),
-    ("cdna4", "fp32"): GmmConfig(128, 128, 32, group_m=4, num_warps=8, num_stages=2),
-}
 
 #: Fewest fp32 accumulators per lane a grouped-GEMM wavefront should own: 8 16x16 MFMA output
 #: blocks (4 per lane each). Tiles fitted to a small problem get fewer wavefronts, not idle ones.
@@ -191,7 +174,8 @@ class RocmLaunchConfigs(LaunchConfigs):
 def _gmm_tiles(device: DeviceInfo, dtype: torch.dtype) -> GmmConfig | None:
     if device.kind != "rocm":
         return None
-    return GMM_TILES.get((arch.family(device).name, dtype_class(dtype)))
+    tile = arch.family(device).gmm_tiles.get(dtype_class(dtype))
+    return None if tile is None else GmmConfig(**dataclasses.asdict(tile))
 
 
 def operand_vgprs(cfg: GmmConfig, dtype: torch.dtype, waves: int, wave: int = 64) -> int:
