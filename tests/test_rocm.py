@@ -233,7 +233,7 @@ def test_permutation_and_routing_shapes_per_arch():
             for size in (2, 4):
                 cfg = RocmLaunchConfigs(MI300X).permutation(tokens, hidden, 8, size)
                 assert cfg.block_h <= 32 * 64 * cfg.num_warps and cfg.num_warps <= 8
-                w = RocmLaunchConfigs(MI300X).wgrad(tokens, hidden, 8, size)
+                w = RocmLaunchConfigs(MI300X).scatter_wgrad(tokens, hidden, 8, size)
                 assert 8 * w.block_h <= 16 * 64 * w.num_warps
     # Routing: about one tile per CU (power of two at most the CU count).
     assert RocmLaunchConfigs(MI300X).routing(1 << 17, 8).tile == 512  # 256 tiles

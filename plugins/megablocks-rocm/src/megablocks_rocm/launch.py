@@ -108,7 +108,7 @@ class RocmLaunchConfigs(LaunchConfigs):
             block_h=block_h, split_h=split_h, zero_rows=16, num_warps=num_warps
         )
 
-    def wgrad(
+    def scatter_wgrad(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int
     ) -> PermutationConfig:
         # (top_k x block_h) fp32 partial dots per program: <= 4K elements, i.e. <= 16 per lane

@@ -15,7 +15,7 @@ What is stable:
   implementations, so they are safe to import into another plugin's module.
 * **The launch policy**: every launch asks :func:`launch_configs` for its block sizes, tiles and
   extra launch keywords. :class:`LaunchConfigs` is the default policy, meant to be subclassed;
-  its methods (``routing``, ``histogram_block``, ``permutation``, ``wgrad``, ``gmm``,
+  its methods (``routing``, ``histogram_block``, ``permutation``, ``scatter_wgrad``, ``gmm``,
   ``gmm_wgrad``, ``gmm_wgrad_accumulate``, ``launch_options`` for each of :data:`KERNEL_KINDS`,
   …) return the config records :class:`RoutingConfig`, :class:`PermutationConfig` and
   :class:`GmmConfig`. :class:`use_launch_configs` puts a policy in force for a block of code

@@ -189,7 +189,7 @@ class LaunchConfigs:
         rows = num_tokens * top_k
         return next_power_of_2(rows) if rows <= 1024 else 0
 
-    def wgrad(
+    def scatter_wgrad(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int
     ) -> PermutationConfig:
         """scatter_wgrad: each program keeps a (top_k, block_h) fp32 tile of partial dots."""

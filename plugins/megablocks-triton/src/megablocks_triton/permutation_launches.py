@@ -153,7 +153,7 @@ def _wgrad_launch(
     num_rows: int,
 ) -> Launch:
     """Grid, scalars and keywords of a ``_wgrad_kernel`` launch (its tensors come first)."""
-    cfg = configs.wgrad(num_tokens, hidden, top_k, element_size)
+    cfg = configs.scatter_wgrad(num_tokens, hidden, top_k, element_size)
     kw = {
         "BLOCK_H": cfg.block_h,
         "MODE": mode,
