@@ -14,12 +14,16 @@ endif
 
 .PHONY: install demo test compile-gate lint bench-dispatch
 
+# Test processes (pytest-xdist); each test file runs whole in one of them, so a file's tests
+# that share a build directory or a port never overlap.
+TEST_JOBS ?= 2
+
 $(STAMP): pyproject.toml $(PLUGINS)
 	$(PYTHON) -m venv $(VENV)
 	# torch 2.13.0 is pinned (from pip's indexes, plus TORCH_INDEX when set); triton runs its
 	# kernels on the CPU under TRITON_INTERPRET=1 in the tests; transformers for the tests of
 	# experts_implementation="megablocks" (pure Python, with tokenizers, safetensors, huggingface_hub).
-	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 mypy==2.4.1 "setuptools>=64" hypothesis==6.170.17 transformers==5.24.0
+	$(BIN)/pip install --quiet torch==2.13.0 triton==3.6.0 pytest "numpy<2.4" ruff==0.17.6 mypy==2.4.1 "setuptools>=64" hypothesis==6.170.17 pytest-xdist==3.8.0 transformers==5.24.0
 	$(BIN)/pip install --quiet -e . $(foreach p,$(PLUGINS),-e $(dir $(p)))
 	# Megatron-Core's unfused permute/unpermute are the oracle of tests/test_moe_permute.py: pure
 	# Python, imported on the CPU beside torch; --no-deps keeps its GPU requirements out.
@@ -38,7 +42,7 @@ test: $(STAMP)
 	# then the test suite. --quick (about a minute under the interpreter): the full set's larger
 	# shapes would take the interpreter many minutes; they are for accelerators.
 	TRITON_INTERPRET=1 $(BIN)/megablocks backends check --device cpu --quick
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 # The ahead-of-time compile gate: every backend's kernels compiled for AMD and NVIDIA targets on the
 # CPU (no GPU) and checked against each arch's limits; two targets at a time (one process each).
