@@ -230,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--quick", action="store_true", help="a few scenarios instead of the full set"
     )
+    check.add_argument(
+        "--ops",
+        metavar="OP[,OP...]",
+        help="only these ops (comma-separated; default: every dispatched op), e.g. to split "
+        "the full set over several processes",
+    )
     check.add_argument("--json", action="store_true", help="machine-readable output")
     check.set_defaults(func=cmd_check)
     from . import aot  # the ahead-of-time compile gate lives in its own module

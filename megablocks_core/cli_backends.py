@@ -242,6 +242,20 @@ def _print_cost_choices(trace: Trace, calls: dict[str, dict[str, Any]]) -> None:
     print(_table(rows, ["shape", *(k.label for k in trace.cost_tier), "chosen"]))
 
 
+def _ops(names: str | None, dispatched: Sequence[str]) -> list[str] | None:
+    """``--ops a,b`` as a list of dispatched ops (None: all of them)."""
+    if names is None:
+        return None
+    ops = [op.strip() for op in names.split(",") if op.strip()]
+    unknown = [op for op in ops if op not in dispatched]
+    if unknown or not ops:
+        raise CLIError(
+            f"--ops: {', '.join(unknown) or 'no op named'} "
+            f"(dispatched ops: {', '.join(dispatched)})"
+        )
+    return ops
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from . import testing
 
@@ -259,7 +273,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             "the reference backend is the conformance kit's oracle: install megablocks-reference "
             "(and do not disable it)"
         )
-    results = testing.check(args.names or None, device=args.device, quick=args.quick)
+    ops = _ops(args.ops, testing.DISPATCHED)
+    results = testing.check(args.names or None, device=args.device, quick=args.quick, ops=ops)
     # A run that compared nothing proves nothing: it must not pass.
     scenarios = sum(r.scenarios for r in results if r.status == "pass")
     ok = testing.passed(results, required=args.names) and scenarios > 0

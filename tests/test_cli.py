@@ -314,11 +314,29 @@ def test_check_passes_when_something_was_compared(capsys, monkeypatch):
     assert json.loads(out)["passed"] is True and json.loads(out)["scenarios"] == 3
 
 
+def test_check_ops_limits_the_kit_to_the_named_ops(capsys, monkeypatch):
+    from megablocks_core import testing
+
+    asked: list[object] = []
+
+    def check(*args: object, ops: object = None, **kw: object) -> list[testing.Result]:
+        asked.append(ops)
+        return [testing.Result("gather", "fake", "pass", scenarios=3)]
+
+    monkeypatch.setattr(testing, "check", check)
+    code, _, _ = run(capsys, "backends", "check", "--ops", "gather, sort", "--json")
+    assert code == 0 and asked == [["gather", "sort"]]
+    code, _, _ = run(capsys, "backends", "check", "--json")
+    assert code == 0 and asked[-1] is None
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (("nosuch",), "backend(s) nosuch not installed (installed: "),
         (("--device", "meta"), "device 'meta': meta tensors hold no data"),
+        (("--ops", "gather,nosuch"), "--ops: nosuch (dispatched ops: sort, "),
+        (("--ops", ","), "--ops: no op named"),
     ],
 )
 def test_check_usage_errors(capsys, argv, message):

@@ -193,6 +193,32 @@ def test_experts_match_eager_float32_triton(family: str) -> None:
     _close(got, want, TOLERANCES[torch.float32])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist only with a GPU")
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"])
+def test_experts_step_makes_no_host_sync_on_the_gpu(family: str) -> None:
+    """The experts' forward and backward through "megablocks" never waits for the GPU (a sync
+    would leave the GPU idle while Python catches up, most visible at small batches)."""
+    experts = _experts(family, torch.bfloat16).cuda()
+    x, ids, weights = (
+        t.cuda() for t in _routing(experts, 256, experts.config.num_experts_per_tok, torch.bfloat16)
+    )
+    x.requires_grad_()
+    weights.requires_grad_()
+    experts.config._experts_implementation = hf.IMPLEMENTATION
+    grad = torch.randn(x.shape, device="cuda", dtype=x.dtype)
+
+    def step() -> None:
+        experts(x, ids, weights).backward(grad)
+
+    step()  # warm up: kernel choice and compilation once per call shape
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh", "relu"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_gated_gelu_and_relu_experts(hidden_act: str, backend: str) -> None:
