@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -113,3 +115,30 @@ def test_megatron_permute_checks_ours_against_megatrons_unfused_path(tmp_path, c
         assert r["us"] > 0
         assert (r["vs_limit"] is None) == (r["limit_us"] is None)
     assert torch.isfinite(torch.tensor([r["us"] for r in rows])).all()
+
+
+def test_gate_vs_gpu_lists_the_gate_keys_on_the_cpu_and_compares_sets():
+    """The GPU half needs a GPU; the gate's half (the simulated H200's jobs as keys, compiled
+    Triton: outside the interpreter) and the comparison run here."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    script = str(BENCHMARKS / "gate_vs_gpu.py")
+    argv = [sys.executable, script, "--gate-only", "sm_90a", "--shapes", "decode"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    keys = json.loads(done.stdout)
+    assert len(keys) > 20 and len(set(keys)) == len(keys)
+    assert any(k.startswith("gmm._gmm_kernel ") for k in keys)
+    assert any(k.startswith("routing._histogram_kernel ") for k in keys)
+    compare = _script("gate_vs_gpu").compare
+    gate = {("a._k", "h1", 4, 3): "gmm: x", ("a._k", "h2", 8, 3): "gmm: y"}
+    got = compare({("a._k", "h1", 4, 3), ("b._new", "h3", 4, 2)}, gate)
+    assert got["ran"] == 2 and got["gated"] == 2
+    assert got["ran_not_gated"] == ["b._new w4 s2 h3"]
+    assert got["gated_not_ran"] == ["gmm: y (a._k w8 s3)"]
+
+
+def test_gate_vs_gpu_says_it_needs_a_gpu(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _script("gate_vs_gpu").main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""On a GPU: are the kernels the compile gate checks for this GPU's target the ones it runs?
+
+The compile gate (``megablocks backends compile --target sm_90a``) lists megablocks-triton's
+launches at its shapes on a *simulated* device of the target and compiles them on the CPU. Here,
+on the real GPU, the same op calls (``megablocks_triton.aot``'s list, at each gate shape) run for
+real on zero-filled tensors of those shapes (values do not change which kernel variant a launch
+takes: no launch reads a size on the host). Then every kernel Triton compiled in this process is
+compared with the gate's jobs. The comparison key is the kernel, its source's specialisation
+hash (signature, constexprs, alignment and divisibility attributes) and its warps and stages:
+
+* ``ran_not_gated``: compiled and run here, not among the gate's jobs (the gate misses it);
+* ``gated_not_ran``: among the gate's jobs, not run here (the gate checks a variant this GPU
+  does not take);
+
+once for the gate's simulated device (what CI checks) and once for this GPU's own description.
+Exit status 1 if a kernel ran that the CI gate does not check.
+
+    python benchmarks/gate_vs_gpu.py [--shapes training,decode] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+
+Key = tuple[str, str, int, int]
+
+
+def _name(fn: Any) -> str:
+    return f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.fn.__name__}"
+
+
+def gate_keys(device: Any, shapes: Iterable[Any]) -> dict[Key, str]:
+    """Key → "op: variant" of every compile job megablocks-triton lists for ``device``."""
+    from megablocks_triton import aot
+    from triton.compiler.compiler import make_backend  # type: ignore[import-untyped]
+
+    from megablocks_core.aot import _source
+    from megablocks_core.plugin import device_limits
+
+    lim = device_limits(device)
+    if lim is None:
+        raise SystemExit(f"gate_vs_gpu: no compile target for {device.arch}")
+    backend = make_backend(lim.triton_target())
+    keys: dict[Key, str] = {}
+    for shape in shapes:
+        for job in aot.compile_jobs(device, shape):
+            options = backend.parse_options(dict(job.options))
+            key = (_name(job.fn), _source(job).hash(), options.num_warps, options.num_stages)
+            keys.setdefault(key, f"{job.op}: {job.variant}")
+    return keys
+
+
+def _jit_functions() -> Iterator[Any]:
+    from triton.runtime.jit import JITFunction  # type: ignore[import-untyped]
+
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megablocks_triton") or module is None:
+            continue
+        for value in vars(module).values():
+            if isinstance(value, JITFunction) and id(value) not in seen:
+                seen.add(id(value))
+                yield value
+
+
+def compiled_keys() -> set[Key]:
+    """Every kernel Triton compiled in this process, from each jit function's caches."""
+    keys: set[Key] = set()
+    for fn in _jit_functions():
+        for kernel_cache, *_ in fn.device_caches.values():
+            for compiled in kernel_cache.values():
+                meta = compiled.metadata
+                keys.add((_name(fn), compiled.src.hash(), meta.num_warps, meta.num_stages))
+    return keys
+
+
+def run_gate_calls(shapes: Iterable[Any], device: Any) -> None:
+    """The gate's op calls (and declared variants) at ``shapes``, run on zero-filled CUDA tensors."""
+    from megablocks_triton import aot
+
+    def real(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device="cuda")
+
+    with mock.patch.object(aot, "_meta", real):
+        for shape in shapes:
+            for dtype in shape.dtypes:
+                for op, call in aot._op_calls(shape, dtype):
+                    call()
+                    for alternative in aot._alternatives(op, device, shape, dtype):
+                        alternative()
+    torch.cuda.synchronize()
+
+
+def compare(ran: set[Key], gate: dict[Key, str]) -> dict[str, Any]:
+    return {
+        "ran": len(ran),
+        "gated": len(gate),
+        "ran_not_gated": sorted(f"{k[0]} w{k[2]} s{k[3]} {k[1][:12]}" for k in ran - gate.keys()),
+        "gated_not_ran": sorted(
+            f"{v} ({k[0]} w{k[2]} s{k[3]})" for k, v in gate.items() if k not in ran
+        ),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="training,decode")
+    parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--gate-only",
+        metavar="TARGET",
+        help="only list the CI gate's keys for TARGET (e.g. sm_90a; no GPU needed)",
+    )
+    args = parser.parse_args(argv)
+    if args.gate_only:
+        from megablocks_core.aot import SHAPES
+        from megablocks_core.archs import limits
+
+        shapes = [SHAPES[name] for name in args.shapes.split(",")]
+        keys = gate_keys(limits(args.gate_only).device(), shapes)
+        print(json.dumps(sorted(f"{k[0]} w{k[2]} s{k[3]} {k[1][:12]}" for k in keys), indent=1))
+        return 0
+    if not torch.cuda.is_available():
+        print("gate_vs_gpu: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from megablocks_core.aot import SHAPES
+    from megablocks_core.archs import limits
+    from megablocks_core.devices import describe
+    from megablocks_core.plugin import device_limits
+
+    shapes = [SHAPES[name] for name in args.shapes.split(",")]
+    here = describe(torch.device("cuda"))
+    lim = device_limits(here)
+    if lim is None:
+        print(f"gate_vs_gpu: the gate has no target for {here.arch}", file=sys.stderr)
+        return 2
+    simulated = limits(lim.target).device()
+    run_gate_calls(shapes, here)
+    ran = compiled_keys()
+    result = {
+        "device": here.name,
+        "target": lim.target,
+        "shapes": [s.name for s in shapes],
+        "ci_gate": compare(ran, gate_keys(simulated, shapes)),
+        "this_gpu": compare(ran, gate_keys(here, shapes)),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 1 if result["ci_gate"]["ran_not_gated"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
