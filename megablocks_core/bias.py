@@ -43,12 +43,13 @@ def _with_zero_row(bias: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def add_row_bias(out: Tensor, bias: Tensor, ends: Tensor) -> Tensor:
-    """out (rows, n) with bias[e] added to each row of group e (float32 or wider, rounded once
-    to out's dtype)."""
+    """out (rows, n), the kernel's own output, with bias[e] added in place to each row of group
+    e. The add is computed in float32 or wider and rounded once to out's dtype (torch's
+    elementwise add does so for 16-bit tensors), without a widened copy of out: at GPT-OSS's
+    widths that copy and its sum were gigabytes of transient memory."""
     rows = out.shape[0]
     experts = row_experts(group_ends(ends.to(out.device), rows), rows)
-    wide = _wide(out.dtype)
-    return (out.to(wide) + _with_zero_row(bias, wide)[experts]).to(out.dtype)
+    return out.add_(_with_zero_row(bias, torch.promote_types(bias.dtype, out.dtype))[experts])
 
 
 def token_expert_weights(
@@ -87,7 +88,7 @@ def serve_gmm_scatter(args: Mapping[str, Any], out: Tensor) -> Tensor:
         args["indices"], args["bins"], args["weights"], args["top_k"], args["rows"]
     )
     wide = _wide(out.dtype)
-    return (out.to(wide) + table.to(wide) @ args["bias"].to(wide)).to(out.dtype)
+    return out.add_(table.to(wide) @ args["bias"].to(wide))  # in place, as add_row_bias
 
 
 def group_sums(call: Any, grad: Tensor, counts: Tensor) -> Tensor:

@@ -179,6 +179,24 @@ def test_gmm_bias_per_group_and_none_past_the_groups() -> None:
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_served_bias_is_added_in_float32_and_rounded_once(dtype, bias_dtype) -> None:
+    """The core adds a bias to a kernel's output in place; the sum is still the float32 sum of
+    the two, rounded once to the output's dtype (a row loop here)."""
+    from megablocks_core.bias import add_row_bias
+
+    gen = torch.Generator().manual_seed(5)
+    out = torch.randn(23, 7, generator=gen).to(dtype)
+    bias = torch.randn(3, 7, generator=gen).to(bias_dtype)
+    ends = torch.tensor([4, 4, 20])  # an empty group, and 3 rows past the groups
+    experts = [0] * 4 + [2] * 16
+    want = out.clone()
+    for row, e in enumerate(experts):
+        want[row] = (out[row].float() + bias[e].float()).to(dtype)
+    assert torch.equal(add_row_bias(out.clone(), bias, ends), want)
+
+
 def test_a_bias_of_the_wrong_shape_or_dtype_is_an_error_naming_it() -> None:
     a = torch.randn(4, 3)
     b = torch.randn(2, 3, 5)

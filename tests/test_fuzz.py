@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import oracle
@@ -1014,6 +1014,16 @@ def extend(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
 
 
+def _dtype(args: dict[str, Any], name: str) -> torch.dtype:
+    """The dtype of ``args[name]``; for an optional tensor left out (None), the call's first
+    floating-point tensor's (what an option such as ``bias`` must match)."""
+    if args[name] is not None:
+        return cast(torch.dtype, args[name].dtype)
+    return next(
+        v.dtype for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
+
+
 def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Exception], Mutation]]:
     """(what, expected error, how to break ``args``) for every always-on check that applies."""
     contract = BY_NAME[op]
@@ -1031,7 +1041,9 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
             yield (
                 f"{name} of rank {rank}",
                 ContractError,
-                lambda a, n=name, k=rank: a.__setitem__(n, torch.zeros((2,) * k, dtype=a[n].dtype)),
+                lambda a, n=name, k=rank: a.__setitem__(
+                    n, torch.zeros((2,) * k, dtype=_dtype(a, n))
+                ),
             )
         yield (f"{name} as a list", ContractTypeError, lambda a, n=name: a.__setitem__(n, [0, 1]))
         if spec is not tensors[0] and not spec.any_device:  # off the first tensor's device
