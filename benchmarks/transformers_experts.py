@@ -22,6 +22,9 @@ input gradient against ``grouped_mm``'s on the same weights and input (max abs d
 the reference's max abs, bf16 tolerance 2e-2). An implementation that fails (out of memory:
 ``batched_mm`` gathers a weight matrix per routed token) is a row with the error.
 
+``megablocks-fused``: ``megablocks`` with the expert weights' gradient-accumulation fusion
+(each micro-batch's gradient added by the weight-gradient GEMM, not by autograd).
+
 ``--profile``: for ``megablocks`` and ``grouped_mm`` at the largest token count, the block step's
 device time by kernel (torch.profiler, the top entries) beside the step's time.
 
@@ -43,7 +46,11 @@ from typing import Any
 
 import torch
 
-IMPLEMENTATIONS = ("megablocks", "grouped_mm", "batched_mm", "eager")
+#: "megablocks" with its expert weights opted in to gradient-accumulation fusion
+#: (``megablocks_core.integrations.transformers.fuse_grad_accumulation``): what a training loop
+#: that accumulates gradients over micro-batches can ask for.
+FUSED = "megablocks-fused"
+IMPLEMENTATIONS = ("megablocks", FUSED, "grouped_mm", "batched_mm", "eager")
 ITEMS = ("experts", "block", "train")
 SEQUENCE = 4096  # tokens per sequence in the train item
 TOLERANCE = 2e-2
@@ -315,7 +322,7 @@ def profile_block(step: Callable[[], Any], device: torch.device, top: int) -> li
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (model, tokens, implementation, item); with ``--json`` the file is rewritten after
     each model, so a run cut short keeps what it measured."""
-    import megablocks_core.integrations.transformers  # noqa: F401  registers "megablocks"
+    import megablocks_core.integrations.transformers as hf  # registers "megablocks"
 
     device = torch.device(args.device)
     rows: list[Row] = []
@@ -332,7 +339,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if tokens > args.eager_tokens:  # eager is 20-60x slower: timed at the small counts
                 order = [i for i in order if i != "eager"]
             for implementation in order:
-                model.set_experts_implementation(implementation)
+                model.set_experts_implementation(
+                    "megablocks" if implementation == FUSED else implementation
+                )
+                hf.fuse_grad_accumulation(model, enabled=implementation == FUSED)
                 model.load_state_dict(initial)
                 log = f"[{name} T={tokens}] {implementation}"
                 try:
@@ -427,7 +437,7 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
     by_key = {(r.model, r.tokens, r.item, r.implementation): r for r in rows}
     out = []
     for (model, tokens, item, implementation), ours in by_key.items():
-        if implementation != "megablocks":
+        if implementation not in ("megablocks", FUSED):
             continue
         theirs = by_key.get((model, tokens, item, "grouped_mm"))
         if theirs is None or math.isnan(ours.ms) or math.isnan(theirs.ms):
@@ -442,6 +452,7 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                 "model": model,
                 "tokens": tokens,
                 "item": item,
+                "implementation": implementation,
                 "speedup_vs_grouped_mm": theirs.ms / ours.ms,
                 "peak_vs_grouped_mm": memory,
             }

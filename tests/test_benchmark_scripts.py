@@ -42,7 +42,8 @@ def transformers_script() -> ModuleType:
 def _tiny_run(script: ModuleType, tmp_path: Path, models: str) -> dict:
     path = tmp_path / "out.json"
     argv = ["--device", "cpu", "--tiny", "--tokens", "24", "--models", models, "--sustain", "0"]
-    argv += ["--implementations", "grouped_mm,megablocks,eager", "--reps", "1", "--json", str(path)]
+    implementations = "grouped_mm,megablocks,megablocks-fused,eager"
+    argv += ["--implementations", implementations, "--reps", "1", "--json", str(path)]
     with megablocks_core.use_backend("reference"):
         assert script.main(argv) == 0
     return json.loads(path.read_text())
@@ -54,7 +55,9 @@ def test_transformers_experts_checks_every_implementation_against_grouped_mm(
     result = _tiny_run(transformers_script, tmp_path, "qwen3,gpt_oss")
     rows = result["rows"]
     assert {(r["model"], r["implementation"]) for r in rows} == {
-        (m, i) for m in ("qwen3", "gpt_oss") for i in ("grouped_mm", "megablocks", "eager")
+        (m, i)
+        for m in ("qwen3", "gpt_oss")
+        for i in ("grouped_mm", "megablocks", "megablocks-fused", "eager")
     }
     assert {r["item"] for r in rows} == {"experts", "block", "train"}
     for r in rows:
@@ -64,8 +67,13 @@ def test_transformers_experts_checks_every_implementation_against_grouped_mm(
             if r["implementation"] == "grouped_mm"
             else (r["check"].startswith("ok"))
         ), r
-    ratios = {(r["model"], r["item"]) for r in result["ratios"]}
-    assert ratios == {(m, i) for m in ("qwen3", "gpt_oss") for i in ("experts", "block", "train")}
+    ratios = {(r["model"], r["item"], r["implementation"]) for r in result["ratios"]}
+    assert ratios == {
+        (m, i, ours)
+        for m in ("qwen3", "gpt_oss")
+        for i in ("experts", "block", "train")
+        for ours in ("megablocks", "megablocks-fused")
+    }
 
 
 def test_transformers_experts_check_catches_a_wrong_result(
@@ -85,8 +93,8 @@ def test_transformers_experts_check_catches_a_wrong_result(
     finally:
         monkeypatch.undo()
         hf.register()
-    ours = [r for r in rows if r["implementation"] == "megablocks"]
-    assert ours and all(r["check"].startswith("off by") for r in ours)
+    ours = [r for r in rows if r["implementation"].startswith("megablocks")]
+    assert len(ours) == 6 and all(r["check"].startswith("off by") for r in ours)
 
 
 def test_megatron_permute_checks_ours_against_megatrons_unfused_path(tmp_path, capsys):

@@ -385,6 +385,34 @@ def test_causal_lm_logits_loss_aux_loss_and_a_step(family: str) -> None:
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_fused_grad_accumulation_gives_autograds_accumulated_gradients(family: str) -> None:
+    """Two micro-batches with the expert weights opted in: every gradient equals the one
+    autograd accumulates (the first micro-batch takes the normal path, the second the fused
+    one); opting out again restores autograd's accumulation."""
+    grads = {}
+    for fused in (False, True):
+        model = _lm(family, hf.IMPLEMENTATION)
+        marked = hf.fuse_grad_accumulation(model, enabled=fused)
+        assert marked == 2  # two decoder layers, one Experts module each
+        weights = [w for m in hf.experts_modules(model) for w in (m.down_proj,)]
+        assert all(megablocks_core.is_grad_accumulation_fused(w) == fused for w in weights)
+        seen: list[bool] = []  # whether autograd handed the weight a gradient (fused: None)
+        weights[0].register_hook(lambda g, seen=seen: seen.append(g is not None))
+        for seed in (3, 4):
+            ids = torch.randint(
+                0, SMALL["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(seed)
+            )
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert seen == [True, not fused]  # the second micro-batch was added by the GEMM
+        grads[fused] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        hf.fuse_grad_accumulation(model, enabled=False)
+        assert not any(megablocks_core.is_grad_accumulation_fused(w) for w in weights)
+    assert len(grads[True]) == len(grads[False])
+    for got, want in zip(grads[True], grads[False], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_save_and_load_with_the_implementation(tmp_path: Any) -> None:
     model = _lm("qwen2_moe", "eager")
     batch = _batch()

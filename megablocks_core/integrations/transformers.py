@@ -33,7 +33,13 @@ from torch import Tensor
 from .. import ops
 from ..activations import GATED, INTERLEAVED, SWIGLU_OAI, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 
-__all__ = ["IMPLEMENTATION", "UnsupportedExpertsError", "experts_forward", "register"]
+__all__ = [
+    "IMPLEMENTATION",
+    "UnsupportedExpertsError",
+    "experts_forward",
+    "fuse_grad_accumulation",
+    "register",
+]
 
 #: The name to pass as ``experts_implementation=``.
 IMPLEMENTATION = "megablocks"
@@ -186,6 +192,36 @@ def experts_forward(
         second_bias,
     )  # fmt: skip
     return out.to(hidden_states.dtype)
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Experts modules of ``model`` that this implementation can serve (the modules that
+    ``@use_experts_implementation`` marked: they carry ``has_gate``)."""
+    found = []
+    for module in model.modules():
+        if hasattr(module, "has_gate") and hasattr(module, "down_proj"):
+            try:
+                layout_of(module)
+            except UnsupportedExpertsError:
+                continue
+            found.append(module)
+    return found
+
+
+def fuse_grad_accumulation(model: torch.nn.Module, enabled: bool = True) -> int:
+    """Opt the expert weights of every Experts module of ``model`` in to (or, ``enabled=False``,
+    out of) gradient-accumulation fusion: where a micro-batch's gradient is added to an existing
+    ``.grad`` (or ``main_grad``), the weight-gradient GEMM adds it, not a separate autograd pass.
+    :func:`megablocks_core.fuse_grad_accumulation` says when it applies and what it does not
+    support (DDP and FSDP reducers; gradient hooks see None). Applies to the modules served by
+    ``"megablocks"``; returns how many modules were marked."""
+    from ..autograd.fusion import fuse_grad_accumulation as fuse
+
+    modules = experts_modules(model)
+    for module in modules:
+        layout = layout_of(module)
+        fuse(getattr(module, layout.first), cast(Tensor, module.down_proj), enabled=enabled)
+    return len(modules)
 
 
 def _bias(module: torch.nn.Module, name: str | None) -> Tensor | None:
