@@ -37,6 +37,7 @@ __all__ = [
     "IMPLEMENTATION",
     "UnsupportedExpertsError",
     "experts_forward",
+    "experts_modules",
     "fuse_grad_accumulation",
     "register",
 ]
