@@ -24,7 +24,12 @@ from megablocks_triton import gmm as G  # noqa: E402
 needs_interpreter = pytest.mark.skipif(
     not interpreting(), reason="runs the kernels on CPU tensors: needs TRITON_INTERPRET=1"
 )
-from megablocks_triton.config import ARCHS, LaunchConfigs, use_launch_configs  # noqa: E402
+from megablocks_triton.config import (  # noqa: E402
+    ARCHS,
+    LaunchConfigs,
+    arch_tuning,
+    use_launch_configs,
+)
 
 SMALL = G.GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)
 # fp32 must track float64 closely (ieee dot, no tf32); 16-bit outputs are rounded once.
@@ -338,26 +343,25 @@ def test_non_unit_inner_stride() -> None:
 def test_choose_config_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_CONFIG", raising=False)
     monkeypatch.delenv("MEGABLOCKS_TRITON_GMM_WGRAD_CONFIG", raising=False)
+    # A large problem gets the arch row's tiles as they are (whatever they are tuned to).
+    hopper = arch_tuning(H200)
     big = G.choose_config("gmm", 32768, 14336, 4096, 8, torch.bfloat16, H200)
-    assert (big.block_m, big.block_n, big.block_k, big.num_stages, big.use_tma) == (
-        128,
-        256,
-        64,
-        3,
-        True,
-    )
-    # Many small experts (~64 rows each): BLOCK_M shrinks, not below 64.
+    assert big == hopper.gmm_tiles[("gmm", "16bit")]
+    # Many small experts (~64 rows each): BLOCK_M shrinks, not below 64; few output columns
+    # take the row's stage count for them.
     small = G.choose_config("gmm", 128 * 64, 768, 2048, 128, torch.bfloat16, H200)
-    assert small.block_m == 64 and small.num_stages == 4  # few output columns: one more stage
+    assert small.block_m == 64 and small.num_stages == hopper.gmm_small_n_stages
     tiny = G.choose_config("gmm", 128 * 8, 768, 2048, 128, torch.bfloat16, H200)
     assert tiny.block_m == 16  # capped by the rows per expert
     # Blocks never exceed the (power-of-two rounded) problem.
     c = G.choose_config("gmm", 4096, 40, 24, 4, torch.float32, H200)
     assert c.block_n == 64 and c.block_k == 32
-    assert G.choose_config("wgrad", 2048, 768, 131072, 128, torch.bfloat16, MI300).num_stages == 2
+    mi300_wgrad = G.choose_config("wgrad", 2048, 768, 131072, 128, torch.bfloat16, MI300)
+    assert mi300_wgrad.num_stages == ARCHS["amd"].gmm_tiles[("wgrad", "16bit")].num_stages
     # By family: data-center Blackwell has its own tiles, sm_120 the generic NVIDIA ones, and
     # every AMD GPU the portable AMD ones (the rocm plugin tunes CDNA through its launch policy).
-    assert G.choose_config("gmm", 32768, 14336, 4096, 8, torch.bfloat16, B200).num_stages == 4
+    b200 = G.choose_config("gmm", 32768, 14336, 4096, 8, torch.bfloat16, B200)
+    assert b200 == ARCHS["blackwell"].gmm_tiles[("gmm", "16bit")]
     for device, family in ((RTX5090, "cuda"), (MI300, "amd"), (RX7900, "amd")):
         for op in ("gmm", "wgrad"):
             got = G.choose_config(op, 4096, 4096, 4096, 8, torch.float16, device)
