@@ -32,10 +32,6 @@ import torch
 Key = tuple[str, str, int, int]
 
 
-def _name(fn: Any) -> str:
-    return f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.fn.__name__}"
-
-
 def gate_keys(device: Any, shapes: Iterable[Any]) -> dict[Key, str]:
     """Key → "op: variant" of every compile job megablocks-triton lists for ``device``."""
     from megablocks_triton import aot
@@ -52,7 +48,7 @@ def gate_keys(device: Any, shapes: Iterable[Any]) -> dict[Key, str]:
     for shape in shapes:
         for job in aot.compile_jobs(device, shape):
             options = backend.parse_options(dict(job.options))
-            key = (_name(job.fn), _source(job).hash(), options.num_warps, options.num_stages)
+            key = (job.kernel, _source(job).hash(), options.num_warps, options.num_stages)
             keys.setdefault(key, f"{job.op}: {job.variant}")
     return keys
 
@@ -72,12 +68,14 @@ def _jit_functions() -> Iterator[Any]:
 
 def compiled_keys() -> set[Key]:
     """Every kernel Triton compiled in this process, from each jit function's caches."""
+    from megablocks_triton.aot import kernel_name
+
     keys: set[Key] = set()
     for fn in _jit_functions():
         for kernel_cache, *_ in fn.device_caches.values():
             for compiled in kernel_cache.values():
                 meta = compiled.metadata
-                keys.add((_name(fn), compiled.src.hash(), meta.num_warps, meta.num_stages))
+                keys.add((kernel_name(fn), compiled.src.hash(), meta.num_warps, meta.num_stages))
     return keys
 
 
@@ -98,11 +96,16 @@ def run_gate_calls(shapes: Iterable[Any], device: Any) -> None:
     torch.cuda.synchronize()
 
 
+def _label(key: Key) -> str:
+    kernel, source_hash, warps, stages = key
+    return f"{kernel} w{warps} s{stages} {source_hash[:12]}"
+
+
 def compare(ran: set[Key], gate: dict[Key, str]) -> dict[str, Any]:
     return {
         "ran": len(ran),
         "gated": len(gate),
-        "ran_not_gated": sorted(f"{k[0]} w{k[2]} s{k[3]} {k[1][:12]}" for k in ran - gate.keys()),
+        "ran_not_gated": sorted(_label(k) for k in ran - gate.keys()),
         "gated_not_ran": sorted(
             f"{v} ({k[0]} w{k[2]} s{k[3]})" for k, v in gate.items() if k not in ran
         ),
@@ -119,23 +122,20 @@ def main(argv: list[str] | None = None) -> int:
         help="only list the CI gate's keys for TARGET (e.g. sm_90a; no GPU needed)",
     )
     args = parser.parse_args(argv)
-    if args.gate_only:
-        from megablocks_core.aot import SHAPES
-        from megablocks_core.archs import limits
+    from megablocks_core.aot import SHAPES
+    from megablocks_core.archs import limits
 
-        shapes = [SHAPES[name] for name in args.shapes.split(",")]
+    shapes = [SHAPES[name] for name in args.shapes.split(",")]
+    if args.gate_only:
         keys = gate_keys(limits(args.gate_only).device(), shapes)
-        print(json.dumps(sorted(f"{k[0]} w{k[2]} s{k[3]} {k[1][:12]}" for k in keys), indent=1))
+        print(json.dumps(sorted(_label(k) for k in keys), indent=1))
         return 0
     if not torch.cuda.is_available():
         print("gate_vs_gpu: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from megablocks_core.aot import SHAPES
-    from megablocks_core.archs import limits
     from megablocks_core.devices import describe
     from megablocks_core.plugin import device_limits
 
-    shapes = [SHAPES[name] for name in args.shapes.split(",")]
     here = describe(torch.device("cuda"))
     lim = device_limits(here)
     if lim is None:

@@ -195,18 +195,22 @@ def experts_forward(
     return out.to(hidden_states.dtype)
 
 
-def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The Experts modules of ``model`` that this implementation can serve (the modules that
-    ``@use_experts_implementation`` marked: they carry ``has_gate``)."""
+def _served(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ExpertsLayout]]:
+    """(module, layout) of each Experts module of ``model`` this implementation can serve."""
     found = []
     for module in model.modules():
         if hasattr(module, "has_gate") and hasattr(module, "down_proj"):
             try:
-                layout_of(module)
+                found.append((module, layout_of(module)))
             except UnsupportedExpertsError:
                 continue
-            found.append(module)
     return found
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The Experts modules of ``model`` that this implementation can serve (the modules that
+    ``@use_experts_implementation`` marked: they carry ``has_gate``)."""
+    return [module for module, _ in _served(model)]
 
 
 def fuse_grad_accumulation(model: torch.nn.Module, enabled: bool = True) -> int:
@@ -218,11 +222,10 @@ def fuse_grad_accumulation(model: torch.nn.Module, enabled: bool = True) -> int:
     ``"megablocks"``; returns how many modules were marked."""
     from ..autograd.fusion import fuse_grad_accumulation as fuse
 
-    modules = experts_modules(model)
-    for module in modules:
-        layout = layout_of(module)
+    served = _served(model)
+    for module, layout in served:
         fuse(getattr(module, layout.first), cast(Tensor, module.down_proj), enabled=enabled)
-    return len(modules)
+    return len(served)
 
 
 def _bias(module: torch.nn.Module, name: str | None) -> Tensor | None:

@@ -282,10 +282,9 @@ def _jobs(
         return
     seen.add(key)
     fn = launch.kernel
-    name = f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.fn.__name__}"
     options = {k: v for k, v in options.items() if v is not None}
     yield CompileJob(
-        kernel=name,
+        kernel=kernel_name(fn),
         op=op,
         variant=_describe(launch),
         fn=fn,
@@ -295,6 +294,11 @@ def _jobs(
         options=_user_options(launch, options),
         spill_reason=spill_reason,
     )
+
+
+def kernel_name(fn: Any) -> str:
+    """A jit function's name in the gate's reports: ``module.function`` (``gmm._gmm_kernel``)."""
+    return f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.fn.__name__}"
 
 
 def _user_options(launch: RecordedLaunch, parsed: dict[str, Any]) -> dict[str, Any]:

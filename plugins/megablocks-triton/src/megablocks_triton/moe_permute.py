@@ -402,13 +402,12 @@ def _unpermute_wgrad_kernel(
 
 def moe_unpermute_wgrad(x: torch.Tensor, grad: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
     tokens, slots = row_map.shape
-    compact = slots > COMPACT_ABOVE_SLOTS
-    # The compact path writes only the valid slots: the others are 0 from the start.
-    out = (torch.zeros if compact else torch.empty)(tokens, slots, dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
+    if tokens * slots == 0:
+        return torch.empty(tokens, slots, dtype=x.dtype, device=x.device)
     hidden = x.shape[1]
     cols, count, compact = _compact_slots(row_map, x.shape[0])
+    # The compact path writes only the valid slots: the others are 0 from the start.
+    out = (torch.zeros if compact else torch.empty)(tokens, slots, dtype=x.dtype, device=x.device)
     launch(
         _unpermute_wgrad_kernel,
         (tokens,),
