@@ -25,8 +25,12 @@ the reference's max abs, bf16 tolerance 2e-2). An implementation that fails (out
 ``megablocks-fused``: ``megablocks`` with the expert weights' gradient-accumulation fusion
 (each micro-batch's gradient added by the weight-gradient GEMM, not by autograd).
 
-``--profile``: for ``megablocks`` and ``grouped_mm`` at the largest token count, the block step's
-device time by kernel (torch.profiler, the top entries) beside the step's time.
+``host_ms``: the median host time to issue one step; a step whose host time reaches its device
+time is host-bound (the GPU waits between kernels).
+
+``--profile``: for ``megablocks`` and ``grouped_mm`` at every token count, the experts and block
+steps' device time by kernel (torch.profiler, the top entries); the sum over every kernel against
+the step's time says how long the GPU sat idle.
 
 Usage: ``python benchmarks/transformers_experts.py [--models qwen3,olmoe,mixtral,gpt_oss]
 [--tokens 4096,16384] [--json PATH] [--profile]``; ``--device cpu --tiny`` is a smoke run.
@@ -52,6 +56,8 @@ import torch
 FUSED = "megablocks-fused"
 IMPLEMENTATIONS = ("megablocks", FUSED, "grouped_mm", "batched_mm", "eager")
 ITEMS = ("experts", "block", "train")
+#: The implementations ``--profile`` profiles (their experts and block steps, every token count).
+PROFILED = ("megablocks", "grouped_mm")
 SEQUENCE = 4096  # tokens per sequence in the train item
 TOLERANCE = 2e-2
 
@@ -120,6 +126,7 @@ class Row:
     peak_mib: float | None
     check: str
     spread_ms: tuple[float, float] | None = None  # [min, max] of the timed steps
+    host_ms: float | None = None  # median host time to issue one step (>= ms: host-bound)
 
 
 def build_model(name: str, vocab: int, device: torch.device, tiny: bool) -> Any:
@@ -224,8 +231,9 @@ def _sync(device: torch.device) -> None:
 
 def time_step(
     step: Callable[[], Any], device: torch.device, sustain_s: float, reps: int
-) -> tuple[float, float, float]:
-    """(median, min, max) ms per step, after warm-up for ``sustain_s`` seconds."""
+) -> tuple[float, float, float, float]:
+    """(median, min, max) ms per step, after warm-up for ``sustain_s`` seconds, and the median
+    host time to issue one step (on the CPU, the same as the step's time)."""
     step()
     _sync(device)
     began = time.perf_counter()
@@ -238,15 +246,18 @@ def time_step(
         step()
         _sync(device)
     times = []
+    host = []
     if device.type == "cuda":
         events = [
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             for _ in range(reps)
         ]
         for start, end in events:
+            began = time.perf_counter()
             start.record()
             step()
             end.record()
+            host.append((time.perf_counter() - began) * 1e3)
         _sync(device)
         times = [start.elapsed_time(end) for start, end in events]
     else:
@@ -254,7 +265,8 @@ def time_step(
             began = time.perf_counter()
             step()
             times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times), min(times), max(times)
+        host = times
+    return statistics.median(times), min(times), max(times), statistics.median(host)
 
 
 def peak_mib(step: Callable[[], Any], device: torch.device) -> float | None:
@@ -288,7 +300,7 @@ def block_outputs(model: Any, tokens: int, device: torch.device) -> tuple[torch.
 
 
 def profile_block(step: Callable[[], Any], device: torch.device, top: int) -> list[dict[str, Any]]:
-    """The block step's device time by kernel, per step (µs): the total over every kernel, then
+    """A step's device time by kernel, per step (µs): the total over every kernel, then
     the ``top`` largest. Only device events count (an operator's row would count its kernels
     again)."""
     from torch.autograd import DeviceType
@@ -375,27 +387,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     step, _ = steps[item]
                     print(f"{log} {item}", file=sys.stderr, flush=True)
                     try:
-                        median, low, high = time_step(step, device, args.sustain, args.reps)
+                        median, low, high, host = time_step(step, device, args.sustain, args.reps)
                         peak = peak_mib(step, device)
                         row = Row(name, tokens, item, implementation, median, peak, check)
                         row.spread_ms = (low, high)
+                        row.host_ms = host
                     except Exception as exc:
                         error = f"error: {type(exc).__name__}: {str(exc)[:160]}"
                         row = Row(name, tokens, item, implementation, math.nan, None, error)
                     rows.append(row)
                     print(f"  {asdict(row)}", file=sys.stderr, flush=True)
-                if (
-                    args.profile
-                    and tokens == max(args.tokens)
-                    and implementation
-                    in (
-                        "megablocks",
-                        "grouped_mm",
-                    )
-                ):
-                    profiles[f"{name}/{tokens}/{implementation}"] = profile_block(
-                        steps["block"][0], device, args.profile_top
-                    )
+                if args.profile and implementation in PROFILED:
+                    for item in ("experts", "block"):
+                        profiles[f"{name}/{tokens}/{implementation}/{item}"] = profile_block(
+                            steps[item][0], device, args.profile_top
+                        )
                 del steps
                 model.zero_grad(set_to_none=True)
                 if device.type == "cuda":
