@@ -144,6 +144,11 @@ def test_gate_vs_gpu_lists_the_gate_keys_on_the_cpu_and_compares_sets():
     assert got["ran"] == 2 and got["gated"] == 2
     assert got["ran_not_gated"] == ["b._new w4 s2 h3"]
     assert got["gated_not_ran"] == ["gmm: y (a._k w8 s3)"]
+    assert got["warps_differ"] == []
+    # The same variant reporting more warps (a warp-specialized kernel's workers) still matches.
+    got = compare({("a._k", "h1", 4, 3), ("a._k", "h2", 12, 3)}, gate)
+    assert got["ran_not_gated"] == [] and got["gated_not_ran"] == []
+    assert got["warps_differ"] == ["a._k w12 s3 h2 (gated w8)"]
 
 
 def test_gate_vs_gpu_says_it_needs_a_gpu(capsys, monkeypatch):

@@ -86,7 +86,9 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
     hidden_rows, out_dtype = _meta(rows, f, dtype=dtype), torch.float32
     block = 128
     padded = min(rows + e * (block - 1), rows * 2)  # the padded row count a router could give
-    padded_bins = torch.full((e,), padded, dtype=i32)  # read on the host: a CPU tensor
+    # padded_gather reads padded_bins on the host: a CPU tensor beside meta operands, a device
+    # tensor beside real ones (gate_vs_gpu runs these calls on a GPU).
+    padded_bins = torch.full((e,), padded, dtype=i32, device="cpu" if x.is_meta else x.device)
     if dtype != torch.float32:  # routing and permutation: once, with the 16-bit activations
         yield "route", lambda: routing.route(ids, e, block)
         yield "sort", lambda: routing.sort(ids, max((e - 1).bit_length(), 1))
@@ -114,7 +116,13 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
         yield (
             "padded_scatter",
             lambda: permutation.padded_scatter(
-                _meta(padded, h, dtype=dtype), ids, ids, weights, counts, padded_bins.to("meta"), k
+                _meta(padded, h, dtype=dtype),
+                ids,
+                ids,
+                weights,
+                counts,
+                padded_bins.to(x.device),
+                k,
             ),
         )
         # Megatron-Core / Transformer Engine permutation: mask and top-k id maps, FP8 padding.
