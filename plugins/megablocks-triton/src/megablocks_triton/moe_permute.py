@@ -83,6 +83,15 @@ def _slot_hits(routing_ptr, t, e, tokens, slots, num_experts, IS_MASK: tl.conste
 
 
 @triton.jit
+def _slot_row(row_map_ptr, cols_ptr, t, i, slots, rows, COMPACT: tl.constexpr):
+    """Token t's i-th slot to visit (its i-th listed valid slot when compacted), that slot's row
+    in the row map (int64), and whether the row lies in [0, rows)."""
+    j = tl.load(cols_ptr + t * slots + i) if COMPACT else i
+    row = tl.load(row_map_ptr + t * slots + j).to(tl.int64)
+    return j, row, (row >= 0) & (row < rows)
+
+
+@triton.jit
 def _count_kernel(
     routing_ptr,
     counts_ptr,
@@ -236,9 +245,8 @@ def _permute_kernel(
     row = tl.load(x_ptr + t * hidden + h, mask=in_row, other=0.0)
     n = tl.load(count_ptr + t) if COMPACT else slots
     for i in range(n):
-        j = tl.load(cols_ptr + t * slots + i) if COMPACT else i
-        dest = tl.load(row_map_ptr + t * slots + j).to(tl.int64)
-        if (dest >= 0) & (dest < num_out):
+        j, dest, ok = _slot_row(row_map_ptr, cols_ptr, t, i, slots, num_out, COMPACT)
+        if ok:
             value = row
             if HAS_PROBS:
                 scale = tl.load(probs_ptr + t * slots + j).to(tl.float32)
@@ -328,9 +336,7 @@ def _unpermute_kernel(
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     n = tl.load(count_ptr + t) if COMPACT else slots
     for i in range(n):
-        j = tl.load(cols_ptr + t * slots + i) if COMPACT else i
-        src = tl.load(row_map_ptr + t * slots + j).to(tl.int64)
-        ok = (src >= 0) & (src < rows)
+        j, src, ok = _slot_row(row_map_ptr, cols_ptr, t, i, slots, rows, COMPACT)
         value = tl.load(x_ptr + tl.where(ok, src, 0) * hidden + h, mask=in_row & ok, other=0.0)
         value = value.to(tl.float32)
         if HAS_PROBS:
@@ -387,9 +393,7 @@ def _unpermute_wgrad_kernel(
     t = tl.program_id(0).to(tl.int64)
     n = tl.load(count_ptr + t) if COMPACT else slots
     for i in range(n):
-        j = tl.load(cols_ptr + t * slots + i) if COMPACT else i
-        src = tl.load(row_map_ptr + t * slots + j).to(tl.int64)
-        ok = (src >= 0) & (src < rows)
+        j, src, ok = _slot_row(row_map_ptr, cols_ptr, t, i, slots, rows, COMPACT)
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for h0 in range(0, hidden, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
