@@ -154,6 +154,10 @@ class Kernel:
     still serves where that backend cannot (not installed, a dtype or shape it declines)."""
     contiguous: bool = False
     """True if ``fn`` needs contiguous tensors: the core copies strided inputs first."""
+    formats: tuple[str, ...] = ()
+    """For an op with a ``format`` argument (quantize, the scaled GEMMs): the formats
+    (:data:`megablocks_core.formats.FORMATS`) this kernel takes; it must name at least one, and a
+    call in another format goes to the next kernel in the ranking. Empty for other ops."""
     variant: str = ""
     """Optional label when a backend offers several kernels for one op (e.g. ``"cublas-loop"``)."""
     backend: str = ""
@@ -171,6 +175,9 @@ class Kernel:
         ):
             raise TypeError(f"{what}: yields_to must be a tuple of backend names")
         object.__setattr__(self, "yields_to", tuple(self.yields_to))
+        if isinstance(self.formats, str) or not all(isinstance(f, str) for f in self.formats):
+            raise TypeError(f"{what}: formats must be a tuple of format names")
+        object.__setattr__(self, "formats", tuple(self.formats))
 
     @property
     def label(self) -> str:

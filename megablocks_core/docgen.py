@@ -10,6 +10,7 @@ FAMILIES = (
     ("permutation", "Permutation"),
     ("grouped_gemm", "Grouped GEMM"),
     ("activation", "Activation"),
+    ("quantization", "Quantization (the low-precision formats: megablocks_core.formats)"),
     ("composite", "Composite ops (plain torch, run by the core on every device)"),
 )
 

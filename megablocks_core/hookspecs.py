@@ -103,6 +103,20 @@ class BackendHooks:
         """
 
     @hookspec
+    def megablocks_quantization_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+        """Return kernels for the quantization ops
+        (``megablocks_core.plugin.family_ops("quantization")``). A kernel of an op with a
+        ``format`` argument declares the formats it takes (``Kernel.formats``).
+
+        Example::
+
+            @hookimpl
+            def megablocks_quantization_kernels():
+                return [Kernel(op="quantize", fn=my_quantize, devices=("npu",), tier=Tier.VENDOR,
+                               formats=("fp8_rowwise",))]
+        """
+
+    @hookspec
     def megablocks_compile_jobs(  # type: ignore[empty-body]
         self, device: DeviceInfo, shape: CompileShape
     ) -> Iterable[CompileJob]:
@@ -139,6 +153,7 @@ KERNEL_HOOKS = {
     "megablocks_permutation_kernels": "permutation",
     "megablocks_grouped_gemm_kernels": "grouped_gemm",
     "megablocks_activation_kernels": "activation",
+    "megablocks_quantization_kernels": "quantization",
 }
 
 

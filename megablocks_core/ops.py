@@ -37,6 +37,10 @@ _gmm = ENTRIES["gmm"]
 _gather_gmm = ENTRIES["gather_gmm"]
 _gmm_scatter = ENTRIES["gmm_scatter"]
 _glu = ENTRIES["glu"]
+_quantize = ENTRIES["quantize"]
+_scaled_gmm = ENTRIES["scaled_gmm"]
+_scaled_gather_gmm = ENTRIES["scaled_gather_gmm"]
+_scaled_gmm_scatter = ENTRIES["scaled_gmm_scatter"]
 
 # --- routing ---------------------------------------------------------------
 
@@ -226,6 +230,80 @@ def glu(x: Tensor, activation: str | None = None) -> Tensor:
     return _glu(x, activation)
 
 
+# --- low precision: formats in megablocks_core.formats; training through them: megablocks_core.fp8
+
+
+def quantize(
+    x: Tensor, reduce_dim: int, format: str | None = None, encoding: str | None = None
+) -> tuple[Tensor, Tensor]:
+    """(8-bit data, float32 scales) of a GEMM operand in ``format`` ("fp8_rowwise",
+    "fp8_blockwise"): a row operand (rows, k) with ``reduce_dim`` 1, or expert matrices (experts,
+    k, n) / (experts, n, k) summed over ``reduce_dim`` 1 / 2. ``encoding``: "e4m3fn" or
+    "e4m3fnuz"; None: the one x's device takes. x may be a strided view (a matrix's transpose:
+    the output is contiguous in x's shape)."""
+    return _quantize(x, reduce_dim, format, encoding)
+
+
+def scaled_gmm(
+    a: Tensor,
+    a_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    batch_sizes: Tensor,
+    trans_b: bool = False,
+    format: str | None = None,
+    out_dtype: str | None = None,
+) -> Tensor:
+    """:func:`gmm` of quantized operands (each as :func:`quantize` gives it, in ``format``),
+    accumulated in float32, rounded to ``out_dtype`` ("bfloat16" when None, "float16",
+    "float32"). Not differentiable: :mod:`megablocks_core.fp8` trains through it."""
+    return _scaled_gmm(a, a_scale, b, b_scale, batch_sizes, trans_b, format, out_dtype)
+
+
+def scaled_gather_gmm(
+    x: Tensor,
+    x_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool = False,
+    rows: int | None = None,
+    format: str | None = None,
+    out_dtype: str | None = None,
+) -> Tensor:
+    """:func:`gather_gmm` of quantized operands: the 8-bit token rows (one quantization per
+    token) read through the indices."""
+    return _scaled_gather_gmm(
+        x, x_scale, b, b_scale, indices, bin_ids, bins, top_k, trans_b, rows, format, out_dtype
+    )
+
+
+def scaled_gmm_scatter(
+    x: Tensor,
+    x_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool = False,
+    rows: int | None = None,
+    format: str | None = None,
+    out_dtype: str | None = None,
+) -> Tensor:
+    """:func:`gmm_scatter` of quantized operands (no activation: quantize the activated rows):
+    each product row rounded to ``out_dtype``, then summed per token, weighted, in float32."""
+    return _scaled_gmm_scatter(
+        x, x_scale, b, b_scale, indices, bin_ids, weights, bins, top_k, trans_b, rows, format,
+        out_dtype,
+    )  # fmt: skip
+
+
 # --- composite ops: plain torch on every device ------------------------------------
 
 
@@ -305,11 +383,15 @@ __all__ = [
     "inclusive_cumsum",
     "padded_gather",
     "padded_scatter",
+    "quantize",
     "repeat",
     "replicate",
     "round_up",
     "route",
     "router_topk",
+    "scaled_gather_gmm",
+    "scaled_gmm",
+    "scaled_gmm_scatter",
     "scatter",
     "sort",
     "sum",

@@ -27,7 +27,11 @@ backends in this repository use nothing else, like any third-party plugin.
   :func:`activation_backward_definition` are the activation ops' arithmetic in plain torch
   (float32, rounded once), which a kernel must match; :data:`GATED_ACTIVATIONS` maps the gated
   activation names (``gmm_scatter``, ``activation_backward``) to the glu names that compute them
-  (:data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT` are GPT-OSS's unit's constants).
+  (:data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT` are GPT-OSS's unit's constants);
+- :data:`SCALED_FORMATS` (:class:`Format`) and :data:`FP8_ENCODINGS` (:class:`Encoding`) are the
+  low-precision formats of the scaled ops, :func:`quantize_definition` and
+  :func:`dequantize_definition` their arithmetic in plain torch, which a quantizing kernel matches
+  bit for bit; :func:`encoding_of` / :func:`native_encoding` say which encoding a device takes.
 """
 
 from __future__ import annotations
@@ -58,6 +62,11 @@ from .descriptors import (
 )
 from .devices import ARCH_FAMILIES, arch_family, base_arch
 from .devices import describe as describe_device
+from .formats import ENCODINGS as FP8_ENCODINGS
+from .formats import FORMATS as SCALED_FORMATS
+from .formats import FP8_DTYPES, Encoding, Format, encoding_of, native_encoding
+from .formats import dequantize as dequantize_definition
+from .formats import quantize as quantize_definition
 from .hookspecs import ENTRY_POINT_GROUP, BackendHooks, hookimpl
 from .schema import OpContract
 from .validation import ContractError, ContractTypeError
@@ -83,7 +92,10 @@ __all__ = [
     "ARCH_LIMITS",
     "COMPILE_SHAPES",
     "ENTRY_POINT_GROUP",
+    "FP8_DTYPES",
+    "FP8_ENCODINGS",
     "GATED_ACTIVATIONS",
+    "SCALED_FORMATS",
     "SWIGLU_OAI_ALPHA",
     "SWIGLU_OAI_LIMIT",
     "ArchLimits",
@@ -96,6 +108,8 @@ __all__ = [
     "ContractTypeError",
     "CostEstimate",
     "DeviceInfo",
+    "Encoding",
+    "Format",
     "GmmPoint",
     "Kernel",
     "OpContract",
@@ -107,8 +121,10 @@ __all__ = [
     "base_arch",
     "call_op",
     "contract",
+    "dequantize_definition",
     "describe_device",
     "device_limits",
+    "encoding_of",
     "family_ops",
     "glu_backward_definition",
     "glu_definition",
@@ -116,4 +132,6 @@ __all__ = [
     "gmm_estimate_us",
     "gmm_problem",
     "hookimpl",
+    "native_encoding",
+    "quantize_definition",
 ]

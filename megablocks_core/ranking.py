@@ -14,7 +14,8 @@
    portable ones, then backend name, then variant (so the choice is
    deterministic).
 4. Per call shape: a kernel whose shape predicate (``supports``: alignment,
-   layout) rejects the call's shapes drops out, and steps 3-4 run again on the
+   layout) rejects the call's shapes, or that does not take the call's format (``formats``),
+   drops out, and steps 3-4 run again on the
    rest; when two or more eligible kernels of the highest tier declare a
    ``cost`` hint, the one with the lowest estimate for the call's shapes wins
    (kernels without an estimate rank after those with one; equal estimates keep
@@ -65,8 +66,8 @@ class Trace:
     """Eligible kernels of the winner's tier that declare cost hints, when there are two or
     more and no forced/preferred backend decided: the choice then depends on the call's shapes."""
     per_call: bool = False
-    """Some eligible kernel has a shape predicate (``Kernel.supports``): each new call shape is
-    checked against it (:func:`for_call`)."""
+    """Some eligible kernel has a shape predicate (``Kernel.supports``) or takes only some
+    formats (``Kernel.formats``): each new call shape is checked against them (:func:`for_call`)."""
 
     @property
     def fallback(self) -> bool:
@@ -156,7 +157,7 @@ def rank(
         why,
         error,
         cost_tier=tier,
-        per_call=any(k.supports is not None for k in eligible),
+        per_call=any(k.supports is not None or k.formats for k in eligible),
     )
 
 
@@ -282,6 +283,8 @@ def estimates(trace: Trace, call: CallInfo) -> list[tuple[Kernel, float | None]]
 
 
 def _shape_rejection(k: Kernel, device: DeviceInfo, call: CallInfo) -> str | None:
+    if k.formats and call.get("format") not in k.formats:
+        return f"takes format {', '.join(k.formats)}, not {call.get('format')}"
     if k.supports is None:
         return None
     try:

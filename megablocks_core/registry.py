@@ -25,6 +25,7 @@ from packaging.utils import canonicalize_name
 from . import __version__
 from .contracts import BY_NAME
 from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel, Tier
+from .formats import FORMAT_NAMES
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
 from .schema import ChoiceArg, IntArg, TensorArg, is_option
 
@@ -270,6 +271,19 @@ def _check_kernel(item: Any, hook: str) -> Kernel:
             raise TypeError(
                 f"{what}: {field_name} must be callable or None, got {type(value).__name__}"
             )
+    takes_format = "format" in contract.arg_names
+    if takes_format and not item.formats:
+        raise ValueError(
+            f"{what}: the op takes a format: declare the formats the kernel takes "
+            f"(formats=, from {', '.join(FORMAT_NAMES)})"
+        )
+    if item.formats and not takes_format:
+        raise ValueError(f"{what}: formats declared for an op without a format argument")
+    unknown_formats = sorted(set(item.formats) - set(FORMAT_NAMES))
+    if unknown_formats:
+        raise ValueError(
+            f"{what}: unknown format(s) {unknown_formats}; formats are {', '.join(FORMAT_NAMES)}"
+        )
     if not isinstance(item.dtypes, Mapping):
         raise TypeError(f"{what}: dtypes must map argument names to sets of torch dtypes")
     unknown = set(item.dtypes) - set(contract.arg_names)

@@ -20,11 +20,15 @@ from typing import Any, Literal
 
 import torch
 
+from . import formats
+
 INT_DTYPES = frozenset({torch.int16, torch.int32, torch.int64})
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 COUNT_DTYPES = frozenset({torch.int32, torch.int64})
 
-Family = Literal["routing", "permutation", "grouped_gemm", "activation", "composite"]
+Family = Literal[
+    "routing", "permutation", "grouped_gemm", "activation", "quantization", "composite"
+]
 
 
 def dtype_names(dtypes: frozenset[torch.dtype]) -> str:
@@ -264,6 +268,10 @@ class OpContract:
     edge_cases: tuple[str, ...] = ()
     deviations: tuple[str, ...] = ()
     """Where this op knowingly differs from MegaBlocks, and why."""
+    tolerance: float = 0.0
+    """The least relative tolerance a kernel's float outputs are held to against the reference
+    (beside its output dtype's own): what the contract's arithmetic leaves open, e.g. the scaled
+    GEMMs' sums between two promotions, which FP8 matrix units keep in fewer than 24 bits."""
 
     @property
     def arg_names(self) -> tuple[str, ...]:
@@ -425,8 +433,17 @@ def _cumsum_fits(x: torch.Tensor, dim: int) -> bool:
     return not bool(wrapped.any()) and bool(((total >= info.min) & (total <= info.max)).all())
 
 
+def _out_dtype_of(name: str | None) -> torch.dtype:
+    """A scaled op's output dtype by name (None: bfloat16)."""
+    dtype: torch.dtype = getattr(torch, name or "bfloat16")
+    return dtype
+
+
 RULE_HELPERS: Mapping[str, Any] = {
     "torch": torch,
+    "operand_scale_shape": formats.operand_scale_shape,
+    "encoding_of": formats.encoding_of,
+    "out_dtype_of": _out_dtype_of,
     "nondecreasing": _nondecreasing,
     "is_permutation": _is_permutation,
     "in_range": _in_range,

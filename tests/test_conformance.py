@@ -32,7 +32,10 @@ HOOKS = {
     "permutation": "megablocks_permutation_kernels",
     "grouped_gemm": "megablocks_grouped_gemm_kernels",
     "activation": "megablocks_activation_kernels",
+    "quantization": "megablocks_quantization_kernels",
 }
+#: The formats a kernel of an op with a ``format`` argument declares (all of them).
+FORMATS = tuple(contracts.scaled.FORMAT.choices)
 
 
 def every_op(fns: dict[str, str] | None = None, extra: str = "") -> str:
@@ -42,7 +45,8 @@ def every_op(fns: dict[str, str] | None = None, extra: str = "") -> str:
     body = extra
     for family, hook in HOOKS.items():
         kernels = ", ".join(
-            f"Kernel(op={op!r}, fn={fns.get(op, f'recording({op!r})')}, devices=('cpu',))"
+            f"Kernel(op={op!r}, fn={fns.get(op, f'recording({op!r})')}, devices=('cpu',)"
+            + (f", formats={FORMATS!r})" if "format" in contracts.BY_NAME[op].arg_names else ")")
             for op in family_ops(family)
         )
         body += kernels_body(hook, f"[{kernels}]")
@@ -230,6 +234,7 @@ def test_pytest_door_runs_from_any_directory(plugins, tmp_path):
                 "binned_scatter",
                 "binned_scatter_wgrad",
                 "gmm_scatter",
+                "scaled_gmm_scatter",
             )
         ),
     }, proc.stdout

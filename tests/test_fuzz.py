@@ -959,6 +959,19 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
                 "split_sizes": counts,
                 "sorted_index": order,
             }
+    if op == "quantize":
+        return {"x": x_tokens, "reduce_dim": 1, "format": "fp8_rowwise", "encoding": None}
+    if op.startswith("scaled_"):  # the operands quantized as their format says
+        fmt = "fp8_rowwise"
+        rows = r.T * r.K if op != "scaled_gmm" else int(r.counts.sum())
+        a, a_scale = ops.quantize(torch.ones(r.T if op == "scaled_gather_gmm" else rows, 4), 1, fmt)
+        b, b_scale = ops.quantize(torch.ones(r.E, 5, 4), 2, fmt)  # (experts, n, k): trans_b
+        common = {"b": b, "b_scale": b_scale, "trans_b": True, "format": fmt, "out_dtype": None}
+        if op == "scaled_gmm":
+            batch = tensor(r.counts, torch.int64)
+            return {"a": a, "a_scale": a_scale, **common, "batch_sizes": batch}
+        x = {"x": a, "x_scale": a_scale, **common, **routing, "rows": None}
+        return {**x, "weights": weights} if op == "scaled_gmm_scatter" else x
     if op == "gmm":
         return {
             "a": torch.ones(int(r.counts.sum()), 4, dtype=dtype),
@@ -989,6 +1002,10 @@ PUBLIC_DISPATCHED = (
     "gather_gmm",
     "gmm_scatter",
     "glu",
+    "quantize",
+    "scaled_gmm",
+    "scaled_gather_gmm",
+    "scaled_gmm_scatter",
     "moe_permute_map",
     "moe_permute",
     "moe_permute_probs",

@@ -137,8 +137,21 @@ def test_megablocks_core_has_no_import_cycle():
 #: (entries, dispatch, registry, autograd, ...), not even inside a function, so that a circle
 #: cannot hide in a late import. An op they run (gmm_scatter's activation, served around a kernel
 #: without it) goes through ``megablocks_core.calls``, which imports nothing of the core.
-DATA = ("megablocks_core.contracts", "megablocks_core.schema", "megablocks_core.activations")
-DATA_MAY_IMPORT = (*DATA, "megablocks_core.bias", "megablocks_core.calls")
+#: The formats (megablocks_core.formats) are data too; which encoding a device's matrix units take
+#: needs its arch, from the device records (descriptors, devices), no machinery.
+DATA = (
+    "megablocks_core.contracts",
+    "megablocks_core.schema",
+    "megablocks_core.activations",
+    "megablocks_core.formats",
+)
+DATA_MAY_IMPORT = (
+    *DATA,
+    "megablocks_core.bias",
+    "megablocks_core.calls",
+    "megablocks_core.descriptors",
+    "megablocks_core.devices",
+)
 
 
 def _is_data(module: str, names: tuple[str, ...]) -> bool:

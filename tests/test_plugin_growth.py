@@ -52,12 +52,20 @@ def test_the_reference_provides_every_op_of_this_core(clean_env):
 
 def test_triton_declares_every_op_of_this_core():
     plugin = pytest.importorskip("megablocks_triton.plugin")
-    declared = (*plugin.ROUTING, *plugin.PERMUTATION, *plugin.GROUPED_GEMM, *plugin.ACTIVATION)
+    declared = (
+        *plugin.ROUTING,
+        *plugin.PERMUTATION,
+        *plugin.GROUPED_GEMM,
+        *plugin.SCALED_GEMM,
+        *plugin.ACTIVATION,
+        *plugin.QUANTIZATION,
+    )
     assert len(declared) == len(set(declared))
     for family, ops in (
         ("routing", plugin.ROUTING),
         ("permutation", plugin.PERMUTATION),
-        ("grouped_gemm", plugin.GROUPED_GEMM),
+        ("grouped_gemm", (*plugin.GROUPED_GEMM, *plugin.SCALED_GEMM)),
         ("activation", plugin.ACTIVATION),
+        ("quantization", plugin.QUANTIZATION),
     ):
         assert set(ops) == set(contracts.family_ops(family)), family

@@ -157,8 +157,13 @@ def test_every_triton_op_goes_to_rocm_on_tuned_archs(on_rocm_host, device):
     assert len(ops) >= 19 and set(ops) == set(on_rocm_host.plugins["rocm"].ops)
     for op in ops:
         trace = mb.dispatch.explain(op, device)
+        triton = [c for c in trace.candidates if c.kernel.backend == "triton"]
+        if not any(c.accepted for c in triton):  # the arch lacks what the op needs (FP8 on CDNA2)
+            rocm = [c for c in trace.candidates if c.kernel.backend == "rocm"]
+            assert {c.reason for c in rocm} == {c.reason for c in triton}, (op, device.arch)
+            continue
         assert trace.winner is not None and trace.winner.backend == "rocm", (op, trace.why)
-        runner_up = [c for c in trace.candidates if c.accepted and c.kernel.backend == "triton"]
+        runner_up = [c for c in triton if c.accepted]
         assert runner_up, f"triton must still be able to serve {op} on {device.arch}"
 
 

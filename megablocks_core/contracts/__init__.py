@@ -11,7 +11,8 @@ arguments, positionally. Public ops (``megablocks_core.ops``) take the same
 arguments minus those marked ``public=False`` (passed as None).
 
 One module per op family (``routing``, ``permutation``, ``grouped_gemm`` with the fused ops,
-``activation``, ``moe_permute``, ``composite``) and ``common`` for what several share; this
+``activation``, ``moe_permute``, ``scaled`` (quantization and the FP8 grouped GEMMs),
+``composite``) and ``common`` for what several share; this
 package gathers them in :data:`ALL` and :data:`BY_NAME`. The contracts are data: they import
 the schema, the activations and the bias definitions, nothing of the dispatch machinery
 (``tests/test_import_graph.py``). The API is unpublished (0.1); once published, a contract that
@@ -48,6 +49,7 @@ from .routing import (
     SORT,
     TOPOLOGY,
 )
+from .scaled import QUANTIZE, SCALED_GATHER_GMM, SCALED_GMM, SCALED_GMM_SCATTER
 
 ALL: tuple[OpContract, ...] = (
     SORT,
@@ -74,6 +76,10 @@ ALL: tuple[OpContract, ...] = (
     GMM_WEIGHT_GRAD_ACCUMULATE,
     GATHER_GMM,
     GMM_SCATTER,
+    QUANTIZE,
+    SCALED_GMM,
+    SCALED_GATHER_GMM,
+    SCALED_GMM_SCATTER,
     GLU,
     GLU_BACKWARD,
     ACTIVATION_BACKWARD,
@@ -112,6 +118,7 @@ __all__ = [
     "PADDED_GATHER",
     "PADDED_SCATTER",
     "PADDED_SCATTER_WGRAD",
+    "QUANTIZE",
     "REPEAT",
     "REPLICATE",
     "REPLICATE_BACKWARD",
@@ -119,6 +126,9 @@ __all__ = [
     "ROUTE",
     "ROUTER_TOPK",
     "ROW_MAP_FORMAT",
+    "SCALED_GATHER_GMM",
+    "SCALED_GMM",
+    "SCALED_GMM_SCATTER",
     "SCATTER",
     "SCATTER_WGRAD",
     "SORT",

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .. import formats
 from ..contracts import BY_NAME
 from . import moe_permute_cases
 
@@ -408,6 +409,60 @@ def _fused_cases() -> list[BadCase]:
     ]
 
 
+SCALED_OPS = ("scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter")
+#: A scaled GEMM op -> the 16-bit op whose bad-data cases it shares.
+_SCALED_OF = {
+    "scaled_gmm": "gmm",
+    "scaled_gather_gmm": "gather_gmm",
+    "scaled_gmm_scatter": "gmm_scatter",
+}
+
+
+def _scaled_args(op: str, args: Args, format: str) -> Args:
+    """The scaled op's arguments for the 16-bit op's ``args``: its row operand and expert matrices
+    quantized in ``format`` (the core's definition), the rest as they are."""
+    fmt = formats.FORMATS[format]
+
+    def quantized(x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        block = fmt.block(x.dim(), reduce_dim)
+        return formats.quantize(x, block, formats.encoding_of(None, x.device), fmt.power_of_two)
+
+    a, b, *rest = args
+    if op == "scaled_gmm":  # gmm(a, b, batch_sizes, trans_b[, bias])
+        batch, trans_b = rest[0], rest[1]
+        return (*quantized(a, 1), *quantized(b, 2 if trans_b else 1), batch, trans_b, format, None)
+    if op == "scaled_gather_gmm":  # (x, b, indices, bin_ids, bins, top_k, trans_b, rows[, bias])
+        indices, bin_ids, bins, top_k, trans_b, rows = rest[:6]
+        return (
+            *quantized(a, 1), *quantized(b, 2 if trans_b else 1),
+            indices, bin_ids, bins, top_k, trans_b, rows, format, "float32",
+        )  # fmt: skip
+    # gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows[, bias])
+    indices, bin_ids, weights, bins, top_k, trans_b, _, rows = rest[:8]
+    return (
+        *quantized(a, 1), *quantized(b, 2 if trans_b else 1),
+        indices, bin_ids, weights, bins, top_k, trans_b, rows, format, "float32",
+    )  # fmt: skip
+
+
+def _scaled_cases() -> list[BadCase]:
+    """The scaled GEMMs on the bad data of their 16-bit forms (without a bias: they take none),
+    in each format in turn."""
+    cases = []
+    plain = [c for c in (*_gmm_cases(), *_fused_cases()) if not c.name.endswith(", bias")]
+    for op, base in _SCALED_OF.items():
+        for i, case in enumerate(c for c in plain if c.op == base):
+            format = formats.FORMAT_NAMES[i % len(formats.FORMAT_NAMES)]
+
+            def build(
+                device: torch.device, case: BadCase = case, op: str = op, f: str = format
+            ) -> Args:
+                return _scaled_args(op, case.build(device), f)
+
+            cases.append(BadCase(f"{op}/{case.name.split('/', 1)[1]}", op, build))
+    return cases
+
+
 def _moe_permute_cases() -> list[BadCase]:
     return [BadCase(name, op, build) for name, op, build in moe_permute_cases.cases()]
 
@@ -417,6 +472,7 @@ CASES: tuple[BadCase, ...] = (
     *_permutation_cases(),
     *_gmm_cases(),
     *_fused_cases(),
+    *_scaled_cases(),
     *_moe_permute_cases(),
 )
 _BY_NAME = {c.name: c for c in CASES}
@@ -430,6 +486,8 @@ def _valid_args(op: str, device: torch.device) -> Args:
     """A valid call of ``op`` of the same kind, run after each bad one."""
     if op in moe_permute_cases.OPS:
         return moe_permute_cases.valid_args(op, device)
+    if op in SCALED_OPS:
+        return _scaled_args(op, _valid_args(_SCALED_OF[op], device), formats.FORMAT_NAMES[0])
     if op in FUSED_OPS:
         return _fused_args(
             op, _routing(device, seed=5), lambda r: (r.indices, r.bins, r.padded_bins)

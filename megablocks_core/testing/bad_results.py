@@ -13,7 +13,7 @@ from ..contracts import BY_NAME
 from ..entries import ENTRIES
 from ..policy import use_backend
 from . import moe_permute_cases
-from .bad_cases import FUSED_OPS, GMM_OPS, PADDED_OPS, PLAIN_OPS, Args
+from .bad_cases import FUSED_OPS, GMM_OPS, PADDED_OPS, PLAIN_OPS, SCALED_OPS, Args
 from .kit import REFERENCE, TOLERANCES, Mismatch, check_meta, compare
 
 #: Candidate combinations enumerated per output row before the value check gives up on a row.
@@ -262,7 +262,7 @@ def _check_gmm(op: str, args: dict[str, Any], out: torch.Tensor) -> None:
 
 
 def _check_fused(op: str, args: Args, out: torch.Tensor) -> None:
-    # A fused op is defined by its composition: the reference runs exactly that, and for these
+    # A fused op (and a scaled GEMM, on bad data as its 16-bit form) is defined by its composition: the reference runs exactly that, and for these
     # cases (no duplicated id a scatter would have to choose between) its result is unique.
     with use_backend(REFERENCE):
         want = ENTRIES[op](*args)
@@ -300,7 +300,7 @@ def check_result(op: str, args: Args, out: Any, written: tuple[torch.Tensor, ...
         _check_wgrad(op, bound, out, tol)
     elif op in GMM_OPS:
         _check_gmm(op, bound, out)
-    elif op in FUSED_OPS:
+    elif op in FUSED_OPS or op in SCALED_OPS:
         _check_fused(op, args, out)
     else:
         _check_routing(op, bound, out)

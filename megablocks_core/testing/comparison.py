@@ -35,9 +35,11 @@ def _describe_index(index: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(i) for i in index) + "]"
 
 
-def compare(got: Any, want: torch.Tensor, what: str, source: str = "the reference") -> None:
+def compare(
+    got: Any, want: torch.Tensor, what: str, source: str = "the reference", least: float = 0.0
+) -> None:
     """Raise :class:`Mismatch` unless ``got`` matches ``want`` (from ``source``) in shape, dtype,
-    device and values."""
+    device and values (floats within their dtype's tolerance, at least ``least``)."""
     if not isinstance(got, torch.Tensor):
         raise Mismatch(f"{what} is a {type(got).__name__}, expected a tensor")
     if got.shape != want.shape:
@@ -53,6 +55,7 @@ def compare(got: Any, want: torch.Tensor, what: str, source: str = "the referenc
         rule = "exactly"
     else:
         g64, w64 = g.double(), w.double()
+        tol = max(tol, least)
         scale = max(1.0, float(w64.abs().max())) if w64.numel() else 1.0
         bad = ~torch.isclose(g64, w64, rtol=tol, atol=tol * scale, equal_nan=True)
         rule = f"within {tol:g} relative ({want.dtype})"
@@ -117,7 +120,7 @@ def compare_calls(
         if len(got_t) != len(want_t):
             raise Mismatch(f"{what} returned {len(got_t)} outputs, the contract says {len(want_t)}")
         for out, g, w in zip(contract.outputs, got_t, want_t, strict=True):
-            compare(g, w, f"{what} output '{out.name}'", source)
+            compare(g, w, f"{what} output '{out.name}'", source, contract.tolerance)
     for spec, g, w in zip(contract.mutated, got_written, want_written, strict=True):
         compare(g, w, f"{what} '{spec.name}' (written in place)", source)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .. import formats
 from ..activations import GATED, ROW_NAMES
 from ..activations import NAMES as ACTIVATION_NAMES
 from ..contracts import BY_NAME
@@ -137,7 +138,37 @@ def _moe_chunks(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return r.rows, sizes, order.to(device=sizes.device, dtype=r.scenario.index_dtype)
 
 
-#: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;
+def _format(r: Routing) -> str:
+    """The scaled ops' format, in turn by seed."""
+    return formats.FORMAT_NAMES[r.scenario.seed % len(formats.FORMAT_NAMES)]
+
+
+def _out_dtype(r: Routing) -> str | None:
+    """The scaled GEMMs' output dtype, in turn by seed (None: bfloat16)."""
+    return (None, "float32", "float16")[(r.scenario.seed // 2) % 3]
+
+
+def _quantized(r: Routing, x: torch.Tensor, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized in the scenario's format and the encoding x's device takes, by the core's own
+    definition (no backend under test takes part)."""
+    fmt = formats.FORMATS[_format(r)]
+    encoding = formats.encoding_of(None, x.device)
+    return formats.quantize(x, fmt.block(x.dim(), reduce_dim), encoding, fmt.power_of_two)
+
+
+def _quantize_sample(r: Routing) -> tuple[Any, ...]:
+    """A row operand (even seeds) or, as the FP8 recipes pass them, an expert matrix's
+    transposed view (odd seeds: the transpose-quantize, its own strides)."""
+    if r.scenario.seed % 2 == 0:
+        return (r.x, 1, _format(r), None)
+    return (r.expert_weights.transpose(1, 2), 2 if not r.scenario.trans_b else 1, _format(r), None)
+
+
+def _matrix_sum_dim(r: Routing) -> int:
+    return 2 if r.scenario.trans_b else 1
+
+
+#: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;#: Op → its kernel-order arguments in a scenario. The only per-op table of the kit;
 #: a test checks that it covers every dispatched contract.
 SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
     "sort": lambda r: (r.top_experts, r.end_bit),
@@ -255,6 +286,40 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         _row_activation(r),
         r.row_count,
         _bias(r, r.scenario.hidden),
+    ),
+    "quantize": _quantize_sample,
+    "scaled_gmm": lambda r: (
+        *_quantized(r, r.rows, 1),
+        *_quantized(r, r.expert_weights, _matrix_sum_dim(r)),
+        r.batch_sizes,
+        r.scenario.trans_b,
+        _format(r),
+        _out_dtype(r),
+    ),
+    "scaled_gather_gmm": lambda r: (
+        *_quantized(r, r.x, 1),
+        *_quantized(r, r.expert_weights, _matrix_sum_dim(r)),
+        r.indices,
+        r.bin_ids,
+        r.bins,
+        r.scenario.top_k,
+        r.scenario.trans_b,
+        r.row_count,
+        _format(r),
+        _out_dtype(r),
+    ),
+    "scaled_gmm_scatter": lambda r: (
+        *_quantized(r, r.first(r.gmm_grad), 1),
+        *_quantized(r, r.expert_weights.transpose(1, 2).contiguous(), _matrix_sum_dim(r)),
+        r.indices,
+        r.bin_ids,
+        r.weights,
+        r.bins,
+        r.scenario.top_k,
+        r.scenario.trans_b,
+        r.row_count,
+        _format(r),
+        _out_dtype(r),
     ),
     # The gated unit, its activation (or none) taken in turn by seed as gmm_scatter's.
     "glu": lambda r: (r.gate_up, _activation(r)),

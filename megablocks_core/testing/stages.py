@@ -19,6 +19,7 @@ import torch
 from ..devices import describe
 from ..dispatch import describe_call, explain, explain_call
 from ..entries import ENTRIES
+from ..formats import FP8_DTYPES
 from ..policy import Policy, use_backend
 from ..schema import BoolArg, ChoiceArg, IntArg, OpContract, TensorArg
 from .comparison import Mismatch, call_on_copies, check_meta, compare, compare_calls
@@ -265,10 +266,15 @@ def _check_opcheck(backend: str, contract: OpContract, args: tuple[Any, ...]) ->
         v.clone() if a in contract.mutated else v
         for a, v in zip(contract.args, leaves, strict=True)
     )
+    tests: tuple[str, ...] = OPCHECK_TESTS
+    if any(isinstance(v, torch.Tensor) and v.dtype in FP8_DTYPES for v in leaves):
+        # test_schema compares inputs with arithmetic torch lacks for 8-bit floats on the CPU;
+        # every sample's own check already finds a kernel that modifies its inputs.
+        tests = tuple(t for t in tests if t != "test_schema")
     with _on(backend, contract.name):
         try:
             torch.library.opcheck(
-                getattr(torch.ops.megablocks, contract.name), leaves, test_utils=OPCHECK_TESTS
+                getattr(torch.ops.megablocks, contract.name), leaves, test_utils=tests
             )
         except Exception as exc:
             raise Mismatch(f"torch.library.opcheck: {str(exc).splitlines()[0]}") from None

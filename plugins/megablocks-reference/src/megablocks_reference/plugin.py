@@ -11,13 +11,14 @@ demands that the list covers every op of the core it is tested with.
 
 from __future__ import annotations
 
-from megablocks_core.plugin import Kernel, Tier, hookimpl
+from megablocks_core.plugin import SCALED_FORMATS, Kernel, Tier, hookimpl
 
-from . import kernels
+from . import kernels, scaled
 
 TIER = Tier.PORTABLE
 
-#: Family → the ops this backend provides; kernels.py has one function per op, named after it.
+#: Family → the ops this backend provides; kernels.py (scaled.py for the low-precision ops) has
+#: one function per op, named after it.
 OPS: dict[str, tuple[str, ...]] = {
     "routing": (
         "sort",
@@ -53,15 +54,27 @@ OPS: dict[str, tuple[str, ...]] = {
         "gmm_weight_grad_accumulate",
         "gather_gmm",
         "gmm_scatter",
+        "scaled_gmm",
+        "scaled_gather_gmm",
+        "scaled_gmm_scatter",
     ),
     "activation": ("glu", "glu_backward", "activation_backward"),
+    "quantization": ("quantize",),
 }
+
+#: The low-precision ops (their module: scaled.py), in every format the core defines.
+SCALED_OPS = frozenset({"quantize", "scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter"})
+
+
+def _kernel(op: str) -> Kernel:
+    if op in SCALED_OPS:
+        fn = getattr(scaled, op)
+        return Kernel(op=op, fn=fn, devices=("any",), tier=TIER, formats=tuple(SCALED_FORMATS))
+    return Kernel(op=op, fn=getattr(kernels, op), devices=("any",), tier=TIER)
 
 
 def _kernels(family: str) -> list[Kernel]:
-    return [
-        Kernel(op=op, fn=getattr(kernels, op), devices=("any",), tier=TIER) for op in OPS[family]
-    ]
+    return [_kernel(op) for op in OPS[family]]
 
 
 @hookimpl
@@ -82,3 +95,8 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
 @hookimpl
 def megablocks_activation_kernels() -> list[Kernel]:
     return _kernels("activation")
+
+
+@hookimpl
+def megablocks_quantization_kernels() -> list[Kernel]:
+    return _kernels("quantization")

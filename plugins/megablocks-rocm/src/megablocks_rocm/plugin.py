@@ -109,6 +109,13 @@ def megablocks_activation_kernels() -> list[Kernel]:
 
 
 @hookimpl
+def megablocks_quantization_kernels() -> list[Kernel]:
+    from megablocks_triton import api
+
+    return _rocm_kernels(api.quantization_kernels())
+
+
+@hookimpl
 def megablocks_compile_jobs(device: DeviceInfo, shape: CompileShape) -> list[CompileJob]:
     # The triton backend's kernels under this backend's launch policy (tiles and HIP options per
     # CDNA family), on the archs it serves.

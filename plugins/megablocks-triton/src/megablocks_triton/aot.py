@@ -62,7 +62,10 @@ def _describe(launch: RecordedLaunch) -> str:
     parts = [dtype, tiles, f"w{kw.get('num_warps', 4)}"]
     if "num_stages" in kw:
         parts.append(f"s{kw['num_stages']}")
-    for flag in ("USE_TMA", "TMA", "ACCUMULATE", "REDUCE", "TRANS_B", "GATHER", "FLATTEN"):
+    for flag in (
+        "USE_TMA", "B_TMA", "TMA", "ACCUMULATE", "REDUCE", "TRANS_B", "GATHER", "FLATTEN",
+        "BLOCKWISE", "HARDWARE",
+    ):  # fmt: skip
         if kw.get(flag):
             parts.append(flag.lower())
     return " ".join(p for p in parts if p)
@@ -245,6 +248,8 @@ def compile_jobs(
     jobs: list[CompileJob] = []
     seen: set[Any] = set()
     accepted = arch_tuning(device).spills_accepted if configs is None else {}
+    from .scaled import compile_calls
+
     with use_launch_configs(configs or LaunchConfigs()):
         for dtype in shape.dtypes:
             for op, call in _op_calls(shape, dtype):
@@ -252,11 +257,19 @@ def compile_jobs(
                 for launch in launches:
                     reason = accepted.get(_spill_key(launch))
                     jobs.extend(_jobs(op, launch, lim, seen, reason))
+        for op, call in compile_calls(shape, device):  # FP8, where the device has it
+            for launch in _record(device, [call]):
+                jobs.extend(_jobs(op, launch, lim, seen, accepted.get(_spill_key(launch))))
     return jobs
 
 
 #: Kernel function name -> its class in :attr:`~megablocks_triton.config.ArchTuning.spills_accepted`.
-_SPILL_CLASSES = {"_gmm_kernel": "gmm", "_gmm_wgrad_kernel": "wgrad", "_scatter_kernel": "scatter"}
+_SPILL_CLASSES = {
+    "_gmm_kernel": "gmm",
+    "_scaled_gmm_kernel": "gmm",
+    "_gmm_wgrad_kernel": "wgrad",
+    "_scatter_kernel": "scatter",
+}
 
 
 def _spill_key(launch: RecordedLaunch) -> tuple[str, str]:

@@ -93,6 +93,7 @@ __all__ = [
     "next_power_of_2",
     "permutation_kernels",
     "permutation_wgrad_shape",
+    "quantization_kernels",
     "routing_kernels",
     "set_launch_configs",
     "use_launch_configs",
@@ -114,6 +115,12 @@ def permutation_kernels() -> list[Kernel]:
 def grouped_gemm_kernels() -> list[Kernel]:
     """The triton backend's grouped-GEMM kernels (the fused ``gather_gmm``/``gmm_scatter`` too)."""
     return _plugin.megablocks_grouped_gemm_kernels()
+
+
+def quantization_kernels() -> list[Kernel]:
+    """The triton backend's quantization kernels, as its ``megablocks_quantization_kernels``
+    declares them."""
+    return _plugin.megablocks_quantization_kernels()
 
 
 def activation_kernels() -> list[Kernel]:

@@ -96,6 +96,22 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                         128, 256, 64, group_m=8, num_warps=8, num_stages=3, use_tma=True
                     ),
                     ("gmm", "fp32"): GmmConfig(128, 128, 32, group_m=8, num_warps=8, num_stages=3),
+                    # FP8 (the scaled GEMMs): 128-deep K steps, one scale block of the blockwise
+                    # formats. The float32 sum promoted every K step holds a second accumulator:
+                    # 128x256 tiles spilled on sm_90a (`megablocks backends compile`), 128x128
+                    # do not; 4 stages = 128 KiB smem. Flattened: rowwise up/down at qwen3 on
+                    # the H200 729/567 vs 719/488 TFLOP/s (blockwise does not flatten:
+                    # megablocks_triton.scaled). docs/performance.md.
+                    ("gmm", "fp8"): GmmConfig(
+                        128,
+                        128,
+                        128,
+                        group_m=8,
+                        num_warps=8,
+                        num_stages=4,
+                        use_tma=True,
+                        flatten=True,
+                    ),
                     # Weight gradients (reduced over each expert's ~1K tokens at qwen3/dsv3) with
                     # 4 stages: H200, the layer's two weights, 0.79/0.86 -> 0.67/0.75 ms (qwen3),
                     # 8.76/8.77 -> 8.49/8.24 ms (dsv3); accumulating into .grad 0.85/0.93 ->
@@ -176,6 +192,9 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                     # 16-deep K steps: with 32 the transposed and gathered fp32 variants spilled
                     # on sm_100 (`megablocks backends compile`).
                     ("gmm", "fp32"): GmmConfig(128, 128, 16, group_m=8, num_warps=8, num_stages=3),
+                    ("gmm", "fp8"): GmmConfig(
+                        128, 128, 128, group_m=8, num_warps=8, num_stages=4, use_tma=True
+                    ),
                     ("wgrad", "16bit"): GmmConfig(
                         128, 256, 64, group_m=8, num_warps=8, num_stages=4
                     ),
@@ -207,6 +226,8 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                 {
                     ("gmm", "16bit"): GmmConfig(128, 128, 32, group_m=8, num_warps=4, num_stages=4),
                     ("gmm", "fp32"): GmmConfig(64, 64, 32, group_m=8, num_warps=4, num_stages=3),
+                    # FP8 on Ada (sm_89): mma.sync e4m3 with ~100 KiB of shared memory.
+                    ("gmm", "fp8"): GmmConfig(128, 128, 64, group_m=8, num_warps=4, num_stages=3),
                     # Weight gradients: 8 warps (64 fp32 accumulators per thread, not 128) and a
                     # 2-stage fp32 pipeline, the spill-free choices of `megablocks backends
                     # compile` on sm_80 (with 4 warps, or 3 fp32 stages, ptxas spilled; the
@@ -227,6 +248,7 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                 {
                     ("gmm", "16bit"): GmmConfig(128, 128, 64, group_m=4, num_warps=8, num_stages=2),
                     ("gmm", "fp32"): GmmConfig(64, 64, 32, group_m=4, num_warps=4, num_stages=2),
+                    ("gmm", "fp8"): GmmConfig(128, 128, 128, group_m=4, num_warps=8, num_stages=2),
                     ("wgrad", "16bit"): GmmConfig(
                         128, 128, 64, group_m=4, num_warps=8, num_stages=2
                     ),
@@ -244,6 +266,7 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                     for op in ("gmm", "wgrad")
                     for dclass in ("16bit", "fp32")
                 }
+                | {("gmm", "fp8"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)}
             ),
         ),
     }

@@ -91,5 +91,8 @@ class GmmConfig:
 
 
 def dtype_class(dtype: torch.dtype) -> str:
-    """``"fp32"`` or ``"16bit"``: the grouped-GEMM tile tables are keyed by it."""
-    return "fp32" if dtype == torch.float32 else "16bit"
+    """``"fp32"``, ``"16bit"`` or ``"fp8"`` (8-bit operands of the scaled GEMMs): the
+    grouped-GEMM tile tables are keyed by it."""
+    if dtype == torch.float32:
+        return "fp32"
+    return "fp8" if dtype.itemsize == 1 else "16bit"

@@ -64,6 +64,9 @@ PERMUTATION = (
 #: The Megatron-Core / Transformer Engine permutation ops of PERMUTATION: their own module.
 MOE_PERMUTATION = PERMUTATION[-6:]
 GROUPED_GEMM = ("gmm", "gmm_weight_grad", "gmm_weight_grad_accumulate", "gather_gmm", "gmm_scatter")
+#: The grouped GEMMs of quantized operands, and quantization (module scaled.py).
+SCALED_GEMM = ("scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter")
+QUANTIZATION = ("quantize",)
 ACTIVATION = ("glu", "glu_backward", "activation_backward")
 
 _INTS = frozenset({torch.int16, torch.int32, torch.int64})
@@ -369,9 +372,51 @@ def _warp_specialized_kernels() -> list[Kernel]:
     ]
 
 
+def _scaled_kernels(ops: tuple[str, ...]) -> list[Kernel]:
+    """The low-precision ops, in every format the core defines, on devices with FP8 matrix
+    instructions (:func:`megablocks_triton.scaled.fp8_capability`); quantize reads any strides
+    (an expert matrix's transposed view is its transpose-quantize)."""
+    if importlib.util.find_spec("triton") is None:
+        return []
+    from megablocks_core.plugin import FP8_DTYPES, SCALED_FORMATS
+
+    from . import scaled
+
+    eight = frozenset(FP8_DTYPES)
+    dtypes = {
+        "quantize": {"x": _computed(_FLOATS)},
+        "scaled_gmm": {"a": eight, "b": eight},
+        "scaled_gather_gmm": {"x": eight, "b": eight},
+        "scaled_gmm_scatter": {"x": eight, "b": eight, "weights": _ANY_FLOAT},
+    }
+    return [
+        Kernel(
+            op=op,
+            fn=getattr(scaled, op),
+            devices=_devices(),
+            tier=TIER,
+            capability=scaled.fp8_capability,
+            dtypes=dtypes[op],
+            contiguous=op != "quantize",
+            supports=getattr(scaled, f"{op}_supports", None),
+            formats=tuple(SCALED_FORMATS),
+        )
+        for op in ops
+    ]
+
+
 @hookimpl
 def megablocks_grouped_gemm_kernels() -> list[Kernel]:
-    return _kernels("gmm", GROUPED_GEMM, _gmm_dtypes()) + _warp_specialized_kernels()
+    return (
+        _kernels("gmm", GROUPED_GEMM, _gmm_dtypes())
+        + _warp_specialized_kernels()
+        + _scaled_kernels(SCALED_GEMM)
+    )
+
+
+@hookimpl
+def megablocks_quantization_kernels() -> list[Kernel]:
+    return _scaled_kernels(QUANTIZATION)
 
 
 @hookimpl

@@ -1,0 +1,332 @@
+"""The low-precision contracts: quantization, and the grouped GEMMs of quantized operands.
+
+Their formats are data (:mod:`megablocks_core.formats`): every scale shape, data dtype and
+output dtype below is derived from the ``format`` and ``encoding`` arguments through that module,
+and a kernel declares the formats it takes (``Kernel.formats``). The scaled GEMMs are the FP8
+forms of gmm, gather_gmm and gmm_scatter: the same groups, routing, bad-data rules and edge
+cases, with each operand given as 8-bit data and its float32 scales. They are not
+differentiable themselves (8-bit data has no gradient); :mod:`megablocks_core.fp8` trains through
+them, calling them from the high-precision ops' backward rules.
+"""
+
+from __future__ import annotations
+
+from ..formats import ENCODINGS, FORMAT_NAMES, FORMATS, FP8_DTYPES, SCALE_DTYPE
+from ..schema import (
+    FLOAT_DTYPES,
+    ChoiceArg,
+    IntArg,
+    OpContract,
+    Output,
+    Rule,
+    TensorArg,
+)
+from .common import (
+    BIN_IDS,
+    BINS,
+    EMPTY_AND_ZERO,
+    FIRST_ROWS,
+    GATHER_BAD_INDICES,
+    GATHER_ROWS,
+    INDICES,
+    PAST_BINS,
+    ROWS_COVER_BINS,
+    ROWS_OUT_DIM,
+    ROWS_WITHIN,
+    SCATTER_BAD_INDICES,
+    TOP_K,
+    UNROUTED_PERMUTATION_RULES,
+    WEIGHTS,
+)
+from .grouped_gemm import (
+    BATCH_SIZES,
+    FUSED_BAD_BINS,
+    GMM_BAD_SIZES,
+    GROUPS_FIT_A,
+    GROUPS_FROM_BINS,
+    GROUPS_WITHIN_A,
+    ONE_MATRIX_PER_BIN,
+    ROUTED_RULES,
+    ROWS_PAST_GROUPS,
+    ROWS_SHORT,
+    TRANS_B,
+)
+
+FORMATS_DOC = "; ".join(f"'{f.name}': {f.doc}" for f in FORMATS.values())
+FORMAT = ChoiceArg(
+    "format",
+    "the operands' format (megablocks_core.formats): " + FORMATS_DOC,
+    FORMAT_NAMES,
+)
+FORMAT_GIVEN = Rule(
+    "format is not None", f"a format is named (one of {', '.join(FORMAT_NAMES)})", error=TypeError
+)
+OUT_DTYPE = ChoiceArg(
+    "out_dtype",
+    "the output's dtype: 'bfloat16' (None), 'float16' or 'float32'",
+    ("bfloat16", "float16", "float32"),
+)
+OUT = "out_dtype_of(out_dtype)"
+
+ENCODING = ChoiceArg(
+    "encoding",
+    "the data's 8-bit encoding: "
+    + "; ".join(f"'{e.name}': {e.doc}" for e in ENCODINGS.values())
+    + "; None: the one x's device takes (FNUZ on gfx942, OCP elsewhere)",
+    tuple(ENCODINGS),
+)
+
+QUANTIZE = OpContract(
+    name="quantize",
+    family="quantization",
+    summary="Quantize a GEMM operand to 8-bit data and float32 block scales in a format.",
+    args=(
+        TensorArg(
+            "x",
+            FLOAT_DTYPES,
+            (2, 3),
+            "a row operand (rows, k), or expert matrices (experts, k, n) / (experts, n, k)",
+        ),
+        IntArg(
+            "reduce_dim",
+            "the dimension of x the GEMM sums over: 1 for a row operand; 1 or 2 for matrices "
+            "(1 for (experts, k, n), 2 for (experts, n, k))",
+            min=1,
+            max=2,
+        ),
+        FORMAT,
+        ENCODING,
+    ),
+    rules=(
+        FORMAT_GIVEN,
+        Rule("reduce_dim < x.dim()", "reduce_dim is a dimension of x"),
+        Rule("x.dim() == 3 or reduce_dim == 1", "a row operand (rows, k) is summed over k"),
+    ),
+    outputs=(
+        Output(
+            "data",
+            "encoding_of(encoding, x.device).dtype",
+            "tuple(x.shape)",
+            "x's shape, contiguous",
+        ),
+        Output(
+            "scale",
+            "torch.float32",
+            "operand_scale_shape(format, x.shape, reduce_dim)",
+            "one float32 per block, contiguous: (rows, 1) or (rows, ceil(k/128)) for rows; "
+            "(experts, 1, n) / (experts, n, 1) per column, or (experts, ceil(./128), ceil(./128)) "
+            "per tile, for matrices",
+        ),
+    ),
+    semantics=(
+        "Cuts x into the format's blocks (megablocks_core.formats.Format.block) and stores each "
+        "as data * scale: amax is the block's largest |x| (x taken in float32), scale = max(amax "
+        "/ max, 2**-126) in float32, rounded up to a power of two where the format says; data = "
+        "x * (1 / scale) (the float32 reciprocal, one float32 product), clamped to the "
+        "encoding's largest value and rounded to nearest, ties to even (megablocks_core.formats."
+        "quantize is the definition: a backend matches it bit for bit). x may be any strided "
+        "view, e.g. an expert matrix's transpose, to store the other dimension contiguous."
+    ),
+    edge_cases=(
+        "an empty block (zero rows, or k = 0) has amax 0; an all-zero block has scale 2**-126 "
+        "and data 0",
+        "a block holding a NaN or an infinity: scale NaN and every element NaN (0x7F in e4m3fn, "
+        "0x80 in e4m3fnuz)",
+        "a value that rounds to zero is +0 in e4m3fnuz (which has no -0)",
+    ),
+)
+
+SCALE_DOC = "float32 scales of {name}, the shape its format gives (quantize's scale)"
+
+
+def _scale_arg(name: str, ndim: int) -> TensorArg:
+    return TensorArg(
+        f"{name}_scale", frozenset({SCALE_DTYPE}), (ndim,), SCALE_DOC.format(name=name)
+    )
+
+
+def _scale_rules(rows: str, matrices: str) -> tuple[Rule, ...]:
+    return (
+        FORMAT_GIVEN,
+        Rule(
+            f"{matrices}.dtype == {rows}.dtype",
+            f"{rows} and {matrices} share one encoding",
+            error=TypeError,
+        ),
+        Rule(
+            f"{rows}_scale.shape == operand_scale_shape(format, {rows}.shape, 1)",
+            f"{rows}_scale has the shape {rows}'s format gives",
+        ),
+        Rule(
+            f"{matrices}_scale.shape == operand_scale_shape(format, {matrices}.shape, "
+            "2 if trans_b else 1)",
+            f"{matrices}_scale has the shape {matrices}'s format gives (summed over k)",
+        ),
+    )
+
+
+FP8_ROWS = "8-bit rows ({what}), (rows, k)"
+MATRICES = TensorArg(
+    "b",
+    FP8_DTYPES,
+    (3,),
+    "8-bit expert matrices, (experts, k, n) or (experts, n, k) with trans_b (the latter, k "
+    "contiguous, is the fast layout on NVIDIA Hopper)",
+)
+SCALED_ARITHMETIC = (
+    "Each product is taken from the dequantized operands (data * scale, megablocks_core.formats."
+    "dequantize): exact in float32 for 8-bit data, summed in float32 with the running sum "
+    "promoted to full float32 at least every 128 k (no long reduced-precision accumulation) and "
+    "rounded once to out_dtype. A kernel may apply a row-constant or column-constant scale "
+    "after the sum (exact up to float32 rounding). Between two promotions FP8 matrix units may "
+    "keep the sum in fewer bits (NVIDIA Hopper's: about 2**-13 of the largest term): outputs "
+    "are held to 2**-10 of the output's largest element."
+)
+#: The kit's least tolerance for them (OpContract.tolerance).
+SCALED_TOLERANCE = 2.0**-10
+
+SCALED_GMM = OpContract(
+    tolerance=SCALED_TOLERANCE,
+    name="scaled_gmm",
+    family="grouped_gemm",
+    summary="gmm of quantized operands: each expert's rows of a times that expert's matrix.",
+    args=(
+        TensorArg("a", FP8_DTYPES, (2,), FP8_ROWS.format(what="grouped by expert")),
+        _scale_arg("a", 2),
+        MATRICES,
+        _scale_arg("b", 3),
+        BATCH_SIZES,
+        TRANS_B,
+        FORMAT,
+        OUT_DTYPE,
+    ),
+    rules=(
+        *_scale_rules("a", "b"),
+        Rule("batch_sizes.shape[0] == b.shape[0]", "one group size per expert"),
+        Rule("a.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
+        GROUPS_WITHIN_A,
+        GROUPS_FIT_A,
+    ),
+    outputs=(Output("out", OUT, ("a.shape[0]", "b.shape[1] if trans_b else b.shape[2]")),),
+    semantics=(
+        "Rows bins[e-1]:bins[e] of the output are dequant(a)[those rows] @ dequant(b)[e] (or its "
+        "transpose). " + SCALED_ARITHMETIC + " " + ROWS_PAST_GROUPS + ": their output rows are 0."
+    ),
+    edge_cases=("rows = 0: empty output", "empty experts: no rows", GMM_BAD_SIZES),
+)
+
+SCALED_GATHER_GMM = OpContract(
+    tolerance=SCALED_TOLERANCE,
+    name="scaled_gather_gmm",
+    family="grouped_gemm",
+    summary="gather_gmm of quantized operands: rows read from the 8-bit tokens through the routing.",
+    args=(
+        TensorArg("x", FP8_DTYPES, (2,), FP8_ROWS.format(what="one per token")),
+        _scale_arg("x", 2),
+        MATRICES,
+        _scale_arg("b", 3),
+        INDICES,
+        BIN_IDS,
+        BINS,
+        TOP_K,
+        TRANS_B,
+        IntArg(
+            "rows",
+            "compute only the first rows sorted rows (as gather_gmm's rows); None: all of them",
+            min=0,
+            optional=True,
+        ),
+        FORMAT,
+        OUT_DTYPE,
+    ),
+    rules=(
+        *_scale_rules("x", "b"),
+        ONE_MATRIX_PER_BIN,
+        Rule("x.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
+        GATHER_ROWS,
+        *ROUTED_RULES,
+        ROWS_WITHIN,
+        ROWS_COVER_BINS,
+    ),
+    outputs=(
+        Output(
+            "out",
+            OUT,
+            (ROWS_OUT_DIM, "b.shape[1] if trans_b else b.shape[2]"),
+            "expert-sorted rows",
+        ),
+    ),
+    semantics=(
+        "Exactly scaled_gmm of the gathered rows: sorted row i is dequant(x)[indices[i] // top_k] "
+        "@ dequant(b)[e] for the expert e whose rows hold i (each token's row and scales are "
+        "quantized once, whatever its top_k copies). "
+        + GROUPS_FROM_BINS
+        + " "
+        + PAST_BINS
+        + ": their output rows are 0. "
+        + FIRST_ROWS
+        + " "
+        + SCALED_ARITHMETIC
+    ),
+    edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
+)
+
+SCALED_GMM_SCATTER = OpContract(
+    tolerance=SCALED_TOLERANCE,
+    name="scaled_gmm_scatter",
+    family="grouped_gemm",
+    summary="gmm_scatter of quantized operands: products summed straight back into token order.",
+    args=(
+        TensorArg("x", FP8_DTYPES, (2,), FP8_ROWS.format(what="expert-sorted")),
+        _scale_arg("x", 2),
+        MATRICES,
+        _scale_arg("b", 3),
+        INDICES,
+        BIN_IDS,
+        WEIGHTS,
+        BINS,
+        TOP_K,
+        TRANS_B,
+        IntArg(
+            "rows",
+            "x holds only the first rows sorted rows (as gmm_scatter's rows); None: all of them",
+            min=0,
+            optional=True,
+        ),
+        FORMAT,
+        OUT_DTYPE,
+    ),
+    rules=(
+        *_scale_rules("x", "b"),
+        ONE_MATRIX_PER_BIN,
+        Rule("x.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
+        Rule(
+            f"x.shape[0] == ({ROWS_OUT_DIM})",
+            "one row of x per sorted (token, k) pair, or per each of the first rows of them",
+        ),
+        *UNROUTED_PERMUTATION_RULES,
+        ROWS_WITHIN,
+        ROWS_COVER_BINS,
+    ),
+    outputs=(
+        Output(
+            "out",
+            OUT,
+            ("indices.shape[0] // top_k", "b.shape[1] if trans_b else b.shape[2]"),
+            "one row per token",
+        ),
+    ),
+    semantics=(
+        "Exactly scatter(scaled_gmm(x, ...), indices, bin_ids, weights, bins, top_k): each sorted "
+        "row's product rounded to out_dtype, then out[t] = sum over k of weights[t*top_k + k] * "
+        "product row, weighted and summed in float32 and rounded once to out_dtype. "
+        + GROUPS_FROM_BINS
+        + " "
+        + PAST_BINS
+        + ": they are skipped. "
+        + SCALED_ARITHMETIC
+    ),
+    edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
+)
+
+SCALED_OPS = (QUANTIZE, SCALED_GMM, SCALED_GATHER_GMM, SCALED_GMM_SCATTER)

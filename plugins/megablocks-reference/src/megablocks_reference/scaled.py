@@ -1,0 +1,109 @@
+"""The low-precision ops in plain PyTorch: quantization as the core defines it, and the scaled
+grouped GEMMs as float32 GEMMs of the dequantized operands (each product exact, the sums in
+float32, rounded once), independent of any other backend's kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from megablocks_core.plugin import (
+    SCALED_FORMATS,
+    dequantize_definition,
+    encoding_of,
+    quantize_definition,
+)
+
+from .kernels import _gather_rows, _token_major, gmm
+
+
+def quantize(
+    x: Tensor, reduce_dim: int, format: str, encoding: str | None
+) -> tuple[Tensor, Tensor]:
+    fmt = SCALED_FORMATS[format]
+    block = fmt.block(x.dim(), reduce_dim)
+    return quantize_definition(x, block, encoding_of(encoding, x.device), fmt.power_of_two)
+
+
+def _dequantized(data: Tensor, scale: Tensor, format: str, reduce_dim: int) -> Tensor:
+    return dequantize_definition(data, scale, SCALED_FORMATS[format].block(data.dim(), reduce_dim))
+
+
+def _operands(
+    a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, trans_b: bool, format: str
+) -> tuple[Tensor, Tensor]:
+    return (
+        _dequantized(a, a_scale, format, 1),
+        _dequantized(b, b_scale, format, 2 if trans_b else 1),
+    )
+
+
+def _sizes_from_bins(bins: Tensor, rows: int) -> Tensor:
+    """Group sizes from cumulative bins, safe for any bins (as the fused ops read them)."""
+    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp_(min=0)
+    return torch.diff(sizes.cumsum(0).clamp_(max=rows), prepend=sizes.new_zeros(1))
+
+
+def _out(values: Tensor, out_dtype: str | None) -> Tensor:
+    return values.to(getattr(torch, out_dtype or "bfloat16"))
+
+
+def scaled_gmm(
+    a: Tensor,
+    a_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    batch_sizes: Tensor,
+    trans_b: bool,
+    format: str,
+    out_dtype: str | None,
+) -> Tensor:
+    rows, matrices = _operands(a, a_scale, b, b_scale, trans_b, format)
+    return _out(gmm(rows, matrices, batch_sizes, trans_b), out_dtype)
+
+
+def scaled_gather_gmm(
+    x: Tensor,
+    x_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool,
+    rows: int | None,
+    format: str,
+    out_dtype: str | None,
+) -> Tensor:
+    tokens, matrices = _operands(x, x_scale, b, b_scale, trans_b, format)
+    gathered = _gather_rows(tokens, indices, None, top_k, rows)
+    sizes = _sizes_from_bins(bins, gathered.shape[0])
+    return _out(gmm(gathered, matrices, sizes, trans_b), out_dtype)
+
+
+def scaled_gmm_scatter(
+    x: Tensor,
+    x_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool,
+    rows: int | None,
+    format: str,
+    out_dtype: str | None,
+) -> Tensor:
+    sorted_rows, matrices = _operands(x, x_scale, b, b_scale, trans_b, format)
+    product = gmm(sorted_rows, matrices, _sizes_from_bins(bins, sorted_rows.shape[0]), trans_b)
+    product = _out(product, out_dtype)  # each product row rounded, as the contract says
+    if rows is not None and rows < indices.shape[0]:  # the pairs past rows have no product
+        product = torch.cat([product, product.new_zeros(indices.shape[0] - rows, product.shape[1])])
+    by_token = _token_major(product, indices).float()
+    if weights is not None:
+        by_token = by_token * weights.float()[:, None]
+    tokens = indices.shape[0] // top_k
+    return _out(by_token.view(tokens, top_k, product.shape[1]).sum(1), out_dtype)

@@ -1,0 +1,322 @@
+"""Triton kernels of the low-precision ops: quantization into an FP8 encoding with float32 block
+scales, and the grouped GEMM of quantized operands (``scaled_gmm``, ``scaled_gather_gmm``, the
+GEMM half of ``scaled_gmm_scatter``).
+
+Kernels only; the host side is :mod:`megablocks_triton.scaled`. The arithmetic is the core's
+(:mod:`megablocks_core.formats`): a quantized element is bit for bit what its definition gives,
+here by integer arithmetic on the float32 bits (:func:`_encode_e4m3`), which Triton's CPU
+interpreter runs exactly too, or by the hardware's conversion where the device has one.
+"""
+
+from __future__ import annotations
+
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+from .gmm import _group_sizes, _swizzle
+
+
+@triton.jit
+def _encode_e4m3(
+    v, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, HARDWARE: tl.constexpr,
+    FP8: tl.constexpr,
+):  # fmt: skip
+    """The E4M3 bits (int32, 0..255) of float32 ``v`` rounded to nearest, ties to even; ``v`` is
+    already clamped to the encoding's range (finite: a NaN block is written by the caller).
+    NEG_ZERO False (FNUZ): a value that rounds to zero is +0. HARDWARE: the device's conversion
+    (round to nearest even, saturating) into FP8, then its bits."""
+    if HARDWARE:
+        if not NEG_ZERO:
+            v = tl.where(v == 0.0, 0.0, v)
+        return v.to(FP8).to(tl.uint8, bitcast=True).to(tl.int32)
+    bits = v.to(tl.int32, bitcast=True)
+    magnitude = tl.abs(v)
+    # Rounding |v| to the encoding's spacing at its binade: adding 2**(e + 20) leaves the float32
+    # sum 3 mantissa bits below that binade's top, so the float32 add itself rounds to nearest
+    # even; subnormals share the spacing of the lowest normal binade.
+    exponent = (magnitude.to(tl.int32, bitcast=True) >> 23) - 127
+    exponent = tl.maximum(exponent, 1 - BIAS)
+    magic = ((exponent + (20 + 127)) << 23).to(tl.float32, bitcast=True)
+    rounded = (magnitude + magic) - magic
+    r_bits = rounded.to(tl.int32, bitcast=True)
+    r_exponent = (r_bits >> 23) - 127
+    normal_code = ((r_exponent + BIAS) << 3) | ((r_bits >> 20) & 7)
+    subnormal_code = (rounded * (2.0 ** (BIAS + 2))).to(tl.int32)  # multiples of 2**-(BIAS + 2)
+    code = tl.where(r_exponent >= 1 - BIAS, normal_code, subnormal_code)
+    negative = bits < 0
+    if not NEG_ZERO:
+        negative = negative & (code != 0)
+    return tl.where(negative, code | 128, code)
+
+
+@triton.jit
+def _block_scale(amax, bad, MAX: tl.constexpr, POW2: tl.constexpr):
+    """The float32 scale of blocks with largest magnitude ``amax`` (NaN where ``bad``: a NaN or
+    an infinity in the block), as megablocks_core.formats.quantize defines it."""
+    scale = tl.maximum(tl.math.div_rn(amax, MAX), 1.1754943508222875e-38)  # 2**-126
+    if POW2:  # round up to a power of two: carry any mantissa bit into the exponent
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(
+            tl.float32, bitcast=True
+        )
+    return tl.where(bad, float("nan"), scale)
+
+
+@triton.jit
+def _quantized_codes(
+    values, scale, bad, MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr,
+    NAN_BITS: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Codes of float32 ``values`` under their blocks' ``scale`` (broadcast), NaN where ``bad``."""
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    scaled = tl.minimum(tl.maximum(values * inverse, -MAX), MAX)
+    codes = _encode_e4m3(scaled, BIAS, NEG_ZERO, HARDWARE, FP8)
+    return tl.where(bad, NAN_BITS, codes).to(tl.uint8)
+
+
+@triton.jit
+def _nonfinite(values):
+    return (values != values) | (tl.abs(values) == float("inf"))
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, data_ptr, scale_ptr,
+    R, C, r_tiles, c_tiles,
+    stride_xe, stride_xr, stride_xc,
+    stride_se, stride_sr, stride_sc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr,
+    MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
+    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """x viewed as (E, R, C) with any strides -> data (E, R, C) contiguous (as uint8 codes) and
+    its scales (strided as given). MODE "tile": one scale per (BLOCK_R, BLOCK_C) tile; "row_tile":
+    one per row of each tile (1 x BLOCK_C blocks); "row": one per whole row (two passes over C);
+    "column": one per whole column (two passes over R). Program (e, r-tile, c-tile)."""
+    pid = tl.program_id(0)
+    e = pid // (r_tiles * c_tiles)
+    rest = pid % (r_tiles * c_tiles)
+    rows = (rest // c_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (rest % c_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+    x_base = x_ptr + e.to(tl.int64) * stride_xe
+    d_base = data_ptr + e.to(tl.int64) * R * C
+    s_base = scale_ptr + e.to(tl.int64) * stride_se
+    r_off = rows.to(tl.int64)[:, None]
+    c_off = cols.to(tl.int64)[None, :]
+    if MODE == "tile" or MODE == "row_tile":
+        mask = (rows < R)[:, None] & (cols < C)[None, :]
+        values = tl.load(x_base + r_off * stride_xr + c_off * stride_xc, mask=mask, other=0.0)
+        values = values.to(tl.float32)
+        magnitude = tl.abs(values)
+        bad_elements = _nonfinite(values).to(tl.int32)
+        if MODE == "tile":
+            amax = tl.max(tl.max(magnitude, 1), 0)
+            bad = tl.max(tl.max(bad_elements, 1), 0) > 0
+            scale = _block_scale(amax, bad, MAX, POW2)
+            tl.store(s_base + (rest // c_tiles) * stride_sr + (rest % c_tiles) * stride_sc, scale)
+            codes = _quantized_codes(
+                values, scale, bad, MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8
+            )
+        else:
+            amax = tl.max(magnitude, 1)
+            bad = tl.max(bad_elements, 1) > 0
+            scale = _block_scale(amax, bad, MAX, POW2)
+            tl.store(
+                s_base + rows.to(tl.int64) * stride_sr + (rest % c_tiles) * stride_sc,
+                scale,
+                mask=rows < R,
+            )
+            codes = _quantized_codes(
+                values, scale[:, None], bad[:, None], MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE,
+                FP8,
+            )  # fmt: skip
+        tl.store(d_base + r_off * C + c_off, codes, mask=mask)
+    elif MODE == "row":
+        r_ok = (rows < R)[:, None]
+        amax = tl.zeros((BLOCK_R,), tl.float32)
+        bad_count = tl.zeros((BLOCK_R,), tl.int32)
+        for c0 in range(0, C, BLOCK_C):
+            c_at = c0 + tl.arange(0, BLOCK_C)
+            mask = r_ok & (c_at < C)[None, :]
+            values = tl.load(
+                x_base + r_off * stride_xr + c_at.to(tl.int64)[None, :] * stride_xc,
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(values), 1))
+            bad_count += tl.sum(_nonfinite(values).to(tl.int32), 1)
+        bad = bad_count > 0
+        scale = _block_scale(amax, bad, MAX, POW2)
+        tl.store(s_base + rows.to(tl.int64) * stride_sr, scale, mask=rows < R)
+        for c0 in range(0, C, BLOCK_C):
+            c_at = c0 + tl.arange(0, BLOCK_C)
+            mask = r_ok & (c_at < C)[None, :]
+            c64 = c_at.to(tl.int64)[None, :]
+            values = tl.load(x_base + r_off * stride_xr + c64 * stride_xc, mask=mask, other=0.0)
+            codes = _quantized_codes(
+                values.to(tl.float32), scale[:, None], bad[:, None], MAX, BIAS, NEG_ZERO,
+                NAN_BITS, HARDWARE, FP8,
+            )  # fmt: skip
+            tl.store(d_base + r_off * C + c64, codes, mask=mask)
+    else:  # "column"
+        c_ok = (cols < C)[None, :]
+        amax = tl.zeros((BLOCK_C,), tl.float32)
+        bad_count = tl.zeros((BLOCK_C,), tl.int32)
+        for r0 in range(0, R, BLOCK_R):
+            r_at = r0 + tl.arange(0, BLOCK_R)
+            mask = (r_at < R)[:, None] & c_ok
+            values = tl.load(
+                x_base + r_at.to(tl.int64)[:, None] * stride_xr + c_off * stride_xc,
+                mask=mask,
+                other=0.0,
+            ).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(values), 0))
+            bad_count += tl.sum(_nonfinite(values).to(tl.int32), 0)
+        bad = bad_count > 0
+        scale = _block_scale(amax, bad, MAX, POW2)
+        tl.store(s_base + cols.to(tl.int64) * stride_sc, scale, mask=cols < C)
+        for r0 in range(0, R, BLOCK_R):
+            r_at = r0 + tl.arange(0, BLOCK_R)
+            mask = (r_at < R)[:, None] & c_ok
+            r64 = r_at.to(tl.int64)[:, None]
+            values = tl.load(x_base + r64 * stride_xr + c_off * stride_xc, mask=mask, other=0.0)
+            codes = _quantized_codes(
+                values.to(tl.float32), scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO,
+                NAN_BITS, HARDWARE, FP8,
+            )  # fmt: skip
+            tl.store(d_base + r64 * C + c_off, codes, mask=mask)
+
+
+@triton.jit
+def _rounded(values, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """float32 ``values`` in ``dtype``, rounded to nearest even. Triton's CPU interpreter
+    truncates float32 to bfloat16: there the rounding is done on the bits."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = values.to(tl.int32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return values.to(dtype)
+
+
+@triton.jit
+def _scaled_gmm_kernel(
+    a_ptr, b_ptr, c_ptr, sizes_ptr, idx_ptr, sa_ptr, sb_ptr,
+    M, N, K, E, top_k, num_ids,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    stride_sam, stride_sak,
+    stride_sbe, stride_sbk, stride_sbn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCKWISE: tl.constexpr, SCALE_BLOCK: tl.constexpr, PROMOTE: tl.constexpr,
+    B_TMA: tl.constexpr, TRANS_B: tl.constexpr, GATHER: tl.constexpr,
+    FROM_ENDS: tl.constexpr, ZERO_TAIL: tl.constexpr, INTERPRETED: tl.constexpr = False,
+    NO_PROMOTION: tl.constexpr = False, A_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+):  # fmt: skip
+    """The persistent grouped GEMM of 8-bit operands (as ``_gmm_kernel``: the same tile walk
+    over every expert's tiles, group sizes read on the device, rows clamped to their group).
+
+    Rowwise (not BLOCKWISE): sa (M or tokens, 1) per row, sb per output column (strided by
+    stride_sbn); the float32 accumulator is promoted every PROMOTE k (Hopper's FP8 MMA keeps a
+    narrower sum) and the epilogue multiplies by both scales. BLOCKWISE: sa (rows, ceil(K /
+    SCALE_BLOCK)), sb (E, ., .) per SCALE_BLOCK x SCALE_BLOCK tile (strides stride_sbk along k,
+    stride_sbn along n); each K step (BLOCK_K divides SCALE_BLOCK) is a fresh product, scaled
+    and added in float32. GATHER: A's row i is token row a[idx[i] // top_k] (its scales too);
+    ids outside [0, num_ids) give zero rows. B_TMA: b_ptr is a 3-D TMA descriptor over b's
+    storage; A_TMA (not GATHER): a_ptr a (M, K) one (rows past the group, the next group's, reach
+    only rows the store drops; its bounds zero-fill the K tail). FROM_ENDS: sizes_ptr holds bins.
+    FLATTEN: the tile and K loops pipelined as one (a short K loop's epilogue overlaps the next
+    tile's loads)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    e_idx = tl.arange(0, BLOCK_E)
+    sizes, covered = _group_sizes(sizes_ptr, E, M, BLOCK_E, FROM_ENDS)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(sizes, BLOCK_M) * n_tiles
+    tile_end = tl.cumsum(tiles, 0)
+    group_tiles = tl.sum(tiles, 0)
+    total_tiles = group_tiles
+    if ZERO_TAIL:
+        total_tiles += tl.cdiv(M - covered, BLOCK_M) * n_tiles
+    offs_k0 = tl.arange(0, BLOCK_K)
+
+    for tile in tl.range(pid, group_tiles, num_programs, flatten=FLATTEN):
+        before = tile_end <= tile
+        e = tl.sum(before.to(tl.int32), 0)
+        row_start = tl.sum(tl.where(before, sizes, 0), 0)
+        tile_base = tl.sum(tl.where(before, tiles, 0), 0)
+        size_e = tl.sum(tl.where(e_idx == e, sizes, 0), 0)
+        pid_m, pid_n = _swizzle(tile - tile_base, tl.cdiv(size_e, BLOCK_M), n_tiles, GROUP_M)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col0 = pid_n * BLOCK_N
+        n_ok = cols < N
+
+        # A's rows (clamped into the group) and, gathered, the token each one reads.
+        sorted_rows = (row_start + tl.minimum(rows, size_e - 1)).to(tl.int64)
+        if GATHER:
+            flat = tl.load(idx_ptr + sorted_rows).to(tl.int64)
+            named = (flat >= 0) & (flat < num_ids)
+            a_rows = tl.where(named, flat // top_k, 0)
+        else:
+            named = rows >= 0
+            a_rows = sorted_rows
+        if not A_TMA:
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k0[None, :] * stride_ak
+        if not B_TMA:
+            b_ptrs = (b_ptr + e.to(tl.int64) * stride_be
+                      + offs_k0[:, None] * stride_bk + cols[None, :].to(tl.int64) * stride_bn)  # fmt: skip
+        sa_row = sa_ptr + a_rows * stride_sam
+        sb_col = sb_ptr + e.to(tl.int64) * stride_sbe + (cols // SCALE_BLOCK) * stride_sbn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            if A_TMA:
+                a = a_ptr.load([row_start + pid_m * BLOCK_M, k])
+            elif EVEN_K:
+                a = tl.load(a_ptrs, mask=named[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=named[:, None] & (offs_k0 < K - k)[None, :], other=0.0)
+            if B_TMA:
+                if TRANS_B:
+                    b = tl.trans(b_ptr.load([e, col0, k]).reshape(BLOCK_N, BLOCK_K))
+                else:
+                    b = b_ptr.load([e, k, col0]).reshape(BLOCK_K, BLOCK_N)
+            else:
+                if EVEN_K:
+                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    b = tl.load(b_ptrs, mask=(offs_k0 < K - k)[:, None] & n_ok[None, :], other=0.0)
+                b_ptrs += BLOCK_K * stride_bk
+            if not A_TMA:
+                a_ptrs += BLOCK_K * stride_ak
+            if BLOCKWISE:
+                kb = k // SCALE_BLOCK
+                sa = tl.load(sa_row + kb * stride_sak)
+                sb = tl.load(sb_col + kb * stride_sbk, mask=n_ok, other=0.0)
+                acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            elif NO_PROMOTION:  # measurements only: the MMA's own accumulation throughout
+                acc = tl.dot(a, b, acc)
+            else:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+
+        if not BLOCKWISE:
+            sa = tl.load(sa_row)
+            sb = tl.load(sb_col, mask=n_ok, other=0.0)
+            acc = acc * sa[:, None] * sb[None, :]
+        acc = tl.where(named[:, None], acc, 0.0)  # an unnamed row's NaN scale must not leak
+        out_rows = (row_start + rows).to(tl.int64)
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        c_mask = (rows < size_e)[:, None] & n_ok[None, :]
+        tl.store(c_ptrs, _rounded(acc, c_ptr.dtype.element_ty, INTERPRETED), mask=c_mask)
+
+    first_tail = group_tiles + (pid - group_tiles % num_programs + num_programs) % num_programs
+    for tile in range(first_tail, total_tiles, num_programs):
+        local = tile - group_tiles
+        rows = covered + (local // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (local % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = (
+            c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :].to(tl.int64) * stride_cn
+        )
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+        tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])

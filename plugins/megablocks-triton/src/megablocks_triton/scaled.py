@@ -1,0 +1,487 @@
+"""The low-precision ops' host side: ``quantize`` and the scaled grouped GEMMs.
+
+``quantize`` is one launch of :func:`~megablocks_triton.kernels.scaled._quantize_kernel` over x
+seen as (E, R, C) (a row operand is E = 1), in any strides: an expert matrix's transposed view
+is read tile by tile and written contiguous (the transpose-quantize that gives the scaled GEMMs
+their reduced dimension contiguous). The scaled GEMMs are one launch of
+:func:`~megablocks_triton.kernels.scaled._scaled_gmm_kernel` each, prepared once per call shape
+like the 16-bit forward ops (:mod:`megablocks_triton.gmm`); ``scaled_gmm_scatter`` is that GEMM
+into expert-sorted rows of the output dtype, then the 16-bit path's token-major scatter.
+
+FP8 matrix instructions exist on NVIDIA sm_89+ (OCP e4m3fn) and AMD gfx942 (FNUZ e4m3fnuz) /
+gfx950 (OCP): :func:`fp8_capability` refuses other devices, :func:`scaled_gmm_supports` a data
+encoding the device's matrix units do not take.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from megablocks_core.plugin import (
+    FP8_ENCODINGS,
+    SCALED_FORMATS,
+    DeviceInfo,
+    base_arch,
+    native_encoding,
+)
+
+from .config import LaunchConfigs, launch_configs
+from .gmm_configs import (
+    _check_experts,
+    _device_sizes,
+    _num_sms,
+    _tma_layout_ok,
+    choose_config,
+    device_info,
+)
+from .kernels.scaled import _quantize_kernel, _scaled_gmm_kernel
+from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
+
+#: AMD archs with FP8 matrix instructions: CDNA3 (FNUZ) and CDNA4 (OCP).
+AMD_FP8_ARCHS = frozenset({"gfx940", "gfx941", "gfx942", "gfx950"})
+#: A K step of a blockwise format never straddles two scale blocks: BLOCK_K divides this.
+SCALE_BLOCK = 128
+#: The float32 sum of the FP8 products is promoted at least every this many k (Hopper's FP8
+#: MMA accumulates in reduced precision between promotions); None: never (measurements only).
+PROMOTE_EVERY: int | None = SCALE_BLOCK
+#: The smallest K step: an FP8 MMA on Hopper takes K >= 32.
+MIN_BLOCK_K = 32
+#: Measurements only (tile sweeps): this config instead of the launch policy's.
+CONFIG_OVERRIDE: Any = None
+
+
+def fp8_capability(device: DeviceInfo) -> str | None:
+    """None where the device's matrix units take FP8, else why not."""
+    if device.kind == "cpu":
+        return None
+    if device.kind == "cuda":
+        if device.capability is not None and device.capability >= (8, 9):
+            return None
+        return f"FP8 matrix instructions need NVIDIA sm_89 or newer; {device} has none"
+    if device.kind == "rocm" and base_arch(device) in AMD_FP8_ARCHS:
+        return None
+    return f"no FP8 matrix instructions on {device} (AMD: gfx942 or gfx950)"
+
+
+def _hardware_conversion(device: DeviceInfo, encoding: str) -> bool:
+    """Whether the device converts float32 into this encoding itself (else the kernel's integer
+    encoder does, bit for bit the same): the native encoding of a GPU with FP8 units."""
+    if device.kind == "cpu" or fp8_capability(device) is not None:
+        return False
+    return native_encoding(device).name == encoding
+
+
+# --------------------------------------------------------------------------------------------
+# quantize
+# --------------------------------------------------------------------------------------------
+
+#: (R, C) tile of the quantize kernel per mode: "tile" is the format's square block; the others
+#: keep ~4K elements per program.
+_QUANTIZE_TILES = {"row_tile": (32, 128), "row": (8, 512), "column": (64, 64)}
+
+
+def quantize(
+    x: torch.Tensor, reduce_dim: int, format: str, encoding: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = SCALED_FORMATS[format]
+    info = device_info(x.device)
+    enc = FP8_ENCODINGS[encoding] if encoding is not None else native_encoding(info)
+    block = fmt.block(x.dim(), reduce_dim)
+    view = x if x.dim() == 3 else x.unsqueeze(0)
+    experts, r, c = view.shape
+    block3 = block if x.dim() == 3 else (1, *block)
+    scale_shape = tuple(1 if b == 0 else cdiv(s, b) for s, b in zip(x.shape, block, strict=True))
+    data = torch.empty(x.shape, dtype=enc.dtype, device=x.device)
+    scale = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+    if data.numel() == 0:
+        if scale.numel():  # empty blocks (k = 0): amax 0, the smallest scale
+            scale.fill_(2.0**-126)
+        return data, scale
+    _, br, bc = block3
+    if br == 0:
+        mode = "column"
+    elif bc == 0:
+        mode = "row"
+    elif br == 1:
+        mode = "row_tile"
+    else:
+        mode = "tile"
+    block_r, block_c = (br, bc) if mode == "tile" else _QUANTIZE_TILES[mode]
+    if mode == "row_tile":
+        block_c = bc
+    r_tiles = 1 if mode == "column" else cdiv(r, block_r)
+    c_tiles = 1 if mode == "row" else cdiv(c, block_c)
+    scale3 = scale if x.dim() == 3 else scale.unsqueeze(0)
+    hardware = _hardware_conversion(info, enc.name)
+    import triton.language as tl  # type: ignore[import-untyped]
+
+    fp8 = tl.float8e4b8 if enc.name == "e4m3fnuz" else tl.float8e4nv
+    from .launch import launch
+
+    launch(
+        _quantize_kernel,
+        (experts * r_tiles * c_tiles,),
+        view, data.view(torch.uint8), scale3,
+        r, c, r_tiles, c_tiles,
+        *view.stride(), *scale3.stride(),
+        BLOCK_R=block_r, BLOCK_C=block_c, MODE=mode,
+        MAX=enc.max, BIAS=enc.exponent_bias, NEG_ZERO=enc.negative_zero,
+        NAN_BITS=0x7F if enc.negative_zero else 0x80,
+        POW2=fmt.power_of_two, HARDWARE=hardware, FP8=fp8,
+        num_warps=4,
+    )  # fmt: skip
+    return data, scale
+
+
+def quantize_supports(device: DeviceInfo, call: Any) -> str | None:
+    encoding = call["encoding"]
+    if encoding is not None and encoding not in FP8_ENCODINGS:  # pragma: no cover - validated
+        return f"unknown encoding {encoding!r}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The scaled grouped GEMMs
+# --------------------------------------------------------------------------------------------
+
+
+def _scale_strides(scale: torch.Tensor, trans_b: bool) -> tuple[int, int, int]:
+    """(expert, along k, along n) strides of b's scales (b stored (E, k, n), or (E, n, k))."""
+    if trans_b:
+        return scale.stride(0), scale.stride(2), scale.stride(1)
+    return scale.stride(0), scale.stride(1), scale.stride(2)
+
+
+class _ScaledPlan:
+    """One call shape's scaled GEMM launch (as :class:`megablocks_triton.gmm._ForwardPlan`)."""
+
+    __slots__ = ("out_dtype", "plain", "reads_a", "shape", "tma")
+
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        out_dtype: torch.dtype,
+        plain: BoundLaunch,
+        tma: BoundLaunch | None,
+        reads_a: bool,
+    ) -> None:
+        self.shape = shape
+        self.out_dtype = out_dtype
+        self.plain = plain
+        self.tma = tma
+        self.reads_a = reads_a
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        a, b = tensors[0], tensors[1]
+        out = torch.empty(self.shape, dtype=self.out_dtype, device=a.device)
+        aligned = not (b.data_ptr() | (a.data_ptr() if self.reads_a else 0)) & 15
+        launch = self.tma if self.tma is not None and aligned else self.plain
+        launch(a, b, out, *tensors[2:])
+        return out
+
+
+def _scaled_plan(
+    configs: LaunchConfigs,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    gather_top_k: int | None,
+    from_ends: bool,
+    blockwise: bool,
+    out_dtype: torch.dtype,
+    zero_tail: bool,
+) -> Callable[..., torch.Tensor]:
+    k = a.shape[1]
+    num_experts = b.shape[0]
+    n = b.shape[1] if trans_b else b.shape[2]
+    shape = (m, n)
+    if m == 0 or n == 0:
+        return lambda *t: torch.empty(shape, dtype=out_dtype, device=a.device)
+    if k == 0:
+        return lambda *t: torch.zeros(shape, dtype=out_dtype, device=a.device)
+    block_e = _check_experts(num_experts)
+    info = device_info(a.device)
+    cfg = CONFIG_OVERRIDE or choose_config("gmm", m, n, k, num_experts, a.dtype, info)
+    cfg = replace(cfg, block_k=max(cfg.block_k, MIN_BLOCK_K))
+    if blockwise:
+        # A K step never straddles two scale blocks; the per-step scaling does not flatten well
+        # (qwen3 up/down on the H200: 585/446 TFLOP/s plain vs 498/425 flattened).
+        cfg = replace(cfg, block_k=min(cfg.block_k, SCALE_BLOCK), flatten=False)
+    stride_bk, stride_bn = (b.stride(2), b.stride(1)) if trans_b else (b.stride(1), b.stride(2))
+    n_tiles = cdiv(n, cfg.block_n)
+    max_tiles = (m // cfg.block_m + min(num_experts, m) + 1) * n_tiles
+    grid = (max(1, min(_num_sms(info) * cfg.programs_per_sm, max_tiles)),)
+    scalars = (
+        m, n, k, num_experts, gather_top_k if gather_top_k is not None else 1,
+        a.shape[0] * gather_top_k if gather_top_k is not None else m,
+        a.stride(0), a.stride(1),
+        b.stride(0), stride_bk, stride_bn,
+        n, 1,
+        a_scale.stride(0), a_scale.stride(1),
+        *_scale_strides(b_scale, trans_b),
+    )  # fmt: skip
+    kw = {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "BLOCK_E": block_e,
+        "GROUP_M": cfg.group_m,
+        "EVEN_K": k % cfg.block_k == 0,
+        "BLOCKWISE": blockwise,
+        "SCALE_BLOCK": SCALE_BLOCK if blockwise else 1,
+        "PROMOTE": cfg.block_k if PROMOTE_EVERY is None else min(PROMOTE_EVERY, cfg.block_k),
+        "NO_PROMOTION": PROMOTE_EVERY is None,
+        "TRANS_B": trans_b,
+        "GATHER": gather_top_k is not None,
+        "FROM_ENDS": from_ends,
+        "ZERO_TAIL": zero_tail,
+        "INTERPRETED": info.kind == "cpu",
+        "FLATTEN": cfg.flatten,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        **configs.launch_options("gmm"),
+    }
+    plain = bind(_scaled_gmm_kernel, grid, *scalars, B_TMA=False, **kw)
+    tma: BoundLaunch | None = None
+    gather = gather_top_k is not None
+    # Gathered rows cannot come through a descriptor (no row gather before Blackwell): then only
+    # b does.
+    if cfg.use_tma and _tma_layout_ok(info, b):
+        b_block = [1, cfg.block_n, cfg.block_k] if trans_b else [1, cfg.block_k, cfg.block_n]
+        blocks = {1: b_block}
+        a_tma = not gather and _tma_layout_ok(info, a)
+        if a_tma:
+            blocks[0] = [cfg.block_m, cfg.block_k]
+        tma = bind_descriptors(
+            _scaled_gmm_kernel, grid, *scalars, descriptors=blocks, B_TMA=True, A_TMA=a_tma, **kw
+        )
+    return _ScaledPlan(shape, out_dtype, plain, tma, reads_a=not gather)
+
+
+#: Per call shape and launch policy: the prepared scaled launches.
+_SCALED_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def _planned(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    gather_top_k: int | None,
+    from_ends: bool,
+    format: str,
+    out_dtype: torch.dtype,
+    zero_tail: bool = True,
+    sizes_dtype: torch.dtype | None = None,
+    indices_dtype: torch.dtype | None = None,
+) -> Callable[..., torch.Tensor]:
+    configs = launch_configs()
+    key = (
+        a.shape, a.stride(), a.dtype, a.device, a_scale.shape, a_scale.stride(),
+        b.shape, b.stride(), b.dtype, b_scale.shape, b_scale.stride(), sizes_dtype,
+        indices_dtype, m, trans_b, gather_top_k, from_ends, format, out_dtype, zero_tail, configs,
+    )  # fmt: skip
+    plan = _SCALED_PLANS.get(key)
+    if plan is None:
+        blockwise = SCALED_FORMATS[format].matrix_block != 0
+        plan = remember(
+            _SCALED_PLANS,
+            key,
+            _scaled_plan(
+                configs,
+                a,
+                a_scale,
+                b,
+                b_scale,
+                trans_b,
+                m,
+                gather_top_k,
+                from_ends,
+                blockwise,
+                out_dtype,
+                zero_tail,
+            ),
+        )
+    return plan
+
+
+def _out_dtype(name: str | None) -> torch.dtype:
+    dtype: torch.dtype = getattr(torch, name or "bfloat16")
+    return dtype
+
+
+def _contiguous_scale(scale: torch.Tensor) -> torch.Tensor:
+    return scale if scale.is_contiguous() else scale.contiguous()
+
+
+def scaled_gmm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    batch_sizes: torch.Tensor,
+    trans_b: bool,
+    format: str,
+    out_dtype: str | None,
+) -> torch.Tensor:
+    sizes = _device_sizes(batch_sizes, a.device)
+    a_scale, b_scale = _contiguous_scale(a_scale), _contiguous_scale(b_scale)
+    plan = _planned(
+        a, a_scale, b, b_scale, trans_b, a.shape[0], None, False, format,
+        _out_dtype(out_dtype), sizes_dtype=sizes.dtype,
+    )  # fmt: skip
+    return plan(a, b, sizes, sizes, a_scale, b_scale)
+
+
+def scaled_gather_gmm(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    bins: torch.Tensor,
+    top_k: int,
+    trans_b: bool,
+    rows: int | None,
+    format: str,
+    out_dtype: str | None,
+) -> torch.Tensor:
+    x_scale, b_scale = _contiguous_scale(x_scale), _contiguous_scale(b_scale)
+    m = indices.shape[0] if rows is None else rows
+    plan = _planned(
+        x, x_scale, b, b_scale, trans_b, m, int(top_k), True, format, _out_dtype(out_dtype),
+        sizes_dtype=bins.dtype, indices_dtype=indices.dtype,
+    )  # fmt: skip
+    return plan(x, b, bins, indices, x_scale, b_scale)
+
+
+def scaled_gmm_scatter(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    indices: torch.Tensor,
+    bin_ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
+    trans_b: bool,
+    rows: int | None,
+    format: str,
+    out_dtype: str | None,
+) -> torch.Tensor:
+    from .permutation import _scatter_plan
+
+    x_scale, b_scale = _contiguous_scale(x_scale), _contiguous_scale(b_scale)
+    dtype = _out_dtype(out_dtype)
+    gemm = _planned(
+        x, x_scale, b, b_scale, trans_b, x.shape[0], None, True, format, dtype,
+        zero_tail=False, sizes_dtype=bins.dtype,
+    )  # fmt: skip
+    products = gemm(x, b, bins, bins, x_scale, b_scale)
+    configs = launch_configs()
+    key = (
+        products.shape, dtype, indices.numel(), bins.numel(), int(top_k), weights is not None,
+        configs,
+    )  # fmt: skip
+    reduce = _SCATTER_PLANS.get(key)
+    if reduce is None:
+        meta = torch.empty(products.shape, dtype=dtype, device="meta")
+        reduce = remember(
+            _SCATTER_PLANS,
+            key,
+            _scatter_plan(
+                configs,
+                meta,
+                indices.numel(),
+                bins.numel(),
+                int(top_k),
+                weights is not None,
+                grouped_rows=True,
+            ),
+        )
+    return reduce(products, indices, weights, bins)
+
+
+_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def scaled_gmm_supports(device: DeviceInfo, call: Any) -> str | None:
+    """The data's encoding must be the one the device's matrix units take (the interpreter
+    takes both, but rounds bfloat16 products wrongly on their way into the scatter kernel)."""
+    if device.kind == "cpu":
+        if call.get("weights", False) is not False and call.get("out_dtype") in (None, "bfloat16"):
+            return "Triton's interpreter truncates the bfloat16 products the scatter sums"
+        return None
+    native = native_encoding(device)
+    for name in ("a", "x"):
+        meta = call.get(name)
+        if meta is not None and meta.dtype != native.dtype:
+            dtype = str(meta.dtype).removeprefix("torch.")
+            return f"{device} multiplies {native.name} FP8, not {dtype}"
+    return None
+
+
+scaled_gather_gmm_supports = scaled_gmm_supports
+scaled_gmm_scatter_supports = scaled_gmm_supports
+
+
+def compile_calls(shape: Any, device: DeviceInfo) -> Any:
+    """(op, call) of the low-precision ops at a layer ``shape`` on ``device`` (meta tensors, for
+    the compile gate): every format, the transpose-quantize of both weights, both GEMM layouts;
+    none on a device without FP8 matrix instructions."""
+    if fp8_capability(device) is not None:
+        return
+    t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
+    rows = t * k
+    enc = native_encoding(device)
+    i32, bf16 = torch.int32, torch.bfloat16
+    ids, counts = _meta(rows, dtype=i32), _meta(e, dtype=i32)
+    weights = _meta(rows, dtype=torch.float32)
+    x, hidden = _meta(t, h, dtype=bf16), _meta(rows, f, dtype=bf16)
+    w1, w2 = _meta(e, h, f, dtype=bf16), _meta(e, f, h, dtype=bf16)
+    for format in SCALED_FORMATS:
+        yield "quantize", functools.partial(quantize, x, 1, format, None)
+        yield "quantize", functools.partial(quantize, w1.transpose(1, 2), 2, format, None)
+        yield "quantize", functools.partial(quantize, w2, 2, format, None)  # (experts, n, k) as is
+        x8, sx = _quantized_meta(x, format, 1, enc.dtype)
+        h8, sh = _quantized_meta(hidden, format, 1, enc.dtype)
+        w1t, s1 = _quantized_meta(w1.transpose(1, 2), format, 2, enc.dtype)
+        w2t, s2 = _quantized_meta(w2.transpose(1, 2), format, 2, enc.dtype)
+        yield (
+            "scaled_gather_gmm",
+            functools.partial(
+                scaled_gather_gmm, x8, sx, w1t, s1, ids, ids, counts, k, True, None, format, None
+            ),
+        )
+        yield "scaled_gmm_scatter", functools.partial(
+            scaled_gmm_scatter, h8, sh, w2t, s2, ids, ids, weights, counts, k, True, None,
+            format, None,
+        )  # fmt: skip
+        yield (
+            "scaled_gmm",
+            functools.partial(scaled_gmm, h8, sh, w2t, s2, counts, True, format, None),
+        )
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _quantized_meta(
+    x: torch.Tensor, format: str, reduce_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    block = SCALED_FORMATS[format].block(x.dim(), reduce_dim)
+    shape = tuple(1 if b == 0 else cdiv(s, b) for s, b in zip(x.shape, block, strict=True))
+    return _meta(*x.shape, dtype=dtype), _meta(*shape, dtype=torch.float32)
