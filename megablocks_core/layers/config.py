@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..activations import ACTIVATIONS, GATED
+from ..fp8 import Recipe, recipe_of
 from ..schema import FLOAT_DTYPES
 
 if TYPE_CHECKING:
@@ -267,6 +268,16 @@ class MoEConfig:
     backward takes the expert gradients through ``torch.autograd.grad``) or under
     ``torch.compile``. Settable later on the layer: ``layer.grad_accumulation_fusion = True``."""
 
+    fp8: Recipe | str | None = None
+    """Run the expert GEMMs in FP8 (:mod:`megablocks_core.fp8`): a
+    :class:`megablocks_core.fp8.Recipe` or a format name (``"fp8_rowwise"``,
+    ``"fp8_blockwise"``: that format, the recipe's defaults otherwise); None (default): in the
+    weights' dtype. The weights stay in their dtype (the master copy) and are quantized per call
+    (``Recipe.cache_weights`` keeps the quantized copy while a weight is unchanged); the tokens
+    are quantized once each, the activated rows once per (token, expert) pair, and the
+    backward's data gradients run in FP8 too unless ``Recipe(backward="input")``. Weight
+    gradients stay in the weights' dtype."""
+
     expert_parallel_dispatch: str = "alltoall"
     """How tokens reach the experts' ranks, one of ``("alltoall", "allgather")``. ``"alltoall"``
     (default): each token goes once to each rank holding one of its top-k experts, with one host
@@ -298,6 +309,10 @@ def _check_config(config: MoEConfig) -> None:
     ):
         _check_bool(name, flag)
     _check_activation(config.activation)
+    try:
+        recipe_of(config.fp8)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{_LAYER}: fp8: {exc}") from None
     if config.normalize_expert_weights is not None:
         _check_number(
             "normalize_expert_weights",

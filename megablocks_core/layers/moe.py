@@ -53,6 +53,7 @@ all-to-all split sizes (:func:`megablocks_core.layers.parallel.expert_parallel_m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -61,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import ops
+from .. import fp8, ops
 from ..activations import ACTIVATIONS, GATED, gelu_tanh
 from ..autograd import fuse_grad_accumulation, is_grad_accumulation_fused
 from .config import _LAYER, MoEConfig, _check_bool, _check_init, _got
@@ -324,10 +325,22 @@ class DroplessMoE(torch.nn.Module):
         gate, up = h.chunk(2, dim=-1)
         return self.activation(gate) * up
 
+    def _gemms(self) -> tuple[Any, Any, Any]:
+        """(gmm, gather_gmm, gmm_scatter): the ops, or their FP8 forms under ``config.fp8``."""
+        recipe = fp8.recipe_of(self.config.fp8)
+        if recipe is None:
+            return ops.gmm, ops.gather_gmm, ops.gmm_scatter
+        return (
+            functools.partial(fp8.gmm, recipe=recipe),
+            functools.partial(fp8.gather_gmm, recipe=recipe),
+            functools.partial(fp8.gmm_scatter, recipe=recipe),
+        )
+
     def experts(self, rows: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """Each expert's MLP over its contiguous group of rows (groups sized by tokens_per_expert)."""
-        h = self._activate(ops.gmm(rows, self.w1, tokens_per_expert))
-        return ops.gmm(h, self.w2, tokens_per_expert)
+        gmm = self._gemms()[0]
+        h = self._activate(gmm(rows, self.w1, tokens_per_expert))
+        return gmm(h, self.w2, tokens_per_expert)
 
     def _fused_experts(
         self,
@@ -345,15 +358,14 @@ class DroplessMoE(torch.nn.Module):
         activation). ``rows``: only the first sorted pairs (bins[-1] of them; the rest are
         routed to no expert here) are computed and kept."""
         routing = (indices, bin_ids)
-        h = ops.gather_gmm(x, self.w1, *routing, bins, self.top_k, False, rows)
+        _, gather_gmm, gmm_scatter = self._gemms()
+        h = gather_gmm(x, self.w1, *routing, bins, self.top_k, False, rows)
         if self.activation_name is not None:
             # gmm_scatter applies the activation to h (a gated one: act(gate) * up) and keeps
             # only h for backward.
             name = _GATED_BY_GATE[self.activation_name] if self.glu else self.activation_name
-            return ops.gmm_scatter(
-                h, self.w2, *routing, weights, bins, self.top_k, False, name, rows
-            )
-        return ops.gmm_scatter(
+            return gmm_scatter(h, self.w2, *routing, weights, bins, self.top_k, False, name, rows)
+        return gmm_scatter(
             self._activate(h), self.w2, *routing, weights, bins, self.top_k, False, None, rows
         )
 

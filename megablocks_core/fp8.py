@@ -1,0 +1,327 @@
+"""Training through FP8 grouped GEMMs: a recipe, and gmm / gather_gmm / gmm_scatter whose
+GEMMs run on quantized operands.
+
+The functions here take and return what the ops of the same name take and return (16- or 32-bit
+tensors, the same contracts, validated the same way), and differentiate through the same backward
+rules (:mod:`megablocks_core.autograd`). Only the GEMMs change: each one quantizes its operands
+(``quantize``: the row operand once per token, the expert weights once per call or once per
+weight version, see :attr:`Recipe.cache_weights`) and runs the scaled op (``scaled_gmm``,
+``scaled_gather_gmm``, ``scaled_gmm_scatter``) on whichever backend ranks first for it. The
+backward's data-gradient GEMMs run in the recipe's format too unless ``backward="input"``;
+the weight gradients always run in the inputs' dtype (no FP8 weight-gradient kernel yet), reading
+the rows the backward has anyway.
+
+Expert weights are quantized with their reduced dimension stored contiguous (the transpose of a
+``(experts, k, n)`` weight for the forward, the weight as it is for the gradient of the rows):
+the layout NVIDIA Hopper's FP8 matrix instructions read at full speed.
+
+Not supported (each a clear error): ``create_graph=True`` through an FP8 GEMM, and
+``torch.compile`` of these functions (the ops themselves compile; eager and CUDA graphs work).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from . import autograd, validation
+from .activations import activate_with
+from .calls import call
+from .contracts import BY_NAME
+from .formats import ENCODINGS, FORMAT_NAMES
+from .policy import current_policy, overrides
+from .schema import OpContract
+
+#: A 16/32-bit dtype -> the scaled ops' out_dtype name (float64 data: computed in float32).
+_OUT_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a layer's grouped GEMMs run in low precision.
+
+    ``format``: the operands' format (:data:`megablocks_core.formats.FORMATS`). ``encoding``: the
+    8-bit encoding, None for the one the device's matrix units take (FNUZ on gfx942, OCP
+    elsewhere). ``backward``: ``"fp8"`` runs the data-gradient GEMMs (the gradient of the rows and
+    tokens) quantized too, ``"input"`` in the inputs' dtype. Weight gradients always run in the
+    inputs' dtype. ``cache_weights``: keep each weight's quantized copy while the weight tensor
+    is unchanged (its version counter), across the forward, the backward and further
+    micro-batches, for one byte a weight element per layout kept (two: the forward's and the
+    backward's). Off by default: an update the version counter does not see (through ``.data``)
+    would go unnoticed."""
+
+    format: str = "fp8_rowwise"
+    encoding: str | None = None
+    backward: Literal["fp8", "input"] = "fp8"
+    cache_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMAT_NAMES:
+            raise ValueError(
+                f"Recipe: format must be one of {', '.join(FORMAT_NAMES)}; got {self.format!r}"
+            )
+        if self.encoding is not None and self.encoding not in ENCODINGS:
+            raise ValueError(
+                f"Recipe: encoding must be None or one of {', '.join(ENCODINGS)}; "
+                f"got {self.encoding!r}"
+            )
+        if self.backward not in ("fp8", "input"):
+            raise ValueError(f"Recipe: backward must be 'fp8' or 'input'; got {self.backward!r}")
+        if not isinstance(self.cache_weights, bool):
+            raise TypeError(f"Recipe: cache_weights must be a bool; got {self.cache_weights!r}")
+
+
+def recipe_of(value: Recipe | str | None) -> Recipe | None:
+    """A recipe from a recipe, a format name (the recipe's defaults otherwise) or None."""
+    if value is None or isinstance(value, Recipe):
+        return value
+    if isinstance(value, str):
+        return Recipe(format=value)
+    raise TypeError(
+        f"an FP8 recipe is a megablocks_core.fp8.Recipe, a format name ({', '.join(FORMAT_NAMES)}) "
+        f"or None; got {type(value).__name__}"
+    )
+
+
+#: id(weight) -> (a weak reference to it, {(format, encoding, layout): (its version, data,
+#: scale)}): quantized copies kept while the weight lives and is unchanged
+#: (Recipe.cache_weights). Keyed by id: a tensor's == compares elements.
+_WEIGHT_CACHE: dict[int, tuple[weakref.ref[Tensor], dict[Any, tuple[int, Tensor, Tensor]]]] = {}
+
+
+def _cached_copies(weight: Tensor) -> dict[Any, tuple[int, Tensor, Tensor]]:
+    """The cache entry of ``weight`` (made on first use, dropped when the weight is freed)."""
+    found = _WEIGHT_CACHE.get(id(weight))
+    if found is not None and found[0]() is weight:
+        return found[1]
+    copies: dict[Any, tuple[int, Tensor, Tensor]] = {}
+    _WEIGHT_CACHE[id(weight)] = (weakref.ref(weight), copies)
+    weakref.finalize(weight, _WEIGHT_CACHE.pop, id(weight), None)
+    return copies
+
+
+def _out_name(dtype: torch.dtype) -> str:
+    return _OUT_NAMES.get(dtype, "float32")
+
+
+class _ScaledCall:
+    """``call(op, *args)`` of the backward rules and forwards, with the grouped GEMMs run on
+    quantized operands (the rest goes to the ops as they are)."""
+
+    def __init__(self, recipe: Recipe, in_backward: bool) -> None:
+        self.recipe = recipe
+        self.scaled = not in_backward or recipe.backward == "fp8"
+        self.in_backward = in_backward
+
+    def __call__(self, op: str, *args: Any) -> Any:
+        gemm = _GEMMS.get(op) if self.scaled else None
+        if gemm is None:
+            return call(op, *args)
+        if self.in_backward and torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"megablocks_core.fp8: a backward with create_graph=True through the FP8 {op} "
+                "is not supported (its quantized GEMMs have no gradient of their own)"
+            )
+        return gemm(self, *args)
+
+    def rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """A row operand (rows, k), quantized along k."""
+        data, scale = call("quantize", x, 1, self.recipe.format, self.recipe.encoding)
+        return data, scale
+
+    def matrices(self, b: Tensor, trans_b: bool) -> tuple[Tensor, Tensor]:
+        """Expert matrices quantized with the reduced dim stored contiguous, as (experts, n, k)
+        (the op then takes them with trans_b=True)."""
+        recipe = self.recipe
+        key = (recipe.format, recipe.encoding, trans_b)
+        copies = _cached_copies(b) if recipe.cache_weights else None
+        if copies is not None:
+            kept = copies.get(key)
+            if kept is not None and kept[0] == b._version:
+                return kept[1], kept[2]
+        k_last = b if trans_b else b.transpose(1, 2)
+        data, scale = call("quantize", k_last, 2, recipe.format, recipe.encoding)
+        if copies is not None:
+            copies[key] = (b._version, data, scale)
+        return data, scale
+
+    def finish(
+        self, out: Tensor, like: Tensor, contract: OpContract, args: tuple[Any, ...]
+    ) -> Tensor:
+        """The scaled op's output in the inputs' dtype, with the contract's bias added."""
+        out = out.to(like.dtype)
+        bound = contract.bind(args)
+        if bound.get("bias") is not None:
+            serve = getattr(contract.arg("bias"), "serve")  # noqa: B009 (Arg has no serve)
+            out = serve(bound, out)
+        return out
+
+
+def _gmm(
+    scaled: _ScaledCall,
+    a: Tensor,
+    b: Tensor,
+    batch_sizes: Tensor,
+    trans_b: bool,
+    bias: Tensor | None = None,
+) -> Tensor:
+    rows, matrices = scaled.rows(a), scaled.matrices(b, trans_b)
+    out = call(
+        "scaled_gmm", *rows, *matrices, batch_sizes, True, scaled.recipe.format, _out_name(a.dtype)
+    )
+    return scaled.finish(out, a, BY_NAME["gmm"], (a, b, batch_sizes, trans_b, bias))
+
+
+def _gather_gmm(
+    scaled: _ScaledCall,
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool,
+    rows: int | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    tokens, matrices = scaled.rows(x), scaled.matrices(b, trans_b)
+    out = call(
+        "scaled_gather_gmm",
+        *tokens,
+        *matrices,
+        indices,
+        bin_ids,
+        bins,
+        top_k,
+        True,
+        rows,
+        scaled.recipe.format,
+        _out_name(x.dtype),
+    )
+    args = (x, b, indices, bin_ids, bins, top_k, trans_b, rows, bias)
+    return scaled.finish(out, x, BY_NAME["gather_gmm"], args)
+
+
+def _gmm_scatter(
+    scaled: _ScaledCall,
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool,
+    activation: str | None = None,
+    rows: int | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
+    # The activation in the inputs' dtype (a transient copy), then its rows quantized.
+    activated = x if activation is None else activate_with(call, x, activation)
+    sorted_rows, matrices = scaled.rows(activated), scaled.matrices(b, trans_b)
+    out = call(
+        "scaled_gmm_scatter",
+        *sorted_rows,
+        *matrices,
+        indices,
+        bin_ids,
+        weights,
+        bins,
+        top_k,
+        True,
+        rows,
+        scaled.recipe.format,
+        _out_name(x.dtype),
+    )
+    args = (x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias)
+    return scaled.finish(out, x, BY_NAME["gmm_scatter"], args)
+
+
+_GEMMS: dict[str, Callable[..., Tensor]] = {
+    "gmm": _gmm,
+    "gather_gmm": _gather_gmm,
+    "gmm_scatter": _gmm_scatter,
+}
+
+
+def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
+    """The op ``name`` on ``args`` (kernel order, validated against its contract) with its GEMMs
+    in ``recipe``, differentiable through the op's own backward rule."""
+    contract = BY_NAME[name]
+    resolved = recipe_of(recipe)
+    assert resolved is not None
+    args = validation.validate(contract, args, overrides.checked)
+    forward = _ScaledCall(resolved, in_backward=False)
+    bound = contract.bind(args)
+    wants_grad = torch.is_grad_enabled() and any(
+        isinstance(bound[n], Tensor) and bound[n].requires_grad for n in contract.differentiable
+    )
+    if wants_grad:
+        backward = _ScaledCall(resolved, in_backward=True)
+        return autograd.apply(
+            contract, lambda *a: forward(name, *a), current_policy(), backward, args
+        )
+    return forward(name, *args)
+
+
+def gmm(
+    a: Tensor,
+    b: Tensor,
+    batch_sizes: Tensor,
+    trans_b: bool = False,
+    bias: Tensor | None = None,
+    *,
+    recipe: Recipe | str = "fp8_rowwise",
+) -> Tensor:
+    """:func:`megablocks_core.ops.gmm` with its GEMMs in ``recipe`` (a format name or a
+    :class:`Recipe`)."""
+    return _run("gmm", (a, b, batch_sizes, trans_b, bias), recipe)
+
+
+def gather_gmm(
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool = False,
+    rows: int | None = None,
+    bias: Tensor | None = None,
+    *,
+    recipe: Recipe | str = "fp8_rowwise",
+) -> Tensor:
+    """:func:`megablocks_core.ops.gather_gmm` with its GEMMs in ``recipe``: each token's row is
+    quantized once (not once per expert it is routed to), and the scaled GEMM reads the 8-bit rows
+    through the indices."""
+    args = (x, b, indices, bin_ids, bins, top_k, trans_b, rows, bias)
+    return _run("gather_gmm", args, recipe)
+
+
+def gmm_scatter(
+    x: Tensor,
+    b: Tensor,
+    indices: Tensor,
+    bin_ids: Tensor,
+    weights: Tensor | None,
+    bins: Tensor,
+    top_k: int,
+    trans_b: bool = False,
+    activation: str | None = None,
+    rows: int | None = None,
+    bias: Tensor | None = None,
+    *,
+    recipe: Recipe | str = "fp8_rowwise",
+) -> Tensor:
+    """:func:`megablocks_core.ops.gmm_scatter` with its GEMMs in ``recipe``: the activation runs
+    in x's dtype, its rows are quantized, and the scaled GEMM's products are summed per token."""
+    args = (x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias)
+    return _run("gmm_scatter", args, recipe)
+
+
+__all__ = ["Recipe", "gather_gmm", "gmm", "gmm_scatter", "recipe_of"]
