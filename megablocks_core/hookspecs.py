@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import pluggy
 
+from .compile_records import CompileJob, CompileShape
 from .contracts import family_ops
 from .descriptors import DeviceInfo, Kernel
-
-if TYPE_CHECKING:
-    from .aot import CompileJob, CompileShape
 
 PROJECT_NAME = "megablocks"
 ENTRY_POINT_GROUP = "megablocks.backends"
@@ -107,7 +104,7 @@ class BackendHooks:
         self, device: DeviceInfo, shape: CompileShape
     ) -> Iterable[CompileJob]:
         """Optional: the kernels this backend would launch on ``device`` for a layer of
-        ``shape``, as :class:`~megablocks_core.aot.CompileJob` s to compile ahead of time.
+        ``shape``, as :class:`~megablocks_core.compile_records.CompileJob` s to compile ahead of time.
 
         Called only by ``megablocks backends compile`` (never when the registry loads), in a
         worker process of its own per target, with a *simulated* ``device``

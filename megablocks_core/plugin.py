@@ -39,10 +39,10 @@ from .activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from .activations import activation_backward as activation_backward_definition
 from .activations import glu as glu_definition
 from .activations import glu_backward as glu_backward_definition
-from .aot import SHAPES as COMPILE_SHAPES
-from .aot import CompileJob, CompileShape
 from .archs import LIMITS as ARCH_LIMITS
 from .archs import ArchLimits, device_limits
+from .compile_records import SHAPES as COMPILE_SHAPES
+from .compile_records import CompileJob, CompileShape
 from .contracts import BY_NAME, family_ops
 from .costs import GmmPoint, gmm_cost_hint, gmm_estimate_us, gmm_problem
 from .descriptors import (
