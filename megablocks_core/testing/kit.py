@@ -39,7 +39,6 @@ from ..schema import OpContract
 # The comparisons and the stages live in their own modules; their public names stay importable
 # from here.
 from .comparison import TOLERANCES as TOLERANCES
-from .comparison import Effects as Effects
 from .comparison import Mismatch
 from .comparison import call_on_copies as call_on_copies
 from .comparison import check_meta as check_meta
