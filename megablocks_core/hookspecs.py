@@ -8,7 +8,9 @@ registry (first op call, ``megablocks backends …``, or
 
 Each ``*_kernels`` hook returns :class:`~megablocks_core.descriptors.Kernel`
 descriptors for ops of its family; the op names and argument orders are the
-contracts in :mod:`megablocks_core.contracts`.
+contracts in :mod:`megablocks_core.contracts`. In the place of a kernel it could not
+build it returns a :class:`~megablocks_core.descriptors.KernelProblem`: that op alone
+then does not load, with the reason shown by ``megablocks backends list`` and ``explain``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pluggy
 
 from .compile_records import CompileJob, CompileShape
 from .contracts import family_ops
-from .descriptors import DeviceInfo, Kernel
+from .descriptors import DeviceInfo, Kernel, KernelProblem
 
 PROJECT_NAME = "megablocks"
 ENTRY_POINT_GROUP = "megablocks.backends"
@@ -50,7 +52,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_routing_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_routing_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the routing ops (``megablocks_core.plugin.family_ops("routing")``).
 
         Example::
@@ -62,7 +64,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_permutation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_permutation_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the permutation ops
         (``megablocks_core.plugin.family_ops("permutation")``).
 
@@ -74,7 +76,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_grouped_gemm_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_grouped_gemm_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the grouped GEMM ops
         (``megablocks_core.plugin.family_ops("grouped_gemm")``).
 
@@ -87,7 +89,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_activation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_activation_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the activation ops
         (``megablocks_core.plugin.family_ops("activation")``).
 

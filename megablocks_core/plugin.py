@@ -6,7 +6,8 @@ backends in this repository use nothing else, like any third-party plugin.
 
 - :data:`hookimpl` marks the hook implementations (the hooks: :class:`BackendHooks`);
 - :class:`Kernel` is what the kernel hooks return, ranked by its :class:`Tier` and, within a
-  tier, its cost hint; :class:`DeviceInfo`, :class:`TensorMeta` and
+  tier, its cost hint (a :class:`KernelProblem` in the place of one the backend could not build:
+  that op alone then fails to load); :class:`DeviceInfo`, :class:`TensorMeta` and
   :data:`CallInfo` are what its predicates and cost hints receive;
 - :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
   :func:`call_op` runs any dispatched op, kernel-level ones included, for a kernel that
@@ -52,6 +53,7 @@ from .descriptors import (
     CostEstimate,
     DeviceInfo,
     Kernel,
+    KernelProblem,
     ShapeCheck,
     TensorMeta,
     Tier,
@@ -98,6 +100,7 @@ __all__ = [
     "DeviceInfo",
     "GmmPoint",
     "Kernel",
+    "KernelProblem",
     "OpContract",
     "ShapeCheck",
     "TensorMeta",

@@ -122,6 +122,10 @@ def check_op(
         )
     if backend == REFERENCE:
         return Result(op, backend, "unavailable", ORACLE_SKIPPED)
+    problems = record.problems_for(op)
+    if problems:
+        why = "; ".join(f"its {p.what} did not load: {p.reason}" for p in problems)
+        return Result(op, backend, "fail", why)
     if op not in record.ops:
         return Result(op, backend, "not provided")
     if record.status != "ok":
