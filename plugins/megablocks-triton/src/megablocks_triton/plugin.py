@@ -248,6 +248,8 @@ def _limits(op: str, module: Any) -> tuple[_Limit, ...]:
             ),
             _int32("rows", _length(rows)),
         )
+    if op == "moe_permute_map":  # its index form's tiles are the counting sort's (int32)
+        return (_int32("routing map entries", lambda call: math.prod(call["routing_map"].shape)),)
     keys = {"sort": "x", "route": "top_experts"}
     if op in keys:
         return (_int32("keys", _length(keys[op])),)
