@@ -65,7 +65,8 @@ import torch
 import torch.distributed as dist
 
 from megablocks_core.layers import DroplessMoE
-from megablocks_core.layers.parallel import _RoutingLayout, expert_parallel_baseline
+from megablocks_core.layers.moe import expert_parallel_baseline
+from megablocks_core.layers.parallel import _RoutingLayout
 from megablocks_core.shapes import SHAPES
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-9}

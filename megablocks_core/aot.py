@@ -2,7 +2,8 @@
 
 Each backend that implements :meth:`~megablocks_core.hookspecs.BackendHooks.megablocks_compile_jobs`
 says, for a GPU arch and a named layer shape (:data:`SHAPES`), which kernels it would launch there
-(:class:`CompileJob`: the jit function, its signature, constexprs and launch options). The gate
+(:class:`CompileJob`: the jit function, its signature, constexprs and launch options; both records
+are :mod:`megablocks_core.compile_records`'s). The gate
 compiles each for that arch's compiler target, reads back what the compiled kernel uses
 (registers, spills, scratch, shared memory / LDS) and checks it against the arch's limits
 (:mod:`megablocks_core.archs`). No GPU is needed: Triton compiles for any of its targets on any
@@ -31,63 +32,11 @@ import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, cast
 
-import torch
-
 from .archs import LIMITS, ArchLimits, limits
+from .compile_records import SHAPES, CompileJob, CompileShape
 from .descriptors import DeviceInfo
-
-
-@dataclass(frozen=True)
-class CompileShape:
-    """A MoE layer's shape, for which a backend lists the kernels it would launch."""
-
-    name: str
-    tokens: int
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32)
-    """The activation dtypes to compile for: 16-bit training and the fp32 tile tables."""
-
-
-#: The shapes the gate knows. ``training``: a qwen3-sized layer (1024 rows per expert);
-#: ``decode``: the same layer at 64 tokens (4 rows per expert).
-SHAPES: Mapping[str, CompileShape] = MappingProxyType(
-    {
-        "training": CompileShape("training", 16384, 2048, 768, 128, 8),
-        "decode": CompileShape("decode", 64, 2048, 768, 128, 8),
-    }
-)
-
-
-@dataclass(frozen=True)
-class CompileJob:
-    """One kernel variant to compile ahead of time, as the backend would launch it.
-
-    ``signature``, ``constexprs`` and ``attrs`` are what Triton's ``ASTSource`` takes (the
-    parameter types such as ``"*bf16"`` / ``"i32"`` / ``"constexpr"``; constexpr values and
-    specialisation attributes keyed by argument path); ``options`` the compile options
-    (``num_warps``, ``num_stages``, and on AMD ``waves_per_eu``, ``matrix_instr_nonkdim``, …).
-    """
-
-    kernel: str
-    """The kernel's name, e.g. ``"gmm._gmm_kernel"``."""
-    op: str
-    """The op whose launch it is (``"gmm"``, ``"sort"``, …)."""
-    variant: str
-    """What distinguishes this launch from others of the kernel (dtype, tiles, path)."""
-    fn: Any
-    """The ``@triton.jit`` (or ``@gluon.jit``) function."""
-    signature: Mapping[str, str]
-    constexprs: Mapping[Any, Any]
-    attrs: Mapping[Any, Any] = field(default_factory=dict)
-    options: Mapping[str, Any] = field(default_factory=dict)
-    spill_reason: str | None = None
-    """Why spilling is accepted for this variant (then a spill is reported, not a failure)."""
 
 
 @dataclass

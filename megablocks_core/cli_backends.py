@@ -120,6 +120,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     for p in plugins:
         if p.reason:
             print(f"\n{p.name}: {p.reason}")
+        for problem in p.problems:
+            print(f"\n{p.name}: its {problem.what} did not load: {problem.reason}")
     if args.verbose:
         for p in plugins:
             print(f"\n{p.name} provides: {', '.join(p.ops) or 'nothing'}")
@@ -132,8 +134,17 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise CLIError(f"unknown op {args.op!r}; ops: {names}")
     shapes = _parse_shapes(args.op, args.shape)
     trace = dispatch.explain(args.op, _device(args.device), _parse_dtypes(args.op, args.dtype))
+    not_loaded = [
+        (name, problem)
+        for name, record in _registry().plugins.items()
+        for problem in record.problems_for(args.op)
+    ]
     if args.json:
         report = _trace_dict(trace)
+        report["not_loaded"] = [
+            {"backend": name, "variant": problem.variant, "reason": problem.reason}
+            for name, problem in not_loaded
+        ]
         if shapes:
             [call] = _explain_calls(args.op, trace, shapes).values()
             kernel, why = dispatch.explain_call(trace, call)
@@ -162,6 +173,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if rows
         else "no candidates"
     )
+    for name, problem in not_loaded:
+        print(f"not loaded: {name}'s {problem.what}: {problem.reason}")
     if trace.winner:
         print(f"\nwinner: {trace.winner.label} ({trace.why})")
         if trace.cost_tier:

@@ -1,8 +1,8 @@
 """The small typed records that plugins hand to the core.
 
 A backend never registers functions one by one with the core: its hooks return
-:class:`Kernel` descriptors, and the core validates them once, ranks them per
-call signature and caches the choice. :class:`DeviceInfo` is what capability
+:class:`Kernel` descriptors (a :class:`KernelProblem` for one it could not build), and the core
+validates them once, ranks them per call signature and caches the choice. :class:`DeviceInfo` is what capability
 predicates look at; the core computes it once per device.
 """
 
@@ -191,3 +191,27 @@ class Kernel:
 
     def serves_kind(self, kind: str) -> bool:
         return kind in self.devices or ANY_DEVICE in self.devices
+
+
+@dataclass(frozen=True)
+class KernelProblem:
+    """A kernel a backend means to declare but could not build (a row of its per-op tables
+    missing, a function absent): a kernel hook returns it in that kernel's place.
+
+    The core loads the backend's other kernels; this op (variant) is not served by the backend,
+    ``megablocks backends list`` and ``explain`` show the reason, the conformance kit fails the
+    op, and ``MEGABLOCKS_STRICT_PLUGINS=1`` refuses to load the backend.
+
+    Example::
+
+        KernelProblem(op="gmm_scatter", reason="no dtypes declared for it")
+    """
+
+    op: str
+    reason: str
+    variant: str = ""
+
+    @property
+    def what(self) -> str:
+        """``kernel for 'op'`` (with its variant), as the core's messages name it."""
+        return f"kernel for {self.op!r}" + (f" (variant {self.variant!r})" if self.variant else "")

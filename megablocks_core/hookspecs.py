@@ -8,22 +8,21 @@ registry (first op call, ``megablocks backends …``, or
 
 Each ``*_kernels`` hook returns :class:`~megablocks_core.descriptors.Kernel`
 descriptors for ops of its family; the op names and argument orders are the
-contracts in :mod:`megablocks_core.contracts`.
+contracts in :mod:`megablocks_core.contracts`. In the place of a kernel it could not
+build it returns a :class:`~megablocks_core.descriptors.KernelProblem`: that op alone
+then does not load, with the reason shown by ``megablocks backends list`` and ``explain``.
 """
 
 from __future__ import annotations
 
 import textwrap
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import pluggy
 
+from .compile_records import CompileJob, CompileShape
 from .contracts import family_ops
-from .descriptors import DeviceInfo, Kernel
-
-if TYPE_CHECKING:
-    from .aot import CompileJob, CompileShape
+from .descriptors import DeviceInfo, Kernel, KernelProblem
 
 PROJECT_NAME = "megablocks"
 ENTRY_POINT_GROUP = "megablocks.backends"
@@ -53,7 +52,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_routing_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_routing_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the routing ops (``megablocks_core.plugin.family_ops("routing")``).
 
         Example::
@@ -65,7 +64,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_permutation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_permutation_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the permutation ops
         (``megablocks_core.plugin.family_ops("permutation")``).
 
@@ -77,7 +76,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_grouped_gemm_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_grouped_gemm_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the grouped GEMM ops
         (``megablocks_core.plugin.family_ops("grouped_gemm")``).
 
@@ -90,7 +89,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_activation_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_activation_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the activation ops
         (``megablocks_core.plugin.family_ops("activation")``).
 
@@ -103,7 +102,7 @@ class BackendHooks:
         """
 
     @hookspec
-    def megablocks_quantization_kernels(self) -> Iterable[Kernel]:  # type: ignore[empty-body]
+    def megablocks_quantization_kernels(self) -> Iterable[Kernel | KernelProblem]:  # type: ignore[empty-body]
         """Return kernels for the quantization ops
         (``megablocks_core.plugin.family_ops("quantization")``). A kernel of an op with a
         ``format`` argument declares the formats it takes (``Kernel.formats``).
@@ -121,7 +120,7 @@ class BackendHooks:
         self, device: DeviceInfo, shape: CompileShape
     ) -> Iterable[CompileJob]:
         """Optional: the kernels this backend would launch on ``device`` for a layer of
-        ``shape``, as :class:`~megablocks_core.aot.CompileJob` s to compile ahead of time.
+        ``shape``, as :class:`~megablocks_core.compile_records.CompileJob` s to compile ahead of time.
 
         Called only by ``megablocks backends compile`` (never when the registry loads), in a
         worker process of its own per target, with a *simulated* ``device``

@@ -6,7 +6,8 @@ backends in this repository use nothing else, like any third-party plugin.
 
 - :data:`hookimpl` marks the hook implementations (the hooks: :class:`BackendHooks`);
 - :class:`Kernel` is what the kernel hooks return, ranked by its :class:`Tier` and, within a
-  tier, its cost hint; :class:`DeviceInfo`, :class:`TensorMeta` and
+  tier, its cost hint (a :class:`KernelProblem` in the place of one the backend could not build:
+  that op alone then fails to load); :class:`DeviceInfo`, :class:`TensorMeta` and
   :data:`CallInfo` are what its predicates and cost hints receive;
 - :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
   :func:`call_op` runs any dispatched op, kernel-level ones included, for a kernel that
@@ -43,10 +44,10 @@ from .activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from .activations import activation_backward as activation_backward_definition
 from .activations import glu as glu_definition
 from .activations import glu_backward as glu_backward_definition
-from .aot import SHAPES as COMPILE_SHAPES
-from .aot import CompileJob, CompileShape
 from .archs import LIMITS as ARCH_LIMITS
 from .archs import ArchLimits, device_limits
+from .compile_records import SHAPES as COMPILE_SHAPES
+from .compile_records import CompileJob, CompileShape
 from .contracts import BY_NAME, family_ops
 from .costs import GmmPoint, gmm_cost_hint, gmm_estimate_us, gmm_problem
 from .descriptors import (
@@ -56,6 +57,7 @@ from .descriptors import (
     CostEstimate,
     DeviceInfo,
     Kernel,
+    KernelProblem,
     ShapeCheck,
     TensorMeta,
     Tier,
@@ -112,6 +114,7 @@ __all__ = [
     "Format",
     "GmmPoint",
     "Kernel",
+    "KernelProblem",
     "OpContract",
     "ShapeCheck",
     "TensorMeta",

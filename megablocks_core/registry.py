@@ -2,7 +2,9 @@
 
 A plugin that fails to import, has invalid hooks, returns bad descriptors or
 declares an incompatible ``megablocks-core`` requirement is recorded (name,
-distribution, version, error) and skipped; the others keep working.
+distribution, version, error) and skipped; the others keep working. A kernel the plugin
+could not build (a :class:`~megablocks_core.descriptors.KernelProblem` in its place) fails
+only that op: the plugin's other kernels load and the record keeps the problem.
 ``MEGABLOCKS_STRICT_PLUGINS=1`` turns such failures into :class:`PluginLoadError`.
 """
 
@@ -24,7 +26,7 @@ from packaging.utils import canonicalize_name
 
 from . import __version__
 from .contracts import BY_NAME
-from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel, Tier
+from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel, KernelProblem, Tier
 from .formats import FORMAT_NAMES
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
 from .schema import ChoiceArg, IntArg, TensorArg, is_option
@@ -49,6 +51,11 @@ class PluginRecord:
     status: Status
     reason: str | None = None
     kernels: tuple[Kernel, ...] = ()
+    problems: tuple[KernelProblem, ...] = ()
+    """The kernels the plugin could not build: those ops (variants) are not served by it."""
+
+    def problems_for(self, op: str) -> tuple[KernelProblem, ...]:
+        return tuple(p for p in self.problems if p.op == op)
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -75,6 +82,9 @@ class PluginRecord:
                     "tier": k.tier.label,
                 }
                 for k in self.kernels
+            ],
+            "problems": [
+                {"op": p.op, "variant": p.variant, "reason": p.reason} for p in self.problems
             ],
         }
 
@@ -298,9 +308,18 @@ def _check_kernel(item: Any, hook: str) -> Kernel:
     return dataclasses.replace(item, devices=tuple(dict.fromkeys(devices)))
 
 
+def _check_problem(item: KernelProblem, hook: str) -> KernelProblem:
+    """Validate a :class:`KernelProblem` a kernel hook returned (raises naming the hook)."""
+    if not all(isinstance(v, str) for v in (item.op, item.reason, item.variant)):
+        raise TypeError(f"{hook} returned a KernelProblem whose op, reason and variant are not str")
+    if not item.reason:
+        raise ValueError(f"{hook} returned a KernelProblem for {item.op!r} without a reason")
+    return item
+
+
 def _collect(
     pm: pluggy.PluginManager, plugin: object, name: str
-) -> tuple[str | None, tuple[Kernel, ...]]:
+) -> tuple[str | None, tuple[Kernel, ...], tuple[KernelProblem, ...]]:
     """Call this plugin's hooks (once) and validate what they return."""
     for caller in pm.get_hookcallers(plugin) or ():
         if caller.spec is None:
@@ -313,16 +332,20 @@ def _collect(
 
     unavailable = next((r for r in results("megablocks_unavailable_reason") if r), None)
     kernels: list[Kernel] = []
+    problems: list[KernelProblem] = []
     for hook in KERNEL_HOOKS:
         for returned in results(hook):
             for item in returned or ():
-                kernels.append(dataclasses.replace(_check_kernel(item, hook), backend=name))
+                if isinstance(item, KernelProblem):
+                    problems.append(_check_problem(item, hook))
+                else:
+                    kernels.append(dataclasses.replace(_check_kernel(item, hook), backend=name))
     seen: set[tuple[str, str]] = set()
     for k in kernels:
         if (k.op, k.variant) in seen:
             raise ValueError(f"two kernels for {k.op!r} with the same variant {k.variant!r}")
         seen.add((k.op, k.variant))
-    return (str(unavailable) if unavailable else None), tuple(kernels)
+    return (str(unavailable) if unavailable else None), tuple(kernels), tuple(problems)
 
 
 def load(env: Mapping[str, str] | None = None) -> Registry:
@@ -369,7 +392,7 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
         try:
             plugin = ep.load()
             pm.register(plugin, name=ep.name)
-            unavailable, kernels = _collect(pm, plugin, ep.name)
+            unavailable, kernels, problems = _collect(pm, plugin, ep.name)
         except Exception as exc:  # isolation: one bad plugin must not take the others down
             if plugin is not None and pm.is_registered(plugin):
                 pm.unregister(plugin)
@@ -379,8 +402,16 @@ def load(env: Mapping[str, str] | None = None) -> Registry:
             registry.plugins[ep.name] = PluginRecord(**record, status="broken", reason=reason)
             log.warning("megablocks plugin %r is broken and was skipped: %s", ep.name, reason)
             continue
+        for failed in problems:
+            if strict:
+                raise PluginLoadError(
+                    f"plugin {ep.name!r}: its {failed.what} did not load: {failed.reason}"
+                )
+            log.warning(
+                "megablocks plugin %r: its %s did not load: %s", ep.name, failed.what, failed.reason
+            )
         status: Status = "unavailable" if unavailable else "ok"
         registry.plugins[ep.name] = PluginRecord(
-            **record, status=status, reason=unavailable, kernels=kernels
+            **record, status=status, reason=unavailable, kernels=kernels, problems=problems
         )
     return registry

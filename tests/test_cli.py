@@ -102,6 +102,33 @@ def test_backends_list_shows_a_broken_plugin_with_its_reason(capsys, plugins):
     assert data["reference"]["status"] == "ok"
 
 
+def test_list_and_explain_show_a_kernel_that_did_not_load(capsys, plugins):
+    plugins.add(
+        "half",
+        permutation(
+            "[KernelProblem(op='scatter', reason='no dtypes declared for it'), "
+            "Kernel(op='gather', fn=recording('gather'), devices=('cpu',))]",
+            extra="from megablocks_core.plugin import KernelProblem",
+        ),
+    )
+    plugins.reload()
+    code, out, _ = run(capsys, "backends", "list")
+    assert code == 0
+    row = next(line.split() for line in out.splitlines() if line.startswith("half "))
+    assert row[3:] == ["ok", "cpu", "1"]  # the plugin loaded, with its one other op
+    assert "half: its kernel for 'scatter' did not load: no dtypes declared for it" in out
+
+    code, out, _ = run(capsys, "backends", "explain", "scatter")
+    assert code == 0  # the reference serves it
+    assert "not loaded: half's kernel for 'scatter': no dtypes declared for it" in out
+    code, out, _ = run(capsys, "backends", "explain", "scatter", "--json")
+    assert json.loads(out)["not_loaded"] == [
+        {"backend": "half", "variant": "", "reason": "no dtypes declared for it"}
+    ]
+    code, out, _ = run(capsys, "backends", "explain", "gather")
+    assert "not loaded" not in out
+
+
 # ---------------------------------------------------------------------------
 # backends explain
 

@@ -34,12 +34,8 @@ import torch.multiprocessing as mp
 
 import megablocks_core
 from megablocks_core.layers import DroplessMoE, MoEConfig
-from megablocks_core.layers.moe import expert_seed
-from megablocks_core.layers.parallel import (
-    DEFAULT_CHUNKS,
-    expert_parallel_baseline,
-    expert_parallel_moe,
-)
+from megablocks_core.layers.moe import expert_parallel_baseline, expert_seed
+from megablocks_core.layers.parallel import DEFAULT_CHUNKS, expert_parallel_moe
 from megablocks_core.policy import overrides
 
 pytestmark = pytest.mark.skipif(
@@ -62,7 +58,7 @@ class Case:
     normalize: float | None = None
     ep_size: int | None = None  # expert-parallel groups of consecutive ranks; None: the world
     chunks: int | None = None  # the layer's expert_parallel_chunks; None: its default
-    baseline: bool = False  # run parallel.expert_parallel_baseline (one row per (token, expert))
+    baseline: bool = False  # run moe.expert_parallel_baseline (one row per (token, expert))
     dispatch: str = "alltoall"  # the layer's expert_parallel_dispatch
 
     def ep(self) -> int:

@@ -409,6 +409,22 @@ def test_sizes_past_the_kernels_int32_offsets_go_to_the_reference(
 
 
 @needs_interpreter
+def test_a_routing_map_past_int32_entries_goes_to_the_reference(fresh: None) -> None:
+    """moe_permute_map's index form ranks its flat slots in the counting sort's int32 tiles: a
+    map of more entries goes to the reference (its limit is on the entries, not one axis)."""
+    from megablocks_triton.plugin import INT32_ELEMENTS
+
+    trace = explain("moe_permute_map", "cpu", {})
+    slots = _scenario_call("moe_permute_map", "routing_map", 0, 1)["routing_map"].shape[1]
+    fits = INT32_ELEMENTS // slots
+    at_limit, why = explain_call(trace, _scenario_call("moe_permute_map", "routing_map", 0, fits))
+    assert at_limit is not None and at_limit.backend == "triton", why
+    past, why = explain_call(trace, _scenario_call("moe_permute_map", "routing_map", 0, fits + 1))
+    assert past is not None and past.backend == "reference", why
+    assert f"triton declined: {(fits + 1) * slots} routing map entries" in why
+
+
+@needs_interpreter
 @pytest.mark.parametrize("op", ["glu", "glu_backward"])
 def test_glu_past_cudas_grid_is_declined_on_cuda_only(fresh: None, op: str) -> None:
     from dataclasses import replace

@@ -486,6 +486,66 @@ def test_triton_compacted_slots_match_the_per_slot_loop_and_a_plain_loop(experts
         torch.testing.assert_close(got, expected.float())
 
 
+class _GarbageEmpty:
+    """torch for megablocks_triton.moe_permute, except that its empty tensors are full of
+    garbage (NaN, or 0x5A5A...): an output row or row map entry a kernel forgets to write
+    shows instead of passing as the zeros fresh memory often holds."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size: object, **kw: object) -> torch.Tensor:
+        out = torch.empty(*size, **kw)
+        return out.fill_(float("nan") if out.is_floating_point() else 0x5A5A)
+
+
+@needs_triton_device
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "align", "index_form", "slack", "many_experts"),
+    [
+        (40, 24, 3, 16, False, 50, False),  # padding rows and rows past the real count
+        (40, 24, 3, 16, True, 50, False),
+        (100, 40, 3, 1, False, -30, False),  # several map tiles, dropping
+        (100, 40, 3, 1, True, -30, False),
+        (40, 24, 3, 16, False, 50, True),  # the per-expert scans (many experts)
+        (40, 24, 3, 16, True, 50, True),
+    ],
+)
+def test_triton_writes_every_row_and_map_entry(
+    tokens, experts, top_k, align, index_form, slack, many_experts, monkeypatch
+):
+    """The map's entries and the permuted rows (zero only where no slot names a row) are
+    written over uninitialized memory, on every map path: one tile, several tiles, and the
+    per-expert scans past MAX_MAP_EXPERTS; rows wider than the zeroing pass's block."""
+    from megablocks_triton import moe_permute as kernels
+
+    monkeypatch.setattr(kernels, "torch", _GarbageEmpty())
+    if many_experts:
+        monkeypatch.setattr(kernels, "MAX_MAP_EXPERTS", experts - 1)
+    mask = top_k_mask(tokens, experts, top_k, 0, seed=tokens + experts)
+    routing = mask.nonzero()[:, 1].view(tokens, top_k).to(torch.int64) if index_form else mask
+    if index_form:
+        routing[1, 0], routing[2, 2] = -3, experts  # name no expert
+    rows = tokens * top_k + experts * (align - 1) + slack
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, 130, generator=gen)
+    probs = torch.rand(*routing.shape, generator=gen)
+    want_map, want_counts, want_rows, want_probs = loop_permute(
+        x, routing, experts, rows, align, probs
+    )
+    dev = TRITON_DEVICE
+    row_map, counts = kernels.moe_permute_map(routing.to(dev), experts, rows, align)
+    assert torch.equal(row_map.cpu(), want_map) and torch.equal(counts.cpu(), want_counts)
+    assert torch.equal(kernels.moe_permute(x.to(dev), row_map, None, rows).cpu(), want_rows)
+    want_weighted = torch.zeros(rows, x.shape[1])
+    for t, j in (want_map >= 0).nonzero().tolist():
+        want_weighted[int(want_map[t, j])] = x[t] * probs[t, j]
+    weighted = kernels.moe_permute(x.to(dev), row_map, probs.to(dev), rows).cpu()
+    assert torch.equal(weighted, want_weighted)
+    assert torch.equal(kernels.moe_permute_probs(probs.to(dev), row_map, rows).cpu(), want_probs)
+
+
 @needs_triton
 def test_the_kit_passes_triton_on_the_moe_permute_ops_paired_with_the_reference():
     from megablocks_core.testing import kit

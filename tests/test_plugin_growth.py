@@ -69,3 +69,36 @@ def test_triton_declares_every_op_of_this_core():
         ("quantization", plugin.QUANTIZATION),
     ):
         assert set(ops) == set(contracts.family_ops(family)), family
+
+
+@pytest.mark.parametrize(
+    "missing, reason",
+    [
+        ("dtypes row", "megablocks_triton.plugin declares no dtypes for it"),
+        ("size row", "megablocks_triton.plugin declares no (experts, rows) arguments"),
+        ("function", "megablocks_triton.gmm has no function 'gmm_scatter'"),
+    ],
+)
+def test_a_row_missing_from_tritons_tables_fails_that_op_alone(clean_env, missing, reason):
+    """A per-op table of the triton plugin without a row for one op (as when an op is added to
+    its list and not to every table) costs that op, reported, not every op of the backend."""
+    plugin = pytest.importorskip("megablocks_triton.plugin")
+    gmm = pytest.importorskip("megablocks_triton.gmm")
+    env = {"MEGABLOCKS_PLUGINS": "reference,triton"}
+    before = megablocks_core.reload(env).plugins["triton"]
+    assert before.problems == () and "gmm_scatter" in before.ops
+    with pytest.MonkeyPatch.context() as patch:
+        if missing == "dtypes row":
+            rows = plugin._gmm_dtypes()
+            del rows["gmm_scatter"]
+            patch.setattr(plugin, "_gmm_dtypes", lambda: rows)
+        elif missing == "size row":
+            patch.delitem(plugin._GMM_SIZES, "gmm_scatter")
+        else:
+            patch.delattr(gmm, "gmm_scatter")
+        after = megablocks_core.reload(env).plugins["triton"]
+    megablocks_core.reload({})
+    assert after.status == before.status  # loaded ("ok" or "unavailable here"), not broken
+    assert set(before.ops) - set(after.ops) == {"gmm_scatter"}
+    assert [(p.op, p.variant) for p in after.problems] == [("gmm_scatter", "")]
+    assert after.problems[0].reason.startswith(reason)

@@ -685,6 +685,63 @@ def test_strict_mode_without_problems_loads_normally(plugins):
     assert registry.plugins["fast"].status == "ok"
 
 
+#: A plugin whose scatter kernel could not be built: its gather kernel still loads.
+HALF = permutation(
+    "[KernelProblem(op='scatter', reason='no dtypes declared for it'), "
+    "Kernel(op='gather', fn=recording('gather'), devices=('cpu',), tier=Tier.VENDOR)]",
+    extra="from megablocks_core.plugin import KernelProblem",
+)
+
+
+def test_a_kernel_problem_fails_only_its_op(plugins):
+    plugins.add("half", HALF)
+    registry = plugins.reload()
+    record = registry.plugins["half"]
+    assert record.status == "ok" and record.reason is None
+    assert record.ops == ("gather",)  # its other kernel loaded
+    assert [(p.op, p.variant, p.reason) for p in record.problems] == [
+        ("scatter", "", "no dtypes declared for it")
+    ]
+    assert record.as_dict()["problems"] == [
+        {"op": "scatter", "variant": "", "reason": "no dtypes declared for it"}
+    ]
+    run_gather()
+    run_scatter()  # served by the reference
+    assert plugins.calls("half") == ["gather"]
+
+
+def test_the_kit_fails_the_op_whose_kernel_did_not_load(plugins):
+    from megablocks_core import testing
+
+    plugins.add("half", HALF)
+    plugins.reload()
+    result = testing.check_op("half", "scatter", quick=True)
+    assert result.status == "fail"
+    assert result.message == "its kernel for 'scatter' did not load: no dtypes declared for it"
+
+
+def test_strict_mode_refuses_a_kernel_problem(plugins):
+    plugins.add("half", HALF)
+    with pytest.raises(
+        PluginLoadError,
+        match="plugin 'half': its kernel for 'scatter' did not load: no dtypes declared for it",
+    ):
+        plugins.reload({"MEGABLOCKS_STRICT_PLUGINS": "1"})
+
+
+def test_a_kernel_problem_without_a_reason_breaks_the_plugin(plugins):
+    plugins.add(
+        "bad",
+        permutation(
+            "[KernelProblem(op='scatter', reason='')]",
+            extra="from megablocks_core.plugin import KernelProblem",
+        ),
+    )
+    record = plugins.reload().plugins["bad"]
+    assert record.status == "broken"
+    assert "returned a KernelProblem for 'scatter' without a reason" in record.reason
+
+
 INCOMPATIBLE_BODY = """
 from pathlib import Path
 Path(__file__).with_name("imported.flag").write_text("imported")

@@ -473,6 +473,29 @@ class DroplessMoE(torch.nn.Module):
         )
 
 
+def expert_parallel_baseline(layer: DroplessMoE, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``layer``'s forward (output, load-balancing loss) with the baseline exchange,
+    :func:`~megablocks_core.layers.parallel.expert_parallel_apply` (one row per (token, expert)
+    pair on the link), instead of :func:`~megablocks_core.layers.parallel.expert_parallel_moe`:
+    what the benchmark times beside the layer, exact like it. ``x`` is (tokens, hidden);
+    ``layer`` has an ``expert_parallel_group``. Here, not in ``parallel``, so that ``parallel``
+    needs nothing of the layer (no import circle)."""
+    from .parallel import expert_parallel_apply  # only expert parallelism needs it
+
+    if layer.expert_parallel_group is None:
+        raise ValueError("expert_parallel_baseline: the layer has no expert_parallel_group")
+    probs, weights, top_experts = layer.route(x)
+    with torch.no_grad():
+        indices, bin_ids, counts, bins, _ = ops.route(
+            top_experts.flatten(), layer.num_experts, layer.block_size
+        )
+    rows = ops.gather(x, indices, bin_ids, bins, layer.top_k)
+    rows = expert_parallel_apply(rows, counts, layer.experts, layer.expert_parallel_group)
+    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, layer.top_k)
+    coefficient = layer.load_balancing_loss_coefficient
+    return out, load_balancing_loss(counts, probs, layer.top_k, coefficient)
+
+
 dMoE = DroplessMoE  # MegaBlocks' name
 
 __all__ = [

@@ -71,7 +71,6 @@ Functions.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -91,9 +90,6 @@ from .exchanges import (
 # Reached here by the tests (_InFlight) and the benchmarks (_RoutingLayout).
 from .exchanges import _InFlight as _InFlight
 from .exchanges import _RoutingLayout as _RoutingLayout
-
-if TYPE_CHECKING:  # moe imports this module lazily; only the annotations need the layer
-    from .moe import DroplessMoE
 
 #: Token chunks of :func:`expert_parallel_moe` when the caller gives none. One: on 2 H200s
 #: (qwen3 and dsv3 shapes) two chunks were slower than one (11.3–12.1 vs 10.6–10.9 ms, 70.0 vs
@@ -303,31 +299,9 @@ def expert_parallel_apply(
     return all_to_all(out, recv_splits, send_splits, group)
 
 
-def expert_parallel_baseline(layer: DroplessMoE, x: Tensor) -> tuple[Tensor, Tensor]:
-    """``layer``'s forward (output, load-balancing loss) with :func:`expert_parallel_apply`'s
-    exchange (one row per (token, expert) pair on the link) instead of
-    :func:`expert_parallel_moe`'s: the baseline the benchmark times, exact like the layer.
-    ``x`` is (tokens, hidden); ``layer`` has an ``expert_parallel_group``."""
-    from .moe import load_balancing_loss
-
-    if layer.expert_parallel_group is None:
-        raise ValueError("expert_parallel_baseline: the layer has no expert_parallel_group")
-    probs, weights, top_experts = layer.route(x)
-    with torch.no_grad():
-        indices, bin_ids, counts, bins, _ = ops.route(
-            top_experts.flatten(), layer.num_experts, layer.block_size
-        )
-    rows = ops.gather(x, indices, bin_ids, bins, layer.top_k)
-    rows = expert_parallel_apply(rows, counts, layer.experts, layer.expert_parallel_group)
-    out = ops.scatter(rows, indices, bin_ids, weights.flatten(), bins, layer.top_k)
-    coefficient = layer.load_balancing_loss_coefficient
-    return out, load_balancing_loss(counts, probs, layer.top_k, coefficient)
-
-
 __all__ = [
     "DEFAULT_CHUNKS",
     "all_to_all",
     "expert_parallel_apply",
-    "expert_parallel_baseline",
     "expert_parallel_moe",
 ]

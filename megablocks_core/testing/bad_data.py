@@ -45,16 +45,10 @@ from .bad_cases import (
     case_names,
 )
 
-# The cases' tables and the value check's limit, importable from here as before the split.
+# The cases' op tables the tests read from here.
 from .bad_cases import BINNED_OPS as BINNED_OPS
-from .bad_cases import BINS_MUTATIONS as BINS_MUTATIONS
-from .bad_cases import FUSED_OPS as FUSED_OPS
-from .bad_cases import GMM_OPS as GMM_OPS
-from .bad_cases import INDEX_MUTATIONS as INDEX_MUTATIONS
-from .bad_cases import PADDED_MUTATIONS as PADDED_MUTATIONS
 from .bad_cases import PADDED_OPS as PADDED_OPS
 from .bad_cases import PLAIN_OPS as PLAIN_OPS
-from .bad_results import MAX_COMBINATIONS as MAX_COMBINATIONS
 from .bad_results import check_result
 from .kit import REFERENCE, Mismatch, call_on_copies, compare
 

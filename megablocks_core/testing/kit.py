@@ -39,7 +39,6 @@ from ..schema import OpContract
 # The comparisons and the stages live in their own modules; their public names stay importable
 # from here.
 from .comparison import TOLERANCES as TOLERANCES
-from .comparison import Effects as Effects
 from .comparison import Mismatch
 from .comparison import call_on_copies as call_on_copies
 from .comparison import check_meta as check_meta
@@ -123,6 +122,10 @@ def check_op(
         )
     if backend == REFERENCE:
         return Result(op, backend, "unavailable", ORACLE_SKIPPED)
+    problems = record.problems_for(op)
+    if problems:
+        why = "; ".join(f"its {p.what} did not load: {p.reason}" for p in problems)
+        return Result(op, backend, "fail", why)
     if op not in record.ops:
         return Result(op, backend, "not provided")
     if record.status != "ok":

@@ -26,8 +26,6 @@ from .scenario_sets import DEVICE_SIZED as DEVICE_SIZED
 from .scenario_sets import FULL as FULL
 from .scenario_sets import QUICK as QUICK
 from .scenario_sets import scenarios as scenarios
-from .scenario_tensors import BLOCK_SIZE as BLOCK_SIZE
-from .scenario_tensors import REPLICATE_BATCH as REPLICATE_BATCH
 from .scenario_tensors import Routing, Scenario
 from .scenario_tensors import routing as routing
 

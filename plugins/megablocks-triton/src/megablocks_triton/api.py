@@ -12,7 +12,9 @@ What is stable:
   the :class:`~megablocks_core.plugin.Kernel` descriptors this backend's hooks return (devices,
   tier, dtypes, cost hints and shape limits included; NVIDIA-only variants such as the Gluon
   weight gradient declare ``devices=("cuda",)``: keep those whose devices serve yours). They are plain functions, not hook
-  implementations, so they are safe to import into another plugin's module.
+  implementations, so they are safe to import into another plugin's module. A kernel this
+  backend could not declare (its hook returns a ``KernelProblem`` in its place) is left out:
+  the triton backend's own record reports it.
 * **The launch policy**: every launch asks :func:`launch_configs` for its block sizes, tiles and
   extra launch keywords. :class:`LaunchConfigs` is the default policy, meant to be subclassed;
   its methods (``routing``, ``histogram_block``, ``permutation``, ``scatter_wgrad``, ``gmm``,
@@ -58,7 +60,9 @@ triton backend's portable defaults there.
 
 from __future__ import annotations
 
-from megablocks_core.plugin import Kernel
+from collections.abc import Sequence
+
+from megablocks_core.plugin import Kernel, KernelProblem
 
 from . import plugin as _plugin
 from .aot import compile_jobs
@@ -100,29 +104,33 @@ __all__ = [
 ]
 
 
+def _declared(items: Sequence[Kernel | KernelProblem]) -> list[Kernel]:
+    return [k for k in items if isinstance(k, Kernel)]
+
+
 # Wrappers rather than aliases of the hook implementations: an alias would carry pluggy's marker
 # into the importing plugin's module under a name that is no hook.
 def routing_kernels() -> list[Kernel]:
     """The triton backend's routing kernels, as its ``megablocks_routing_kernels`` declares them."""
-    return _plugin.megablocks_routing_kernels()
+    return _declared(_plugin.megablocks_routing_kernels())
 
 
 def permutation_kernels() -> list[Kernel]:
     """The triton backend's permutation kernels (MegaBlocks' and Megatron-Core's)."""
-    return _plugin.megablocks_permutation_kernels()
+    return _declared(_plugin.megablocks_permutation_kernels())
 
 
 def grouped_gemm_kernels() -> list[Kernel]:
     """The triton backend's grouped-GEMM kernels (the fused ``gather_gmm``/``gmm_scatter`` too)."""
-    return _plugin.megablocks_grouped_gemm_kernels()
+    return _declared(_plugin.megablocks_grouped_gemm_kernels())
 
 
 def quantization_kernels() -> list[Kernel]:
     """The triton backend's quantization kernels, as its ``megablocks_quantization_kernels``
     declares them."""
-    return _plugin.megablocks_quantization_kernels()
+    return _declared(_plugin.megablocks_quantization_kernels())
 
 
 def activation_kernels() -> list[Kernel]:
     """The triton backend's activation kernels (``glu`` and the activations' backward)."""
-    return _plugin.megablocks_activation_kernels()
+    return _declared(_plugin.megablocks_activation_kernels())

@@ -25,8 +25,6 @@ from megablocks_core.plugin import DeviceInfo
 
 from .arch_table import ARCHS, arch_tuning, gmm_tile_family
 from .arch_table import ArchTuning as ArchTuning
-from .arch_table import ReduceEpilogue as ReduceEpilogue
-from .arch_table import by_arch as by_arch
 from .launch import cdiv, next_power_of_2
 from .launch_types import GmmConfig, PermutationConfig, RoutingConfig, dtype_class
 

@@ -51,9 +51,9 @@ a vendor plugin may override) through :func:`choose_config`; they can be overrid
 
 This module is the forward ops' host side (per-shape plans, the op functions); the tile configs
 and operand helpers are :mod:`megablocks_triton.gmm_configs`, the weight gradients (with the
-Gluon variant's predicates) :mod:`megablocks_triton.gmm_wgrad`, both re-exported here; the
-``@triton.jit`` kernels are :mod:`megablocks_triton.kernels.gmm`, and ``_gmm_kernel`` and
-``_gmm_wgrad_kernel`` are imported here.
+Gluon variant's predicates) :mod:`megablocks_triton.gmm_wgrad`, whose names the plugin's
+declarations and the tests read re-exported here; the ``@triton.jit`` kernels are
+:mod:`megablocks_triton.kernels.gmm`, and ``_gmm_kernel`` is imported here.
 """
 
 from __future__ import annotations
@@ -67,7 +67,6 @@ import torch
 from megablocks_core.plugin import contract
 
 from .config import GmmConfig, LaunchConfigs, launch_configs
-from .gmm_configs import _ENV_VAR as _ENV_VAR
 from .gmm_configs import (
     MAX_EXPERTS,
     _check_experts,
@@ -78,17 +77,9 @@ from .gmm_configs import (
     choose_config,
     device_info,
 )
-from .gmm_configs import _parse_env_config as _parse_env_config
-from .gmm_configs import _refuse_over_limits as _refuse_over_limits
-from .gmm_configs import _tma_override as _tma_override
-from .gmm_configs import shared_memory_estimate as shared_memory_estimate
-from .gmm_wgrad import GLUON_TESTED as GLUON_TESTED
 from .gmm_wgrad import WARP_SPECIALIZED_DTYPES as WARP_SPECIALIZED_DTYPES
 from .gmm_wgrad import WARP_SPECIALIZED_VARIANT as WARP_SPECIALIZED_VARIANT
 from .gmm_wgrad import _hopper_wgrad as _hopper_wgrad
-from .gmm_wgrad import _launch_wgrad as _launch_wgrad
-from .gmm_wgrad import _leaves_to_gluon as _leaves_to_gluon
-from .gmm_wgrad import _tma_ready as _tma_ready
 from .gmm_wgrad import _warp_specialized as _warp_specialized
 from .gmm_wgrad import (
     gmm_weight_grad,
@@ -101,7 +92,6 @@ from .gmm_wgrad import (
 from .gmm_wgrad import gmm_weight_grad_accumulate_supports as gmm_weight_grad_accumulate_supports
 from .gmm_wgrad import gmm_weight_grad_supports as gmm_weight_grad_supports
 from .kernels.gmm import _gmm_kernel
-from .kernels.gmm import _gmm_wgrad_kernel as _gmm_wgrad_kernel
 from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
 
 __all__ = [

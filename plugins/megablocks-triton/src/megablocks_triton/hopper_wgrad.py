@@ -22,7 +22,7 @@ The kernel of the triton backend's declared variant ``triton/gluon-hopper`` of
 ``gmm_weight_grad`` and ``gmm_weight_grad_accumulate`` (ranked, listed by ``megablocks backends
 explain``, forceable by the kit): sm_90, 16-bit operands and a 16-bit gradient
 (:func:`serves_dtypes`), the calls the launch policy measured it faster for, with the Triton
-releases it was tested with (``megablocks_triton.gmm.GLUON_TESTED``: Gluon is experimental);
+releases it was tested with (``megablocks_triton.gmm_wgrad.GLUON_TESTED``: Gluon is experimental);
 tensors whose layouts TMA cannot take fall back to the plain kernel at launch. Everything else,
 the Triton interpreter included, takes the plain kernel. It runs on a Hopper GPU only; on the CPU its tests
 compile it for sm_90.

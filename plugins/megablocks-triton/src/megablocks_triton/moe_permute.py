@@ -4,14 +4,19 @@ The row map is the contract's format (``megablocks_core.contracts.ROW_MAP_FORMAT
 (tokens, slots), each slot's permuted row or -1. So a row map written here is read by any
 backend's ``moe_unpermute``, and ours reads theirs.
 
-* ``moe_permute_map``: one program per expert scans the routing map in token order, twice: a
-  count (then the padded starts, a few per-expert torch ops on the device), then the ranks
-  (a running offset plus an in-block cumsum) written as rows. In the mask form a program owns
-  its expert's column and writes all of it; in the index form program 0 also writes -1 for
-  ids outside [0, experts), so every slot is written without a memset.
+* ``moe_permute_map``: a stable counting sort of the slots by expert, in tiles read once
+  each: a per-tile histogram (``(tiles, experts)`` counts), a scan down the tiles, then each
+  tile's program derives the padded starts from the totals and writes each of its slots' rows
+  (its rank among the expert's slots: earlier tiles, then a cumsum down the tile's tokens in
+  the mask form, a compare matrix in the index form; ids outside [0, experts) get -1). Every
+  entry is written (no memset) and no size goes through the host or a torch op; a map that
+  one tile holds (a few tokens) takes one launch. Past ``MAX_MAP_EXPERTS`` experts the tiles'
+  counts would outgrow the map, and one program per expert scans the map in token order
+  instead (a count, the starts in torch, then the ranks).
 * ``moe_permute``: one program per token (and hidden block) reads its row once and writes it
-  to each of its slots' rows; the output starts zeroed because the rows no slot names
-  (padding, rows past the real count) are known only through the row map.
+  to each of its slots' rows, marking each row it writes in a byte per output row; the rows no
+  slot names (padding, rows past the real count: known only through the row map) are then
+  zeroed by one pass that reads those bytes, instead of zeroing the whole output first.
 * ``moe_unpermute``: one program per token (and hidden block) sums its slots' rows in float32
   and writes its row once; ``moe_unpermute_wgrad`` dots them with the token's gradient.
 * ``moe_sort_chunks``: each output row's source row (a few sync-free torch ops over the chunk
@@ -24,7 +29,8 @@ their slot order.
 
 No kernel reads a size on the host. Every row map entry is range-checked before it is used
 as an address (bad data writes and reads nothing), and offsets are int64 (no size limit of
-their own; moe_permute_map's routing map is held below 2**31 entries by its contract).
+their own), but for the index-form map's tiles, the counting sort's (int32: the plugin declares
+its limit on the routing map's entries).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from .config import launch_configs
+from .kernels.routing import _digits, _tile_histogram_kernel, _tile_scan_kernel
 from .launch import cdiv, launch, next_power_of_2
 
 __all__ = [
@@ -54,6 +61,19 @@ COMPACT_ABOVE_SLOTS = 16
 #: Widest slot chunk the pre-pass reads per step, and its tile (tokens x slots) size.
 COMPACT_BLOCK_S = 128
 COMPACT_TILE = 2048
+#: Experts up to this many take the tiled map build. Its (tiles, experts) count table holds 4
+#: bytes per expert per tile of MASK_MAP_TILE / experts tokens: past this it would outgrow the
+#: mask itself, and the per-expert scans take over.
+MAX_MAP_EXPERTS = 1024
+#: Mask entries (tokens x experts) in one tile of the tiled map build, and its programs' warps.
+MASK_MAP_TILE = 4096
+MASK_MAP_WARPS = 8
+#: An index-form map of at most this many slots is mapped by one program in one launch (a
+#: mask-form map is when one tile of MASK_MAP_TILE entries holds every token).
+SINGLE_MAP_TILE = 256
+#: Output rows per program of the pass that zeroes the rows no slot names, and its tile.
+ZERO_ROWS = 32
+ZERO_TILE = 4096
 
 
 def _options() -> dict[str, object]:
@@ -146,16 +166,271 @@ def _rows_kernel(
         seen += tl.sum(hits, axis=0)
 
 
+@triton.jit
+def _scanned(total_ptr, before_ptr, tile, NB: tl.constexpr):
+    """Every expert's slots, and its slots in the tiles before this one (the scan's output)."""
+    e = tl.arange(0, NB)
+    return tl.load(total_ptr + e), tl.load(before_ptr + tile * NB + e)
+
+
+@triton.jit
+def _tile_base(total, before, tile, counts_ptr, num_out, num_experts, align, NB: tl.constexpr):
+    """The row of this tile's first slot of each expert: the expert's first row (after the
+    earlier experts' rows, each padded to ``align``) plus its slots in earlier tiles. Tile 0
+    also writes moe_permute_map's counts, the rows each expert owns below num_out."""
+    padded = (total + align - 1) // align * align
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    if tile == 0:
+        e = tl.arange(0, NB)
+        owned = tl.minimum(ends, num_out) - tl.minimum(starts, num_out)
+        tl.store(counts_ptr + e, owned, mask=e < num_experts)
+    return starts + before
+
+
+@triton.jit
+def _mask_tile(mask_ptr, tile, tokens, num_experts, NB: tl.constexpr, BT: tl.constexpr):
+    """One tile of a mask routing map: BT tokens x every expert (hits, flat slots, inside).
+    Flat slots in int32: the plugin declines maps past INT32_ELEMENTS entries."""
+    t = tile * BT + tl.arange(0, BT)
+    e = tl.arange(0, NB)
+    inside = (t < tokens)[:, None] & (e < num_experts)[None, :]
+    flat = t[:, None] * num_experts + e[None, :]
+    hit = (tl.load(mask_ptr + flat, mask=inside, other=0) != 0) & inside
+    return hit, flat, inside
+
+
+@triton.jit
+def _mask_histogram_kernel(
+    mask_ptr, table_ptr, tokens, num_experts, NB: tl.constexpr, BT: tl.constexpr
+):
+    """Each tile's slots per expert, a row of the (tiles, NB) count table."""
+    tile = tl.program_id(0)
+    hit, _, _ = _mask_tile(mask_ptr, tile, tokens, num_experts, NB, BT)
+    tl.store(table_ptr + tile * NB + tl.arange(0, NB), tl.sum(hit.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _mask_rows_kernel(
+    mask_ptr,
+    before_ptr,
+    total_ptr,
+    row_map_ptr,
+    counts_ptr,
+    tokens,
+    num_experts,
+    num_out,
+    align,
+    NB: tl.constexpr,
+    BT: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """One tile's row map entries: an expert's slots take its rows in token order, after its
+    slots in earlier tiles (``before``, from the scan). SINGLE: one tile holds every token and
+    counts them itself (no table). Program 0 also writes the counts."""
+    tile = tl.program_id(0)
+    hit, flat, inside = _mask_tile(mask_ptr, tile, tokens, num_experts, NB, BT)
+    hits = hit.to(tl.int32)
+    if SINGLE:
+        total, before = tl.sum(hits, axis=0), tl.zeros((NB,), dtype=tl.int32)
+    else:
+        total, before = _scanned(total_ptr, before_ptr, tile, NB)
+    base = _tile_base(total, before, tile, counts_ptr, num_out, num_experts, align, NB)
+    row = base[None, :] + tl.cumsum(hits, axis=0) - 1
+    tl.store(row_map_ptr + flat, tl.where(hit & (row < num_out), row, -1), mask=inside)
+
+
+@triton.jit
+def _index_rows_kernel(
+    ids_ptr,
+    before_ptr,
+    total_ptr,
+    row_map_ptr,
+    counts_ptr,
+    n,
+    num_experts,
+    num_out,
+    align,
+    NB: tl.constexpr,
+    TILE: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """One tile of an index routing map (flat slots, token-major): each slot's rank among the
+    expert's slots, from the earlier tiles (``before``) and the earlier slots of this tile
+    (CHUNK at a time: a compare matrix within the chunk, a histogram across chunks). SINGLE:
+    one tile holds every slot and counts them itself. Ids outside [0, num_experts) get -1."""
+    tile = tl.program_id(0)
+    if SINGLE:
+        every = tl.arange(0, TILE)
+        raw = tl.load(ids_ptr + every, mask=every < n, other=0)
+        expert, valid = _digits(raw, every < n, num_experts, 0, 0, False)
+        total, before = tl.histogram(expert, NB, mask=valid), tl.zeros((NB,), dtype=tl.int32)
+    else:
+        total, before = _scanned(total_ptr, before_ptr, tile, NB)
+    base = _tile_base(total, before, tile, counts_ptr, num_out, num_experts, align, NB)
+    lane = tl.arange(0, CHUNK)
+    for c in range(0, TILE, CHUNK):
+        flat = tile * TILE + c + lane  # int32, as in the counting sort's tiles
+        inb = flat < n
+        raw = tl.load(ids_ptr + flat, mask=inb, other=0)
+        expert, valid = _digits(raw, inb, num_experts, 0, 0, False)
+        same = (expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None])
+        rank = tl.sum((same & valid[None, :]).to(tl.int32), axis=1)
+        row = tl.gather(base, expert, 0) + rank
+        tl.store(row_map_ptr + flat, tl.where(valid & (row < num_out), row, -1), mask=inb)
+        base += tl.histogram(expert, NB, mask=valid)
+
+
+def _scan_tiles(table: torch.Tensor, tiles: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(before, total) of a (tiles, nb) count table: each tile's earlier slots per expert, and
+    every slot per expert."""
+    before = torch.empty(tiles * nb, dtype=torch.int32, device=table.device)
+    total = torch.empty(nb, dtype=torch.int32, device=table.device)
+    cols = min(nb, 32)
+    launch(
+        _tile_scan_kernel,
+        (nb // cols,),
+        table,
+        before,
+        total,
+        tiles,
+        NB=nb,
+        COLS=cols,
+        ROWS=64,
+        num_warps=4,
+        **_options(),
+    )
+    return before, total
+
+
+def _map_mask(
+    mask: torch.Tensor, row_map: torch.Tensor, counts: torch.Tensor, num_out: int, align: int
+) -> None:
+    tokens, experts = mask.shape
+    nb = next_power_of_2(experts)
+    bt = min(max(MASK_MAP_TILE // nb, 1), next_power_of_2(tokens))
+    tiles = cdiv(tokens, bt)
+    before = total = row_map  # unread placeholders when one tile holds every token
+    if tiles > 1:
+        table = torch.empty(tiles * nb, dtype=torch.int32, device=mask.device)
+        scalars = (tokens, experts)
+        kw = {"NB": nb, "BT": bt, "num_warps": MASK_MAP_WARPS, **_options()}
+        launch(_mask_histogram_kernel, (tiles,), mask, table, *scalars, **kw)
+        before, total = _scan_tiles(table, tiles, nb)
+    launch(
+        _mask_rows_kernel,
+        (tiles,),
+        mask,
+        before,
+        total,
+        row_map,
+        counts,
+        tokens,
+        experts,
+        num_out,
+        align,
+        NB=nb,
+        BT=bt,
+        SINGLE=tiles == 1,
+        num_warps=MASK_MAP_WARPS,
+        **_options(),
+    )
+
+
+def _map_index(
+    ids: torch.Tensor,
+    num_experts: int,
+    row_map: torch.Tensor,
+    counts: torch.Tensor,
+    num_out: int,
+    align: int,
+) -> None:
+    n = ids.numel()
+    nb = next_power_of_2(num_experts)
+    single = n <= SINGLE_MAP_TILE
+    cfg = launch_configs().routing(n, nb)  # the counting sort's tiles
+    # A tile of at least nb slots keeps the (tiles, nb) count table below the map's size.
+    tile = next_power_of_2(max(n, cfg.chunk)) if single else max(cfg.tile, nb)
+    tiles = cdiv(n, tile)
+    before = total = row_map  # unread placeholders when one tile holds every slot
+    if not single:
+        # The counting sort's tile histogram; it also counts each tile's ids outside
+        # [0, num_experts) after the table (unread here).
+        table = torch.empty(tiles * nb + tiles, dtype=torch.int32, device=ids.device)
+        launch(
+            _tile_histogram_kernel,
+            (tiles,),
+            ids,
+            table,
+            n,
+            tiles,
+            num_experts,
+            0,
+            0,
+            NB=nb,
+            TILE=tile,
+            USE_MASK=False,
+            num_warps=cfg.num_warps,
+            **_options(),
+        )
+        before, total = _scan_tiles(table, tiles, nb)
+    launch(
+        _index_rows_kernel,
+        (tiles,),
+        ids,
+        before,
+        total,
+        row_map,
+        counts,
+        n,
+        num_experts,
+        num_out,
+        align,
+        NB=nb,
+        TILE=tile,
+        CHUNK=min(cfg.chunk, tile),
+        SINGLE=single,
+        num_warps=cfg.num_warps,
+        **_options(),
+    )
+
+
 def moe_permute_map(
     routing_map: torch.Tensor, num_experts: int, num_out_tokens: int, align_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, slots = routing_map.shape
     device = routing_map.device
     row_map = torch.empty(tokens, slots, dtype=torch.int32, device=device)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     is_mask = routing_map.dtype == torch.bool
+    if routing_map.numel() == 0:
+        return row_map, torch.zeros(num_experts, dtype=torch.int32, device=device)
     # Bools are read as bytes (Triton has no pointer to bool in every version).
     routing = routing_map.view(torch.uint8) if is_mask else routing_map
+    if num_experts > MAX_MAP_EXPERTS:
+        args = (routing, is_mask, num_experts, row_map, num_out_tokens, align_size)
+        return row_map, _map_per_expert(*args)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    if is_mask:
+        _map_mask(routing, row_map, counts, num_out_tokens, align_size)
+    else:
+        _map_index(routing, num_experts, row_map, counts, num_out_tokens, align_size)
+    return row_map, counts
+
+
+def _map_per_expert(
+    routing: torch.Tensor,
+    is_mask: bool,
+    num_experts: int,
+    row_map: torch.Tensor,
+    num_out_tokens: int,
+    align_size: int,
+) -> torch.Tensor:
+    """moe_permute_map's row map for many experts, and its counts: one program per expert scans
+    the map in token order, twice (a count, then the ranks); the padded starts in a few torch
+    ops on the device."""
+    tokens, slots = routing.shape
+    counts = torch.empty(num_experts, dtype=torch.int32, device=routing.device)
     scalars = (tokens, slots, num_experts)
     kw = {"IS_MASK": is_mask, "BLOCK": SCAN_BLOCK, **_options()}
     launch(_count_kernel, (num_experts,), routing, counts, *scalars, **kw)
@@ -165,7 +440,7 @@ def moe_permute_map(
     starts = ends - padded
     launch(_rows_kernel, (num_experts,), routing, starts, row_map, *scalars, num_out_tokens, **kw)
     owned = ends.clamp(max=num_out_tokens) - starts.clamp(max=num_out_tokens)
-    return row_map, owned.to(torch.int32)
+    return owned.to(torch.int32)
 
 
 @triton.jit
@@ -230,6 +505,7 @@ def _permute_kernel(
     row_map_ptr,
     probs_ptr,
     out_ptr,
+    named_ptr,
     cols_ptr,
     count_ptr,
     slots,
@@ -239,9 +515,12 @@ def _permute_kernel(
     COMPACT: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Token t's row to each of its slots' rows; the first hidden block's program also marks
+    each row it writes in ``named`` (one byte per output row)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_row = h < hidden
+    marks = tl.program_id(1) == 0
     row = tl.load(x_ptr + t * hidden + h, mask=in_row, other=0.0)
     n = tl.load(count_ptr + t) if COMPACT else slots
     for i in range(n):
@@ -252,15 +531,35 @@ def _permute_kernel(
                 scale = tl.load(probs_ptr + t * slots + j).to(tl.float32)
                 value = (row.to(tl.float32) * scale).to(row.dtype)
             tl.store(out_ptr + dest * hidden + h, value, mask=in_row)
+            if marks:
+                tl.store(named_ptr + dest, tl.full((), 1, tl.uint8))
+
+
+@triton.jit
+def _zero_unnamed_kernel(
+    out_ptr, named_ptr, rows, hidden, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    """Zero the rows of one block that no slot named; a block whose rows are all named (every
+    row of a dropless map without padding) reads its marks and writes nothing."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    unnamed = (r < rows) & (tl.load(named_ptr + r, mask=r < rows, other=1) == 0)
+    if tl.max(unnamed.to(tl.int32), axis=0) > 0:
+        zeros = tl.zeros((BLOCK_R, BLOCK_H), dtype=out_ptr.dtype.element_ty)
+        for h0 in range(0, hidden, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            at = out_ptr + r[:, None] * hidden + h[None, :]
+            tl.store(at, zeros, mask=unnamed[:, None] & (h < hidden)[None, :])
 
 
 def moe_permute(
     x: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None, num_out_tokens: int
 ) -> torch.Tensor:
     tokens, hidden = x.shape
-    out = torch.zeros(num_out_tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0 or hidden == 0 or num_out_tokens == 0:
-        return out
+        return torch.zeros(num_out_tokens, hidden, dtype=x.dtype, device=x.device)
+    # Only the rows no slot names are zeroed, after the copies: not the whole output first.
+    out = torch.empty(num_out_tokens, hidden, dtype=x.dtype, device=x.device)
+    named = torch.zeros(num_out_tokens, dtype=torch.uint8, device=x.device)
     block = _hidden_block(hidden)
     cols, count, compact = _compact_slots(row_map, num_out_tokens)
     launch(
@@ -270,6 +569,7 @@ def moe_permute(
         row_map,
         row_map if probs is None else probs,  # an unread placeholder without probs
         out,
+        named,
         cols,
         count,
         row_map.shape[1],
@@ -278,6 +578,17 @@ def moe_permute(
         HAS_PROBS=probs is not None,
         COMPACT=compact,
         BLOCK_H=block,
+        **_options(),
+    )
+    launch(
+        _zero_unnamed_kernel,
+        (cdiv(num_out_tokens, ZERO_ROWS),),
+        out,
+        named,
+        num_out_tokens,
+        hidden,
+        BLOCK_R=ZERO_ROWS,
+        BLOCK_H=min(next_power_of_2(hidden), ZERO_TILE // ZERO_ROWS),
         **_options(),
     )
     return out

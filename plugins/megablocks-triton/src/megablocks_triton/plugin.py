@@ -23,6 +23,7 @@ from megablocks_core.plugin import (
     CompileShape,
     DeviceInfo,
     Kernel,
+    KernelProblem,
     Tier,
     hookimpl,
 )
@@ -142,27 +143,53 @@ def _devices() -> tuple[str, ...]:
     return ("cuda", "rocm", "cpu") if _interpret() else ("cuda", "rocm")
 
 
+_Declared = Kernel | KernelProblem
+
+
+def _row(table: Mapping[str, Any], op: str, what: str) -> Any:
+    """``op``'s row of one of this module's per-op tables, or a clear error naming the table."""
+    if op not in table:
+        raise LookupError(f"megablocks_triton.plugin declares no {what} for it")
+    return table[op]
+
+
+def _each(ops: tuple[str, ...], declare: Callable[[str], Kernel]) -> list[_Declared]:
+    """``declare(op)`` for each op; one that fails (a row of a per-op table missing, a function
+    absent) becomes that op's :class:`KernelProblem`, so the others still load."""
+    declared: list[_Declared] = []
+    for op in ops:
+        try:
+            declared.append(declare(op))
+        except Exception as exc:  # isolation: one op's declaration must not take the others
+            reason = str(exc) if isinstance(exc, LookupError) else f"{type(exc).__name__}: {exc}"
+            declared.append(KernelProblem(op, reason))
+    return declared
+
+
 def _kernels(
     module_name: str, ops: tuple[str, ...], dtypes: dict[str, dict[str, frozenset[torch.dtype]]]
-) -> list[Kernel]:
+) -> list[_Declared]:
     if importlib.util.find_spec("triton") is None:  # megablocks_unavailable_reason says so
         return []
     module = importlib.import_module(f"megablocks_triton.{module_name}")
     from . import tuning  # measured speed: lets the core pick per shape within the tier
 
-    return [
-        Kernel(
+    def declare(op: str) -> Kernel:
+        fn = getattr(module, op, None)
+        if fn is None:
+            raise LookupError(f"{module.__name__} has no function {op!r}")
+        return Kernel(
             op=op,
-            fn=getattr(module, op),
+            fn=fn,
             devices=_devices(),
             tier=TIER,
-            dtypes=dtypes[op],
+            dtypes=_row(dtypes, op, "dtypes"),
             contiguous=True,
             cost=tuning.COST_HINTS.get(op),
             supports=_supports(op, module),
         )
-        for op in ops
-    ]
+
+    return _each(ops, declare)
 
 
 #: Offsets the kernels compute in int32 (``program_id * BLOCK + lane``, int32 flat ids, sorted
@@ -214,7 +241,7 @@ def _limits(op: str, module: Any) -> tuple[_Limit, ...]:
     if module.__name__.endswith(".permutation"):
         return (_int32("sorted rows", _length("indices")),)
     if module.__name__.endswith(".gmm"):
-        experts, rows = _GMM_SIZES[op]
+        experts, rows = _row(_GMM_SIZES, op, "(experts, rows) arguments for its size limits")
         return (
             _Limit(
                 "experts",
@@ -224,6 +251,8 @@ def _limits(op: str, module: Any) -> tuple[_Limit, ...]:
             ),
             _int32("rows", _length(rows)),
         )
+    if op == "moe_permute_map":  # its index form's tiles are the counting sort's (int32)
+        return (_int32("routing map entries", lambda call: math.prod(call["routing_map"].shape)),)
     keys = {"sort": "x", "route": "top_experts"}
     if op in keys:
         return (_int32("keys", _length(keys[op])),)
@@ -305,7 +334,7 @@ def megablocks_unavailable_reason() -> str | None:
 
 
 @hookimpl
-def megablocks_routing_kernels() -> list[Kernel]:
+def megablocks_routing_kernels() -> list[_Declared]:
     return _kernels("routing", ROUTING, _routing_dtypes())
 
 
@@ -325,7 +354,7 @@ def _moe_permutation_dtypes() -> dict[str, dict[str, frozenset[torch.dtype]]]:
 
 
 @hookimpl
-def megablocks_permutation_kernels() -> list[Kernel]:
+def megablocks_permutation_kernels() -> list[_Declared]:
     classic = tuple(op for op in PERMUTATION if op not in MOE_PERMUTATION)
     return _kernels("permutation", classic, _permutation_dtypes()) + _kernels(
         "moe_permute", MOE_PERMUTATION, _moe_permutation_dtypes()
@@ -336,7 +365,7 @@ def megablocks_permutation_kernels() -> list[Kernel]:
 WARP_SPECIALIZED_OPS = ("gmm_weight_grad", "gmm_weight_grad_accumulate")
 
 
-def _warp_specialized_kernels() -> list[Kernel]:
+def _warp_specialized_kernels() -> list[_Declared]:
     """Variant ``gluon-hopper`` of the weight gradients (:mod:`megablocks_triton.hopper_wgrad`):
     NVIDIA Hopper only, 16-bit, for the calls the launch policy measured it faster on
     (:func:`megablocks_triton.gmm.warp_specialized_problem`; the plain kernels decline exactly
@@ -351,10 +380,11 @@ def _warp_specialized_kernels() -> list[Kernel]:
         "gmm_weight_grad": gmm.gmm_weight_grad_warp_specialized,
         "gmm_weight_grad_accumulate": gmm.gmm_weight_grad_accumulate_warp_specialized,
     }
-    return [
-        Kernel(
+
+    def declare(op: str) -> Kernel:
+        return Kernel(
             op=op,
-            fn=functions[op],
+            fn=_row(functions, op, "warp-specialized function"),
             devices=("cuda",),
             tier=TIER,
             capability=gmm.warp_specialized_capability,
@@ -368,11 +398,11 @@ def _warp_specialized_kernels() -> list[Kernel]:
             supports=_supports(op, gmm, functools.partial(gmm.warp_specialized_problem, op)),
             variant=gmm.WARP_SPECIALIZED_VARIANT,
         )
-        for op in WARP_SPECIALIZED_OPS
-    ]
+
+    return _each(WARP_SPECIALIZED_OPS, declare)
 
 
-def _scaled_kernels(ops: tuple[str, ...]) -> list[Kernel]:
+def _scaled_kernels(ops: tuple[str, ...]) -> list[_Declared]:
     """The low-precision ops, in every format the core defines, on devices with FP8 matrix
     instructions (:func:`megablocks_triton.scaled.fp8_capability`); quantize reads any strides
     (an expert matrix's transposed view is its transpose-quantize)."""
@@ -389,24 +419,28 @@ def _scaled_kernels(ops: tuple[str, ...]) -> list[Kernel]:
         "scaled_gather_gmm": {"x": eight, "b": eight},
         "scaled_gmm_scatter": {"x": eight, "b": eight, "weights": _ANY_FLOAT},
     }
-    return [
-        Kernel(
+
+    def declare(op: str) -> Kernel:
+        fn = getattr(scaled, op, None)
+        if fn is None:
+            raise LookupError(f"{scaled.__name__} has no function {op!r}")
+        return Kernel(
             op=op,
-            fn=getattr(scaled, op),
+            fn=fn,
             devices=_devices(),
             tier=TIER,
             capability=scaled.fp8_capability,
-            dtypes=dtypes[op],
+            dtypes=_row(dtypes, op, "dtypes"),
             contiguous=op != "quantize",
             supports=getattr(scaled, f"{op}_supports", None),
             formats=tuple(SCALED_FORMATS),
         )
-        for op in ops
-    ]
+
+    return _each(ops, declare)
 
 
 @hookimpl
-def megablocks_grouped_gemm_kernels() -> list[Kernel]:
+def megablocks_grouped_gemm_kernels() -> list[_Declared]:
     return (
         _kernels("gmm", GROUPED_GEMM, _gmm_dtypes())
         + _warp_specialized_kernels()
@@ -415,12 +449,12 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
 
 
 @hookimpl
-def megablocks_quantization_kernels() -> list[Kernel]:
+def megablocks_quantization_kernels() -> list[_Declared]:
     return _scaled_kernels(QUANTIZATION)
 
 
 @hookimpl
-def megablocks_activation_kernels() -> list[Kernel]:
+def megablocks_activation_kernels() -> list[_Declared]:
     return _kernels("activation", ACTIVATION, _activation_dtypes())
 
 

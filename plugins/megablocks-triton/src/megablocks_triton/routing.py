@@ -2,7 +2,7 @@
 router top-k.
 
 None of these functions syncs the host: every size they allocate is known from
-input shapes. The kernels (:mod:`megablocks_triton.kernels.routing`, re-exported here) are a
+input shapes. The kernels (:mod:`megablocks_triton.kernels.routing`) are a
 stable counting sort of one, two or three launches (its docstring describes them) and one
 launch per smaller op. Used with 2**end_bit bins it is ``sort``; with ``num_experts`` bins it
 is ``route``, which returns the whole routing metadata in those launches.
@@ -27,14 +27,7 @@ from .kernels.routing import (
     _tile_histogram_kernel,
     _tile_scan_kernel,
 )
-from .kernels.routing import _cumsum_kernel as _cumsum_kernel
-from .kernels.routing import _histogram_kernel as _histogram_kernel
-from .kernels.routing import _replicate_backward_kernel as _replicate_backward_kernel
-from .kernels.routing import _replicate_kernel as _replicate_kernel
-from .kernels.routing import _router_topk_kernel as _router_topk_kernel
-from .kernels.routing import _topology_kernel as _topology_kernel
 from .launch import bind, cdiv, next_power_of_2, remember
-from .routing_ops import MAX_TILE_HISTOGRAM_BINS as MAX_TILE_HISTOGRAM_BINS
 from .routing_ops import MAX_TOPK_EXPERTS as MAX_TOPK_EXPERTS
 from .routing_ops import (
     _options,
