@@ -476,12 +476,37 @@ def _table(reports: Sequence[KernelReport], wall: float) -> str:
     return "\n".join(lines)
 
 
+def _names(option: str, text: str, noun: str) -> list[str]:
+    """A comma list given to ``option``; ValueError when it names no ``noun`` (``--target ''``
+    must not mean every target)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"{option} {text!r} names no {noun}")
+    return names
+
+
+def _ops(text: str) -> list[str]:
+    """``--ops``: known op names only (an unknown one would compile nothing and pass)."""
+    from .contracts import BY_NAME
+
+    ops = _names("--ops", text, "op")
+    unknown = [op for op in ops if op not in BY_NAME]
+    if unknown:
+        raise ValueError(
+            f"--ops: unknown op(s) {', '.join(map(repr, unknown))}; ops: {', '.join(sorted(BY_NAME))}"
+        )
+    return ops
+
+
 def main(args: argparse.Namespace) -> int:
     """``megablocks backends compile``: run the gate; 1 when any kernel failed."""
-    targets = [t for spec in args.target for t in spec.split(",") if t] or list(LIMITS)
-    shapes = [s for s in args.shapes.split(",") if s]
-    ops = [o for o in (args.ops or "").split(",") if o]
     try:
+        named = [t for spec in args.target for t in _names("--target", spec, "target")]
+        targets = named or list(LIMITS)
+        shapes = _names("--shapes", args.shapes, "shape")
+        ops = _ops(args.ops) if args.ops is not None else []
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
         _validate(targets, args.names, shapes)
     except ValueError as exc:  # a user mistake: one line, exit status 2 (as the CLI's others)
         print(f"megablocks: error: {exc}", file=sys.stderr)
@@ -516,9 +541,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="training,decode",
         help=f"comma list of layer shapes: {', '.join(SHAPES)} (default: both)",
     )
-    parser.add_argument("--ops", default="", help="only these ops' kernels (comma list)")
+    parser.add_argument("--ops", help="only these ops' kernels (comma list; default: every op)")
     parser.add_argument(
-        "--jobs", type=int, default=2, help="targets compiled at once, one process each (default 2)"
+        "--jobs",
+        type=int,
+        default=2,
+        help="targets compiled at once, one process each, at least 1 (default 2)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -199,16 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="[ARG=]DTYPE",
-        help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16",
+        help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16 (one "
+        "argument's dtype overrides a dtype for all)",
     )
     explain.add_argument(
         "--shape",
         action="append",
         default=[],
         metavar="ARG=DIMxDIM",
-        help="a tensor argument's shape, sizes of 0 or more, e.g. a=32768x4096 (repeatable): shows "
-        "which kernel a call of that shape gets (default, where cost hints decide: mixtral, "
-        "qwen3, dsv3, tiny)",
+        help="a tensor argument's shape, sizes of 0 or more, e.g. a=32768x4096 (repeatable; give "
+        "each tensor the choice reads): shows which kernel a call of that shape gets (default, "
+        "where cost hints decide: mixtral, qwen3, dsv3, tiny)",
     )
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=cmd_explain)

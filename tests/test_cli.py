@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_plugins import ENV_VARS, ONLY_REFERENCE, permutation
+from fake_plugins import ENV_VARS, ONLY_REFERENCE, kernels_body, permutation
 
 import megablocks_core as mb
 from megablocks_core import contracts
@@ -243,6 +243,55 @@ def test_explain_rejects_a_shape_given_twice(capsys):
     assert "--shape 'a=4x4': a is given twice" in err
 
 
+#: A grouped-GEMM backend whose shape predicate reads b: its choice depends on b's shape.
+READS_B = kernels_body(
+    "megablocks_grouped_gemm_kernels",
+    "[Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR,"
+    " supports=lambda device, call: None if call['b'].shape[0] < 64 else 'too many experts')]",
+)
+
+
+def test_explain_refuses_a_shape_that_leaves_out_what_the_choice_reads(capsys, plugins):
+    plugins.add("picky", READS_B)
+    plugins.reload()
+    code, out, err = run(capsys, "backends", "explain", "gmm", "--shape", "a=64x32")
+    assert code == 2 and out == ""
+    assert err.startswith("megablocks: error: --shape: ") and "b" in err, err
+    assert "--shape b=" in err and err.count("\n") == 1, err
+    code, out, err = run(
+        capsys, "backends", "explain", "gmm", "--shape", "a=64x32", "--shape", "b=4x32x16",
+        "--shape", "batch_sizes=4",
+    )  # fmt: skip
+    assert code == 0 and err == "", err
+    assert out.splitlines()[-1] == "a=64x32 b=4x32x16 batch_sizes=4: picky (highest tier)"
+
+
+@pytest.mark.parametrize(
+    "dtypes, message",
+    [
+        (("bfloat16", "float16"), "--dtype 'float16': x is given bfloat16 and float16"),
+        (("x=float16", "x=float32"), "--dtype 'x=float32': x is given float16 and float32"),
+    ],
+)
+def test_explain_refuses_two_dtypes_for_one_argument(capsys, dtypes, message):
+    argv = [a for d in dtypes for a in ("--dtype", d)]
+    code, out, err = run(capsys, "backends", "explain", "gather", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("megablocks: error: ") and message in err, err
+
+
+def test_explain_dtype_of_one_argument_overrides_the_dtype_of_all(capsys):
+    for argv in (("float32", "x=bfloat16"), ("x=bfloat16", "float32"), ("float32", "int32")):
+        options = [a for d in argv for a in ("--dtype", d)]
+        code, out, _ = run(capsys, "backends", "explain", "gather", *options, "--json")
+        assert code == 0
+        dtypes = json.loads(out)["dtypes"]
+        if "int32" in argv:
+            assert dtypes["x"] == "float32" and dtypes["indices"] == "int32"
+        else:
+            assert dtypes["x"] == "bfloat16" and dtypes["weights"] == "float32"
+
+
 def test_explain_shows_the_choice_for_a_shape_that_changes_nothing(capsys):
     code, out, err = run(capsys, "backends", "explain", "gather", "--shape", "x=3x4")
     assert code == 0 and err == ""
@@ -426,6 +475,13 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host wit
         (("bench", "--shapes", ",", "--device", "cpu"), "--shapes ',' names no shape"),
         (("bench", "--shapes", "tiny", "--ops", ",", "--device", "cpu"), "--ops ',' names no op"),
         (("backends", "check", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+        (("backends", "compile", "--target", ""), "--target '' names no target"),
+        (("backends", "compile", "--target", "sm_90a", "--target", ","), "--target ',' names no"),
+        (("backends", "compile", "--shapes", ""), "--shapes '' names no shape"),
+        (("backends", "compile", "--ops", "nosuch"), "--ops: unknown op(s) 'nosuch'"),
+        (("backends", "compile", "--ops", ","), "--ops ',' names no op"),
+        (("backends", "compile", "--jobs", "-1"), "--jobs must be at least 1, got -1"),
+        (("backends", "compile", "--jobs", "0"), "--jobs must be at least 1, got 0"),
     ],
 )
 def test_user_mistakes_are_one_line_errors_with_status_2(capsys, argv, message):
@@ -439,6 +495,29 @@ def test_a_short_demo_passes_when_its_loss_falls(capsys, steps):
     code, out, _ = run(capsys, "demo", "--steps", str(steps), "--backend", "reference")
     assert code == 0, out
     assert out.rstrip().splitlines()[-1] == "result: ok, the loss fell"
+
+
+@pytest.mark.parametrize("tokens", [8, 16])
+def test_a_two_step_demo_of_few_tokens_passes_when_its_loss_falls(capsys, tokens):
+    code, out, _ = run(
+        capsys, "demo", "--steps", "2", "--tokens", str(tokens), "--backend", "reference"
+    )
+    assert code == 0, out
+    assert out.rstrip().splitlines()[-1] == "result: ok, the loss fell"
+
+
+@pytest.mark.parametrize("experts", [64, 256])
+def test_a_demo_with_many_experts_passes(capsys, experts):
+    code, out, _ = run(
+        capsys, "demo", "--experts", str(experts), "--steps", "11", "--backend", "reference"
+    )
+    assert code == 0, out
+
+
+def test_a_demo_of_too_few_tokens_a_step_is_not_judged(capsys):
+    code, out, _ = run(capsys, "demo", "--steps", "15", "--tokens", "2", "--backend", "reference")
+    assert code == 0, out
+    assert out.rstrip().splitlines()[-1].startswith("result: not judged: with fewer than 8 tokens")
 
 
 def test_demo_success_rule_fits_the_step_count():
@@ -511,6 +590,14 @@ def test_a_bad_megablocks_backend_is_a_user_error(capsys, monkeypatch):
     code, out, err = run(capsys, "backends", "list")
     assert code == 2 and out == ""
     assert err.startswith("megablocks: error: MEGABLOCKS_BACKEND='gatherz=reference' names unknown")
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "-1"])
+def test_a_bad_megablocks_check_is_a_user_error(capsys, monkeypatch, value):
+    monkeypatch.setenv("MEGABLOCKS_CHECK", value)
+    code, out, err = run(capsys, "backends", "list")
+    assert code == 2 and out == ""
+    assert err.startswith(f"megablocks: error: MEGABLOCKS_CHECK={value!r}"), err
 
 
 def test_console_script_shows_the_traceback_of_a_bug(tmp_path):

@@ -843,3 +843,26 @@ def test_backend_env_with_an_unknown_op_is_an_error():
         mb.reload({"MEGABLOCKS_BACKEND": "gathr=reference"})
     mb.reload({})
     assert mb.current_policy().is_default
+
+
+@pytest.mark.parametrize(
+    "value, checked", [("1", True), ("TRUE", True), ("on", True), ("false", False), ("0", False)]
+)
+def test_megablocks_check_reads_on_and_off(value, checked):
+    from megablocks_core.policy import overrides
+
+    try:
+        mb.reload({"MEGABLOCKS_CHECK": value})
+        assert overrides.checked is checked
+    finally:
+        mb.reload({})
+    assert overrides.checked is False
+
+
+def test_megablocks_check_of_another_value_is_an_error():
+    from megablocks_core.policy import overrides
+
+    with pytest.raises(ValueError, match="MEGABLOCKS_CHECK='maybe'"):
+        mb.reload({"MEGABLOCKS_CHECK": "maybe"})
+    assert overrides.checked is False
+    mb.reload({})
