@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, cast
@@ -367,32 +367,50 @@ def _worker_command(
 
 
 def _run_target(target: str, backends: Sequence[str], shapes: Sequence[str],
-                ops: Sequence[str]) -> list[KernelReport]:  # fmt: skip
+                ops: Sequence[str], on_report: Callable[[KernelReport], None] | None = None,
+                ) -> list[KernelReport]:  # fmt: skip
     reports: list[KernelReport] = []
+
+    def found(report: KernelReport) -> None:
+        reports.append(report)
+        if on_report is not None:
+            on_report(report)
+
     start = 0
     while True:
         cmd = _worker_command(target, backends, shapes, ops, start)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_worker_env())
-        running: dict[str, Any] | None = None
-        for line in proc.stdout.splitlines():
-            if not line.startswith("{"):
-                continue  # a compiler's own output
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "start" in event:
-                running = event
-            elif "report" in event:
-                reports.append(KernelReport(**event["report"]))
-                running = None
-        if proc.returncode == 0:
+        # The worker's reports are read as they come (progress); its stderr goes to a file, as
+        # a pipe nobody reads could fill up and stall it.
+        with (
+            tempfile.TemporaryFile("w+") as errors,
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=_worker_env()
+            ) as proc,
+        ):
+            assert proc.stdout is not None
+            running: dict[str, Any] | None = None
+            for line in proc.stdout:
+                if not line.startswith("{"):
+                    continue  # a compiler's own output
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "start" in event:
+                    running = event
+                elif "report" in event:
+                    found(KernelReport(**event["report"]))
+                    running = None
+            returncode = proc.wait()
+            errors.seek(0)
+            stderr = errors.read().strip()
+        if returncode == 0:
             return reports
         if running is None:  # died outside a job: nothing to skip
-            reports.append(KernelReport(
+            found(KernelReport(
                 backend=",".join(backends) or "*", target=target, shape=",".join(shapes),
                 kernel="(worker)", status="crash",
-                problems=[f"worker exited {proc.returncode}: {proc.stderr.strip()[-1500:]}"],
+                problems=[f"worker exited {returncode}: {stderr[-1500:]}"],
             ))  # fmt: skip
             return reports
         crash = KernelReport(
@@ -400,9 +418,9 @@ def _run_target(target: str, backends: Sequence[str], shapes: Sequence[str],
             kernel=running["kernel"], op=running.get("op", ""),
             variant=running.get("variant", ""), status="crash",
         )  # fmt: skip
-        tail = proc.stderr.strip().splitlines()[-3:]
-        crash.problems.append(f"compiler process died ({proc.returncode}): " + " | ".join(tail))
-        reports.append(crash)
+        tail = stderr.splitlines()[-3:]
+        crash.problems.append(f"compiler process died ({returncode}): " + " | ".join(tail))
+        found(crash)
         start = int(running["start"]) + 1
 
 
@@ -418,13 +436,24 @@ def _validate(targets: Sequence[str], backends: Sequence[str], shapes: Sequence[
 
 def run_gate(targets: Sequence[str], backends: Sequence[str] = (),
              shapes: Sequence[str] = ("training", "decode"), ops: Sequence[str] = (),
-             jobs: int = 2) -> list[KernelReport]:  # fmt: skip
+             jobs: int = 2, on_report: Callable[[KernelReport], None] | None = None,
+             ) -> list[KernelReport]:  # fmt: skip
     """Compile every backend's jobs for every target (one worker process each, ``jobs`` at
-    once) and return the reports, in target order."""
+    once) and return the reports, in target order. ``on_report`` is called with each report as
+    it comes (from the workers' threads)."""
     _validate(targets, backends, shapes)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(_run_target, t, backends, shapes, ops) for t in targets]
+        futures = [pool.submit(_run_target, t, backends, shapes, ops, on_report) for t in targets]
         return [r for f in futures for r in f.result()]
+
+
+def _progress_line(report: KernelReport) -> str:
+    what = f"{report.op} {report.variant}".strip()
+    return (
+        f"compiled for {report.target}: {report.backend} {report.kernel}"
+        + (f" ({what})" if what else "")
+        + f": {report.status}, {report.seconds:.1f} s"
+    )
 
 
 def _summary(reports: Iterable[KernelReport]) -> dict[str, dict[str, Any]]:
@@ -511,8 +540,13 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a user mistake: one line, exit status 2 (as the CLI's others)
         print(f"megablocks: error: {exc}", file=sys.stderr)
         return 2
+    from .cli_common import progress
+
     start = time.perf_counter()
-    reports = run_gate(targets, args.names, shapes, ops, jobs=args.jobs)
+    reports = run_gate(
+        targets, args.names, shapes, ops, jobs=args.jobs,
+        on_report=lambda report: progress(_progress_line(report)),
+    )  # fmt: skip
     wall = time.perf_counter() - start
     failed = any(r.failed for r in reports)
     if args.json:

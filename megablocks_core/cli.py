@@ -192,7 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("op", help="op name, e.g. gather or gmm")
     explain.add_argument(
-        "--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)"
+        "--device",
+        default="cpu",
+        help="torch device, e.g. cpu or cuda:0 (default cpu; one this host lacks is described)",
     )
     explain.add_argument(
         "--dtype",

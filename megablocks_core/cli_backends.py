@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import __version__, contracts, dispatch, ranking
-from .cli_common import CLIError, _device, _registry, _table
+from .cli_common import CLIError, _device, _registry, _table, progress
 from .descriptors import TensorMeta
 from .ranking import Trace
 from .schema import BoolArg, ChoiceArg, IntArg, TensorArg
@@ -343,7 +343,19 @@ def cmd_check(args: argparse.Namespace) -> int:
             "(and do not disable it)"
         )
     ops = _ops(args.ops, testing.DISPATCHED)
-    results = testing.check(args.names or None, device=args.device, quick=args.quick, ops=ops)
+    labels = {
+        "pass": "pass",
+        "fail": "FAIL",
+        "not provided": "not provided",
+        "unavailable": "unavailable here",
+    }
+
+    def checked(r: testing.Result) -> None:
+        progress(f"checked {r.op} on {r.backend}: {labels[r.status]} ({r.seconds:.1f} s)")
+
+    results = testing.check(
+        args.names or None, device=args.device, quick=args.quick, ops=ops, progress=checked
+    )
     # A run that compared nothing proves nothing: it must not pass.
     scenarios = sum(r.scenarios for r in results if r.status == "pass")
     ok = testing.passed(results, required=args.names) and scenarios > 0
@@ -382,12 +394,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         for line in unchecked:
             print(line, file=sys.stderr)
         return 0 if ok else 1
-    labels = {
-        "pass": "pass",
-        "fail": "FAIL",
-        "not provided": "not provided",
-        "unavailable": "unavailable here",
-    }
     backends = list(dict.fromkeys(r.backend for r in results))
     cells = {(r.op, r.backend): labels[r.status] for r in results}
     ops = list(dict.fromkeys(r.op for r in results))

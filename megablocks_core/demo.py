@@ -12,13 +12,12 @@ number of steps (see :func:`required_fraction`; exit status 1 otherwise; not jud
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 
 import torch
 
-from . import current_policy, use_backend
+from . import dispatch, use_backend
 from .dispatch import served
 from .layers import DroplessMoE, MoEConfig
 
@@ -135,23 +134,18 @@ def run(
         f"tokens/step={tokens} features={features} hidden={hidden} ffn={ffn} experts={experts} "
         f"top_k={top_k} glu=yes dtype={dtype} device={dev} backend={backend or 'ranked'} steps={steps}"
     )
-    if (
-        dev.type == "cpu"
-        and not backend
-        and current_policy().is_default
-        and os.environ.get("TRITON_INTERPRET") == "1"
-    ):
-        print(
-            "note: TRITON_INTERPRET=1 lets the Triton interpreter serve the CPU ops: about 20 s a "
-            "step; `--backend reference` is fast"
-        )
-    print()
 
     losses: list[float] = []
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if backend:
             stack.enter_context(use_backend(*backend.split(",")))
+        if interpreted(dev, dt):
+            print(
+                "note: the Triton interpreter serves the layer's ops on the CPU (TRITON_INTERPRET="
+                "1): tens of seconds a step; `--backend reference` takes well under one"
+            )
+        print()
         if dev.type == "cpu":
             stack.enter_context(_one_thread())
         held_out = tuple(t.to(device=dev, dtype=dt) for t in task.batch(HELD_OUT_TOKENS))
@@ -198,6 +192,15 @@ def run(
         )
     print("\nresult: " + result)
     return 0 if ok or not judged else 1
+
+
+def interpreted(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton backend would serve the layer's grouped GEMMs on ``device`` under the
+    policy in force: on the CPU that is its interpreter, far slower than the reference."""
+    if device.type != "cpu":
+        return False
+    winner = dispatch.explain("gmm", device, {"a": dtype, "b": dtype}).winner
+    return winner is not None and winner.backend == "triton"
 
 
 def _loss(model: TinyMoEModel, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -200,11 +200,18 @@ def test_explain_dtype_for_a_missing_argument(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
-def test_explain_on_a_missing_cuda_device(capsys):
+def test_explain_on_a_cuda_device_this_host_lacks(capsys):
+    """explain describes a device without touching it: a CUDA device this host does not have is
+    shown as such (what this installation would choose there), not refused."""
     code, out, err = run(capsys, "backends", "explain", "gather", "--device", "cuda:0")
-    assert code == 2 and out == ""
-    assert err.startswith("megablocks: error: device 'cuda:0'")
-    assert "not available" in err
+    assert code == 0 and err == ""
+    assert out.startswith("gather on cuda:0 (not present on this host)"), out
+    assert "winner: reference" in out
+    code, out, _ = run(capsys, "backends", "explain", "gmm", "--device", "cuda", "--json")
+    assert code == 0 and json.loads(out)["device"] == "cuda (not present on this host)"
+    # a command that runs ops there still refuses it
+    code, _, err = run(capsys, "backends", "check", "--device", "cuda:0")
+    assert code == 2 and "device 'cuda:0'" in err and "not available" in err
 
 
 def test_explain_on_a_malformed_device(capsys):
@@ -379,6 +386,25 @@ def test_check_ops_limits_the_kit_to_the_named_ops(capsys, monkeypatch):
     assert code == 0 and asked[-1] is None
 
 
+def test_check_shows_each_op_as_it_is_checked_on_a_terminal(capsys, monkeypatch, plugins):
+    plugins.add(
+        "fast",
+        permutation(
+            "[Kernel(op='gather', fn=recording('gather'), devices=('cpu',),"
+            " tier=Tier.GENERIC_ACCELERATOR)]"
+        ),
+    )
+    plugins.reload()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, "backends", "check", "fast", "--quick", "--ops", "gather,sort")
+    assert code == 0, out
+    lines = err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "checked gather on fast: pass",
+        "checked sort on fast: not provided",
+    ], err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -518,6 +544,28 @@ def test_a_demo_of_too_few_tokens_a_step_is_not_judged(capsys):
     code, out, _ = run(capsys, "demo", "--steps", "15", "--tokens", "2", "--backend", "reference")
     assert code == 0, out
     assert out.rstrip().splitlines()[-1].startswith("result: not judged: with fewer than 8 tokens")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter")
+@pytest.mark.parametrize("backend, warned", [("triton", True), ("reference", False)])
+def test_demo_warns_when_the_triton_interpreter_will_serve_the_cpu(
+    capsys, monkeypatch, backend, warned
+):
+    from megablocks_core import demo
+
+    mb.reload({"MEGABLOCKS_PLUGINS": "reference,triton"})
+
+    class Stop(Exception):
+        pass
+
+    def stop(self, tokens):
+        raise Stop
+
+    monkeypatch.setattr(demo.ClusterTask, "batch", stop)  # nothing is trained
+    with pytest.raises(Stop):
+        main(["demo", "--backend", backend])
+    out = capsys.readouterr().out
+    assert ("note: the Triton interpreter serves the layer's ops on the CPU" in out) == warned
 
 
 def test_demo_success_rule_fits_the_step_count():
