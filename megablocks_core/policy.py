@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .contracts import BY_NAME
 
@@ -180,6 +180,13 @@ def set_backend(*names: str, **per_op: str) -> None:
     """Process-wide form of :func:`use_backend`; ``set_backend()`` with no argument clears it."""
     overrides.set_policy = _policy_from(names, per_op, "set_backend()")
     overrides.update_policy()
+
+
+def with_op_forced(policy: Policy, op: str, backend: str) -> Policy:
+    """``policy`` with ``op`` forced to ``backend`` and every other op as it was
+    (:func:`megablocks_core.plugin.call_op`'s ``backend``)."""
+    per_op = (*((o, b) for o, b in policy.per_op if o != op), (op, backend))
+    return replace(policy, per_op=per_op, source="call_op(backend=...)")
 
 
 @contextlib.contextmanager
