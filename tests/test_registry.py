@@ -905,3 +905,22 @@ def test_a_kernel_that_calls_its_own_op_gets_one_short_error_naming_the_way(plug
     assert message.startswith("megablocks_core.ops.gather: the 'delegating' kernel raised ")
     assert "call_op('gather', ..., backend='reference')" in message
     assert len(message) < 1000, message[:2000]
+
+
+def test_nothing_to_serve_a_call_says_how_to_get_the_reference(plugins):
+    from types import SimpleNamespace
+
+    from megablocks_core.ranking import rank
+
+    # the core alone: no backend installed
+    bare = SimpleNamespace(plugins={}, kernels_for=lambda op: [])
+    error = rank(bare, "gather", CPU).error
+    assert error.startswith("no implementation of 'gather' can serve cpu (CPU)")
+    assert "pip install megablocks-core[reference]" in error
+    # the reference installed but left out
+    fast_plugin(plugins)
+    plugins.reload({"MEGABLOCKS_PLUGINS": "fast"})
+    error = mb.explain("scatter", "cpu").error
+    assert "the reference backend, which serves every op on any device, is disabled" in error
+    plugins.reload()
+    assert mb.explain("scatter", "cpu").error is None
