@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -316,32 +316,50 @@ def _worker_command(
 
 
 def _run_target(target: str, backends: Sequence[str], shapes: Sequence[str],
-                ops: Sequence[str]) -> list[KernelReport]:  # fmt: skip
+                ops: Sequence[str], on_report: Callable[[KernelReport], None] | None = None,
+                ) -> list[KernelReport]:  # fmt: skip
     reports: list[KernelReport] = []
+
+    def found(report: KernelReport) -> None:
+        reports.append(report)
+        if on_report is not None:
+            on_report(report)
+
     start = 0
     while True:
         cmd = _worker_command(target, backends, shapes, ops, start)
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_worker_env())
-        running: dict[str, Any] | None = None
-        for line in proc.stdout.splitlines():
-            if not line.startswith("{"):
-                continue  # a compiler's own output
-            try:
-                event = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "start" in event:
-                running = event
-            elif "report" in event:
-                reports.append(KernelReport(**event["report"]))
-                running = None
-        if proc.returncode == 0:
+        # The worker's reports are read as they come (progress); its stderr goes to a file, as
+        # a pipe nobody reads could fill up and stall it.
+        with (
+            tempfile.TemporaryFile("w+") as errors,
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=errors, text=True, env=_worker_env()
+            ) as proc,
+        ):
+            assert proc.stdout is not None
+            running: dict[str, Any] | None = None
+            for line in proc.stdout:
+                if not line.startswith("{"):
+                    continue  # a compiler's own output
+                try:
+                    event = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if "start" in event:
+                    running = event
+                elif "report" in event:
+                    found(KernelReport(**event["report"]))
+                    running = None
+            returncode = proc.wait()
+            errors.seek(0)
+            stderr = errors.read().strip()
+        if returncode == 0:
             return reports
         if running is None:  # died outside a job: nothing to skip
-            reports.append(KernelReport(
+            found(KernelReport(
                 backend=",".join(backends) or "*", target=target, shape=",".join(shapes),
                 kernel="(worker)", status="crash",
-                problems=[f"worker exited {proc.returncode}: {proc.stderr.strip()[-1500:]}"],
+                problems=[f"worker exited {returncode}: {stderr[-1500:]}"],
             ))  # fmt: skip
             return reports
         crash = KernelReport(
@@ -349,9 +367,9 @@ def _run_target(target: str, backends: Sequence[str], shapes: Sequence[str],
             kernel=running["kernel"], op=running.get("op", ""),
             variant=running.get("variant", ""), status="crash",
         )  # fmt: skip
-        tail = proc.stderr.strip().splitlines()[-3:]
-        crash.problems.append(f"compiler process died ({proc.returncode}): " + " | ".join(tail))
-        reports.append(crash)
+        tail = stderr.splitlines()[-3:]
+        crash.problems.append(f"compiler process died ({returncode}): " + " | ".join(tail))
+        found(crash)
         start = int(running["start"]) + 1
 
 
@@ -367,13 +385,24 @@ def _validate(targets: Sequence[str], backends: Sequence[str], shapes: Sequence[
 
 def run_gate(targets: Sequence[str], backends: Sequence[str] = (),
              shapes: Sequence[str] = ("training", "decode"), ops: Sequence[str] = (),
-             jobs: int = 2) -> list[KernelReport]:  # fmt: skip
+             jobs: int = 2, on_report: Callable[[KernelReport], None] | None = None,
+             ) -> list[KernelReport]:  # fmt: skip
     """Compile every backend's jobs for every target (one worker process each, ``jobs`` at
-    once) and return the reports, in target order."""
+    once) and return the reports, in target order. ``on_report`` is called with each report as
+    it comes (from the workers' threads)."""
     _validate(targets, backends, shapes)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(_run_target, t, backends, shapes, ops) for t in targets]
+        futures = [pool.submit(_run_target, t, backends, shapes, ops, on_report) for t in targets]
         return [r for f in futures for r in f.result()]
+
+
+def _progress_line(report: KernelReport) -> str:
+    what = f"{report.op} {report.variant}".strip()
+    return (
+        f"compiled for {report.target}: {report.backend} {report.kernel}"
+        + (f" ({what})" if what else "")
+        + f": {report.status}, {report.seconds:.1f} s"
+    )
 
 
 def _summary(reports: Iterable[KernelReport]) -> dict[str, dict[str, Any]]:
@@ -425,18 +454,48 @@ def _table(reports: Sequence[KernelReport], wall: float) -> str:
     return "\n".join(lines)
 
 
+def _names(option: str, text: str, noun: str) -> list[str]:
+    """A comma list given to ``option``; ValueError when it names no ``noun`` (``--target ''``
+    must not mean every target)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"{option} {text!r} names no {noun}")
+    return names
+
+
+def _ops(text: str) -> list[str]:
+    """``--ops``: known op names only (an unknown one would compile nothing and pass)."""
+    from .contracts import BY_NAME
+
+    ops = _names("--ops", text, "op")
+    unknown = [op for op in ops if op not in BY_NAME]
+    if unknown:
+        raise ValueError(
+            f"--ops: unknown op(s) {', '.join(map(repr, unknown))}; ops: {', '.join(sorted(BY_NAME))}"
+        )
+    return ops
+
+
 def main(args: argparse.Namespace) -> int:
     """``megablocks backends compile``: run the gate; 1 when any kernel failed."""
-    targets = [t for spec in args.target for t in spec.split(",") if t] or list(LIMITS)
-    shapes = [s for s in args.shapes.split(",") if s]
-    ops = [o for o in (args.ops or "").split(",") if o]
     try:
+        named = [t for spec in args.target for t in _names("--target", spec, "target")]
+        targets = named or list(LIMITS)
+        shapes = _names("--shapes", args.shapes, "shape")
+        ops = _ops(args.ops) if args.ops is not None else []
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
         _validate(targets, args.names, shapes)
     except ValueError as exc:  # a user mistake: one line, exit status 2 (as the CLI's others)
         print(f"megablocks: error: {exc}", file=sys.stderr)
         return 2
+    from .cli_common import progress
+
     start = time.perf_counter()
-    reports = run_gate(targets, args.names, shapes, ops, jobs=args.jobs)
+    reports = run_gate(
+        targets, args.names, shapes, ops, jobs=args.jobs,
+        on_report=lambda report: progress(_progress_line(report)),
+    )  # fmt: skip
     wall = time.perf_counter() - start
     failed = any(r.failed for r in reports)
     if args.json:
@@ -465,9 +524,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="training,decode",
         help=f"comma list of layer shapes: {', '.join(SHAPES)} (default: both)",
     )
-    parser.add_argument("--ops", default="", help="only these ops' kernels (comma list)")
+    parser.add_argument("--ops", help="only these ops' kernels (comma list; default: every op)")
     parser.add_argument(
-        "--jobs", type=int, default=2, help="targets compiled at once, one process each (default 2)"
+        "--jobs",
+        type=int,
+        default=2,
+        help="targets compiled at once, one process each, at least 1 (default 2)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 

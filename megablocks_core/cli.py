@@ -192,23 +192,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("op", help="op name, e.g. gather or gmm")
     explain.add_argument(
-        "--device", default="cpu", help="torch device, e.g. cpu or cuda:0 (default cpu)"
+        "--device",
+        default="cpu",
+        help="torch device, e.g. cpu or cuda:0 (default cpu; one this host lacks is described)",
     )
     explain.add_argument(
         "--dtype",
         action="append",
         default=[],
         metavar="[ARG=]DTYPE",
-        help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16",
+        help="dtype of the call's tensors (repeatable), e.g. bfloat16 or x=float16 (one "
+        "argument's dtype overrides a dtype for all)",
     )
     explain.add_argument(
         "--shape",
         action="append",
         default=[],
         metavar="ARG=DIMxDIM",
-        help="a tensor argument's shape, sizes of 0 or more, e.g. a=32768x4096 (repeatable): shows "
-        "which kernel a call of that shape gets (default, where cost hints decide: mixtral, "
-        "qwen3, dsv3, tiny)",
+        help="a tensor argument's shape, sizes of 0 or more, e.g. a=32768x4096 (repeatable; give "
+        "each tensor the choice reads): shows which kernel a call of that shape gets (default, "
+        "where cost hints decide: mixtral, qwen3, dsv3, tiny)",
     )
     explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.set_defaults(func=cmd_explain)

@@ -12,16 +12,18 @@ from typing import Any
 import torch
 
 from . import __version__, contracts, dispatch, ranking
-from .cli_common import CLIError, _device, _registry, _table
+from .cli_common import CLIError, _device, _registry, _table, progress
 from .descriptors import TensorMeta
 from .ranking import Trace
-from .schema import TensorArg
+from .schema import BoolArg, ChoiceArg, IntArg, TensorArg
 
 
 def _parse_dtypes(op: str, items: Sequence[str]) -> dict[str, torch.dtype]:
-    """``bfloat16`` applies to every tensor argument that accepts it; ``x=bfloat16`` to one."""
+    """``bfloat16`` applies to every tensor argument that accepts it; ``x=bfloat16`` to one, over
+    a dtype for all. Two dtypes for one argument at the same level are an error, not the last."""
     contract = contracts.BY_NAME[op]
-    chosen: dict[str, torch.dtype] = {}
+    for_all: dict[str, torch.dtype] = {}
+    for_one: dict[str, torch.dtype] = {}
     for item in items:
         arg, _, name = item.rpartition("=")
         dtype = getattr(torch, name, None)
@@ -34,8 +36,15 @@ def _parse_dtypes(op: str, items: Sequence[str]) -> dict[str, torch.dtype]:
         ]
         if not targets:
             raise CLIError(f"{op} has no tensor argument {arg or ''} that accepts {name}")
-        chosen.update({a.name: dtype for a in targets})
-    return chosen
+        chosen = for_one if arg else for_all
+        for a in targets:
+            given = chosen.setdefault(a.name, dtype)
+            if given != dtype:
+                raise CLIError(
+                    f"--dtype {item!r}: {a.name} is given {str(given).removeprefix('torch.')} "
+                    f"and {name}"
+                )
+    return for_all | for_one
 
 
 def _parse_shapes(op: str, items: Sequence[str]) -> dict[str, tuple[int, ...]]:
@@ -139,6 +148,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
         for name, record in _registry().plugins.items()
         for problem in record.problems_for(args.op)
     ]
+    if shapes and trace.winner:
+        _check_given_call(args.op, trace, shapes)
     if args.json:
         report = _trace_dict(trace)
         report["not_loaded"] = [
@@ -192,6 +203,65 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 1
 
 
+class _GivenCall(dict[str, Any]):
+    """A call built from ``--shape``: remembers the arguments a shape check or cost hint asked
+    for and was not given (they would otherwise read as the kernel declining the call)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.missing: list[str] = []
+
+    def __missing__(self, key: str) -> Any:
+        self.missing.append(key)
+        raise KeyError(key)
+
+
+def _given_call(op: str, metas: dict[str, TensorMeta]) -> _GivenCall:
+    """The call of ``--shape``: its tensors, every other argument at its default (an optional
+    tensor not given: None, absent)."""
+    call = _GivenCall(metas)
+    for arg in contracts.BY_NAME[op].args:
+        if arg.name in call:
+            continue
+        if isinstance(arg, TensorArg):
+            if arg.optional:
+                call[arg.name] = None
+        elif isinstance(arg, BoolArg | IntArg):
+            if isinstance(arg, BoolArg) or arg.optional or arg.default is not None:
+                call[arg.name] = arg.default
+        elif isinstance(arg, ChoiceArg):
+            call[arg.name] = None
+    return call
+
+
+def _check_given_call(op: str, trace: Trace, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Make the choice for the ``--shape`` call once: CLIError when a shape check or cost hint
+    read an argument ``--shape`` did not give."""
+    [call] = _explain_calls(op, trace, shapes).values()
+    dispatch.explain_call(trace, call)
+    if trace.cost_tier:
+        ranking.estimates(trace, call)
+    assert isinstance(call, _GivenCall)
+    missing = list(dict.fromkeys(call.missing))
+    if not missing:
+        return
+    tensor_args = contracts.BY_NAME[op].tensor_args
+    unshaped = [name for name in missing if any(a.name == name for a in tensor_args)]
+    others = [name for name in missing if name not in unshaped]
+    if unshaped:  # a check stops at the first one it lacks: name the others not given too
+        rest = [a.name for a in tensor_args if not a.optional and a.name not in shapes]
+        raise CLIError(
+            f"--shape: the choice of {op}'s kernel for this call reads {', '.join(unshaped)}, "
+            "not given: add "
+            + " ".join(f"--shape {name}=DIMxDIM" for name in unshaped)
+            + f" (the tensors not given: {', '.join(rest)})"
+        )
+    raise CLIError(
+        f"--shape: the choice of {op}'s kernel for this call reads {', '.join(others)}, which "
+        "--shape cannot give"
+    )
+
+
 def _explain_calls(
     op: str, trace: Trace, shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, dict[str, Any]]:
@@ -210,8 +280,7 @@ def _explain_calls(
         return TensorMeta(shape, trace.dtypes.get(name) or fallback, trace.device.type)
 
     if shapes:
-        call: dict[str, Any] = {"trans_b": False}
-        call.update({name: meta(name, dims) for name, dims in shapes.items()})
+        call = _given_call(op, {name: meta(name, dims) for name, dims in shapes.items()})
         label = " ".join(f"{name}={'x'.join(map(str, dims))}" for name, dims in shapes.items())
         return {label: call}
     calls = {}
@@ -287,7 +356,19 @@ def cmd_check(args: argparse.Namespace) -> int:
             "(and do not disable it)"
         )
     ops = _ops(args.ops, testing.DISPATCHED)
-    results = testing.check(args.names or None, device=args.device, quick=args.quick, ops=ops)
+    labels = {
+        "pass": "pass",
+        "fail": "FAIL",
+        "not provided": "not provided",
+        "unavailable": "unavailable here",
+    }
+
+    def checked(r: testing.Result) -> None:
+        progress(f"checked {r.op} on {r.backend}: {labels[r.status]} ({r.seconds:.1f} s)")
+
+    results = testing.check(
+        args.names or None, device=args.device, quick=args.quick, ops=ops, progress=checked
+    )
     # A run that compared nothing proves nothing: it must not pass.
     scenarios = sum(r.scenarios for r in results if r.status == "pass")
     ok = testing.passed(results, required=args.names) and scenarios > 0
@@ -326,12 +407,6 @@ def cmd_check(args: argparse.Namespace) -> int:
         for line in unchecked:
             print(line, file=sys.stderr)
         return 0 if ok else 1
-    labels = {
-        "pass": "pass",
-        "fail": "FAIL",
-        "not provided": "not provided",
-        "unavailable": "unavailable here",
-    }
     backends = list(dict.fromkeys(r.backend for r in results))
     cells = {(r.op, r.backend): labels[r.status] for r in results}
     ops = list(dict.fromkeys(r.op for r in results))

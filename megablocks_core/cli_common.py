@@ -1,9 +1,10 @@
 """What every command of the ``megablocks`` command line shares: the user-error type, the plugin
-registry as the commands load it, plain-text tables and ``--device``."""
+registry as the commands load it, progress lines, plain-text tables and ``--device``."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -12,6 +13,9 @@ from .descriptors import DeviceInfo
 from .devices import describe
 from .policy import environment_policy
 from .registry import Registry
+
+#: The name of a device ``explain`` describes that this host does not have.
+ABSENT = "not present on this host"
 
 
 class CLIError(Exception):
@@ -28,6 +32,13 @@ def _registry() -> Registry:
     return dispatch.registry()
 
 
+def progress(line: str) -> None:
+    """A line on stderr for a person watching a long command (``check``, ``compile``): only when
+    stderr is a terminal, so that a log or a pipe gets the report alone."""
+    if sys.stderr.isatty():
+        print(line, file=sys.stderr, flush=True)
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
@@ -42,10 +53,18 @@ def _device(text: str, runs: bool = False) -> DeviceInfo:
     """Describe a ``--device`` value, after the plugins have loaded: a vendor's torch extension
     (imported by its plugin) may register the device type (e.g. ``npu``). ``runs``: the command
     will run ops there, so the device must exist and hold data (``explain`` describes any
-    device, ``meta`` included)."""
+    device, ``meta`` and a GPU this host lacks included)."""
     _registry()
     try:
-        info = describe(torch.device(text))
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise CLIError(f"device {text!r}: {str(exc).splitlines()[0]}") from exc
+    if not runs and device.type == "cuda" and not torch.cuda.is_available():
+        # explain describes a GPU this host lacks as such (its arch unknown) instead of failing.
+        kind = "rocm" if torch.version.hip else "cuda"
+        return DeviceInfo(kind=kind, type="cuda", index=device.index, name=ABSENT)
+    try:
+        info = describe(device)
     except (RuntimeError, ValueError) as exc:
         raise CLIError(f"device {text!r}: {str(exc).splitlines()[0]}") from exc
     if runs and info.type == "meta":

@@ -23,6 +23,12 @@ def _shape(contract: OpContract, index: int) -> str:
     return "`(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")`"
 
 
+def _row(*cells: str) -> str:
+    """A table row; a ``|`` inside a cell (code spans included: GitHub's tables split there too)
+    is escaped, so that it stays in its cell."""
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
 def _rule_when(rule: Rule) -> str:
     if rule.checked is True:
         return "checked mode"
@@ -41,17 +47,17 @@ def _render(contract: OpContract) -> list[str]:
     lines += ["| argument | type | meaning |", "|---|---|---|"]
     for a in contract.args:
         kernel_only = " (kernel only)" if isinstance(a, TensorArg) and not a.public else ""
-        lines.append(f"| `{a.name}` | {a.describe()}{kernel_only} | {a.doc} |")
+        lines.append(_row(f"`{a.name}`", a.describe() + kernel_only, a.doc))
     if contract.outputs:
         lines += ["", "| output | dtype | shape | note |", "|---|---|---|---|"]
         for i, out in enumerate(contract.outputs):
-            lines.append(f"| `{out.name}` | `{out.dtype}` | {_shape(contract, i)} | {out.doc} |")
+            lines.append(_row(f"`{out.name}`", f"`{out.dtype}`", _shape(contract, i), out.doc))
     else:
         written = ", ".join(f"`{a.name}`" for a in contract.mutated)
         lines += ["", f"Returns nothing: writes {written} in place (no other argument changes)."]
     if contract.rules:
         lines += ["", "| rule | why | checked |", "|---|---|---|"]
-        lines += [f"| `{r.expr}` | {r.why} | {_rule_when(r)} |" for r in contract.rules]
+        lines += [_row(f"`{r.expr}`", r.why, _rule_when(r)) for r in contract.rules]
     lines.append("")
     if contract.differentiable:
         lines += ["Gradients: " + ", ".join(f"`{n}`" for n in contract.differentiable) + ".", ""]

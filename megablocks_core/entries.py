@@ -99,6 +99,14 @@ def _kernel_failed(contract: OpContract, selected: Selected, exc: Exception) -> 
         return (
             exc  # the core's own error for this op (e.g. raised by the validation of a nested call)
         )
+    if isinstance(exc, RecursionError):  # said once, not once per level of the recursion
+        if str(exc).startswith("megablocks_core.ops."):
+            return exc
+        message += (
+            " (a kernel that calls its own op is chosen again: hand the call to another backend "
+            f"with megablocks_core.plugin.call_op({contract.name!r}, ..., backend='reference'), "
+            "or decline it up front with the kernel's supports or dtypes)"
+        )
     try:
         wrapped = type(exc)(message)
         if not isinstance(wrapped, Exception) or wrapped.args != (message,):

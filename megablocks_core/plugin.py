@@ -11,7 +11,8 @@ backends in this repository use nothing else, like any third-party plugin.
   :data:`CallInfo` are what its predicates and cost hints receive;
 - :func:`family_ops` and :func:`contract` say which ops exist and what each promises;
   :func:`call_op` runs any dispatched op, kernel-level ones included, for a kernel that
-  composes them (as :mod:`megablocks_core.ops` does for the public ones);
+  composes them (as :mod:`megablocks_core.ops` does for the public ones), or on a backend of
+  its choice (a kernel delegating a call to the reference);
 - :class:`CompileJob` is what the optional ahead-of-time hook returns for a
   :class:`CompileShape` (:data:`COMPILE_SHAPES`); :func:`device_limits` gives a device's
   :class:`ArchLimits` (shared memory, registers; the table: :data:`ARCH_LIMITS`), for a launch to
@@ -79,13 +80,21 @@ def contract(op: str) -> OpContract:
     return BY_NAME[op]
 
 
-def call_op(op: str, *args: Any) -> Any:
+def call_op(op: str, *args: Any, backend: str | None = None) -> Any:
     """Run the dispatched op ``op`` with its kernel-order arguments, through validation and the
     ranking like any call (e.g. a composing kernel's ``gmm_weight_grad``, which
-    :mod:`megablocks_core.ops` does not export)."""
+    :mod:`megablocks_core.ops` does not export). ``backend`` (a name, or ``NAME/VARIANT``) runs
+    it on that backend whatever the ranking, the other ops as they were: how a kernel hands a
+    call it does not serve to another, ``call_op(op, *args, backend="reference")``. (Without it, a
+    kernel calling its own op is chosen again, a RecursionError.)"""
     from .entries import call  # the entries import the registry, which imports plugins
 
-    return call(op, *args)
+    if backend is None:
+        return call(op, *args)
+    from .policy import current_policy, policy_scope, with_op_forced
+
+    with policy_scope(with_op_forced(current_policy(), op, backend)):
+        return call(op, *args)
 
 
 __all__ = [

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .contracts import BY_NAME
 
@@ -110,8 +110,27 @@ def current_policy() -> Policy:
     return _context_policy.get() or overrides.policy
 
 
+#: MEGABLOCKS_CHECK's values, case aside: checked mode on, or off (unset is off).
+CHECK_ON = ("1", "true", "yes", "on")
+CHECK_OFF = ("", "0", "false", "no", "off")
+
+
+def environment_checked(env: Mapping[str, str]) -> bool:
+    """Checked mode as ``MEGABLOCKS_CHECK`` of ``env`` sets it; ValueError for another value
+    (``false`` must not turn it on)."""
+    value = env.get("MEGABLOCKS_CHECK", "").strip().lower()
+    if value not in CHECK_ON + CHECK_OFF:
+        raise ValueError(
+            f"MEGABLOCKS_CHECK={env['MEGABLOCKS_CHECK']!r}: use 1 (or true, yes, on) for checked "
+            "mode, 0 (or false, no, off, unset) for none"
+        )
+    return value in CHECK_ON
+
+
 def environment_policy(env: Mapping[str, str]) -> tuple[str, Policy]:
-    """``MEGABLOCKS_BACKEND`` of ``env`` and its policy; raises ValueError for an unknown op name."""
+    """``MEGABLOCKS_BACKEND`` of ``env`` and its policy; raises ValueError for an unknown op name
+    (and for a MEGABLOCKS_CHECK that is neither on nor off, read with it)."""
+    environment_checked(env)
     spec = env.get("MEGABLOCKS_BACKEND", "").strip()
     if spec == overrides.env_spec:  # the same object: cache keys made before a reload stay valid
         return spec, overrides.env_policy
@@ -128,7 +147,7 @@ def environment_policy(env: Mapping[str, str]) -> tuple[str, Policy]:
 def read_environment(env: Mapping[str, str]) -> None:
     """Take the environment's overrides (cheap: no plugin is loaded)."""
     overrides.env_spec, overrides.env_policy = environment_policy(env)
-    overrides.checked = env.get("MEGABLOCKS_CHECK", "") not in ("", "0")
+    overrides.checked = environment_checked(env)
     overrides.update_policy()
 
 
@@ -163,6 +182,13 @@ def set_backend(*names: str, **per_op: str) -> None:
     overrides.update_policy()
 
 
+def with_op_forced(policy: Policy, op: str, backend: str) -> Policy:
+    """``policy`` with ``op`` forced to ``backend`` and every other op as it was
+    (:func:`megablocks_core.plugin.call_op`'s ``backend``)."""
+    per_op = (*((o, b) for o, b in policy.per_op if o != op), (op, backend))
+    return replace(policy, per_op=per_op, source="call_op(backend=...)")
+
+
 @contextlib.contextmanager
 def policy_scope(policy: Policy) -> Iterator[None]:
     """Run a block under ``policy`` (a backward pass under its forward's policy)."""
@@ -173,7 +199,7 @@ def policy_scope(policy: Policy) -> Iterator[None]:
         _context_policy.reset(token)
 
 
-# The environment's overrides hold from the first call. A bad MEGABLOCKS_BACKEND is reported by
-# the registry's first load (the first call, :func:`megablocks_core.dispatch.reload`), not here.
+# The environment's overrides hold from the first call. A bad MEGABLOCKS_BACKEND or MEGABLOCKS_CHECK
+# is reported by the registry's first load (the first call, :func:`megablocks_core.dispatch.reload`), not here.
 with contextlib.suppress(ValueError):
     read_environment(os.environ)

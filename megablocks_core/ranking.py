@@ -102,6 +102,26 @@ def _rejection(
     return None
 
 
+#: The backend that serves every op on any device (megablocks-reference): what an error suggests
+#: when nothing can serve a call and it is not there.
+FALLBACK = "reference"
+
+
+def _fallback_hint(known: Mapping[str, str | None]) -> str:
+    """Where the fallback backend is missing or did not load, how to get it (a CPU-only install
+    of the core alone serves nothing)."""
+    if FALLBACK not in known:
+        return (
+            f"; the {FALLBACK} backend serves every op on any device: install it (pip install "
+            f"megablocks-core[{FALLBACK}]; from a checkout, pip install -e plugins/megablocks-"
+            f"{FALLBACK})"
+        )
+    problem = known[FALLBACK]
+    if problem is not None:
+        return f"; the {FALLBACK} backend, which serves every op on any device, is {problem}"
+    return ""
+
+
 def _ranked(kernels: list[Kernel], peers: list[Kernel]) -> list[Kernel]:
     """``kernels`` in step 3's order; ``yields_to`` counts only backends among ``peers`` (the
     eligible kernels) of the same tier."""
@@ -226,7 +246,8 @@ def _select(
         return (
             None,
             "",
-            f"no implementation of {op!r} can serve {device} with {what}: {why_not}",
+            f"no implementation of {op!r} can serve {device} with {what}: {why_not}"
+            + _fallback_hint(known),
             (),
         )
     top = eligible[0]

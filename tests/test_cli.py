@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_plugins import ENV_VARS, ONLY_REFERENCE, permutation
+from fake_plugins import ENV_VARS, ONLY_REFERENCE, kernels_body, permutation
 
 import megablocks_core as mb
 from megablocks_core import contracts
@@ -227,11 +227,18 @@ def test_explain_dtype_for_a_missing_argument(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
-def test_explain_on_a_missing_cuda_device(capsys):
+def test_explain_on_a_cuda_device_this_host_lacks(capsys):
+    """explain describes a device without touching it: a CUDA device this host does not have is
+    shown as such (what this installation would choose there), not refused."""
     code, out, err = run(capsys, "backends", "explain", "gather", "--device", "cuda:0")
-    assert code == 2 and out == ""
-    assert err.startswith("megablocks: error: device 'cuda:0'")
-    assert "not available" in err
+    assert code == 0 and err == ""
+    assert out.startswith("gather on cuda:0 (not present on this host)"), out
+    assert "winner: reference" in out
+    code, out, _ = run(capsys, "backends", "explain", "gmm", "--device", "cuda", "--json")
+    assert code == 0 and json.loads(out)["device"] == "cuda (not present on this host)"
+    # a command that runs ops there still refuses it
+    code, _, err = run(capsys, "backends", "check", "--device", "cuda:0")
+    assert code == 2 and "device 'cuda:0'" in err and "not available" in err
 
 
 def test_explain_on_a_malformed_device(capsys):
@@ -268,6 +275,55 @@ def test_explain_rejects_a_shape_given_twice(capsys):
     )
     assert code == 2 and out == ""
     assert "--shape 'a=4x4': a is given twice" in err
+
+
+#: A grouped-GEMM backend whose shape predicate reads b: its choice depends on b's shape.
+READS_B = kernels_body(
+    "megablocks_grouped_gemm_kernels",
+    "[Kernel(op='gmm', fn=recording('gmm'), devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR,"
+    " supports=lambda device, call: None if call['b'].shape[0] < 64 else 'too many experts')]",
+)
+
+
+def test_explain_refuses_a_shape_that_leaves_out_what_the_choice_reads(capsys, plugins):
+    plugins.add("picky", READS_B)
+    plugins.reload()
+    code, out, err = run(capsys, "backends", "explain", "gmm", "--shape", "a=64x32")
+    assert code == 2 and out == ""
+    assert err.startswith("megablocks: error: --shape: ") and "b" in err, err
+    assert "--shape b=" in err and err.count("\n") == 1, err
+    code, out, err = run(
+        capsys, "backends", "explain", "gmm", "--shape", "a=64x32", "--shape", "b=4x32x16",
+        "--shape", "batch_sizes=4",
+    )  # fmt: skip
+    assert code == 0 and err == "", err
+    assert out.splitlines()[-1] == "a=64x32 b=4x32x16 batch_sizes=4: picky (highest tier)"
+
+
+@pytest.mark.parametrize(
+    "dtypes, message",
+    [
+        (("bfloat16", "float16"), "--dtype 'float16': x is given bfloat16 and float16"),
+        (("x=float16", "x=float32"), "--dtype 'x=float32': x is given float16 and float32"),
+    ],
+)
+def test_explain_refuses_two_dtypes_for_one_argument(capsys, dtypes, message):
+    argv = [a for d in dtypes for a in ("--dtype", d)]
+    code, out, err = run(capsys, "backends", "explain", "gather", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("megablocks: error: ") and message in err, err
+
+
+def test_explain_dtype_of_one_argument_overrides_the_dtype_of_all(capsys):
+    for argv in (("float32", "x=bfloat16"), ("x=bfloat16", "float32"), ("float32", "int32")):
+        options = [a for d in argv for a in ("--dtype", d)]
+        code, out, _ = run(capsys, "backends", "explain", "gather", *options, "--json")
+        assert code == 0
+        dtypes = json.loads(out)["dtypes"]
+        if "int32" in argv:
+            assert dtypes["x"] == "float32" and dtypes["indices"] == "int32"
+        else:
+            assert dtypes["x"] == "bfloat16" and dtypes["weights"] == "float32"
 
 
 def test_explain_shows_the_choice_for_a_shape_that_changes_nothing(capsys):
@@ -355,6 +411,26 @@ def test_check_ops_limits_the_kit_to_the_named_ops(capsys, monkeypatch):
     assert code == 0 and asked == [["gather", "sort"]]
     code, _, _ = run(capsys, "backends", "check", "--json")
     assert code == 0 and asked[-1] is None
+
+
+def test_check_shows_each_op_as_it_is_checked_on_a_terminal(capsys, monkeypatch, plugins):
+    from megablocks_core import testing
+    from megablocks_core.testing import kit
+
+    plugins.add("fast", permutation("[]"))
+    plugins.reload()
+    verdicts = {"gather": "pass", "sort": "not provided"}
+
+    def check_op(name, op, device, quick):  # the kit's verdicts, without running it
+        return testing.Result(op, name, verdicts[op], scenarios=1, seconds=0.5)
+
+    monkeypatch.setattr(kit, "check_op", check_op)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, out, err = run(capsys, "backends", "check", "fast", "--quick", "--ops", "gather,sort")
+    assert code == 0, out
+    assert (
+        err == "checked gather on fast: pass (0.5 s)\nchecked sort on fast: not provided (0.5 s)\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -453,6 +529,13 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host wit
         (("bench", "--shapes", ",", "--device", "cpu"), "--shapes ',' names no shape"),
         (("bench", "--shapes", "tiny", "--ops", ",", "--device", "cpu"), "--ops ',' names no op"),
         (("backends", "check", "--device", "xpu"), "device 'xpu': torch sees no xpu device"),
+        (("backends", "compile", "--target", ""), "--target '' names no target"),
+        (("backends", "compile", "--target", "sm_90a", "--target", ","), "--target ',' names no"),
+        (("backends", "compile", "--shapes", ""), "--shapes '' names no shape"),
+        (("backends", "compile", "--ops", "nosuch"), "--ops: unknown op(s) 'nosuch'"),
+        (("backends", "compile", "--ops", ","), "--ops ',' names no op"),
+        (("backends", "compile", "--jobs", "-1"), "--jobs must be at least 1, got -1"),
+        (("backends", "compile", "--jobs", "0"), "--jobs must be at least 1, got 0"),
     ],
 )
 def test_user_mistakes_are_one_line_errors_with_status_2(capsys, argv, message):
@@ -466,6 +549,51 @@ def test_a_short_demo_passes_when_its_loss_falls(capsys, steps):
     code, out, _ = run(capsys, "demo", "--steps", str(steps), "--backend", "reference")
     assert code == 0, out
     assert out.rstrip().splitlines()[-1] == "result: ok, the loss fell"
+
+
+@pytest.mark.parametrize("tokens", [8, 16])
+def test_a_two_step_demo_of_few_tokens_passes_when_its_loss_falls(capsys, tokens):
+    code, out, _ = run(
+        capsys, "demo", "--steps", "2", "--tokens", str(tokens), "--backend", "reference"
+    )
+    assert code == 0, out
+    assert out.rstrip().splitlines()[-1] == "result: ok, the loss fell"
+
+
+@pytest.mark.parametrize("experts", [64, 256])
+def test_a_demo_with_many_experts_passes(capsys, experts):
+    code, out, _ = run(
+        capsys, "demo", "--experts", str(experts), "--steps", "11", "--backend", "reference"
+    )
+    assert code == 0, out
+
+
+def test_a_demo_of_too_few_tokens_a_step_is_not_judged(capsys):
+    code, out, _ = run(capsys, "demo", "--steps", "15", "--tokens", "2", "--backend", "reference")
+    assert code == 0, out
+    assert out.rstrip().splitlines()[-1].startswith("result: not judged: with fewer than 8 tokens")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton interpreter")
+@pytest.mark.parametrize("backend, warned", [("triton", True), ("reference", False)])
+def test_demo_warns_when_the_triton_interpreter_will_serve_the_cpu(
+    capsys, monkeypatch, backend, warned
+):
+    from megablocks_core import demo
+
+    mb.reload({"MEGABLOCKS_PLUGINS": "reference,triton"})
+
+    class Stop(Exception):
+        pass
+
+    def stop(self, tokens):
+        raise Stop
+
+    monkeypatch.setattr(demo.ClusterTask, "batch", stop)  # nothing is trained
+    with pytest.raises(Stop):
+        main(["demo", "--backend", backend])
+    out = capsys.readouterr().out
+    assert ("note: the Triton interpreter serves the layer's ops on the CPU" in out) == warned
 
 
 def test_demo_success_rule_fits_the_step_count():
@@ -538,6 +666,14 @@ def test_a_bad_megablocks_backend_is_a_user_error(capsys, monkeypatch):
     code, out, err = run(capsys, "backends", "list")
     assert code == 2 and out == ""
     assert err.startswith("megablocks: error: MEGABLOCKS_BACKEND='gatherz=reference' names unknown")
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "-1"])
+def test_a_bad_megablocks_check_is_a_user_error(capsys, monkeypatch, value):
+    monkeypatch.setenv("MEGABLOCKS_CHECK", value)
+    code, out, err = run(capsys, "backends", "list")
+    assert code == 2 and out == ""
+    assert err.startswith(f"megablocks: error: MEGABLOCKS_CHECK={value!r}"), err
 
 
 def test_console_script_shows_the_traceback_of_a_bug(tmp_path):

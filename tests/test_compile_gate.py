@@ -146,3 +146,39 @@ def test_the_gluon_weight_gradient_is_declared_for_sm90_only() -> None:
     assert "gmm._gmm_wgrad_kernel" in found["sm_90a"]  # its alternative, for other calls
     for target in ("sm_80", "sm_100a", "gfx942"):
         assert found[target] == ["gmm._gmm_wgrad_kernel"], target
+
+
+def test_each_report_comes_as_it_is_compiled(monkeypatch, tmp_path, capsys) -> None:
+    """A person watching sees each kernel as it is done (on stderr, at a terminal): the worker
+    below compiles its second kernel only once the parent has shown the first."""
+    from megablocks_core import cli
+
+    shown = tmp_path / "shown"
+    script = (
+        "import json, os, sys, time\n"
+        "base = dict(backend='fake', target='gfx942', shape='decode')\n"
+        "for i in range(2):\n"
+        "    print(json.dumps({'start': i, **base, 'kernel': f'k{i}'}), flush=True)\n"
+        "    print(json.dumps({'report': {**base, 'kernel': f'k{i}', 'seconds': 0.1}}),"
+        " flush=True)\n"
+        "    deadline = time.monotonic() + 30\n"
+        f"    while i == 0 and not os.path.exists({str(shown)!r}):\n"
+        "        if time.monotonic() > deadline:\n"
+        "            sys.exit('the first report was not shown while the worker ran')\n"
+        "        time.sleep(0.05)\n"
+    )
+    monkeypatch.setattr(aot, "_worker_command", lambda *args: [sys.executable, "-c", script])
+
+    def show(report: aot.KernelReport) -> None:
+        shown.touch()
+
+    reports = aot.run_gate(["gfx942"], shapes=["decode"], jobs=1, on_report=show)
+    assert [(r.kernel, r.status) for r in reports] == [("k0", "ok"), ("k1", "ok")]
+    # the command shows them on a terminal only
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(["backends", "compile", "--target", "gfx942", "--shapes", "decode"]) == 0
+    err = capsys.readouterr().err
+    assert "compiled for gfx942: fake k0: ok, 0.1 s\n" in err and "fake k1" in err, err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert cli.main(["backends", "compile", "--target", "gfx942", "--shapes", "decode"]) == 0
+    assert capsys.readouterr().err == ""

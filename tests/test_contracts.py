@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,32 @@ def test_docs_contracts_md_is_generated_from_the_contracts():
     assert path.read_text() == docgen.render_markdown(), (
         "docs/contracts.md is stale: regenerate it with `megablocks contracts > docs/contracts.md`"
     )
+
+
+def _cells(row: str) -> int:
+    """The cells of a Markdown table row as GitHub splits it: at every ``|`` not escaped, inside
+    code spans too."""
+    return len(re.findall(r"(?<!\\)\|", row.strip())) - 1
+
+
+@pytest.mark.parametrize(
+    "path", [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name
+)
+def test_every_table_row_of_the_docs_has_its_headers_cells(path):
+    """A ``|`` inside a cell (``str | None``) must be escaped, or the row breaks its table."""
+    separator = re.compile(r"\|[-:| ]+\|")
+    lines = path.read_text().splitlines()
+    width = None
+    broken = []
+    for number, line in enumerate(lines, 1):
+        if not line.startswith("|"):
+            width = None
+        elif width is None:
+            if number < len(lines) and separator.fullmatch(lines[number].strip()):
+                width = _cells(line)
+        elif not separator.fullmatch(line.strip()) and _cells(line) != width:
+            broken.append(f"{path.name}:{number}: {_cells(line)} cells, its header {width}")
+    assert not broken, "\n".join(broken)
 
 
 def test_public_signatures_match_the_contracts():

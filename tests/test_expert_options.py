@@ -205,3 +205,50 @@ def test_a_bias_of_the_wrong_shape_or_dtype_is_an_error_naming_it() -> None:
         ops.gmm(a, b, sizes, False, torch.randn(2, 3))
     with pytest.raises(TypeError, match="bias"):
         ops.gmm(a, b, sizes, False, torch.randn(2, 5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("reference", torch.float64), ("triton", torch.float32)]
+)
+def test_gather_gmm_bias_on_a_row_whose_id_is_out_of_range(
+    backend: str, dtype: torch.dtype
+) -> None:
+    """The contract's rule: such a row gathers a zero row, so with a bias its output is bias[e]
+    (the composition gmm(gather(...), bias)); rows past bins[-1] stay 0. Against a plain loop,
+    values and gradients (the bias's gradient takes the row's; x's takes nothing from it)."""
+    if backend == "triton" and not interpreting():
+        pytest.skip("the Triton kernels on CPU tensors")
+    gen = torch.Generator().manual_seed(6)
+    tokens, top_k, pairs = 4, 2, 8
+    x = torch.randn(tokens, HIDDEN, generator=gen, dtype=dtype, requires_grad=True)
+    w = torch.randn(EXPERTS, HIDDEN, FFN, generator=gen, dtype=dtype, requires_grad=True)
+    bias = torch.randn(EXPERTS, FFN, generator=gen, dtype=dtype, requires_grad=True)
+    # Rows 1 and 4 name no pair (past the pairs, negative); rows 7 and 8 are past bins[-1].
+    indices = torch.tensor([3, pairs, 0, 5, -1, 2, 6, 1], dtype=torch.int32)
+    bins = torch.tensor([2, 2, 6], dtype=torch.int32)
+    bin_ids = torch.tensor([0, 0, 2, 2, 2, 2, 3, 3], dtype=torch.int32)
+    with use_backend(backend):
+        out = ops.gather_gmm(x, w, indices, bin_ids, bins, top_k, False, None, bias)
+    rows = []
+    for i, flat in enumerate(indices.tolist()):
+        if i >= int(bins[-1]):
+            rows.append(x.new_zeros(FFN))
+            continue
+        e = int(torch.searchsorted(bins, torch.tensor(i), right=True))
+        gathered = x[flat // top_k] if 0 <= flat < pairs else x.new_zeros(HIDDEN)
+        rows.append(gathered @ w[e] + bias[e])
+    want = torch.stack(rows)
+    assert torch.equal(out[1].detach(), bias[0].detach()) and not out[6:].any()
+    probe = torch.randn(want.shape, generator=gen, dtype=dtype)
+    got_grads = torch.autograd.grad((out * probe).sum(), (x, w, bias))
+    want_grads = torch.autograd.grad((want * probe).sum(), (x, w, bias))
+    tol = 1e-12 if dtype == torch.float64 else TOLERANCES[dtype]
+    for g, wnt in zip((out, *got_grads), (want, *want_grads), strict=True):
+        torch.testing.assert_close(g, wnt, rtol=tol, atol=tol)
+
+
+def test_gather_gmm_states_one_rule_for_a_row_whose_id_is_out_of_range() -> None:
+    from megablocks_core.contracts import BY_NAME
+
+    [rule] = [e for e in BY_NAME["gather_gmm"].edge_cases if "out of range" in e]
+    assert "bias[e] with bias" in rule

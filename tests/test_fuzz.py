@@ -1063,7 +1063,8 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
                 ),
             )
         yield (f"{name} as a list", ContractTypeError, lambda a, n=name: a.__setitem__(n, [0, 1]))
-        if spec is not tensors[0] and not spec.any_device:  # off the first tensor's device
+        # off the first tensor's device (an optional tensor left out, None, has no device)
+        if spec is not tensors[0] and not spec.any_device and args[name] is not None:
             yield (
                 f"{name} on meta",
                 ContractError,
@@ -1225,6 +1226,20 @@ def test_invalid_inputs_raise_contract_errors(
     message = str(caught.value)
     assert message.startswith(f"megablocks_core.ops.{op}: "), message
     assert isinstance(caught.value, error), f"{what}: {type(caught.value).__name__}: {message}"
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_every_mutation_applies_to_the_valid_call(dtype: torch.dtype) -> None:
+    """Each mutation offered for a valid call can be made (the test above draws one at random:
+    one that cannot, such as moving an optional tensor left out to meta, fails it by chance)."""
+    for r in (Routing(5, 2, 4, "all", seed=0), Routing(0, 1, 3, "all", seed=1)):
+        for op in PUBLIC_DISPATCHED:
+            args = valid_call(op, r, torch.int32, dtype)
+            for what, _, mutate in mutations(op, args):
+                try:
+                    mutate(dict(args))
+                except Exception as exc:
+                    raise AssertionError(f"{op}: {what}: {type(exc).__name__}: {exc}") from exc
 
 
 def test_invalid_input_mutations_cover_every_public_op() -> None:

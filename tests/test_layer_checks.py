@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megablocks_core.activations import GATED
 from megablocks_core.layers import DroplessMoE, MoEConfig, dMoE
 
 pytestmark = pytest.mark.usefixtures("reference_backend")
@@ -184,6 +185,19 @@ def test_the_layer_refuses_anything_but_a_record_as_config(config: object) -> No
     message = LAYER + r"config must be a megablocks_core.layers.MoEConfig .*; got "
     with pytest.raises(TypeError, match=message):
         dMoE(config)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", sorted(GATED))
+def test_a_gated_name_as_activation_suggests_only_what_the_layer_takes(name: str) -> None:
+    """A gated unit's name is refused as the activation; where the error suggests a setting, that
+    setting works (GPT-OSS's unit and the interleaved ones have none in the layer)."""
+    with pytest.raises(ValueError, match=LAYER + f"activation must be .*; got {name!r}") as info:
+        MoEConfig(HIDDEN, FFN, EXPERTS, TOP_K, activation=name)
+    suggested = re.search(r"glu=True with activation='(\w+)'", str(info.value))
+    if suggested:
+        MoEConfig(HIDDEN, FFN, EXPERTS, TOP_K, glu=True, activation=suggested.group(1))
+    else:
+        assert "glu=True" in str(info.value)  # still says what the layer's gated experts take
 
 
 def test_constructor_accepts_the_edges_of_each_range() -> None:

@@ -700,3 +700,25 @@ def test_gated_layer_loads_gate_and_up_saved_apart():
     torch.testing.assert_close(model(x)[0], loop_reference(model, x)[0])
     with pytest.raises(RuntimeError, match="v1"):  # an MLP layer has no up projection
         make().load_state_dict({**make().state_dict(), "v1": up})
+
+
+@pytest.mark.parametrize("wrong", ["w1", "v1"])
+def test_gate_and_up_saved_apart_with_a_wrong_width_blame_the_wrong_one(wrong):
+    model = make(glu=True)
+    ffn = model.ffn_hidden_size
+    halves = {"w1": torch.zeros(8, 8, ffn, dtype=torch.float64)}
+    halves["v1"] = halves["w1"].clone()
+    halves[wrong] = torch.zeros(8, 8, ffn + 1, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict({**model.state_dict(), **halves})
+    message = str(info.value)
+    assert f"size mismatch for {wrong}: copying a param with shape (8, 8, {ffn + 1})" in message
+    assert f"saved apart are each (8, 8, {ffn}) here" in message
+    right = "v1" if wrong == "w1" else "w1"
+    assert f"for {right}" not in message and "Missing" not in message, message
+    assert "Unexpected" not in message, message
+    # strict=False reports it too (a size mismatch is never skipped), and loads nothing
+    before = model.w1.detach().clone()
+    with pytest.raises(RuntimeError, match=f"size mismatch for {wrong}"):
+        model.load_state_dict({**model.state_dict(), **halves}, strict=False)
+    assert torch.equal(model.w1, before)

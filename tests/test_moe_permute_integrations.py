@@ -146,3 +146,64 @@ def test_transformer_engine_drop_in_forms():
         count = int(tokens_per_expert[e])
         assert not padded[starts[e] + count : starts[e] + 16].any()
     torch.testing.assert_close(te.moe_unpermute(padded, map_pad, probs, pad_offsets=offsets), back)
+
+
+# Transformer Engine's signatures take plain ints and 1-D probs: anything else is an error naming
+# the argument, never a truncated count or probs reordered as if they were rows.
+
+
+def test_transformer_engine_align_size_must_be_a_positive_int():
+    mask = top_k_mask(6, 4, 2, 0, seed=13)
+    x, probs = torch.randn(6, 3), torch.rand(6, 4)
+    for align in (0, -16, 16.0, True):
+        with pytest.raises((TypeError, ValueError), match="align_size"):
+            te.moe_permute_and_pad_with_probs(x, probs, mask, mask.sum(0), align)
+
+
+def test_transformer_engine_unpermute_refuses_probs_and_merging_probs_together():
+    mask = top_k_mask(6, 4, 2, 0, seed=14)
+    x, probs = torch.randn(6, 3), torch.rand(6, 4)
+    out, row_map = te.moe_permute(x, mask)
+    with pytest.raises(ValueError, match="merging_probs and probs"):
+        te.moe_unpermute(out, row_map, merging_probs=probs, probs=probs)
+    # probs alone is the older name of merging_probs
+    torch.testing.assert_close(
+        te.moe_unpermute(out, row_map, probs=probs), te.moe_unpermute(out, row_map, probs)
+    )
+
+
+@pytest.mark.parametrize(
+    "count, error",
+    [
+        ("12", TypeError),
+        (12.0, TypeError),
+        (11.5, TypeError),
+        (True, TypeError),
+        (torch.tensor(11.5), TypeError),
+        (torch.tensor(True), TypeError),
+        (torch.tensor([6, 6]), ValueError),
+        (torch.tensor([]).long(), ValueError),
+    ],
+)
+def test_transformer_engine_num_out_tokens_is_one_integer_count(count, error):
+    mask = top_k_mask(6, 4, 2, 0, seed=15)
+    x, probs = torch.randn(6, 3), torch.rand(6, 4)
+    with pytest.raises(error, match="num_out_tokens"):
+        te.moe_permute(x, mask, count)
+    with pytest.raises(error, match="num_out_tokens"):
+        te.moe_permute_with_probs(x, probs, mask, count)
+
+
+@pytest.mark.parametrize("count", [12, torch.tensor(12), torch.tensor([12], dtype=torch.int32)])
+def test_transformer_engine_num_out_tokens_as_an_int_or_one_element_tensor(count):
+    mask = top_k_mask(6, 4, 2, 0, seed=15)
+    x = torch.randn(6, 3)
+    assert torch.equal(te.moe_permute(x, mask, count)[0], te.moe_permute(x, mask)[0])
+
+
+@pytest.mark.parametrize("shape", [(7, 2), (7, 1), (14,), ()])
+def test_transformer_engine_sort_chunks_probs_are_one_per_row(shape):
+    x = torch.randn(7, 3)
+    sizes, order = torch.tensor([3, 1, 3]), torch.tensor([1, 2, 0])
+    with pytest.raises(ValueError, match="probs"):
+        te.moe_sort_chunks_by_index_with_probs(x, torch.rand(shape), sizes, order)

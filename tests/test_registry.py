@@ -900,3 +900,84 @@ def test_backend_env_with_an_unknown_op_is_an_error():
         mb.reload({"MEGABLOCKS_BACKEND": "gathr=reference"})
     mb.reload({})
     assert mb.current_policy().is_default
+
+
+@pytest.mark.parametrize(
+    "value, checked", [("1", True), ("TRUE", True), ("on", True), ("false", False), ("0", False)]
+)
+def test_megablocks_check_reads_on_and_off(value, checked):
+    from megablocks_core.policy import overrides
+
+    try:
+        mb.reload({"MEGABLOCKS_CHECK": value})
+        assert overrides.checked is checked
+    finally:
+        mb.reload({})
+    assert overrides.checked is False
+
+
+def test_megablocks_check_of_another_value_is_an_error():
+    from megablocks_core.policy import overrides
+
+    with pytest.raises(ValueError, match="MEGABLOCKS_CHECK='maybe'"):
+        mb.reload({"MEGABLOCKS_CHECK": "maybe"})
+    assert overrides.checked is False
+    mb.reload({})
+
+
+#: A gather kernel that serves only float32 data by itself and hands other dtypes to the reference
+#: (``backend=``), or, as ``DELEGATING.format(backend="")``, calls its own op again.
+DELEGATING = """
+from megablocks_core.plugin import call_op
+
+
+def gather(*args):
+    CALLS.append("gather")
+    if args[0].dtype == torch.float32:
+        return _reference.gather(*args)
+    return call_op("gather", *args{backend})
+"""
+
+
+def _delegating(plugins, backend):
+    kernel = "[Kernel(op='gather', fn=gather, devices=('cpu',), tier=Tier.GENERIC_ACCELERATOR)]"
+    plugins.add("delegating", permutation(kernel, DELEGATING.format(backend=backend)))
+    plugins.reload()
+
+
+def test_a_kernel_delegates_a_call_to_the_reference(plugins):
+    _delegating(plugins, ", backend='reference'")
+    with mb.use_backend("delegating"):  # the other ops stay forced; gather goes to the reference
+        for dtype in (torch.float32, torch.float64):
+            run_gather(dtype)
+    assert plugins.calls("delegating") == ["gather", "gather"]
+    assert mb.current_policy().is_default
+
+
+def test_a_kernel_that_calls_its_own_op_gets_one_short_error_naming_the_way(plugins):
+    _delegating(plugins, "")
+    with pytest.raises(RecursionError) as caught:
+        run_gather(torch.float64)
+    message = str(caught.value)
+    assert message.startswith("megablocks_core.ops.gather: the 'delegating' kernel raised ")
+    assert "call_op('gather', ..., backend='reference')" in message
+    assert len(message) < 1000, message[:2000]
+
+
+def test_nothing_to_serve_a_call_says_how_to_get_the_reference(plugins):
+    from types import SimpleNamespace
+
+    from megablocks_core.ranking import rank
+
+    # the core alone: no backend installed
+    bare = SimpleNamespace(plugins={}, kernels_for=lambda op: [])
+    error = rank(bare, "gather", CPU).error
+    assert error.startswith("no implementation of 'gather' can serve cpu (CPU)")
+    assert "pip install megablocks-core[reference]" in error
+    # the reference installed but left out
+    fast_plugin(plugins)
+    plugins.reload({"MEGABLOCKS_PLUGINS": "fast"})
+    error = mb.explain("scatter", "cpu").error
+    assert "the reference backend, which serves every op on any device, is disabled" in error
+    plugins.reload()
+    assert mb.explain("scatter", "cpu").error is None

@@ -28,7 +28,6 @@ from .common import (
     EMPTY_AND_ZERO,
     FIRST_ROWS,
     FP32_ACCUMULATION,
-    GATHER_BAD_INDICES,
     GATHER_ROWS,
     INDICES,
     INDICES_FIT,
@@ -318,6 +317,13 @@ FUSED_BAD_BINS = (
     UNCHECKED + "bins not a cumulative sum: a negative group counts as 0, groups are cut at the "
     "last sorted row, and rows no group covers are 0 (as gmm with such sizes)"
 )
+# gather's rule for such ids, told for a GEMM with a bias: the row gathered is 0, not the output.
+GATHER_GMM_BAD_INDICES = (
+    UNCHECKED + "indices not a permutation: a sorted row whose flat id is in [0, tokens * top_k) "
+    "reads x[id // top_k], duplicate ids included; a row whose id is out of range (negative "
+    "too) reads a zero row, so its output is bias[e] with bias (0 without), its gradient "
+    "reaches bias only"
+)
 ROWS_SHORT = (
     UNCHECKED + "rows short of bins[-1]: groups are cut at row rows (the pairs past it add nothing)"
 )
@@ -368,7 +374,7 @@ GATHER_GMM = OpContract(
         "output rows are 0, and their rows of x's gradient add nothing. " + FIRST_ROWS + " "
         "Accumulates in float32."
     ),
-    edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
+    edge_cases=(*EMPTY_AND_ZERO, GATHER_GMM_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )
 
 GMM_SCATTER = OpContract(

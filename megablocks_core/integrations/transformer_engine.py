@@ -16,6 +16,8 @@ the padded form's output size (from ``tokens_per_expert``). Dropless Megatron-Co
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -48,11 +50,47 @@ def _num_experts(routing_map: Tensor, map_type: str, num_experts: int | None) ->
     return max(int(routing_map.max()) + 1, 1) if routing_map.numel() else 1
 
 
-def _out_rows(routing_map: Tensor, map_type: str, num_out_tokens: int | Tensor | None) -> int:
-    if isinstance(num_out_tokens, Tensor):  # a count on the device (Megatron's dropping path)
+def _integer(value: object) -> int | None:
+    """``value`` as an int when it is an integer (a bool, a float or a string is not), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _count(num_out_tokens: int | Tensor | None) -> int | None:
+    """``num_out_tokens`` as an int: an int, or an integer tensor of one element (Megatron's
+    dropping path passes the routed count on the device; reading it is a host read). Anything
+    else is refused rather than truncated."""
+    if num_out_tokens is None:
+        return None
+    if isinstance(num_out_tokens, Tensor):
+        dtype = num_out_tokens.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(
+                f"num_out_tokens must be an int or an integer tensor, got a {dtype} tensor"
+            )
+        if num_out_tokens.numel() != 1:
+            raise ValueError(
+                "num_out_tokens must be one count, got a tensor of shape "
+                f"{tuple(num_out_tokens.shape)}"
+            )
         return int(num_out_tokens)  # a host read
-    if num_out_tokens is not None and num_out_tokens >= 0:
-        return int(num_out_tokens)
+    count = _integer(num_out_tokens)
+    if count is None:
+        raise TypeError(
+            f"num_out_tokens must be an int or an integer tensor, got "
+            f"{type(num_out_tokens).__name__} {num_out_tokens!r}"
+        )
+    return count
+
+
+def _out_rows(routing_map: Tensor, map_type: str, num_out_tokens: int | Tensor | None) -> int:
+    count = _count(num_out_tokens)
+    if count is not None and count >= 0:
+        return count
     if map_type == "index":
         return int(routing_map.numel())
     return int(routing_map.sum())  # every routed slot: a host read
@@ -81,9 +119,10 @@ def moe_permute(
 ) -> tuple[Tensor, Tensor]:
     """Permute the token rows ``inp`` (tokens, hidden) expert-major by ``routing_map``: a bool
     (tokens, experts) mask, or (tokens, top_k) expert ids with ``map_type="index"``. Returns
-    (permuted rows, row_id_map). ``num_out_tokens``: rows of the output (-1: every routed
-    slot); rows past it are dropped, rows past the real count are 0. ``max_token_num`` is
-    accepted for Transformer Engine's signature and not needed."""
+    (permuted rows, row_id_map). ``num_out_tokens``: rows of the output, an int or an integer
+    tensor of one element (-1: every routed slot); rows past it are dropped, rows past the
+    real count are 0. ``max_token_num`` is accepted for Transformer Engine's signature and not
+    needed."""
     del max_token_num  # not needed: the output size comes from num_out_tokens
     kind = _map_type(map_type)
     _check_routing(routing_map, kind)
@@ -117,9 +156,14 @@ def moe_permute_and_pad_with_probs(
     to :func:`moe_unpermute` as it is). The output size is read from ``tokens_per_expert`` on
     the host; :func:`megablocks_core.ops.moe_permute_map` with a static bound avoids that."""
     _check_routing(routing_map, "mask")
-    padded = (tokens_per_expert.long() + align_size - 1) // align_size * align_size
+    align = _integer(align_size)
+    if align is None:
+        raise TypeError(f"align_size must be an int >= 1, got {type(align_size).__name__}")
+    if align < 1:
+        raise ValueError(f"align_size must be an int >= 1, got {align}")
+    padded = (tokens_per_expert.long() + align - 1) // align * align
     rows = int(padded.sum())
-    row_map, counts = ops.moe_permute_map(routing_map, int(routing_map.shape[1]), rows, align_size)
+    row_map, counts = ops.moe_permute_map(routing_map, int(routing_map.shape[1]), rows, align)
     return (
         ops.moe_permute(inp, row_map, rows),
         ops.moe_permute_probs(probs, row_map, rows),
@@ -140,9 +184,14 @@ def moe_unpermute(
 ) -> Tensor:
     """Sum each token's permuted rows back into its row, weighted by ``merging_probs``
     ((tokens, experts) for the mask form, (tokens, top_k) for the index form) when given
-    (``probs`` is its older name). ``restore_shape``: the output's shape."""
+    (``probs`` is its older name: giving both is an error, as in Transformer Engine).
+    ``restore_shape``: the output's shape."""
     _map_type(map_type)
     del pad_offsets  # the row map holds the padded rows
+    if merging_probs is not None and probs is not None:
+        raise ValueError(
+            "moe_unpermute: merging_probs and probs (its older name) both given; pass one"
+        )
     weights = merging_probs if merging_probs is not None else probs
     out = ops.moe_unpermute(inp, row_id_map, weights)
     return out if restore_shape is None else out.view(restore_shape)
@@ -157,7 +206,13 @@ def moe_sort_chunks_by_index(inp: Tensor, split_sizes: Tensor, sorted_index: Ten
 def moe_sort_chunks_by_index_with_probs(
     inp: Tensor, probs: Tensor, split_sizes: Tensor, sorted_index: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """As :func:`moe_sort_chunks_by_index`, with the per-row ``probs`` reordered alike."""
+    """As :func:`moe_sort_chunks_by_index`, with the per-row ``probs`` (tokens,) reordered
+    alike."""
+    if probs.dim() != 1 or probs.shape[0] != inp.shape[0]:
+        raise ValueError(
+            f"moe_sort_chunks_by_index_with_probs: probs must be 1-D, one per row of inp "
+            f"({inp.shape[0]},), got shape {tuple(probs.shape)}"
+        )
     out = ops.moe_sort_chunks(inp, split_sizes, sorted_index)
     sorted_probs = ops.moe_sort_chunks(probs.reshape(-1, 1), split_sizes, sorted_index)
     return out, sorted_probs.view(probs.shape)

@@ -81,18 +81,29 @@ def _check_init(std: object, seed: object) -> None:
     _check_int("seed", seed, -(1 << 63), (1 << 64) - 1, "in [-2**63, 2**64)")
 
 
+def _gated_hint(name: str) -> str:
+    """What to ask the layer for instead of a gated unit's name (only what it takes)."""
+    if name not in GATED:
+        return ""
+    gate = GATED[name]
+    if gate is None:  # the bilinear unit: gate * up
+        return " (gated experts: glu=True with the identity as a callable activation)"
+    if gate in ACTIVATIONS:
+        return f" (gated experts: glu=True with activation={gate!r})"
+    # GPT-OSS's unit and the interleaved layouts are ops' names (ops.glu, ops.gmm_scatter).
+    return (
+        " (a gated unit the layer does not offer: its gated experts, glu=True, hold gate and "
+        "up side by side and take one of the activations above)"
+    )
+
+
 def _check_activation(activation: object) -> None:
     requirement = f"one of {sorted(ACTIVATIONS)} or a callable"
     if isinstance(activation, str):
         if activation not in ACTIVATIONS:
-            gated = GATED.get(activation)
-            hint = (
-                f" (gated experts: glu=True with activation={gated!r})"
-                if activation in GATED and gated is not None
-                else ""
-            )
             raise ValueError(
-                f"{_LAYER}: activation must be {requirement}; got {activation!r}{hint}"
+                f"{_LAYER}: activation must be {requirement}; got {activation!r}"
+                f"{_gated_hint(activation)}"
             )
     elif not callable(activation):
         raise TypeError(f"{_LAYER}: activation must be {requirement}; got {_got(activation)}")

@@ -227,16 +227,40 @@ class DroplessMoE(torch.nn.Module):
         return [self.w1, self.w2]
 
     def _load_from_state_dict(
-        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
     ) -> None:
         # Gated experts saved with the gate and up projections apart (MegaBlocks' layout, this
         # layer's before they were joined): w1 (E, hidden, ffn) and v1 load as w1 = [w1 | v1].
-        up = state_dict.get(prefix + "v1")
-        gate = state_dict.get(prefix + "w1")
-        if self.glu and up is not None and gate is not None and gate.shape == up.shape:
-            state_dict[prefix + "w1"] = torch.cat((gate, up), dim=-1)
-            del state_dict[prefix + "v1"]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        gate_key, up_key = prefix + "w1", prefix + "v1"
+        gate, up = state_dict.get(gate_key), state_dict.get(up_key)
+        apart = False
+        if self.glu and gate is not None and up is not None and gate.shape != self.w1.shape:
+            apart = True
+            half = (*self.w1.shape[:-1], self.ffn_hidden_size)
+            wrong = [(key, t) for key, t in ((gate_key, gate), (up_key, up)) if t.shape != half]
+            if wrong:  # blame the half of the wrong width, not the joined w1
+                del state_dict[gate_key]
+                error_msgs.extend(
+                    f"size mismatch for {key}: copying a param with shape {tuple(t.shape)} from "
+                    f"checkpoint, the gate (w1) and up (v1) projections saved apart are each "
+                    f"{half} here"
+                    for key, t in wrong
+                )
+            else:
+                state_dict[gate_key] = torch.cat((gate, up), dim=-1)
+            del state_dict[up_key]
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if apart and gate_key in missing_keys:  # reported above as a size mismatch
+            missing_keys.remove(gate_key)
 
     @property
     def grad_accumulation_fusion(self) -> bool:

@@ -26,7 +26,7 @@ the comparisons are in :mod:`.comparison`, the stages in :mod:`.stages`.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -224,10 +224,11 @@ def check(
     device: torch.device | str = "cpu",
     quick: bool = False,
     ops: Sequence[str] | None = None,
+    progress: Callable[[Result], None] | None = None,
 ) -> list[Result]:
     """Check every op of each backend against the reference. Default: every installed backend but
     the reference itself, the oracle (one ``"*"`` result, ``unavailable``, says so; naming it
-    gives the same)."""
+    gives the same). ``progress`` is called with each op's result as it comes."""
     reg = registry()
     oracle = reg.plugins.get(REFERENCE)
     if oracle is None or oracle.status != "ok":
@@ -251,7 +252,8 @@ def check(
         elif record.status == "disabled":
             results.append(Result("*", name, "unavailable", record.reason or "disabled"))
         else:
-            results += [
-                check_op(name, op, device, quick) for op in (DISPATCHED if ops is None else ops)
-            ]
+            for op in DISPATCHED if ops is None else ops:
+                results.append(check_op(name, op, device, quick))
+                if progress is not None:
+                    progress(results[-1])
     return results
