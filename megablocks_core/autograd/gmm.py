@@ -101,6 +101,7 @@ def _gmm_scatter(
     routing = (a["indices"], a["bin_ids"])
     trans_b, top_k, weights, bins = a["trans_b"], a["top_k"], a["weights"], a["bins"]
     activation, first = a["activation"], a["rows"]
+    constants = (a["alpha"], a["limit"])  # the clamped SwiGLU's (None for others)
     # x holds the first `first` sorted rows (all when None): so do the per-row tensors below.
     row_routing = _first_rows(routing, first)
     # With an activation whose input needs a gradient, one activation_backward pass gives that
@@ -110,7 +111,7 @@ def _gmm_scatter(
     # The GEMM's input rows: x, or act(x) recomputed (transient) from the kept pre-activation.
     x_in = a["x"]
     if activation is not None and not one_pass and (needs["weights"] or needs["b"]):
-        x_in = activate_with(call, x_in, activation)
+        x_in = activate_with(call, x_in, activation, *constants)
     if needs["x"] or needs["weights"]:
         # grad[t] @ b[e].T for each sorted row: act(x)'s gradient before weighting, and (dotted
         # with act(x)) the weights' gradient, so the forward's (rows, n) product need not be kept.
@@ -118,7 +119,9 @@ def _gmm_scatter(
         if one_pass:
             scale = None if weights is None else _row_scales(weights, row_routing[0])
             # act(x), the weight gradient's operand, is written over rows_grad (its last use).
-            out["x"], dots = call("activation_backward", rows_grad, a["x"], scale, activation)
+            out["x"], dots = call(
+                "activation_backward", rows_grad, a["x"], scale, activation, *constants
+            )
             x_in = rows_grad
         else:
             identity = _identity(row_routing[0])
@@ -129,7 +132,7 @@ def _gmm_scatter(
                     scale = _row_scales(weights, row_routing[0])
                     rows_grad = _scale_rows(call, rows_grad, scale, row_routing, bins, identity)
                 if activation is not None:
-                    rows_grad = activate_backward(rows_grad, a["x"], activation)
+                    rows_grad = activate_backward(rows_grad, a["x"], activation, *constants)
                 out["x"] = rows_grad
         if needs["weights"]:
             n = a["indices"].shape[0]
@@ -153,9 +156,10 @@ def _gmm_scatter(
 
 
 def _glu(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+    unit = (a["activation"], a["alpha"], a["limit"])
     if torch.is_grad_enabled():  # recorded (double backward): the differentiable definition
-        return {"x": glu_backward(grad, a["x"], a["activation"])}
-    return {"x": call("glu_backward", grad, a["x"], a["activation"])}
+        return {"x": glu_backward(grad, a["x"], *unit)}
+    return {"x": call("glu_backward", grad, a["x"], *unit)}
 
 
 def _gmm_weight_grad(

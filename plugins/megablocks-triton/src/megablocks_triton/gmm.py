@@ -237,13 +237,24 @@ _GMM_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
 
 
 @functools.cache
-def _activate() -> Callable[[torch.Tensor, str], torch.Tensor]:
+def _activate() -> Callable[..., torch.Tensor]:
     """gmm_scatter's activation of x's rows, as the core applies it for a kernel that does not
-    take one (the dispatched activation ops: a transient copy). Looked up once."""
-    apply: Callable[[torch.Tensor, str], torch.Tensor] = getattr(  # noqa: B009 (Arg has no apply)
+    take one (the dispatched activation ops: a transient copy), ``apply(x, name, alpha, limit)``.
+    Looked up once."""
+    apply: Callable[..., torch.Tensor] = getattr(  # noqa: B009 (Arg has no apply)
         contract("gmm_scatter").arg("activation"), "apply"
     )
     return apply
+
+
+@functools.cache
+def _scatter_bias() -> Callable[..., torch.Tensor]:
+    """gmm_scatter's bias as the core serves it around a kernel that does not take it
+    (``serve(arguments by name, out)``). Looked up once."""
+    serve: Callable[..., torch.Tensor] = getattr(  # noqa: B009 (Arg has no serve)
+        contract("gmm_scatter").arg("bias"), "serve"
+    )
+    return serve
 
 
 def _planned(
@@ -333,14 +344,23 @@ def gmm_scatter(
     trans_b: bool = False,
     activation: str | None = None,
     rows: int | None = None,
+    bias: torch.Tensor | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """``scatter(gmm(act(x), b, counts), indices, bin_ids, weights, bins, top_k)``: the GEMM
     keeps its plain (TMA) stores and the token-major scatter kernel sums each token's rows once
     (reading its top_k rows, weighting and summing in fp32): no atomics, deterministic. x may
     hold only the first ``rows`` sorted rows (the GEMM covers those, the scatter reads no
-    other). The activation is the contract's own (applied to x first, a transient copy)."""
+    other). The activation is the contract's own (applied to x first, a transient copy, with the
+    clamped SwiGLU's ``alpha`` and ``limit``); the bias as the core serves it."""
+    if bias is not None:
+        args = (x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows)
+        out = gmm_scatter(*args, None, alpha, limit)
+        names = contract("gmm_scatter").arg_names
+        return _scatter_bias()(dict(zip(names, (*args, bias, alpha, limit), strict=True)), out)
     if activation is not None:
-        x = _activate()(x, activation)
+        x = _activate()(x, activation, alpha, limit)
     x = _unit_last_stride(x)
     b = _unit_last_stride(b)
     if not bins.is_contiguous():
