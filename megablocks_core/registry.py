@@ -143,8 +143,9 @@ def _is_device_kind(kind: str) -> bool:
 def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
     """(why ``fn`` cannot take the contract's arguments positionally, or None; how many of
     them it takes). A function may leave the contract's trailing options to the core
-    (:func:`~megablocks_core.schema.is_option`: no plugin kernel takes ``bias``, for one) by not
-    taking them; an unreadable signature (some builtins) is taken to take them all."""
+    (:func:`~megablocks_core.schema.is_option`: ``torch._grouped_mm`` cannot take ``bias``, for
+    one) by not taking them; an unreadable signature (some builtins) is taken to take them
+    all."""
     names = contract.arg_names
     try:
         signature = inspect.signature(fn)

@@ -263,3 +263,82 @@ def test_a_bias_of_the_wrong_shape_or_dtype_is_an_error_naming_it() -> None:
         ops.gmm(a, b, sizes, False, torch.randn(2, 3))
     with pytest.raises(TypeError, match="bias"):
         ops.gmm(a, b, sizes, False, torch.randn(2, 5, dtype=torch.float64))
+
+
+needs_interpreter = pytest.mark.skipif(not interpreting(), reason="the Triton kernels on CPU")
+
+
+def _one_rounding_case() -> dict[str, torch.Tensor]:
+    """float16 operands whose products are exact in float32 but not in float16 (2049: between
+    the float16 neighbours 2048 and 2050), with a bias of 0.75: added to the float32 product and
+    rounded once, 2049.75 gives 2050; the product rounded first (2048, a tie to even) then biased
+    gives 2048. Expert 0 has rows 0-2, expert 1 none, expert 2 rows 3-5; rows 6-7 belong to no
+    expert."""
+    b = torch.tensor([[[2048.0], [1.0]]] * 3, dtype=torch.float16)  # (3, 2, 1)
+    return {
+        "a": torch.ones(8, 2, dtype=torch.float16),  # each row's product: 2048 + 1
+        "b": b,
+        "bias": torch.tensor([[0.75], [5.0], [0.75]], dtype=torch.float16),
+        "sizes": torch.tensor([3, 0, 3]),
+        "bins": torch.tensor([3, 3, 6], dtype=torch.int32),
+        "indices": torch.arange(8, dtype=torch.int32),
+    }
+
+
+@needs_interpreter
+def test_triton_adds_the_bias_in_the_epilogue_rounding_once() -> None:
+    """gmm, gather_gmm and gmm_scatter on the Triton kernels add the bias to the float32
+    product and round once (the contract's rule for a kernel that takes it); the core's
+    served bias, after the kernel's own rounding, gives another value, so the core did not add
+    it. Rows of no expert get no bias."""
+    c = _one_rounding_case()
+    want = torch.tensor([2050.0] * 6 + [0.0] * 2, dtype=torch.float16)[:, None]
+    with use_backend("triton"):
+        got_gmm = ops.gmm(c["a"], c["b"], c["sizes"], False, c["bias"])
+        got_gather = ops.gather_gmm(
+            c["a"], c["b"], c["indices"], c["indices"], c["bins"], 1, False, None, c["bias"]
+        )
+        # gmm_scatter, one pair per token, weight 1: each token's row is its pair's product
+        got_scatter = ops.gmm_scatter(
+            c["a"], c["b"], c["indices"], c["indices"], None, c["bins"], 1, False, None, None,
+            c["bias"],
+        )  # fmt: skip
+    assert torch.equal(got_gmm, want)
+    assert torch.equal(got_gather, want)
+    assert torch.equal(got_scatter, want)
+    with use_backend("reference"):  # the core's bias around the reference's rounded product
+        served = ops.gmm(c["a"], c["b"], c["sizes"], False, c["bias"])
+    assert torch.equal(served[:6], torch.full((6, 1), 2048.0, dtype=torch.float16))
+
+
+@needs_interpreter
+def test_triton_bias_with_an_empty_inner_dimension_is_the_bias() -> None:
+    sizes = torch.tensor([2, 0, 3])
+    bias = torch.randn(3, 4)
+    with use_backend("triton"):
+        out = ops.gmm(torch.empty(6, 0), torch.empty(3, 0, 4), sizes, False, bias)
+    want = torch.cat([bias[0].expand(2, 4), bias[2].expand(3, 4), torch.zeros(1, 4)])
+    assert torch.equal(out, want)
+
+
+@needs_interpreter
+def test_gpt_oss_experts_on_triton_run_no_core_side_bias_pass(monkeypatch) -> None:
+    """GPT-OSS's experts (biases on both GEMMs) on the Triton kernels, forward and backward:
+    the core never adds a bias around a kernel (megablocks_core.bias's serving functions are
+    replaced by ones that raise)."""
+    import megablocks_core.bias as bias_ops
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("the core served a bias")
+
+    monkeypatch.setattr(bias_ops, "add_row_bias", refuse)
+    monkeypatch.setattr(bias_ops, "token_expert_weights", refuse)
+    ids, indices, bin_ids, _, bins, _ = _routing()
+    leaves = _leaves(torch.float32)
+    x, w1, b1, w2, b2, weights = leaves
+    with use_backend("triton"):
+        h = ops.gather_gmm(x, w1, indices, bin_ids, bins, TOP_K, False, None, b1)
+        out = ops.gmm_scatter(h, w2, indices, bin_ids, weights, bins, TOP_K, False,
+                              "swiglu_oai_interleaved", None, b2, *OWN_CONSTANTS)  # fmt: skip
+        out.sum().backward()
+    assert all(t.grad is not None for t in leaves)

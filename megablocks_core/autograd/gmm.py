@@ -135,24 +135,40 @@ def _gmm_scatter(
                     rows_grad = activate_backward(rows_grad, a["x"], activation, *constants)
                 out["x"] = rows_grad
         if needs["weights"]:
+            if a["bias"] is not None:  # bias is kept only for this (its own gradient needs none)
+                dots = _with_bias_dots(call, dots, grad, a["bias"], routing, bins, top_k, first)
             n = a["indices"].shape[0]
             out["weights"] = _by_flat_id(dots, row_routing[0], n).to(weights.dtype)
-    # bias is kept only for the weights' gradient (its own needs none of its values).
-    bias_in_weights = needs["weights"] and a["bias"] is not None
-    if needs["bias"] or bias_in_weights:
-        grad_bias, bias_dots = bias_ops.scatter_bias_grads(a, grad, needs["bias"], bias_in_weights)
-        if grad_bias is not None:
-            out["bias"] = grad_bias
-        weights_grad = out.get("weights")
-        if bias_dots is not None and weights_grad is not None:
-            out["weights"] = (weights_grad + bias_dots).to(weights.dtype)
-    if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
+    if needs["b"] or needs["bias"]:
+        # The weighted rows of grad, gathered again (transient): the GEMM's operand for b, and
+        # per expert summed, bias's gradient.
         rows = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
-        if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
+        if needs["bias"]:
+            out["bias"] = bias_ops.group_sums(call, rows, _counts_from_bins(bins, rows.shape[0]))
+        if needs["b"] and trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
             out["b"] = _weight_grad_by_bins(call, a, rows, x_in)
-        else:
+        elif needs["b"]:
             out["b"] = _weight_grad_by_bins(call, a, x_in, rows)
     return out
+
+
+def _with_bias_dots(
+    call: Call,
+    dots: torch.Tensor,
+    grad: torch.Tensor,
+    bias: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor],
+    bins: torch.Tensor,
+    top_k: int,
+    first: int | None,
+) -> torch.Tensor:
+    """``dots[i] + <grad[t], bias[e]>`` for each sorted row i of token t and expert e: the
+    bias's share of its weight's gradient, one grouped GEMV of the token rows by bias[e] (a
+    gather_gmm with bias as (experts, n, 1) matrices; rows of no expert get 0), summed in
+    float32 and rounded once."""
+    bias_dots = call("gather_gmm", grad, bias.unsqueeze(-1), *routing, bins, top_k, False, first)
+    wide = torch.promote_types(dots.dtype, torch.float32)
+    return (dots.to(wide) + bias_dots[:, 0].to(wide)).to(dots.dtype)
 
 
 def _glu(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:

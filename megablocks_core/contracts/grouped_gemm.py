@@ -87,8 +87,8 @@ GMM_BAD_SIZES = (
     "are 0"
 )
 
-# The per-expert bias (an option left to the core: it adds it around a kernel that does not take
-# it, which today is every plugin's, megablocks_core.bias).
+# The per-expert bias: an option a kernel may leave to the core, which adds it around a kernel
+# that does not take it (megablocks_core.bias); the Triton kernels add it in their epilogue.
 BIAS_DOC = (
     "per-expert bias added to each expert's output rows, (experts, n) in x's dtype; None: none"
 )
