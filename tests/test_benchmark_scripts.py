@@ -97,6 +97,17 @@ def test_transformers_experts_check_catches_a_wrong_result(
     assert len(ours) == 6 and all(r["check"].startswith("off by") for r in ours)
 
 
+def test_host_caches_reports_each_case_before_and_after(capsys):
+    script = _script("host_caches")
+    assert script.main(["--calls", "2", "--samples", "1", "--tokens", "4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["case"] for r in rows] == ["counts_from_bins", "gluon_wgrad_launch", "served_bias"]
+    for r in rows:
+        if "skipped" not in r:
+            assert r["before_us"] > 0 and r["after_us"] > 0, r
+            assert r["saved_us"] == pytest.approx(r["before_us"] - r["after_us"])
+
+
 def test_megatron_permute_checks_ours_against_megatrons_unfused_path(tmp_path, capsys):
     pytest.importorskip("megatron.core")
     script = _script("megatron_permute")

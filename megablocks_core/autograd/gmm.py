@@ -3,6 +3,7 @@ gradient) and of the gated activation."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,10 +44,41 @@ def _weight_grad_by_bins(
     return _weight_grad(call, bound, "b", x, grad, _counts_from_bins(bound["bins"], x.shape[0]))
 
 
+#: The last :func:`_counts_from_bins` result: (bins, weakly; its version; rows; counts). One
+#: step's backward asks for the same bins' counts for each fused op and bias (the routing is
+#: shared), a dozen small tensor ops each time.
+_LAST_COUNTS: tuple[weakref.ref[torch.Tensor], int, int, torch.Tensor] | None = None
+
+
 def _counts_from_bins(bins: torch.Tensor, rows: int) -> torch.Tensor:
-    """Group sizes (int32, each <= rows) from cumulative bins as the fused ops read them."""
+    """Group sizes (int32, each <= rows) from cumulative bins as the fused ops read them.
+
+    Remembered for the last bins tensor while it is alive and unchanged (its version counter: an
+    in-place write makes it count again), except while tracing or capturing a CUDA graph, when
+    the ops that compute the counts must be recorded, not skipped."""
+    global _LAST_COUNTS
+    recording = _recording(bins)
+    last = _LAST_COUNTS
+    if (
+        not recording
+        and last is not None
+        and last[0]() is bins
+        and last[1] == bins._version
+        and last[2] == rows
+    ):
+        return last[3]
     ends = bias_ops.group_ends(bins, rows)  # int64: sums of int32 bins cannot wrap
-    return torch.diff(ends, prepend=ends.new_zeros(1)).int()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).int()
+    if not recording:
+        _LAST_COUNTS = (weakref.ref(bins), bins._version, rows, counts)
+    return counts
+
+
+def _recording(bins: torch.Tensor) -> bool:
+    """Whether torch.compile traces, or a CUDA graph is being captured on bins' device."""
+    if torch.compiler.is_compiling():
+        return True
+    return bins.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _gather_gmm(
