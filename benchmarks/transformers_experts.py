@@ -12,7 +12,11 @@ one device; the same model (the same weights) serves every implementation in tur
 - ``block``: the decoder layer's MoE block (its router and its experts), forward + backward from a
   ``(1, T, H)`` input;
 - ``train``: a whole training step of the one-layer causal LM (``(T / seq, seq)`` token ids,
-  loss, backward, an AdamW step).
+  loss, backward, an AdamW step);
+- ``forward`` (not run unless asked, e.g. by ``--decode``): the MoE block's forward alone, under
+  ``torch.no_grad()`` (inference and decode);
+- ``forward_graph`` (likewise, CUDA only): that forward captured once in a CUDA graph and
+  replayed: what is left of a step once the host no longer issues its kernels one by one.
 
 Gradients accumulate into the existing ``.grad`` (never zeroed: the steady state). Times are the
 median of per-step CUDA-event times over steps launched back to back, after the step has run for
@@ -26,14 +30,20 @@ the reference's max abs, bf16 tolerance 2e-2). An implementation that fails (out
 (each micro-batch's gradient added by the weight-gradient GEMM, not by autograd).
 
 ``host_ms``: the median host time to issue one step; a step whose host time reaches its device
-time is host-bound (the GPU waits between kernels).
+time is host-bound (the GPU waits between kernels). ``ratios`` pairs each megablocks row with
+grouped_mm's row of the same model, tokens and item (speed-up, host time of each).
+
+``--decode``: the small-batch preset, the MoE block's forward (eager and replayed from a CUDA
+graph) at 1, 8, 64, 512 and 4096 tokens for megablocks, grouped_mm and batched_mm (peers in the
+same run; ``--tokens``, ``--items`` and ``--implementations`` still override it).
 
 ``--profile``: for ``megablocks`` and ``grouped_mm`` at every token count, the experts and block
 steps' device time by kernel (torch.profiler, the top entries); the sum over every kernel against
 the step's time says how long the GPU sat idle.
 
 Usage: ``python benchmarks/transformers_experts.py [--models qwen3,olmoe,mixtral,gpt_oss]
-[--tokens 4096,16384] [--json PATH] [--profile]``; ``--device cpu --tiny`` is a smoke run.
+[--tokens 4096,16384] [--json PATH] [--profile] [--decode]``; ``--device cpu --tiny`` is a smoke
+run.
 """
 
 from __future__ import annotations
@@ -55,7 +65,13 @@ import torch
 #: that accumulates gradients over micro-batches can ask for.
 FUSED = "megablocks-fused"
 IMPLEMENTATIONS = ("megablocks", FUSED, "grouped_mm", "batched_mm", "eager")
-ITEMS = ("experts", "block", "train")
+ITEMS = ("experts", "block", "train", "forward", "forward_graph")
+#: The items a run times unless told otherwise.
+DEFAULT_ITEMS = ("experts", "block", "train")
+#: ``--decode``: token counts, items and implementations of the small-batch preset.
+DECODE_TOKENS = (1, 8, 64, 512, 4096)
+DECODE_ITEMS = ("forward", "forward_graph")
+DECODE_IMPLEMENTATIONS = ("megablocks", "grouped_mm", "batched_mm")
 #: The implementations ``--profile`` profiles (their experts and block steps, every token count).
 PROFILED = ("megablocks", "grouped_mm")
 SEQUENCE = 4096  # tokens per sequence in the train item
@@ -168,10 +184,12 @@ def _first(out: Any) -> torch.Tensor:
 
 
 def _steps(
-    model: Any, tokens: int, device: torch.device
+    model: Any, tokens: int, device: torch.device, items: tuple[str, ...] = DEFAULT_ITEMS
 ) -> dict[str, tuple[Callable[[], Any], Callable[[], torch.Tensor]]]:
-    """item → (step, forward): ``step`` runs forward + backward (+ the optimizer for train);
-    ``forward`` the forward alone (the check's output)."""
+    """item → (step, forward): ``step`` runs forward + backward (+ the optimizer for train; the
+    forward items: the forward alone); ``forward`` the forward alone (the check's output).
+    ``forward_graph`` is captured here (a CUDA graph of the no-grad block forward) when
+    ``items`` asks for it."""
     config = model.config
     hidden = config.hidden_size
     experts_count = getattr(config, "num_experts", None) or config.num_local_experts
@@ -217,11 +235,43 @@ def _steps(
         train_forward().backward()
         optimizer.step()
 
-    return {
+    def inference() -> torch.Tensor:
+        with torch.no_grad():
+            return block_forward()
+
+    steps = {
         "experts": (experts_step, experts_forward),
         "block": (block_step, block_forward),
         "train": (train_step, train_forward),
+        "forward": (inference, inference),
     }
+    if "forward_graph" in items:
+        replay = captured(inference, device)
+        steps["forward_graph"] = (replay, replay)
+    return steps
+
+
+def captured(forward: Callable[[], torch.Tensor], device: torch.device) -> Callable[[], Any]:
+    """``forward`` captured in a CUDA graph (after warm-up runs on a side stream, as torch's
+    docs ask), as a function that replays it and returns the graph's output tensor. Raises on
+    the CPU, and for a forward that cannot be captured (one that syncs with the host)."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):  # kernel choice, compilation and the allocator's pools, once
+            forward()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
 
 
 def _sync(device: torch.device) -> None:
@@ -382,8 +432,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 del outputs
                 if implementation not in args.implementations:
                     continue
-                steps = _steps(model, tokens, device)
+                try:
+                    steps = _steps(model, tokens, device, tuple(args.items))
+                except Exception as exc:  # forward_graph's capture failed: the others still run
+                    print(f"{log}: capture failed: {exc}", file=sys.stderr, flush=True)
+                    rows.append(_error_row(name, tokens, "forward_graph", implementation, exc))
+                    steps = _steps(model, tokens, device)
                 for item in args.items:
+                    if item not in steps:  # its error row is written above
+                        continue
                     step, _ = steps[item]
                     print(f"{log} {item}", file=sys.stderr, flush=True)
                     try:
@@ -393,8 +450,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         row.spread_ms = (low, high)
                         row.host_ms = host
                     except Exception as exc:
-                        error = f"error: {type(exc).__name__}: {str(exc)[:160]}"
-                        row = Row(name, tokens, item, implementation, math.nan, None, error)
+                        row = _error_row(name, tokens, item, implementation, exc)
                     rows.append(row)
                     print(f"  {asdict(row)}", file=sys.stderr, flush=True)
                 if args.profile and implementation in PROFILED:
@@ -412,6 +468,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.json:
             _write(args.json, _result(args, device, rows, profiles))
     return _result(args, device, rows, profiles)
+
+
+def _error_row(model: str, tokens: int, item: str, implementation: str, exc: Exception) -> Row:
+    error = f"error: {type(exc).__name__}: {str(exc)[:160]}"
+    return Row(model, tokens, item, implementation, math.nan, None, error)
 
 
 def _write(path: str, result: dict[str, Any]) -> None:
@@ -438,8 +499,8 @@ def _result(
 
 
 def ratios(rows: list[Row]) -> list[dict[str, Any]]:
-    """Per (model, tokens, item): grouped_mm's time / megablocks' (speed-up) and megablocks' peak
-    memory / grouped_mm's."""
+    """Per (model, tokens, item): grouped_mm's time / megablocks' (speed-up), megablocks' peak
+    memory / grouped_mm's, and each one's host time to issue the step."""
     by_key = {(r.model, r.tokens, r.item, r.implementation): r for r in rows}
     out = []
     for (model, tokens, item, implementation), ours in by_key.items():
@@ -461,6 +522,8 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
                 "implementation": implementation,
                 "speedup_vs_grouped_mm": theirs.ms / ours.ms,
                 "peak_vs_grouped_mm": memory,
+                "host_ms": ours.host_ms,
+                "grouped_mm_host_ms": theirs.host_ms,
             }
         )
     return out
@@ -469,9 +532,14 @@ def ratios(rows: list[Row]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--tokens", default="4096,16384")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS))
-    parser.add_argument("--items", default=",".join(ITEMS))
+    parser.add_argument("--tokens")
+    parser.add_argument("--implementations")
+    parser.add_argument("--items")
+    parser.add_argument(
+        "--decode",
+        action="store_true",
+        help="the MoE block's forward, eager and from a CUDA graph, at 1 to 4096 tokens",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--sustain", type=float, default=1.0, help="seconds of warm-up per row")
@@ -484,10 +552,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-top", type=int, default=15)
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
+    preset = (
+        (DECODE_TOKENS, DECODE_IMPLEMENTATIONS, DECODE_ITEMS)
+        if args.decode
+        else ((4096, 16384), IMPLEMENTATIONS, DEFAULT_ITEMS)
+    )
     args.models = args.models.split(",")
-    args.tokens = [int(t) for t in args.tokens.split(",")]
-    args.implementations = args.implementations.split(",")
-    args.items = args.items.split(",")
+    args.tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else list(preset[0])
+    args.implementations = (
+        args.implementations.split(",") if args.implementations else list(preset[1])
+    )
+    args.items = args.items.split(",") if args.items else list(preset[2])
     unknown = set(args.models) - set(MODELS) or set(args.implementations) - set(IMPLEMENTATIONS)
     if unknown or set(args.items) - set(ITEMS):
         parser.error(f"unknown: {sorted(unknown or set(args.items) - set(ITEMS))}")

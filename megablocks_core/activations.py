@@ -12,6 +12,7 @@ input) and rounded once to the input's dtype.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -56,8 +57,10 @@ ACTIVATIONS: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor, Tenso
 NAMES: tuple[str, ...] = tuple(ACTIVATIONS)
 
 #: GPT-OSS's clamped SwiGLU unit (a :func:`glu` name, not an elementwise activation):
-#: ``(u + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, ``u = clamp(up, ±limit)``,
-#: at GPT-OSS's constants :data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT`.
+#: ``(u + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, ``u = clamp(up, ±limit)``.
+#: Its constants are parameters (``alpha``, ``limit``); None stands for GPT-OSS's,
+#: :data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT` (transformers' ``GptOssConfig``
+#: defaults ``swiglu_alpha`` and ``swiglu_limit``).
 SWIGLU_OAI = "silu_oai"
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
@@ -97,29 +100,72 @@ GATED: dict[str, str | None] = {
 #: Every name an op that activates its input rows takes (``gmm_scatter``, ``activation_backward``).
 ROW_NAMES: tuple[str, ...] = NAMES + tuple(GATED)
 
+#: The names (glu's and the gated row names) whose unit is GPT-OSS's clamped SwiGLU: the only
+#: ones that take ``alpha`` and ``limit``.
+_CLAMPED_UNITS = (SWIGLU_OAI, SWIGLU_OAI + INTERLEAVED)
+CLAMPED: tuple[str, ...] = (
+    *_CLAMPED_UNITS,
+    *(name for name, unit in GATED.items() if unit in _CLAMPED_UNITS),
+)
 
-def activate(x: Tensor, name: str | None) -> Tensor:
-    """``x`` through the named activation (``x`` itself for None; a gated name: :func:`glu`)."""
+
+def clamp_constants(
+    name: str | None, alpha: float | None = None, limit: float | None = None
+) -> tuple[float, float]:
+    """(alpha, limit) of the clamped SwiGLU, None standing for GPT-OSS's constants. Raises
+    ValueError for constants given with a name that takes none (not in :data:`CLAMPED`), and for
+    a limit that is not positive or an alpha that is not finite (the contracts' rules)."""
+    if name not in CLAMPED:
+        if alpha is not None or limit is not None:
+            raise ValueError(
+                f"alpha and limit are constants of the clamped SwiGLU ({', '.join(CLAMPED)}); "
+                f"activation {name!r} takes none"
+            )
+        return SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+    alpha = SWIGLU_OAI_ALPHA if alpha is None else float(alpha)
+    limit = SWIGLU_OAI_LIMIT if limit is None else float(limit)
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be finite; got {alpha}")
+    if not limit > 0:
+        raise ValueError(f"limit must be positive (inf: no clamp); got {limit}")
+    return alpha, limit
+
+
+def activate(
+    x: Tensor, name: str | None, alpha: float | None = None, limit: float | None = None
+) -> Tensor:
+    """``x`` through the named activation (``x`` itself for None; a gated name: :func:`glu`,
+    with the clamped SwiGLU's ``alpha`` and ``limit``)."""
+    if name in GATED:
+        return glu(x, GATED[name], alpha, limit)
+    clamp_constants(name, alpha, limit)  # none taken: refuses them
     if name is None:
         return x
-    if name in GATED:
-        return glu(x, GATED[name])
     return ACTIVATIONS[name][0](x)
 
 
-def activate_with(call: Callable[..., Tensor], x: Tensor, name: str | None) -> Tensor:
-    """:func:`activate`, a gated activation computed by ``call("glu", x, gate)`` (the dispatched
-    ``glu`` op: a backend's one-pass kernel, differentiable when recorded) instead of the
-    float32 definition's several passes."""
+def activate_with(
+    call: Callable[..., Tensor],
+    x: Tensor,
+    name: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
+) -> Tensor:
+    """:func:`activate`, a gated activation computed by ``call("glu", x, gate, alpha, limit)``
+    (the dispatched ``glu`` op: a backend's one-pass kernel, differentiable when recorded)
+    instead of the float32 definition's several passes."""
     if name in GATED:
-        return call("glu", x, GATED[name])
-    return activate(x, name)
+        return call("glu", x, GATED[name], alpha, limit)
+    return activate(x, name, alpha, limit)
 
 
-def activate_backward(grad: Tensor, x: Tensor, name: str) -> Tensor:
-    """The gradient of ``activate(x, name)`` times ``grad``, with respect to ``x``."""
+def activate_backward(
+    grad: Tensor, x: Tensor, name: str, alpha: float | None = None, limit: float | None = None
+) -> Tensor:
+    """The gradient of ``activate(x, name, alpha, limit)`` times ``grad``, with respect to ``x``."""
     if name in GATED:
-        return glu_backward(grad, x, GATED[name])
+        return glu_backward(grad, x, GATED[name], alpha, limit)
+    clamp_constants(name, alpha, limit)
     return ACTIVATIONS[name][1](grad, x)
 
 
@@ -143,36 +189,44 @@ def _join(grad_gate: Tensor, grad_up: Tensor, interleaved: bool) -> Tensor:
     return torch.cat((grad_gate, grad_up), dim=-1)
 
 
-def _clamped(gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+def _clamped(gate: Tensor, up: Tensor, limit: float) -> tuple[Tensor, Tensor]:
     """GPT-OSS's clamps: the gate from above, up on both sides, then up + 1."""
-    limit = SWIGLU_OAI_LIMIT
     return gate.clamp(max=limit), up.clamp(-limit, limit) + 1
 
 
-def glu(x: Tensor, name: str | None) -> Tensor:
+def glu(
+    x: Tensor, name: str | None, alpha: float | None = None, limit: float | None = None
+) -> Tensor:
     """``act(gate) * up`` where ``x = [gate | up]`` holds the two halves of its last dimension
     side by side (SwiGLU with "silu", GEGLU with "gelu"; None: the bilinear ``gate * up``;
-    :data:`SWIGLU_OAI`: GPT-OSS's clamped unit; a name with the suffix :data:`INTERLEAVED`:
-    gate and up interleaved), computed in float32 (float64 for float64 x) and rounded once to
-    x's dtype."""
+    :data:`SWIGLU_OAI`: GPT-OSS's clamped unit with the constants ``alpha`` and ``limit``, None
+    for GPT-OSS's; a name with the suffix :data:`INTERLEAVED`: gate and up interleaved),
+    computed in float32 (float64 for float64 x) and rounded once to x's dtype."""
+    alpha, limit = clamp_constants(name, alpha, limit)
     gate, up, unit, _ = _split(x, name)
     if unit == SWIGLU_OAI:
-        gate, up = _clamped(gate, up)
-        return (gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate) * up).to(x.dtype)
+        gate, up = _clamped(gate, up, limit)
+        return (gate * torch.sigmoid(alpha * gate) * up).to(x.dtype)
     return (activate(gate, unit) * up).to(x.dtype)
 
 
-def glu_backward(grad: Tensor, x: Tensor, name: str | None) -> Tensor:
+def glu_backward(
+    grad: Tensor,
+    x: Tensor,
+    name: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
+) -> Tensor:
     """The gradient of :func:`glu` with respect to ``x`` (both halves, in x's layout) for the
     output gradient ``grad``, computed as :func:`glu` is."""
+    alpha, limit = clamp_constants(name, alpha, limit)
     gate, up, unit, interleaved = _split(x, name)
     wide_grad = grad.to(gate.dtype)
     if unit == SWIGLU_OAI:
-        limit = SWIGLU_OAI_LIMIT
-        clamped_gate, shifted_up = _clamped(gate, up)
-        s = torch.sigmoid(SWIGLU_OAI_ALPHA * clamped_gate)
+        clamped_gate, shifted_up = _clamped(gate, up, limit)
+        s = torch.sigmoid(alpha * clamped_gate)
         # torch.clamp's gradient: 1 inside the closed interval, 0 outside.
-        slope = (s + SWIGLU_OAI_ALPHA * clamped_gate * s * (1 - s)) * (gate <= limit)
+        slope = (s + alpha * clamped_gate * s * (1 - s)) * (gate <= limit)
         grad_gate = wide_grad * shifted_up * slope
         grad_up = wide_grad * clamped_gate * s * ((up >= -limit) & (up <= limit))
         return _join(grad_gate, grad_up, interleaved).to(x.dtype)
@@ -183,7 +237,12 @@ def glu_backward(grad: Tensor, x: Tensor, name: str | None) -> Tensor:
 
 
 def activation_backward(
-    grad: Tensor, x: Tensor, scale: Tensor | None, name: str | None
+    grad: Tensor,
+    x: Tensor,
+    scale: Tensor | None,
+    name: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """What the backward of an activation that feeds a weighted GEMM needs, from its GEMM's row
     gradients ``grad`` (before the rows' ``scale``) and the pre-activation rows ``x``:
@@ -197,13 +256,13 @@ def activation_backward(
     Returns ``(grad_x, dots)``. ``scale`` None means 1; ``name`` None is the identity (act = x,
     act' = 1). With a gated name (:data:`GATED`) x is ``(rows, 2n)``, [gate | up], and grad
     ``(rows, n)``: act is :func:`glu`'s output and grad_x both halves of :func:`glu_backward`'s,
-    scaled."""
+    scaled. ``alpha`` and ``limit``: the clamped SwiGLU's constants (:data:`CLAMPED` names)."""
     wide_x, wide_grad = _wide(x), _wide(grad)
-    act = activate(wide_x, name).to(x.dtype)
+    act = activate(wide_x, name, alpha, limit).to(x.dtype)
     dots = (_wide(act) * wide_grad).sum(dim=-1).to(x.dtype)
     if scale is not None:
         wide_grad = wide_grad * _wide(scale).unsqueeze(-1)
-    grad_x = wide_grad if name is None else activate_backward(wide_grad, wide_x, name)
+    grad_x = wide_grad if name is None else activate_backward(wide_grad, wide_x, name, alpha, limit)
     # copy=True: grad_x never aliases grad (float32 data with no scale or activation would),
     # which is overwritten next.
     grad_x = grad_x.to(x.dtype, copy=True)
@@ -213,6 +272,7 @@ def activation_backward(
 
 __all__ = [
     "ACTIVATIONS",
+    "CLAMPED",
     "GATED",
     "GLU_NAMES",
     "INTERLEAVED",
@@ -225,6 +285,7 @@ __all__ = [
     "activate_backward",
     "activate_with",
     "activation_backward",
+    "clamp_constants",
     "gelu_erf",
     "gelu_tanh",
     "glu",

@@ -97,28 +97,3 @@ def group_sums(call: Any, grad: Tensor, counts: Tensor) -> Tensor:
     ones = grad.new_ones((grad.shape[0], 1))
     out: Tensor = call("gmm_weight_grad", ones, grad, counts)
     return out[:, 0]
-
-
-def scatter_bias_grads(
-    args: Mapping[str, Any], grad: Tensor, needs_bias: bool, needs_weights: bool
-) -> tuple[Tensor | None, Tensor | None]:
-    """gmm_scatter's bias gradient (sum over each expert's pairs of weight * grad[token]) and
-    the bias's share of the weights' gradient (<grad[token], bias[e]> by flat id)."""
-    indices, bins, weights, top_k = args["indices"], args["bins"], args["weights"], args["top_k"]
-    wide = _wide(grad.dtype)
-    grad_bias = grad_weights = None
-    if needs_bias:  # bias has grad's dtype
-        table = token_expert_weights(indices, bins, weights, top_k, args["rows"])
-        grad_bias = (table.to(wide).t() @ grad.to(wide)).to(grad.dtype)
-    if needs_weights:
-        bias = args["bias"]
-        pairs = indices.shape[0]
-        first = pairs if args["rows"] is None else args["rows"]
-        expert = row_experts(group_ends(bins, first), pairs)
-        per_token = grad.to(wide) @ _with_zero_row(bias, wide).t()  # (tokens, experts + 1)
-        flat = indices.long()
-        valid = (flat >= 0) & (flat < pairs)
-        flat = torch.where(valid, flat, 0)
-        dots = torch.where(valid, per_token[flat // top_k, expert], 0)
-        grad_weights = dots.new_zeros(pairs).index_add(0, flat, dots)
-    return grad_bias, grad_weights

@@ -36,7 +36,16 @@ from .contracts import ALL
 from .dispatch import Selected, new_cache, resolve
 from .policy import Policy, context_policy, current_policy, overrides
 from .ranking import NoKernelError
-from .schema import RULE_HELPERS, BoolArg, ChoiceArg, IntArg, OpContract, TensorArg, is_option
+from .schema import (
+    RULE_HELPERS,
+    BoolArg,
+    ChoiceArg,
+    FloatArg,
+    IntArg,
+    OpContract,
+    TensorArg,
+    is_option,
+)
 from .validation import BackendError, ContractError, ContractTypeError
 
 
@@ -63,8 +72,8 @@ def fast_check_source(op: OpContract) -> str:
     """A boolean expression checked on every call, cache hit or not; only when it is false does
     the entry call :func:`~megablocks_core.validation.validate` to say what is wrong.
 
-    Exact types of int/bool arguments (the key cannot tell ``2`` from ``numpy.int64(2)``,
-    and kernels should only see Python ints), the contiguity of mutable arguments (not in the
+    Exact types of int/bool/float arguments (the key cannot tell ``2`` from ``numpy.int64(2)``,
+    and kernels should only see Python ints and floats), the contiguity of mutable arguments (not in the
     key either), and the rules that read host data (CPU ``batch_sizes``), which no key can vouch
     for.
     """
@@ -80,6 +89,8 @@ def fast_check_source(op: OpContract) -> str:
         elif isinstance(spec, ChoiceArg):  # an exact str: kernels compare it by value
             n = spec.name
             parts.append(f"({n} is None or (type({n}) is str and {n} in {spec.choices!r}))")
+        elif isinstance(spec, FloatArg):  # an int or numpy float is converted by validation
+            parts.append(f"({spec.name} is None or type({spec.name}) is float)")
     for rule in op.rules:
         if isinstance(rule.checked, str):
             parts.append(f"({rule.checked}.device.type != 'cpu' or ({rule.expr}))")

@@ -220,9 +220,11 @@ def _gmm_scatter(
     activation: str | None = None,
     rows: int | None = None,
     bias: Tensor | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> Tensor:
     # The activation in the inputs' dtype (a transient copy), then its rows quantized.
-    activated = x if activation is None else activate_with(call, x, activation)
+    activated = x if activation is None else activate_with(call, x, activation, alpha, limit)
     sorted_rows, matrices = scaled.rows(activated), scaled.matrices(b, trans_b)
     out = call(
         "scaled_gmm_scatter",
@@ -238,7 +240,9 @@ def _gmm_scatter(
         scaled.recipe.format,
         _out_name(x.dtype),
     )
-    args = (x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias)
+    args = (
+        x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias, alpha, limit
+    )  # fmt: skip
     return scaled.finish(out, x, BY_NAME["gmm_scatter"], args)
 
 
@@ -315,12 +319,16 @@ def gmm_scatter(
     activation: str | None = None,
     rows: int | None = None,
     bias: Tensor | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
     *,
     recipe: Recipe | str = "fp8_rowwise",
 ) -> Tensor:
     """:func:`megablocks_core.ops.gmm_scatter` with its GEMMs in ``recipe``: the activation runs
     in x's dtype, its rows are quantized, and the scaled GEMM's products are summed per token."""
-    args = (x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias)
+    args = (
+        x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias, alpha, limit
+    )  # fmt: skip
     return _run("gmm_scatter", args, recipe)
 
 

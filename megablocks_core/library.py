@@ -20,6 +20,7 @@ from .contracts import ALL
 from .schema import (
     BoolArg,
     ChoiceArg,
+    FloatArg,
     IntArg,
     OpContract,
     TensorArg,
@@ -52,6 +53,8 @@ def schema(contract: OpContract) -> str:
             parts.append(f"bool {a.name}")
         elif isinstance(a, ChoiceArg):
             parts.append(f"str? {a.name}=None")
+        elif isinstance(a, FloatArg):  # a trailing option
+            parts.append(f"float? {a.name}=None")
         else:  # pragma: no cover - composite-only argument kinds
             raise TypeError(f"{contract.name}: no schema for {a!r}")
     outs = (

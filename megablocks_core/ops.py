@@ -196,6 +196,8 @@ def gmm_scatter(
     activation: str | None = None,
     rows: int | None = None,
     bias: Tensor | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> Tensor:
     """``scatter(gmm(act(x), b, batch_sizes, trans_b, bias), indices, bin_ids, weights, bins,
     top_k)``, ``batch_sizes`` from ``bins``: expert-sorted rows (tokens * top_k, k) → (tokens, n),
@@ -210,24 +212,31 @@ def gmm_scatter(
     with an activation only x (act(x) is recomputed there). ``rows``: x holds only the first
     ``rows`` sorted rows (``gather_gmm``'s with the same ``rows``); sorted rows past ``bins[-1]``
     add nothing. ``bias``: (experts, n) in x's dtype, added to each (token, k) product row before
-    the weighted sum."""
+    the weighted sum. ``alpha``, ``limit``: the clamped SwiGLU's constants ("swiglu_oai" and its
+    interleaved form only; None: GPT-OSS's 1.702 and 7.0)."""
     return _gmm_scatter(
-        x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias
+        x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias, alpha, limit
     )
 
 
 # --- activation --------------------------------------------------------------
 
 
-def glu(x: Tensor, activation: str | None = None) -> Tensor:
+def glu(
+    x: Tensor,
+    activation: str | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
+) -> Tensor:
     """Gated experts' unit: ``act(x[:, :n]) * x[:, n:]`` for x of (rows, 2n), the first GEMM's
     output through ``[w1 | v1]`` side by side, → (rows, n), in float32 rounded once.
 
     ``activation``: "silu" (SwiGLU); "gelu" or "gelu_tanh" (tanh), "gelu_erf" (exact): GEGLU;
-    "relu"; "silu_oai" (GPT-OSS's clamped unit); any of them with the suffix "_interleaved" for
-    gate and up interleaved (gate in even columns, up in odd); None: bilinear. Its backward keeps
-    x only."""
-    return _glu(x, activation)
+    "relu"; "silu_oai" (GPT-OSS's clamped unit, ``(up + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)`` and up clamped to ``[-limit, limit]``; ``alpha`` and ``limit`` None:
+    GPT-OSS's 1.702 and 7.0); any of them with the suffix "_interleaved" for gate and up
+    interleaved (gate in even columns, up in odd); None: bilinear. Its backward keeps x only."""
+    return _glu(x, activation, alpha, limit)
 
 
 # --- low precision: formats in megablocks_core.formats; training through them: megablocks_core.fp8

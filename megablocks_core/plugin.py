@@ -29,7 +29,8 @@ backends in this repository use nothing else, like any third-party plugin.
   :func:`activation_backward_definition` are the activation ops' arithmetic in plain torch
   (float32, rounded once), which a kernel must match; :data:`GATED_ACTIVATIONS` maps the gated
   activation names (``gmm_scatter``, ``activation_backward``) to the glu names that compute them
-  (:data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT` are GPT-OSS's unit's constants);
+  (:data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT` are GPT-OSS's unit's default constants;
+  :func:`clamp_constants` gives a call's ``alpha`` and ``limit``, its defaults for None);
 - :data:`SCALED_FORMATS` (:class:`Format`) and :data:`FP8_ENCODINGS` (:class:`Encoding`) are the
   low-precision formats of the scaled ops, :func:`quantize_definition` and
   :func:`dequantize_definition` their arithmetic in plain torch, which a quantizing kernel matches
@@ -41,7 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 from .activations import GATED as GATED_ACTIVATIONS
-from .activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from .activations import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, clamp_constants
 from .activations import activation_backward as activation_backward_definition
 from .activations import glu as glu_definition
 from .activations import glu_backward as glu_backward_definition
@@ -132,6 +133,7 @@ __all__ = [
     "arch_family",
     "base_arch",
     "call_op",
+    "clamp_constants",
     "contract",
     "dequantize_definition",
     "describe_device",

@@ -26,10 +26,19 @@ from packaging.utils import canonicalize_name
 
 from . import __version__
 from .contracts import BY_NAME
-from .descriptors import ANY_DEVICE, DEVICE_KINDS, Kernel, KernelProblem, Tier
+from .descriptors import (
+    ANY_DEVICE,
+    DEVICE_KINDS,
+    CallInfo,
+    DeviceInfo,
+    Kernel,
+    KernelProblem,
+    ShapeCheck,
+    Tier,
+)
 from .formats import FORMAT_NAMES
 from .hookspecs import ENTRY_POINT_GROUP, KERNEL_HOOKS, PROJECT_NAME, BackendHooks
-from .schema import ChoiceArg, IntArg, TensorArg, is_option
+from .schema import ChoiceArg, FloatArg, IntArg, TensorArg, is_option
 
 log = logging.getLogger("megablocks_core")
 
@@ -146,8 +155,9 @@ def _is_device_kind(kind: str) -> bool:
 def _arity_problem(fn: Any, contract: Any) -> tuple[str | None, int]:
     """(why ``fn`` cannot take the contract's arguments positionally, or None; how many of
     them it takes). A function may leave the contract's trailing options to the core
-    (:func:`~megablocks_core.schema.is_option`: no plugin kernel takes ``bias``, for one) by not
-    taking them; an unreadable signature (some builtins) is taken to take them all."""
+    (:func:`~megablocks_core.schema.is_option`: ``torch._grouped_mm`` cannot take ``bias``, for
+    one) by not taking them; an unreadable signature (some builtins) is taken to take them
+    all."""
     names = contract.arg_names
     try:
         signature = inspect.signature(fn)
@@ -186,6 +196,13 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
         if isinstance(arg, IntArg) and arg.option is not None and arg.option.pads is not None
     }
 
+    # Each choice's parameters (FloatArg options), by position: the core applies them with it.
+    parameter_positions = {
+        arg.name: tuple(names.index(p) for p in contract.parameters_of(arg.name))
+        for _, arg in options
+        if isinstance(arg, ChoiceArg)
+    }
+
     def served(*args: Any) -> Any:
         given = list(args[:taken])
         keep_rows = None
@@ -200,7 +217,10 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
             elif isinstance(arg, ChoiceArg):
                 assert arg.applies_to is not None and arg.apply is not None  # is_option's test
                 target = names.index(arg.applies_to)
-                given[target] = arg.apply(given[target], value)
+                parameters = (args[at] for at in parameter_positions[arg.name])
+                given[target] = arg.apply(given[target], value, *parameters)
+            elif isinstance(arg, FloatArg):
+                continue  # applied with its choice above (a kernel taking the choice declines it)
             elif at in totals:
                 target = names.index(arg.option.pads)
                 given[target] = arg.option.pad(given[target], totals[at](*args))
@@ -236,6 +256,35 @@ def _without_options(fn: Any, contract: Any, taken: int) -> Callable[..., Any]:
     return direct
 
 
+def _declining_parameters(
+    supports: ShapeCheck | None, contract: Any, taken: int
+) -> ShapeCheck | None:
+    """``supports``, declining the calls that set a choice's parameter (:class:`FloatArg`) that
+    a kernel taking the first ``taken`` arguments lacks while it takes the choice itself: it
+    would compute the choice's defaults instead (a parameter of a choice left to the core is
+    applied with it)."""
+    names = contract.arg_names
+    lacking = tuple(
+        a.name
+        for a in contract.args[taken:]
+        if isinstance(a, FloatArg) and names.index(a.of) < taken
+    )
+    if not lacking:
+        return supports
+
+    def declines(device: DeviceInfo, call: CallInfo) -> str | None:
+        given = [name for name in lacking if call.get(name) is not None]
+        if given:
+            listed = ", ".join(repr(n) for n in given)
+            return (
+                f"its function takes no {listed} (it computes the default only), and the call "
+                "sets it"
+            )
+        return None if supports is None else supports(device, call)
+
+    return declines
+
+
 def _check_kernel(item: Any, hook: str) -> Kernel:
     """Validate one descriptor (raises naming the kernel) and return it with ``devices`` a tuple."""
     family = KERNEL_HOOKS[hook]
@@ -255,7 +304,11 @@ def _check_kernel(item: Any, hook: str) -> Kernel:
     if problem:
         raise TypeError(f"{what}: {problem}")
     if taken < len(contract.args):
-        item = dataclasses.replace(item, fn=_without_options(item.fn, contract, taken))
+        item = dataclasses.replace(
+            item,
+            fn=_without_options(item.fn, contract, taken),
+            supports=_declining_parameters(item.supports, contract, taken),
+        )
     devices = item.devices
     if isinstance(devices, str) or not isinstance(devices, tuple | list | set | frozenset):
         raise TypeError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -152,7 +153,9 @@ class ChoiceArg:
     doc: str
     choices: tuple[str, ...]
     applies_to: str | None = None
-    apply: Callable[[Any, str], Any] | None = None
+    apply: Callable[..., Any] | None = None
+    """``apply(tensor, value, *parameters)``: the values of the choice's parameters
+    (:class:`FloatArg` options with ``of`` naming it, in the contract's order) follow its own."""
 
     def __post_init__(self) -> None:
         if (self.applies_to is None) != (self.apply is None):
@@ -160,6 +163,26 @@ class ChoiceArg:
 
     def describe(self) -> str:
         return "one of " + ", ".join(repr(c) for c in self.choices) + ", or None"
+
+
+@dataclass(frozen=True)
+class FloatArg:
+    """A Python float option that parametrizes a :class:`ChoiceArg` (``of``): e.g. the clamped
+    SwiGLU's ``alpha`` and ``limit``. None (the default) means the choice's own default.
+
+    A trailing option a kernel may lack, but one the core cannot serve: a kernel whose function
+    takes the choice and not this parameter computes the default only, so it declines every call
+    that sets it (:mod:`megablocks_core.registry`), and the call goes to the next kernel in the
+    ranking. A kernel that leaves the choice itself to the core gets it applied with the
+    parameters (``ChoiceArg.apply``)."""
+
+    name: str
+    doc: str
+    of: str
+    """The name of the :class:`ChoiceArg` it parametrizes."""
+
+    def describe(self) -> str:
+        return "float or None"
 
 
 @dataclass(frozen=True)
@@ -173,16 +196,19 @@ class SequenceArg:
         return "sequence of int"
 
 
-Arg = TensorArg | IntArg | BoolArg | ChoiceArg | SequenceArg
+Arg = TensorArg | IntArg | BoolArg | ChoiceArg | FloatArg | SequenceArg
 
 
 def is_option(arg: Arg) -> bool:
     """An option a kernel may leave to the core and a caller may leave out (the op's trailing
     arguments): a :class:`ChoiceArg` the core can apply itself, a sorted-row count it can serve
-    by padding or cutting (:class:`RowsOption`), or a tensor whose effect it adds to the output
-    (``TensorArg.serve``: ``bias``, which no plugin kernel takes). A kernel leaves an option to
+    by padding or cutting (:class:`RowsOption`), a tensor whose effect it adds to the output
+    (``TensorArg.serve``: ``bias``), or a choice's parameter (:class:`FloatArg`: a kernel that
+    takes the choice but not it declines the calls that set it). A kernel leaves an option to
     the core by not taking it; if a published op's option ever changes meaning, the op gets a
     new contract version rather than a second path here."""
+    if isinstance(arg, FloatArg):
+        return True
     if isinstance(arg, ChoiceArg):
         return arg.apply is not None
     if isinstance(arg, TensorArg):
@@ -306,6 +332,10 @@ class OpContract:
                 return a
         raise KeyError(name)
 
+    def parameters_of(self, choice: str) -> tuple[str, ...]:
+        """The names of the :class:`FloatArg` options that parametrize the choice ``choice``."""
+        return tuple(a.name for a in self.args if isinstance(a, FloatArg) and a.of == choice)
+
     def signature(self, public: bool = True) -> str:
         parts = []
         for a in self.public_args if public else self.args:
@@ -313,7 +343,9 @@ class OpContract:
                 a, BoolArg
             ):
                 parts.append(f"{a.name}={a.default!r}")
-            elif isinstance(a, ChoiceArg) or (isinstance(a, TensorArg) and a.serve is not None):
+            elif isinstance(a, ChoiceArg | FloatArg) or (
+                isinstance(a, TensorArg) and a.serve is not None
+            ):
                 parts.append(f"{a.name}=None")
             else:
                 parts.append(a.name)
@@ -461,5 +493,6 @@ RULE_HELPERS: Mapping[str, Any] = {
     "min": min,
     "all": all,
     "isinstance": isinstance,
+    "isfinite": math.isfinite,
 }
 HELPER_NAMES = frozenset(RULE_HELPERS)

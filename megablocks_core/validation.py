@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import numbers
 import operator
 import os
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from .schema import (
     BoolArg,
     ChoiceArg,
     DataDim,
+    FloatArg,
     IntArg,
     OpContract,
     Rule,
@@ -67,6 +69,11 @@ def _is_int(value: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _is_real(value: Any) -> bool:
+    """A Python or numpy real number (not a bool, not a tensor)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _fail(op: OpContract, message: str, error: type[Exception]) -> None:
@@ -117,6 +124,8 @@ def _check_arg(op: OpContract, spec: Any, value: Any) -> None:
             _fail(op, f"argument '{name}' must be {spec.describe()}; got {_what(value)}", TypeError)
         if value not in spec.choices:
             _fail(op, f"argument '{name}' must be {spec.describe()}; got {value!r}", ValueError)
+    elif isinstance(spec, FloatArg) and value is not None and not _is_real(value):
+        _fail(op, f"argument '{name}' must be a {spec.describe()}; got {_what(value)}", TypeError)
     elif isinstance(spec, SequenceArg) and (
         not isinstance(value, Sequence) or not all(_is_int(v) and v >= 0 for v in value)
     ):
@@ -334,6 +343,8 @@ def check_outputs(op: OpContract, args: tuple[Any, ...], result: Any, backend: s
 def _plain(spec: Any, value: Any) -> Any:
     if isinstance(spec, IntArg) and value is not None and not isinstance(value, int | torch.SymInt):
         return operator.index(value)
+    if isinstance(spec, FloatArg) and value is not None and type(value) is not float:
+        return float(value)  # kernels see Python floats only (an int or numpy float converted)
     return value
 
 

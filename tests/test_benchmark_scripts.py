@@ -97,6 +97,64 @@ def test_transformers_experts_check_catches_a_wrong_result(
     assert len(ours) == 6 and all(r["check"].startswith("off by") for r in ours)
 
 
+def test_transformers_experts_decode_preset_times_the_block_forward_beside_its_host_time(
+    transformers_script, tmp_path
+):
+    """--decode: the MoE block's forward at small token counts, every row with its host time
+    beside its time and checked against grouped_mm; on the CPU the CUDA-graph rows are errors
+    saying so, and the others still run."""
+    path = tmp_path / "decode.json"
+    argv = ["--device", "cpu", "--tiny", "--decode", "--tokens", "1,8", "--models", "gpt_oss"]
+    argv += ["--implementations", "grouped_mm,megablocks", "--sustain", "0", "--reps", "1"]
+    with megablocks_core.use_backend("reference"):
+        assert transformers_script.main([*argv, "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    rows = {(r["tokens"], r["item"], r["implementation"]): r for r in result["rows"]}
+    assert set(rows) == {
+        (t, item, i)
+        for t in (1, 8)
+        for item in ("forward", "forward_graph")
+        for i in ("grouped_mm", "megablocks")
+    }
+    for (_, item, _), r in rows.items():
+        if item == "forward_graph":
+            assert r["check"].startswith("error") and "CUDA" in r["check"], r
+            continue
+        assert r["ms"] > 0 and r["host_ms"] > 0, r
+        assert r["check"] == "reference" or r["check"].startswith("ok"), r
+    ratios = {(r["tokens"], r["item"]): r for r in result["ratios"]}
+    assert set(ratios) == {(1, "forward"), (8, "forward")}
+    assert all(r["host_ms"] > 0 and r["grouped_mm_host_ms"] > 0 for r in ratios.values())
+
+
+def test_transformers_experts_decode_preset_defaults(transformers_script, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(
+        transformers_script, "run", lambda args: seen.update(args=args) or {"ratios": []}
+    )
+    monkeypatch.setattr(transformers_script, "_write", lambda *a: None)
+    transformers_script.main(["--decode", "--models", "qwen3"])
+    args = seen["args"]
+    assert args.tokens == [1, 8, 64, 512, 4096]
+    assert args.items == ["forward", "forward_graph"]
+    assert args.implementations == ["megablocks", "grouped_mm", "batched_mm"]
+    seen.clear()
+    transformers_script.main(["--models", "qwen3"])  # without it: the training items
+    assert seen["args"].items == ["experts", "block", "train"]
+    assert seen["args"].tokens == [4096, 16384]
+
+
+def test_host_caches_reports_each_case_before_and_after(capsys):
+    script = _script("host_caches")
+    assert script.main(["--calls", "2", "--samples", "1", "--tokens", "4"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["case"] for r in rows] == ["counts_from_bins", "gluon_wgrad_launch", "served_bias"]
+    for r in rows:
+        if "skipped" not in r:
+            assert r["before_us"] > 0 and r["after_us"] > 0, r
+            assert r["saved_us"] == pytest.approx(r["before_us"] - r["after_us"])
+
+
 def test_megatron_permute_checks_ours_against_megatrons_unfused_path(tmp_path, capsys):
     pytest.importorskip("megatron.core")
     script = _script("megatron_permute")

@@ -167,18 +167,36 @@ def _moe_permute_samples():
     }
 
 
+#: The clamped SwiGLU's constants (alpha, limit) of the samples that take them: float options.
+CLAMP = (1.25, 1.5)
+
+
 def _with_activation(name: str) -> tuple:
     """gmm_scatter and activation_backward with the named activation (the samples above leave
-    gmm_scatter's out), a gated one on rows twice as wide."""
-    if name == "activation_backward+swiglu":
-        return (torch.randn(8, 3), torch.randn(8, 6), torch.rand(8), "swiglu")
+    gmm_scatter's out), a gated one on rows twice as wide; glu with GPT-OSS's unit at constants
+    of its own."""
+    if name == "glu+silu_oai":
+        return (torch.randn(8, 6, requires_grad=True) * 3, "silu_oai", *CLAMP)
+    if name.startswith("activation_backward+"):
+        activation = name.split("+")[1]
+        constants = CLAMP if activation == "swiglu_oai" else ()
+        return (torch.randn(8, 3), torch.randn(8, 6), torch.rand(8), activation, *constants)
     x, b, *rest = _opcheck_samples()["gmm_scatter"]
-    if name == "gmm_scatter+swiglu":
+    if name in ("gmm_scatter+swiglu", "gmm_scatter+swiglu_oai"):
         x = torch.randn(8, 2 * x.shape[1], requires_grad=True)
+    if name == "gmm_scatter+swiglu_oai":
+        return (x, b, *rest, "swiglu_oai", None, None, *CLAMP)
     return (x, b, *rest, name.split("+")[1])
 
 
-WITH_ACTIVATION = ("gmm_scatter+gelu", "gmm_scatter+swiglu", "activation_backward+swiglu")
+WITH_ACTIVATION = (
+    "gmm_scatter+gelu",
+    "gmm_scatter+swiglu",
+    "gmm_scatter+swiglu_oai",
+    "activation_backward+swiglu",
+    "activation_backward+swiglu_oai",
+    "glu+silu_oai",
+)
 
 
 @pytest.mark.parametrize("name", [*(c.name for c in ALL if c.dispatched), *WITH_ACTIVATION])

@@ -11,7 +11,7 @@ import torch
 
 from megablocks_core import contracts, docgen, library, ops
 from megablocks_core.entries import ENTRIES
-from megablocks_core.schema import BoolArg, ChoiceArg, IntArg, TensorArg
+from megablocks_core.schema import BoolArg, ChoiceArg, FloatArg, IntArg, TensorArg
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +64,9 @@ def test_public_signatures_match_the_contracts():
                 isinstance(a, IntArg) and (a.optional or a.default is not None)
             ):
                 assert default == a.default, (contract.name, a.name)
-            elif isinstance(a, ChoiceArg) or (isinstance(a, TensorArg) and a.serve is not None):
+            elif isinstance(a, ChoiceArg | FloatArg) or (
+                isinstance(a, TensorArg) and a.serve is not None
+            ):
                 assert default is None, (contract.name, a.name)
             else:
                 assert default is inspect.Parameter.empty, (contract.name, a.name)

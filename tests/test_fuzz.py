@@ -30,9 +30,10 @@ from hypothesis import strategies as st
 
 import megablocks_core
 from megablocks_core import ContractError, ContractTypeError, ops
+from megablocks_core.activations import CLAMPED
 from megablocks_core.contracts import BY_NAME
 from megablocks_core.plugin import call_op
-from megablocks_core.schema import BoolArg, ChoiceArg, IntArg, TensorArg
+from megablocks_core.schema import BoolArg, ChoiceArg, FloatArg, IntArg, TensorArg
 
 settings.register_profile(
     "megablocks-fuzz",
@@ -935,9 +936,12 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "activation": "silu",
             "rows": r.T * r.K,
             "bias": None,
+            "alpha": None,
+            "limit": None,
         }
-    if op == "glu":
-        return {"x": torch.ones(r.T * r.K, 6, dtype=dtype), "activation": "silu"}
+    if op == "glu":  # GPT-OSS's unit with constants of its own
+        x = torch.ones(r.T * r.K, 6, dtype=dtype)
+        return {"x": x, "activation": "silu_oai", "alpha": 1.5, "limit": 6.0}
     if op.startswith("moe_"):  # Megatron-Core's vocabulary: a top-k id map and its row map
         ids = tensor(r.top, torch.int32).reshape(r.T, r.K)
         n = r.T * r.K
@@ -1097,6 +1101,16 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
                 ContractError,
                 lambda a, n=name, bad=unknown: a.__setitem__(n, bad),
             )
+        if isinstance(spec, FloatArg):
+            yield f"{name} as a str", ContractTypeError, lambda a, n=name: a.__setitem__(n, "1.5")
+            yield f"{name} as a bool", ContractTypeError, lambda a, n=name: a.__setitem__(n, True)
+            yield f"{name} as nan", ContractError, lambda a, n=name: a.__setitem__(n, float("nan"))
+            if args[spec.of] not in CLAMPED:
+                yield (
+                    f"{name} with {args[spec.of]!r}, which takes no constants",
+                    ContractError,
+                    lambda a, n=name: a.__setitem__(n, 1.0),
+                )
 
     def put(name: str, value: Callable[[dict[str, Any]], Any]) -> Mutation:
         return lambda a: a.__setitem__(name, value(a))

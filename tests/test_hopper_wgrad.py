@@ -89,7 +89,6 @@ class Sm90(CudaDriver):
         return 0
 
 driver.set_active(Sm90())
-from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megablocks_triton import hopper_wgrad as H
 
@@ -97,10 +96,8 @@ dtype = getattr(torch, sys.argv[1])
 accumulate = sys.argv[2] == "1"
 a, g = torch.zeros(512, 208, dtype=dtype), torch.zeros(512, 304, dtype=dtype)
 out = torch.zeros(3, 208, 304, dtype=dtype)
-kind = H._DTYPES[dtype]
-layout = gl.NVMMASharedLayout.get_default_for
-descs = [
-    TensorDescriptor.from_tensor(t, block, layout(block, kind))
+descs = [  # with the launch's own (cached) layouts
+    TensorDescriptor.from_tensor(t, block, H.shared_layout(tuple(block), dtype))
     for t, block in ((a, [H.BLOCK_K, H.BLOCK_M]), (g, [H.BLOCK_K, H.BLOCK_N]), (out, [1, H.BLOCK_M, H.BLOCK_N]))
 ]
 compiled = H._wgrad_kernel.warmup(

@@ -391,7 +391,7 @@ def test_only_trailing_options_may_be_missing_from_a_kernel(plugins):
         " devices=('cpu',))]",
     )
     reason = broken_reason(plugins, body)
-    assert "cannot take the 11 arguments" in reason and "activation" in reason, reason
+    assert "cannot take the 13 arguments" in reason and "activation" in reason, reason
 
 
 def test_a_glu_kernel_must_take_its_activation(plugins):
@@ -401,23 +401,28 @@ def test_a_glu_kernel_must_take_its_activation(plugins):
         "megablocks_activation_kernels", "[Kernel(op='glu', fn=lambda x: x, devices=('cpu',))]"
     )
     reason = broken_reason(plugins, body)
-    assert "cannot take the 2 arguments" in reason and "activation" in reason, reason
+    assert "cannot take the 4 arguments" in reason and "activation" in reason, reason
+
+
+def _old_plugin(plugins, hook: str, kernel: str, source: str):
+    """The module of plugin "old", loaded with the one kernel ``kernel`` (source text) of
+    ``hook``, defined in ``source``."""
+    plugins.add("old", kernels_body(hook, f"[{kernel}]", source))
+    record = plugins.reload().plugins["old"]
+    assert record.status == "ok", record.reason
+    return plugins.module("old")
 
 
 def test_a_kernel_written_before_an_option_existed_still_serves_the_op(plugins):
     """A kernel function without gmm_scatter's trailing ``activation`` loads, and the core gives
-    it act(x) in place of x when an activation is asked for (the option's composition)."""
-    plugins.add(
-        "old",
-        kernels_body(
-            "megablocks_grouped_gemm_kernels",
-            "[Kernel(op='gmm_scatter', fn=gmm_scatter, devices=('cpu',))]",
-            OLD_GMM_SCATTER,
-        ),
+    it act(x) in place of x when an activation is asked for (the option's composition), with
+    the clamped SwiGLU's constants."""
+    module = _old_plugin(
+        plugins,
+        "megablocks_grouped_gemm_kernels",
+        "Kernel(op='gmm_scatter', fn=gmm_scatter, devices=('cpu',))",
+        OLD_GMM_SCATTER,
     )
-    record = plugins.reload().plugins["old"]
-    assert record.status == "ok", record.reason
-    module = plugins.module("old")
     x, indices, bin_ids, bins, weights = routing_inputs(tokens=5, experts=3, top_k=2, hidden=4)
     rows = torch.randn(10, 4, generator=torch.Generator().manual_seed(3))
     b = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(4))
@@ -429,6 +434,45 @@ def test_a_kernel_written_before_an_option_existed_still_serves_the_op(plugins):
         assert torch.equal(given, want_rows), activation
         want = reference.gmm_scatter(want_rows, b, indices, bin_ids, weights, bins, 2, False)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # The clamped SwiGLU is applied (through the dispatched glu) with the call's constants.
+    gate_up = torch.randn(10, 8, generator=torch.Generator().manual_seed(5)) * 4
+    with mb.use_backend(gmm_scatter="old"):
+        ops.gmm_scatter(gate_up, b, indices, bin_ids, weights, bins, 2, False, "swiglu_oai",
+                        None, None, 1.25, 1.5)  # fmt: skip
+    torch.testing.assert_close(module.SEEN.pop(), reference.glu(gate_up, "silu_oai", 1.25, 1.5))
+
+
+OLD_GLU = """
+CALLS = []
+
+
+def glu(x, activation):
+    # Written before glu had the clamped SwiGLU's constants: it computes GPT-OSS's 1.702 and 7.0.
+    CALLS.append(activation)
+    return _reference.glu(x, activation)
+"""
+
+
+def test_a_kernel_without_a_choices_parameters_declines_calls_that_set_them(plugins):
+    """A glu kernel that takes the activation but not alpha and limit serves the calls that
+    leave them at GPT-OSS's defaults; a call that sets one goes to the next kernel (the
+    reference), and forced onto it, fails naming the parameter, rather than computing with the
+    defaults."""
+    calls = _old_plugin(
+        plugins,
+        "megablocks_activation_kernels",
+        "Kernel(op='glu', fn=glu, devices=('cpu',), tier=Tier.VENDOR)",
+        OLD_GLU,
+    ).CALLS
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 4
+    torch.testing.assert_close(ops.glu(x, "silu_oai"), reference.glu(x, "silu_oai"))
+    assert calls == ["silu_oai"]
+    got = ops.glu(x, "silu_oai", 1.25, 1.5)
+    assert calls == ["silu_oai"]  # declined: the reference computed it
+    torch.testing.assert_close(got, reference.glu(x, "silu_oai", 1.25, 1.5))
+    assert not torch.allclose(got, reference.glu(x, "silu_oai"))
+    with mb.use_backend("old"), pytest.raises(NoKernelError, match="takes no 'limit'"):
+        ops.glu(x, "silu_oai", limit=1.5)
 
 
 OLD_GATHER = """

@@ -282,6 +282,55 @@ def _plain_experts_class() -> type[torch.nn.Module]:
     return PlainExperts
 
 
+def _gpt_oss_with_constants(dtype: torch.dtype, alpha: float, limit: float) -> torch.nn.Module:
+    """GPT-OSS's experts built from a config with its own swiglu_alpha and swiglu_limit."""
+    model = transformers.AutoModelForCausalLM.from_config(
+        _configs()["gpt_oss"](num_hidden_layers=1, swiglu_alpha=alpha, swiglu_limit=limit)
+    )
+    (experts,) = _experts_of(model)
+    experts = experts.to(dtype)
+    assert (experts.alpha, experts.limit) == (alpha, limit)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=dtype))
+    return experts
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("reference", torch.float64), ("triton", torch.float32)]
+)
+@pytest.mark.parametrize(("alpha", "limit"), [(1.3, 2.5), (2.0, 1.0)])
+def test_gpt_oss_with_its_own_alpha_and_limit_matches_eager(
+    backend: str, dtype: torch.dtype, alpha: float, limit: float
+) -> None:
+    """The clamped SwiGLU's constants come from the model's config (swiglu_alpha,
+    swiglu_limit), with the clamps active: values and every gradient equal transformers' eager
+    experts."""
+    if backend == "triton" and not _triton_runnable():
+        pytest.skip(f"Triton kernels on {TRITON_DEVICE} cannot run here")
+    experts = _gpt_oss_with_constants(dtype, alpha, limit)
+    layout = hf.layout_of(experts)
+    assert (layout.alpha, layout.limit) == (alpha, limit)
+    args = _routing(experts, tokens=9, top_k=2, dtype=dtype)
+    with torch.no_grad():  # the clamps cut: some first-GEMM outputs lie past the limit
+        x, ids, _ = args
+        gate_up = torch.einsum("th,thf->tf", x, experts.gate_up_proj[ids[:, 0]])
+        assert (gate_up.abs() > limit).float().mean() > 0.1
+    experts, args = _on_device(experts, args, backend)
+    want = _run(experts, "eager", *args)
+    with megablocks_core.use_backend(backend):
+        got = _run(experts, hf.IMPLEMENTATION, *args)
+    _close(got, want, 1e-12 if dtype == torch.float64 else TOLERANCES[dtype])
+    # and they matter: the defaults give another result
+    default = _gpt_oss_with_constants(dtype, 1.702, 7.0)
+    default.load_state_dict(experts.state_dict())
+    default, _ = _on_device(default, (), backend)
+    with megablocks_core.use_backend(backend):
+        other = _run(default, hf.IMPLEMENTATION, *args)
+    assert not torch.allclose(other[0], want[0], rtol=1e-3, atol=1e-3)
+
+
 def test_experts_without_a_gate_with_biases_stored_in_out() -> None:
     torch.manual_seed(0)
     config = transformers.PretrainedConfig()
@@ -456,11 +505,12 @@ def test_unsupported_layouts_are_errors_naming_what() -> None:
     experts.act_fn = torch.nn.Tanh()
     with pytest.raises(hf.UnsupportedExpertsError, match="activation Tanh"):
         experts(*args)
-    experts = _experts("gpt_oss", torch.float64)
-    experts.config._experts_implementation = hf.IMPLEMENTATION
-    experts.limit = 5.0
-    with pytest.raises(hf.UnsupportedExpertsError, match=r"limit=5\.0"):
-        experts(*_routing(experts, tokens=4, top_k=2, dtype=torch.float64))
+    for alpha, limit in ((1.702, 0.0), (float("nan"), 7.0), (None, 7.0), (1.702, "7")):
+        experts = _experts("gpt_oss", torch.float64)
+        experts.config._experts_implementation = hf.IMPLEMENTATION
+        experts.alpha, experts.limit = alpha, limit
+        with pytest.raises(hf.UnsupportedExpertsError, match=f"limit={limit!r}"):
+            experts(*_routing(experts, tokens=4, top_k=2, dtype=torch.float64))
 
 
 def test_import_megablocks_core_does_not_import_transformers() -> None:

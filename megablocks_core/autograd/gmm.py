@@ -3,6 +3,7 @@ gradient) and of the gated activation."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,10 +44,41 @@ def _weight_grad_by_bins(
     return _weight_grad(call, bound, "b", x, grad, _counts_from_bins(bound["bins"], x.shape[0]))
 
 
+#: The last :func:`_counts_from_bins` result: (bins, weakly; its version; rows; counts). One
+#: step's backward asks for the same bins' counts for each fused op and bias (the routing is
+#: shared), a dozen small tensor ops each time.
+_LAST_COUNTS: tuple[weakref.ref[torch.Tensor], int, int, torch.Tensor] | None = None
+
+
 def _counts_from_bins(bins: torch.Tensor, rows: int) -> torch.Tensor:
-    """Group sizes (int32, each <= rows) from cumulative bins as the fused ops read them."""
+    """Group sizes (int32, each <= rows) from cumulative bins as the fused ops read them.
+
+    Remembered for the last bins tensor while it is alive and unchanged (its version counter: an
+    in-place write makes it count again), except while tracing or capturing a CUDA graph, when
+    the ops that compute the counts must be recorded, not skipped."""
+    global _LAST_COUNTS
+    recording = _recording(bins)
+    last = _LAST_COUNTS
+    if (
+        not recording
+        and last is not None
+        and last[0]() is bins
+        and last[1] == bins._version
+        and last[2] == rows
+    ):
+        return last[3]
     ends = bias_ops.group_ends(bins, rows)  # int64: sums of int32 bins cannot wrap
-    return torch.diff(ends, prepend=ends.new_zeros(1)).int()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).int()
+    if not recording:
+        _LAST_COUNTS = (weakref.ref(bins), bins._version, rows, counts)
+    return counts
+
+
+def _recording(bins: torch.Tensor) -> bool:
+    """Whether torch.compile traces, or a CUDA graph is being captured on bins' device."""
+    if torch.compiler.is_compiling():
+        return True
+    return bins.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _gather_gmm(
@@ -101,6 +133,7 @@ def _gmm_scatter(
     routing = (a["indices"], a["bin_ids"])
     trans_b, top_k, weights, bins = a["trans_b"], a["top_k"], a["weights"], a["bins"]
     activation, first = a["activation"], a["rows"]
+    constants = (a["alpha"], a["limit"])  # the clamped SwiGLU's (None for others)
     # x holds the first `first` sorted rows (all when None): so do the per-row tensors below.
     row_routing = _first_rows(routing, first)
     # With an activation whose input needs a gradient, one activation_backward pass gives that
@@ -110,7 +143,7 @@ def _gmm_scatter(
     # The GEMM's input rows: x, or act(x) recomputed (transient) from the kept pre-activation.
     x_in = a["x"]
     if activation is not None and not one_pass and (needs["weights"] or needs["b"]):
-        x_in = activate_with(call, x_in, activation)
+        x_in = activate_with(call, x_in, activation, *constants)
     if needs["x"] or needs["weights"]:
         # grad[t] @ b[e].T for each sorted row: act(x)'s gradient before weighting, and (dotted
         # with act(x)) the weights' gradient, so the forward's (rows, n) product need not be kept.
@@ -118,7 +151,9 @@ def _gmm_scatter(
         if one_pass:
             scale = None if weights is None else _row_scales(weights, row_routing[0])
             # act(x), the weight gradient's operand, is written over rows_grad (its last use).
-            out["x"], dots = call("activation_backward", rows_grad, a["x"], scale, activation)
+            out["x"], dots = call(
+                "activation_backward", rows_grad, a["x"], scale, activation, *constants
+            )
             x_in = rows_grad
         else:
             identity = _identity(row_routing[0])
@@ -129,33 +164,50 @@ def _gmm_scatter(
                     scale = _row_scales(weights, row_routing[0])
                     rows_grad = _scale_rows(call, rows_grad, scale, row_routing, bins, identity)
                 if activation is not None:
-                    rows_grad = activate_backward(rows_grad, a["x"], activation)
+                    rows_grad = activate_backward(rows_grad, a["x"], activation, *constants)
                 out["x"] = rows_grad
         if needs["weights"]:
+            if a["bias"] is not None:  # bias is kept only for this (its own gradient needs none)
+                dots = _with_bias_dots(call, dots, grad, a["bias"], routing, bins, top_k, first)
             n = a["indices"].shape[0]
             out["weights"] = _by_flat_id(dots, row_routing[0], n).to(weights.dtype)
-    # bias is kept only for the weights' gradient (its own needs none of its values).
-    bias_in_weights = needs["weights"] and a["bias"] is not None
-    if needs["bias"] or bias_in_weights:
-        grad_bias, bias_dots = bias_ops.scatter_bias_grads(a, grad, needs["bias"], bias_in_weights)
-        if grad_bias is not None:
-            out["bias"] = grad_bias
-        weights_grad = out.get("weights")
-        if bias_dots is not None and weights_grad is not None:
-            out["weights"] = (weights_grad + bias_dots).to(weights.dtype)
-    if needs["b"]:  # the weighted rows of grad, gathered again (transient), then the GEMM
+    if needs["b"] or needs["bias"]:
+        # The weighted rows of grad, gathered again (transient): the GEMM's operand for b, and
+        # per expert summed, bias's gradient.
         rows = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
-        if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
+        if needs["bias"]:
+            out["bias"] = bias_ops.group_sums(call, rows, _counts_from_bins(bins, rows.shape[0]))
+        if needs["b"] and trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
             out["b"] = _weight_grad_by_bins(call, a, rows, x_in)
-        else:
+        elif needs["b"]:
             out["b"] = _weight_grad_by_bins(call, a, x_in, rows)
     return out
 
 
+def _with_bias_dots(
+    call: Call,
+    dots: torch.Tensor,
+    grad: torch.Tensor,
+    bias: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor],
+    bins: torch.Tensor,
+    top_k: int,
+    first: int | None,
+) -> torch.Tensor:
+    """``dots[i] + <grad[t], bias[e]>`` for each sorted row i of token t and expert e: the
+    bias's share of its weight's gradient, one grouped GEMV of the token rows by bias[e] (a
+    gather_gmm with bias as (experts, n, 1) matrices; rows of no expert get 0), summed in
+    float32 and rounded once."""
+    bias_dots = call("gather_gmm", grad, bias.unsqueeze(-1), *routing, bins, top_k, False, first)
+    wide = torch.promote_types(dots.dtype, torch.float32)
+    return (dots.to(wide) + bias_dots[:, 0].to(wide)).to(dots.dtype)
+
+
 def _glu(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[str, bool]) -> Grads:
+    unit = (a["activation"], a["alpha"], a["limit"])
     if torch.is_grad_enabled():  # recorded (double backward): the differentiable definition
-        return {"x": glu_backward(grad, a["x"], a["activation"])}
-    return {"x": call("glu_backward", grad, a["x"], a["activation"])}
+        return {"x": glu_backward(grad, a["x"], *unit)}
+    return {"x": call("glu_backward", grad, a["x"], *unit)}
 
 
 def _gmm_weight_grad(

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from ..activations import GLU_NAMES, ROW_NAMES
 from ..schema import FLOAT_DTYPES, ChoiceArg, OpContract, Output, Rule, TensorArg
-from .grouped_gemm import ACTIVATED_WIDTH, GATED_EVEN, GELU_NAMES_DOC, ROW_ACTIVATION_DOC
+from .grouped_gemm import (
+    ACTIVATED_WIDTH,
+    CLAMP_CONSTANTS,
+    CLAMP_RULES,
+    GATED_EVEN,
+    GELU_NAMES_DOC,
+    ROW_ACTIVATION_DOC,
+)
 
 # ---------------------------------------------------------------------------
 # Activation: the gated unit between a gated expert's two GEMMs.
@@ -22,8 +29,9 @@ GLU_ACTIVATION = ChoiceArg(
     "activation",
     "the gate's activation: 'gelu', 'gelu_tanh' or 'gelu_erf' (GEGLU), 'silu' (SwiGLU) or "
     "'relu' (megablocks_core.activations; " + GELU_NAMES_DOC + "); 'silu_oai': GPT-OSS's "
-    "clamped unit (up + 1) * g * sigmoid(1.702 g) with g = min(gate, 7) and up clamped to "
-    "[-7, 7]; any of them with the suffix '_interleaved': gate and up interleaved (gate in even "
+    "clamped unit (up + 1) * g * sigmoid(alpha g) with g = min(gate, limit) and up clamped to "
+    "[-limit, limit] (alpha and limit: the arguments, GPT-OSS's 1.702 and 7.0 when None); any "
+    "of them with the suffix '_interleaved': gate and up interleaved (gate in even "
     "columns, up in odd) instead of side by side; None: none (a bilinear unit)",
     GLU_NAMES,
 )
@@ -38,8 +46,8 @@ GLU = OpContract(
     name="glu",
     family="activation",
     summary="Gated linear unit of gated experts: act(gate) * up of each row's two halves.",
-    args=(GATE_UP, GLU_ACTIVATION),
-    rules=(EVEN_WIDTH,),
+    args=(GATE_UP, GLU_ACTIVATION, *CLAMP_CONSTANTS),
+    rules=(EVEN_WIDTH, *CLAMP_RULES),
     outputs=(Output("out", "x.dtype", ("x.shape[0]", "x.shape[1] // 2")),),
     differentiable=("x",),
     semantics=(
@@ -62,10 +70,12 @@ GLU_BACKWARD = OpContract(
         TensorArg("grad", FLOAT_DTYPES, (2,), "gradient of glu's output, (rows, n)"),
         GATE_UP,
         GLU_ACTIVATION,
+        *CLAMP_CONSTANTS,
     ),
     rules=(
         Rule("x.dtype == grad.dtype", "grad and x have the same dtype", error=TypeError),
         EVEN_WIDTH,
+        *CLAMP_RULES,
         Rule(
             "grad.shape[0] == x.shape[0] and 2 * grad.shape[1] == x.shape[1]",
             "grad has glu's output shape",
@@ -106,10 +116,12 @@ ACTIVATION_BACKWARD = OpContract(
             optional=True,
         ),
         ChoiceArg("activation", ROW_ACTIVATION_DOC + "; None: the identity", ROW_NAMES),
+        *CLAMP_CONSTANTS,
     ),
     rules=(
         Rule("x.dtype == grad.dtype", "grad and x have the same dtype", error=TypeError),
         GATED_EVEN,
+        *CLAMP_RULES,
         Rule(
             f"grad.shape[0] == x.shape[0] and grad.shape[1] == {ACTIVATED_WIDTH}",
             "grad has act(x)'s shape",

@@ -7,13 +7,14 @@ from __future__ import annotations
 from torch import Tensor
 
 from .. import bias as bias_ops
-from ..activations import GATED, ROW_NAMES, activate_with
+from ..activations import CLAMPED, GATED, ROW_NAMES, activate_with
 from ..calls import call
 from ..schema import (
     COUNT_DTYPES,
     FLOAT_DTYPES,
     BoolArg,
     ChoiceArg,
+    FloatArg,
     OpContract,
     Output,
     Rule,
@@ -85,8 +86,8 @@ GMM_BAD_SIZES = (
     "are 0"
 )
 
-# The per-expert bias (an option left to the core: it adds it around a kernel that does not take
-# it, which today is every plugin's, megablocks_core.bias).
+# The per-expert bias: an option a kernel may leave to the core, which adds it around a kernel
+# that does not take it (megablocks_core.bias); the Triton kernels add it in their epilogue.
 BIAS_DOC = (
     "per-expert bias added to each expert's output rows, (experts, n) in x's dtype; None: none"
 )
@@ -262,10 +263,12 @@ EXPERT_MATRICES = TensorArg(
 TRANS_B = BoolArg("trans_b", "b holds (n, k) matrices", default=False)
 
 
-def _activate_rows(x: Tensor, name: str) -> Tensor:
+def _activate_rows(
+    x: Tensor, name: str, alpha: float | None = None, limit: float | None = None
+) -> Tensor:
     """gmm_scatter's activation for a kernel that does not apply it itself (a gated one through
     the dispatched glu op, run by name: the contracts import no entries)."""
-    return activate_with(call, x, name)
+    return activate_with(call, x, name, alpha, limit)
 
 
 GELU_NAMES_DOC = (
@@ -276,7 +279,8 @@ ROW_ACTIVATION_DOC = (
     "'gelu', 'gelu_tanh', 'gelu_erf', 'silu' or 'relu'; or gated, on rows that hold gate and up "
     "side by side, (rows, 2n) -> (rows, n) as glu: 'geglu' (= 'geglu_tanh'), 'geglu_erf', "
     "'swiglu', 'reglu' (act(gate) * up with that GELU, SiLU, ReLU), 'bilinear' (gate * up) or "
-    "'swiglu_oai' (GPT-OSS's clamped SwiGLU, glu's 'silu_oai'); each gated one but 'bilinear' "
+    "'swiglu_oai' (GPT-OSS's clamped SwiGLU, glu's 'silu_oai', with the constants alpha and "
+    "limit); each gated one but 'bilinear' "
     "also with the suffix '_interleaved' for rows holding gate and up interleaved (gate in even "
     "columns, up in odd), whose gradient is interleaved too (megablocks_core.activations; "
     + GELU_NAMES_DOC
@@ -290,6 +294,32 @@ ACTIVATION = ChoiceArg(
     apply=_activate_rows,
 )
 GATED_NAMES = repr(tuple(GATED))
+CLAMPED_NAMES = repr(CLAMPED)
+#: The clamped SwiGLU's constants, parameters of the activation (trailing options: a kernel that
+#: takes the activation but not them declines the calls that set them).
+CLAMP_CONSTANTS = (
+    FloatArg(
+        "alpha",
+        "the clamped SwiGLU's alpha, sigmoid(alpha g) (transformers' GptOssConfig.swiglu_alpha); "
+        "None: GPT-OSS's 1.702. Only with " + CLAMPED_NAMES,
+        of="activation",
+    ),
+    FloatArg(
+        "limit",
+        "the clamped SwiGLU's limit: the gate is clamped from above at limit, up to "
+        "[-limit, limit] (GptOssConfig.swiglu_limit; inf: no clamp); None: GPT-OSS's 7.0. "
+        "Only with " + CLAMPED_NAMES,
+        of="activation",
+    ),
+)
+CLAMP_RULES = (
+    Rule(
+        f"(alpha is None and limit is None) or activation in {CLAMPED_NAMES}",
+        "alpha and limit are constants of the clamped SwiGLU only",
+    ),
+    Rule("alpha is None or isfinite(alpha)", "alpha is finite"),
+    Rule("limit is None or limit > 0", "limit is positive (inf: no clamp)"),
+)
 # x's width as the GEMM sees it: a gated activation halves it.
 ACTIVATED_WIDTH = f"(x.shape[1] // 2 if activation in {GATED_NAMES} else x.shape[1])"
 GATED_EVEN = Rule(
@@ -401,12 +431,14 @@ GMM_SCATTER = OpContract(
             optional=True,
             serve=bias_ops.serve_gmm_scatter,
         ),
+        *CLAMP_CONSTANTS,
     ),
     rules=(
         SAME_DTYPE_B,
         ONE_MATRIX_PER_BIN,
         *bias_rules("x"),
         GATED_EVEN,
+        *CLAMP_RULES,
         Rule(
             f"{ACTIVATED_WIDTH} == (b.shape[2] if trans_b else b.shape[1])",
             "inner dimensions agree (a gated activation halves x's width)",

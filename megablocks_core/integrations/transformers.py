@@ -13,7 +13,8 @@ weights in their own layout (no conversion, so checkpoints, weight init and tens
 plans stay transformers'): every layout the ``@use_experts_implementation`` flags describe,
 [gate | up] or interleaved (``is_concatenated``), (out, in) or (in, out) (``is_transposed``),
 with per-expert biases (``has_bias``: the ops' ``bias``) or without, gated or not, with SiLU,
-ReLU, the exact or tanh GELU, or GPT-OSS's clamped SwiGLU. The activation is applied inside ``gmm_scatter`` and recomputed in backward, so
+ReLU, the exact or tanh GELU, or GPT-OSS's clamped SwiGLU with the module's own ``alpha`` and
+``limit`` (``GptOssConfig.swiglu_alpha`` and ``swiglu_limit``). The activation is applied inside ``gmm_scatter`` and recomputed in backward, so
 a step keeps only the first GEMM's output. Nothing reads a count on the host: a step is as
 sync-free (and CUDA-graph capturable) as the backends that serve the ops.
 
@@ -24,6 +25,7 @@ computing something else.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ..activations import GATED, INTERLEAVED, SWIGLU_OAI, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from ..activations import GATED, INTERLEAVED, SWIGLU_OAI, clamp_constants
 
 __all__ = [
     "IMPLEMENTATION",
@@ -80,6 +82,10 @@ class ExpertsLayout:
     """The first GEMM's bias attribute (``has_bias=True``), else None."""
     second_bias: str | None = None
     """The second GEMM's bias attribute (``down_proj_bias``), else None."""
+    alpha: float | None = None
+    """GPT-OSS's clamped SwiGLU: the module's ``alpha``, else None."""
+    limit: float | None = None
+    """GPT-OSS's clamped SwiGLU: the module's ``limit``, else None."""
 
 
 def _unsupported(module: torch.nn.Module, what: str) -> UnsupportedExpertsError:
@@ -112,26 +118,35 @@ def _is_gpt_oss_gate(module: torch.nn.Module) -> bool:
     return _gate_function(module) is GptOssExperts._apply_gate
 
 
-def _gate_unit(module: torch.nn.Module) -> str:
-    """The glu name (side by side) of a gated module's gate: act(gate) * up for transformers'
-    default gate, GPT-OSS's clamped SwiGLU for its own."""
+def _clamp_constants(module: torch.nn.Module) -> tuple[float, float]:
+    """GPT-OSS's module's ``alpha`` and ``limit`` as floats (the ones its gate computes with)."""
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    problem = "alpha and limit must be real numbers"
+    if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in (alpha, limit)):
+        try:
+            return clamp_constants(SWIGLU_OAI, float(alpha), float(limit))  # type: ignore[arg-type]
+        except ValueError as exc:
+            problem = str(exc)
+    raise _unsupported(
+        module, f"a clamped SwiGLU with alpha={alpha!r} and limit={limit!r}: {problem}"
+    )
+
+
+def _gate_unit(module: torch.nn.Module) -> tuple[str, float | None, float | None]:
+    """The glu name (side by side) of a gated module's gate and its constants: act(gate) * up
+    for transformers' default gate (no constants), GPT-OSS's clamped SwiGLU with the module's
+    alpha and limit for its own."""
     from transformers.integrations import moe
 
     if _gate_function(module) is moe._default_apply_gate:
-        return _activation_name(module)
+        return _activation_name(module), None, None
     if _is_gpt_oss_gate(module):
-        alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
-        if (alpha, limit) != (SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT):
-            raise _unsupported(
-                module,
-                f"a clamped SwiGLU with alpha={alpha} and limit={limit} (supported: GPT-OSS's "
-                f"alpha={SWIGLU_OAI_ALPHA}, limit={SWIGLU_OAI_LIMIT})",
-            )
+        alpha, limit = _clamp_constants(module)
         if getattr(module, "is_concatenated", True):
             raise _unsupported(
                 module, "GPT-OSS's gate reads interleaved columns, yet is_concatenated=True"
             )
-        return SWIGLU_OAI
+        return SWIGLU_OAI, alpha, limit
     raise _unsupported(module, f"its own gate function ({type(module).__name__}._apply_gate)")
 
 
@@ -145,8 +160,9 @@ def layout_of(module: torch.nn.Module) -> ExpertsLayout:
             module, "a post-expert norm (has_post_expert_norm=True) is not supported"
         )
     gated = getattr(module, "has_gate", True)
+    alpha = limit = None
     if gated:
-        unit = _gate_unit(module)
+        unit, alpha, limit = _gate_unit(module)
         if not getattr(module, "is_concatenated", True):
             unit += INTERLEAVED
         activation = _GATED_BY_UNIT[unit]
@@ -160,6 +176,8 @@ def layout_of(module: torch.nn.Module) -> ExpertsLayout:
         activation=activation,
         first_bias=first + "_bias" if biased else None,
         second_bias="down_proj_bias" if biased else None,
+        alpha=alpha,
+        limit=limit,
     )
 
 
@@ -190,7 +208,7 @@ def experts_forward(
     h = ops.gather_gmm(x, first, indices, bin_ids, bins, top_k, trans_b, None, first_bias)
     out = ops.gmm_scatter(
         h, second, indices, bin_ids, weights, bins, top_k, trans_b, layout.activation, None,
-        second_bias,
+        second_bias, layout.alpha, layout.limit,
     )  # fmt: skip
     return out.to(hidden_states.dtype)
 

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from .. import formats
-from ..activations import GATED, ROW_NAMES
-from ..activations import NAMES as ACTIVATION_NAMES
+from ..activations import CLAMPED, GATED, GLU_NAMES, ROW_NAMES
 from ..contracts import BY_NAME
 from .scenario_sets import DEVICE_SIZED as DEVICE_SIZED
 from .scenario_sets import FULL as FULL
@@ -33,14 +32,40 @@ from .scenario_tensors import routing as routing
 BLOCK_COLUMNS = 2
 
 
+def _in_turn(first: tuple[str | None, ...], names: tuple[str, ...]) -> tuple[str | None, ...]:
+    """``first``, then the rest of ``names``: the order in which seeds take them."""
+    return (*first, *(n for n in names if n not in first))
+
+
+#: glu's names in turn by seed: the quick scenarios (seeds 0-4) take the bilinear unit, both
+#: layouts of the clamped SwiGLU and the commonest gates.
+_GLU_ORDER = _in_turn((None, "silu_oai_interleaved", "silu", "silu_oai", "gelu_erf"), GLU_NAMES)
+#: gmm_scatter's names in turn by seed, activation_backward's ``_BACKWARD_SHIFT`` ahead: the
+#: quick scenarios give each op plain and gated ones, the clamped SwiGLU among them.
+_ROW_ORDER = _in_turn(
+    (None, "gelu", "swiglu_oai_interleaved", "gelu_erf", "silu", "relu", "geglu", "swiglu_oai",
+     "geglu_erf"),
+    ROW_NAMES,
+)  # fmt: skip
+
+
 def _activation(r: Routing) -> str | None:
-    return (None, *ACTIVATION_NAMES)[r.scenario.seed % (len(ACTIVATION_NAMES) + 1)]
+    return _GLU_ORDER[r.scenario.seed % len(_GLU_ORDER)]
 
 
 def _row_activation(r: Routing, shift: int = 0) -> str | None:
     """gmm_scatter's and activation_backward's activation, gated ones included, in turn by seed
     (``shift`` apart, so that the few quick scenarios give each op plain and gated ones)."""
-    return (None, *ROW_NAMES)[(r.scenario.seed + shift) % (len(ROW_NAMES) + 1)]
+    return _ROW_ORDER[(r.scenario.seed + shift) % len(_ROW_ORDER)]
+
+
+def _clamp(r: Routing, name: str | None) -> tuple[float | None, float | None]:
+    """The clamped SwiGLU's (alpha, limit) for an activation that takes them: constants other
+    than GPT-OSS's, with a limit that the samples' values cross (every fourth seed: None, the
+    defaults); (None, None) for every other activation."""
+    if name not in CLAMPED or r.scenario.seed % 4 == 3:
+        return None, None
+    return 1.25, 1.5
 
 
 def _row_input(r: Routing, plain: torch.Tensor, shift: int = 0) -> torch.Tensor:
@@ -60,7 +85,7 @@ def _bias(r: Routing, width: int) -> torch.Tensor | None:
     return bias.to(device=r.x.device, dtype=s.dtype)
 
 
-#: activation_backward's activations run this far ahead of gmm_scatter's (half of the names).
+#: activation_backward's activations run this far ahead of gmm_scatter's in :data:`_ROW_ORDER`.
 _BACKWARD_SHIFT = 4
 
 
@@ -284,6 +309,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         _row_activation(r),
         r.row_count,
         _bias(r, r.scenario.hidden),
+        *_clamp(r, _row_activation(r)),
     ),
     "quantize": _quantize_sample,
     "scaled_gmm": lambda r: (
@@ -319,9 +345,9 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         _format(r),
         _out_dtype(r),
     ),
-    # The gated unit, its activation (or none) taken in turn by seed as gmm_scatter's.
-    "glu": lambda r: (r.gate_up, _activation(r)),
-    "glu_backward": lambda r: (r.gmm_grad, r.gate_up, _activation(r)),
+    # The gated unit, its activation (or none) taken in turn by seed.
+    "glu": lambda r: (r.gate_up, _activation(r), *_clamp(r, _activation(r))),
+    "glu_backward": lambda r: (r.gmm_grad, r.gate_up, _activation(r), *_clamp(r, _activation(r))),
     # An expert MLP's activation in backward: the gate half of gate_up as the pre-activation rows
     # (a strided view) or all of it for a gated activation, the rows' top-k weights as scale.
     "activation_backward": lambda r: (
@@ -329,6 +355,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         _row_input(r, r.gate_up[:, : r.scenario.ffn_size], _BACKWARD_SHIFT),
         r.weights,
         _row_activation(r, _BACKWARD_SHIFT),
+        *_clamp(r, _row_activation(r, _BACKWARD_SHIFT)),
     ),
 }
 

@@ -21,7 +21,7 @@ from ..dispatch import describe_call, explain, explain_call
 from ..entries import ENTRIES
 from ..formats import FP8_DTYPES
 from ..policy import Policy, use_backend
-from ..schema import BoolArg, ChoiceArg, IntArg, OpContract, TensorArg
+from ..schema import BoolArg, ChoiceArg, FloatArg, IntArg, OpContract, TensorArg
 from .comparison import Mismatch, call_on_copies, check_meta, compare, compare_calls
 
 REFERENCE = "reference"
@@ -236,6 +236,8 @@ def bad_inputs(
             yield spec.name, "an int", swap(int(value)), TypeError
         elif isinstance(spec, ChoiceArg):
             yield spec.name, "an unknown name", swap("no such name"), ValueError
+        elif isinstance(spec, FloatArg) and value is not None:
+            yield spec.name, "a str", swap(str(value)), TypeError
 
 
 def _check_bad_inputs(backend: str, contract: OpContract, args: tuple[Any, ...]) -> None:

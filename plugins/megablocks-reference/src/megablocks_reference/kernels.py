@@ -428,15 +428,28 @@ def gmm_scatter(
     return ops.scatter(_gmm_by_bins(x, b, bins, trans_b), indices, bin_ids, weights, bins, top_k)
 
 
-def glu(x: Tensor, activation: str | None) -> Tensor:
-    return glu_definition(x, activation)
+def glu(
+    x: Tensor, activation: str | None, alpha: float | None = None, limit: float | None = None
+) -> Tensor:
+    return glu_definition(x, activation, alpha, limit)
 
 
-def glu_backward(grad: Tensor, x: Tensor, activation: str | None) -> Tensor:
-    return glu_backward_definition(grad, x, activation)
+def glu_backward(
+    grad: Tensor,
+    x: Tensor,
+    activation: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
+) -> Tensor:
+    return glu_backward_definition(grad, x, activation, alpha, limit)
 
 
 def activation_backward(
-    grad: Tensor, x: Tensor, scale: Tensor | None, activation: str | None
+    grad: Tensor,
+    x: Tensor,
+    scale: Tensor | None,
+    activation: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    return activation_backward_definition(grad, x, scale, activation)
+    return activation_backward_definition(grad, x, scale, activation, alpha, limit)

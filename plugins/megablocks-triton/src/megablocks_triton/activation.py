@@ -17,13 +17,15 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from megablocks_core.plugin import GATED_ACTIVATIONS, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+from megablocks_core.plugin import GATED_ACTIVATIONS, clamp_constants
 
 from .config import launch_configs
 from .launch import BoundLaunch, bind, cdiv, next_power_of_2, remember
 
 #: The ``ACTIVATION`` constexpr of the kernels, by the contract's name.
-#: 5: GPT-OSS's clamped SwiGLU unit (glu's "silu_oai"), which also transforms up.
+#: 5: GPT-OSS's clamped SwiGLU unit (glu's "silu_oai"), which also transforms up; its constants
+#: ``alpha`` and ``limit`` are runtime arguments of every kernel here (any value, one compiled
+#: kernel; the other units ignore them).
 _CODES = {None: 0, "gelu": 1, "gelu_tanh": 1, "silu": 2, "relu": 3, "gelu_erf": 4, "silu_oai": 5}
 _INTERLEAVED = "_interleaved"
 # Globals a jit function reads must be constexprs.
@@ -31,8 +33,6 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_CUBIC = tl.constexpr(0.044715)
 _SQRT_HALF = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
-_OAI_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
-_OAI_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
 
 
 def _unit(name: str | None) -> tuple[int, bool]:
@@ -43,7 +43,7 @@ def _unit(name: str | None) -> tuple[int, bool]:
 
 
 @triton.jit
-def _activate(gate, ACTIVATION: tl.constexpr):
+def _activate(gate, alpha, limit, ACTIVATION: tl.constexpr):
     if ACTIVATION == 1:  # GELU, tanh approximation: 0.5 g (1 + tanh(z)) = g sigmoid(2z)
         inner = _SQRT_2_OVER_PI * (gate + _GELU_CUBIC * gate * gate * gate)
         return gate / (1.0 + tl.exp(-2.0 * inner))
@@ -54,14 +54,14 @@ def _activate(gate, ACTIVATION: tl.constexpr):
     elif ACTIVATION == 4:  # GELU, exact: g Phi(g)
         return 0.5 * gate * (1.0 + tl.math.erf(gate * _SQRT_HALF))
     elif ACTIVATION == 5:  # GPT-OSS: g sigmoid(alpha g) of g = min(gate, limit)
-        clamped = tl.minimum(gate, _OAI_LIMIT)
-        return clamped / (1.0 + tl.exp(-_OAI_ALPHA * clamped))
+        clamped = tl.minimum(gate, limit)
+        return clamped / (1.0 + tl.exp(-alpha * clamped))
     else:
         return gate
 
 
 @triton.jit
-def _derivative(gate, ACTIVATION: tl.constexpr):
+def _derivative(gate, alpha, limit, ACTIVATION: tl.constexpr):
     """d act(gate) / d gate (torch's formulas: ReLU's is 0 at 0), written without the
     cancellation of 1 + tanh(z) where tanh(z) is near -1."""
     if ACTIVATION == 1:
@@ -79,27 +79,27 @@ def _derivative(gate, ACTIVATION: tl.constexpr):
         cdf = 0.5 * (1.0 + tl.math.erf(gate * _SQRT_HALF))
         return cdf + gate * _INV_SQRT_2PI * tl.exp(-0.5 * gate * gate)
     elif ACTIVATION == 5:  # the clamp passes the gradient where gate <= limit (as torch.clamp)
-        clamped = tl.minimum(gate, _OAI_LIMIT)
-        s = 1.0 / (1.0 + tl.exp(-_OAI_ALPHA * clamped))
-        return tl.where(gate <= _OAI_LIMIT, s + _OAI_ALPHA * clamped * s * (1.0 - s), 0.0)
+        clamped = tl.minimum(gate, limit)
+        s = 1.0 / (1.0 + tl.exp(-alpha * clamped))
+        return tl.where(gate <= limit, s + alpha * clamped * s * (1.0 - s), 0.0)
     else:
         return tl.full(gate.shape, 1.0, tl.float32)
 
 
 @triton.jit
-def _up(up, ACTIVATION: tl.constexpr):
+def _up(up, limit, ACTIVATION: tl.constexpr):
     """The up projection as the unit multiplies it: GPT-OSS's clamp(up, -limit, limit) + 1."""
     if ACTIVATION == 5:
-        return tl.minimum(tl.maximum(up, -_OAI_LIMIT), _OAI_LIMIT) + 1.0
+        return tl.minimum(tl.maximum(up, -limit), limit) + 1.0
     else:
         return up
 
 
 @triton.jit
-def _up_slope(up, ACTIVATION: tl.constexpr):
+def _up_slope(up, limit, ACTIVATION: tl.constexpr):
     """d _up(up) / d up."""
     if ACTIVATION == 5:
-        return tl.where((up >= -_OAI_LIMIT) & (up <= _OAI_LIMIT), 1.0, 0.0)
+        return tl.where((up >= -limit) & (up <= limit), 1.0, 0.0)
     else:
         return tl.full(up.shape, 1.0, tl.float32)
 
@@ -156,13 +156,15 @@ def _glu_kernel(
     out_ptr,
     rows,
     n,
+    alpha,
+    limit,
     ACTIVATION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERLEAVED: tl.constexpr = False,
 ):
     gate, up, at, _, _, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C, INTERLEAVED)
-    out = _activate(gate, ACTIVATION) * _up(up, ACTIVATION)
+    out = _activate(gate, alpha, limit, ACTIVATION) * _up(up, limit, ACTIVATION)
     tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -173,6 +175,8 @@ def _glu_backward_kernel(
     out_ptr,
     rows,
     n,
+    alpha,
+    limit,
     ACTIVATION: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -180,8 +184,8 @@ def _glu_backward_kernel(
 ):
     gate, up, at, row_start, c, mask = _halves(x_ptr, rows, n, BLOCK_R, BLOCK_C, INTERLEAVED)
     grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    grad_gate = grad * _up(up, ACTIVATION) * _derivative(gate, ACTIVATION)
-    grad_up = grad * _activate(gate, ACTIVATION) * _up_slope(up, ACTIVATION)
+    grad_gate = grad * _up(up, limit, ACTIVATION) * _derivative(gate, alpha, limit, ACTIVATION)
+    grad_up = grad * _activate(gate, alpha, limit, ACTIVATION) * _up_slope(up, limit, ACTIVATION)
     _store_gate_up(out_ptr, row_start, c, n, grad_gate, grad_up, mask, INTERLEAVED)
 
 
@@ -194,6 +198,8 @@ def _activation_backward_kernel(
     dots_ptr,
     rows,
     n,
+    alpha,
+    limit,
     HAS_SCALE: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATED: tl.constexpr,
@@ -221,22 +227,22 @@ def _activation_backward_kernel(
         else:
             x = tl.load(x_ptr + (row_start + c), mask=mask, other=0.0).to(tl.float32)
         grad = tl.load(grad_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        activated = _activate(x, ACTIVATION)
+        activated = _activate(x, alpha, limit, ACTIVATION)
         if GATED:
             if not INTERLEAVED:
                 up = tl.load(x_ptr + (row_start + c + n), mask=mask, other=0.0).to(tl.float32)
-            act = (activated * _up(up, ACTIVATION)).to(dtype)
+            act = (activated * _up(up, limit, ACTIVATION)).to(dtype)
         else:
             act = activated.to(dtype)
         dots += tl.sum(act.to(tl.float32) * grad, axis=1)
         if HAS_SCALE:
             grad = grad * scale
         if GATED:  # glu's backward: the gate's gradient, then up's
-            grad_gate = grad * _up(up, ACTIVATION) * _derivative(x, ACTIVATION)
-            grad_up = grad * activated * _up_slope(up, ACTIVATION)
+            grad_gate = grad * _up(up, limit, ACTIVATION) * _derivative(x, alpha, limit, ACTIVATION)
+            grad_up = grad * activated * _up_slope(up, limit, ACTIVATION)
             _store_gate_up(grad_x_ptr, row_start, c, n, grad_gate, grad_up, mask, INTERLEAVED)
         else:
-            grad_x = (grad * _derivative(x, ACTIVATION)).to(dtype)
+            grad_x = (grad * _derivative(x, alpha, limit, ACTIVATION)).to(dtype)
             tl.store(grad_x_ptr + (row_start + c), grad_x, mask=mask)
         # Every thread has used its grad values (act does not depend on them, and a thread may
         # store elements another thread loaded): the barrier orders those reads before act's
@@ -256,46 +262,71 @@ def _tiles(rows: int, n: int) -> tuple[tuple[int, int], dict[str, int]]:
     return grid, {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": warps}
 
 
-#: (kernel, dtype, rows, n, activation, policy[, scale's dtype]) -> the bound launch (its
-#: compiled kernel is pinned per dtype): a call computes no launch key, most of a small call's
-#: host cost.
+#: (kernel, dtype, rows, n, activation, alpha, limit, policy[, scale's dtype]) -> the bound
+#: launch (its compiled kernel is pinned per dtype): a call computes no launch key, most of a
+#: small call's host cost.
 _PLANS: dict[tuple[Any, ...], BoundLaunch] = {}
 
 
 def _launch(
-    kernel: Any, dtype: torch.dtype, rows: int, n: int, activation: str | None
+    kernel: Any,
+    dtype: torch.dtype,
+    rows: int,
+    n: int,
+    activation: str | None,
+    alpha: float | None,
+    limit: float | None,
 ) -> BoundLaunch:
     configs = launch_configs()
-    key = (kernel, dtype, rows, n, activation, configs)
+    key = (kernel, dtype, rows, n, activation, alpha, limit, configs)
     plan = _PLANS.get(key)
     if plan is None:
         grid, blocks = _tiles(rows, n)
         options = configs.launch_options("permutation")  # bandwidth-bound, like a copy
         code, interleaved = _unit(activation)
         layout = {"INTERLEAVED": True} if interleaved else {}  # the default keeps the old key
-        bound = bind(kernel, grid, rows, n, ACTIVATION=code, **blocks, **layout, **options)
+        constants = clamp_constants(activation, alpha, limit)
+        bound = bind(
+            kernel, grid, rows, n, *constants, ACTIVATION=code, **blocks, **layout, **options
+        )
         plan = remember(_PLANS, key, bound)
     return plan
 
 
-def glu(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+def glu(
+    x: torch.Tensor,
+    activation: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
+) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if out.numel():
-        _launch(_glu_kernel, x.dtype, rows, n, activation)(x, out)
+        _launch(_glu_kernel, x.dtype, rows, n, activation, alpha, limit)(x, out)
     return out
 
 
-def glu_backward(grad: torch.Tensor, x: torch.Tensor, activation: str | None) -> torch.Tensor:
+def glu_backward(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    activation: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
+) -> torch.Tensor:
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty_like(x)
     if out.numel():
-        _launch(_glu_backward_kernel, x.dtype, rows, n, activation)(grad, x, out)
+        _launch(_glu_backward_kernel, x.dtype, rows, n, activation, alpha, limit)(grad, x, out)
     return out
 
 
 def activation_backward(
-    grad: torch.Tensor, x: torch.Tensor, scale: torch.Tensor | None, activation: str | None
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    activation: str | None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = grad.shape
     gated = activation in GATED_ACTIVATIONS
@@ -306,7 +337,10 @@ def activation_backward(
     dots = x.new_empty(rows)  # the kernel writes every row
     configs = launch_configs()
     kernel = _activation_backward_kernel
-    key = (kernel, x.dtype, rows, n, activation, configs, None if scale is None else scale.dtype)
+    key = (
+        kernel, x.dtype, rows, n, activation, alpha, limit, configs,
+        None if scale is None else scale.dtype,
+    )  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         # Whole rows per program, columns in steps of up to 256, 2048 elements per step: the
@@ -321,6 +355,7 @@ def activation_backward(
             (cdiv(rows, block_r),),
             rows,
             n,
+            *clamp_constants(activation, alpha, limit),
             HAS_SCALE=scale is not None,
             ACTIVATION=code,
             GATED=gated,

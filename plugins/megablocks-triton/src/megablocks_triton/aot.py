@@ -203,6 +203,15 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
     yield "gmm", lambda: gmm.gmm(hidden_rows, w1, counts, trans_b=True)
     yield "gather_gmm", lambda: gmm.gather_gmm(x, w1, ids, ids, counts, k)
     yield "gmm_scatter", lambda: gmm.gmm_scatter(hidden_rows, w2, ids, ids, weights, counts, k)
+    # With per-expert biases (GPT-OSS's experts): the epilogue's bias load, its own variant.
+    b1, b2 = _meta(e, f, dtype=dtype), _meta(e, h, dtype=dtype)
+    yield "gather_gmm", lambda: gmm.gather_gmm(x, w1, ids, ids, counts, k, False, None, b1)
+    yield (
+        "gmm_scatter",
+        lambda: gmm.gmm_scatter(
+            hidden_rows, w2, ids, ids, weights, counts, k, False, None, None, b2
+        ),
+    )
     yield "gmm_weight_grad", lambda: gmm.gmm_weight_grad(sorted_rows, hidden_rows, counts)
     yield "gmm_weight_grad", lambda: gmm.gmm_weight_grad(hidden_rows, sorted_rows, counts)
     for grad_dtype in dict.fromkeys((dtype, out_dtype)):  # into .grad, or a float32 main_grad

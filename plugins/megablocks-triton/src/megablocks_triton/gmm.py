@@ -115,15 +115,19 @@ __all__ = [
 # The forward (gmm, gather_gmm, gmm_scatter): one launch of _gmm_kernel, prepared per call shape
 # --------------------------------------------------------------------------------------------
 
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``plan(a, b, sizes, indices, bias)``: the (m, n) output (bias None or (E, n)).
+Forward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
+]
 
 
 class _ForwardPlan:
     """One call shape's ``_gmm_kernel`` launch, prepared once (tile config, grid, scalars and
-    constexprs; the compiled kernel is pinned by :mod:`.launch`): ``plan(a, b, sizes, indices)``
-    allocates the (m, n) output and launches. With a TMA config it takes the descriptor
+    constexprs; the compiled kernel is pinned by :mod:`.launch`): ``plan(a, b, sizes, indices,
+    bias)`` allocates the (m, n) output and launches. With a TMA config it takes the descriptor
     variant when the operands it reads through descriptors are 16-byte aligned, else the plain
-    one (both as the call would have chosen without a plan)."""
+    one (both as the call would have chosen without a plan). A plan made for a bias
+    (``HAS_BIAS``) adds it in the epilogue; one made without passes ``sizes`` in its slot."""
 
     __slots__ = ("config", "plain", "shape", "tma", "tma_reads_a")
 
@@ -142,15 +146,50 @@ class _ForwardPlan:
         self.tma_reads_a = tma_reads_a
 
     def __call__(
-        self, a: torch.Tensor, b: torch.Tensor, sizes: torch.Tensor, indices: torch.Tensor
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        sizes: torch.Tensor,
+        indices: torch.Tensor,
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
         out = a.new_empty(self.shape)
         tma = self.tma
+        biased = sizes if bias is None else bias
         if tma is not None and not (b.data_ptr() | (a.data_ptr() if self.tma_reads_a else 0)) & 15:
-            tma(a, b, out, sizes, indices)
+            tma(a, b, out, sizes, indices, biased)
         else:
-            self.plain(a, b, out, sizes, indices)
+            self.plain(a, b, out, sizes, indices, biased)
         return out
+
+
+@functools.cache
+def _served_bias() -> Callable[..., torch.Tensor]:
+    """The core's own addition of a bias to rows grouped by cumulative ends (gather_gmm's
+    ``serve(arguments by name, out)``): for the products of an empty K, which no launch makes.
+    Looked up once."""
+    serve: Callable[..., torch.Tensor] = getattr(  # noqa: B009 (Arg has no serve)
+        contract("gather_gmm").arg("bias"), "serve"
+    )
+    return serve
+
+
+def _bias_only(
+    shape: tuple[int, int], from_ends: bool
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The plan of an empty K with a bias: each grouped row is its expert's bias, the others 0."""
+
+    def run(
+        a: torch.Tensor,
+        b: torch.Tensor,
+        sizes: torch.Tensor,
+        indices: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        ends = sizes if from_ends else sizes.cumsum(0)
+        return _served_bias()({"bias": bias, "bins": ends}, a.new_zeros(shape))
+
+    return run
 
 
 def _forward_plan(
@@ -163,18 +202,22 @@ def _forward_plan(
     from_ends: bool,
     config: GmmConfig | None,
     zero_tail: bool = True,
+    bias_stride: int | None = None,
 ) -> Forward:
     """The launch of an (m, n) grouped GEMM of a (its token rows, read through the indices, with
     ``gather_top_k``) by b; group sizes are counts, or cumulative ends (``from_ends``). Rows no
-    group covers are zeros, or (not ``zero_tail``) left unwritten."""
+    group covers are zeros, or (not ``zero_tail``) left unwritten. ``bias_stride``: the plan
+    adds a per-expert bias (E, n) whose rows are that many elements apart (None: no bias)."""
     k = a.shape[1]
     num_experts = b.shape[0]
     n = b.shape[1] if trans_b else b.shape[2]
     shape = (m, n)
     if m == 0 or n == 0:
-        return lambda a, b, sizes, indices: a.new_empty(shape)
+        return lambda a, b, sizes, indices, bias: a.new_empty(shape)
     if k == 0:
-        return lambda a, b, sizes, indices: a.new_zeros(shape)
+        if bias_stride is not None:
+            return _bias_only(shape, from_ends)  # type: ignore[return-value]
+        return lambda a, b, sizes, indices, bias: a.new_zeros(shape)
     block_e = _check_experts(num_experts)
     info = device_info(a.device)
     cfg = config or choose_config("gmm", m, n, k, num_experts, a.dtype, info)
@@ -192,6 +235,7 @@ def _forward_plan(
         a.stride(0), a.stride(1),
         b.stride(0), stride_bk, stride_bn,
         n, 1,  # the contiguous (m, n) output's strides
+        bias_stride or 0,
     )  # fmt: skip
     kw = {
         "BLOCK_M": cfg.block_m,
@@ -206,6 +250,7 @@ def _forward_plan(
         "FROM_ENDS": from_ends,
         "FLATTEN": cfg.flatten,
         "ZERO_TAIL": zero_tail,
+        "HAS_BIAS": bias_stride is not None,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **configs.launch_options("gmm"),
@@ -227,10 +272,11 @@ _GMM_SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
 
 
 @functools.cache
-def _activate() -> Callable[[torch.Tensor, str], torch.Tensor]:
+def _activate() -> Callable[..., torch.Tensor]:
     """gmm_scatter's activation of x's rows, as the core applies it for a kernel that does not
-    take one (the dispatched activation ops: a transient copy). Looked up once."""
-    apply: Callable[[torch.Tensor, str], torch.Tensor] = getattr(  # noqa: B009 (Arg has no apply)
+    take one (the dispatched activation ops: a transient copy), ``apply(x, name, alpha, limit)``.
+    Looked up once."""
+    apply: Callable[..., torch.Tensor] = getattr(  # noqa: B009 (Arg has no apply)
         contract("gmm_scatter").arg("activation"), "apply"
     )
     return apply
@@ -246,23 +292,33 @@ def _planned(
     gather_top_k: int | None,
     from_ends: bool,
     config: GmmConfig | None,
+    bias_stride: int | None,
 ) -> Forward:
     """The prepared launch for this call shape (made on first use). The key holds everything
     the launch's scalars, constexprs and compiled kernel depend on: shapes, strides and dtypes
-    of every operand (the sizes' and indices' dtypes too), the device and the policy."""
+    of every operand (the sizes' and indices' dtypes too; a bias has a's), the device and the
+    policy."""
     configs = launch_configs()
     key = (
         a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
         sizes.dtype, indices.dtype, m, trans_b, gather_top_k, from_ends, config, configs,
+        bias_stride,
     )  # fmt: skip
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
-        plan = remember(
-            _FORWARD_PLANS,
-            key,
-            _forward_plan(configs, a, b, trans_b, m, gather_top_k, from_ends, config),
+        made = _forward_plan(
+            configs, a, b, trans_b, m, gather_top_k, from_ends, config, bias_stride=bias_stride
         )
+        plan = remember(_FORWARD_PLANS, key, made)
     return plan
+
+
+def _bias_layout(bias: torch.Tensor | None) -> tuple[torch.Tensor | None, int | None]:
+    """The bias as the kernel reads it (unit column stride) and its row stride (None: none)."""
+    if bias is None:
+        return None, None
+    bias = _unit_last_stride(bias)
+    return bias, bias.stride(0)
 
 
 def gmm(
@@ -270,21 +326,24 @@ def gmm(
     b: torch.Tensor,
     batch_sizes: torch.Tensor,
     trans_b: bool = False,
+    bias: torch.Tensor | None = None,
     *,
     config: GmmConfig | None = None,
 ) -> torch.Tensor:
     """Grouped GEMM: rows ``[off_e, off_e + batch_sizes[e])`` of the result are ``a_e @ b[e]``
-    (``a_e @ b[e].T`` when ``trans_b``). a (M, K); b (E, K, N), or (E, N, K) with trans_b;
-    sum(batch_sizes) == M. Returns (M, N) in a's dtype, fp32 accumulation. No host sync.
+    (``a_e @ b[e].T`` when ``trans_b``), plus ``bias[e]`` when given (added to the fp32
+    accumulator in the epilogue, one rounding). a (M, K); b (E, K, N), or (E, N, K) with
+    trans_b; sum(batch_sizes) == M. Returns (M, N) in a's dtype, fp32 accumulation. No host sync.
 
     Device-side batch_sizes that break the contract (unchecked unless MEGABLOCKS_CHECK=1) are
     made safe in the kernel: negative sizes count as 0, groups are cut at row M, and rows no
     group covers come out 0."""
     a = _unit_last_stride(a)
     b = _unit_last_stride(b)
+    bias, bias_stride = _bias_layout(bias)
     sizes = _device_sizes(batch_sizes, a.device)
-    plan = _planned(a, b, sizes, sizes, trans_b, a.shape[0], None, False, config)
-    return plan(a, b, sizes, sizes)
+    plan = _planned(a, b, sizes, sizes, trans_b, a.shape[0], None, False, config, bias_stride)
+    return plan(a, b, sizes, sizes, bias)
 
 
 def gather_gmm(
@@ -296,20 +355,22 @@ def gather_gmm(
     top_k: int,
     trans_b: bool = False,
     rows: int | None = None,
+    bias: torch.Tensor | None = None,
     *,
     config: GmmConfig | None = None,
 ) -> torch.Tensor:
-    """``gmm(gather(x, indices, ...), b, counts)`` reading each row of A from x in place: sorted
-    row i is ``x[indices[i] // top_k] @ b[e]``, groups from bins (cumulative), for the first
-    ``rows`` sorted rows (all when None). No gathered copy of x is written; ids outside
-    [0, tokens * top_k) give zero rows."""
+    """``gmm(gather(x, indices, ...), b, counts, bias)`` reading each row of A from x in place:
+    sorted row i is ``x[indices[i] // top_k] @ b[e]`` (plus ``bias[e]``, in the epilogue),
+    groups from bins (cumulative), for the first ``rows`` sorted rows (all when None). No
+    gathered copy of x is written; ids outside [0, tokens * top_k) give zero products."""
     x = _unit_last_stride(x)
     b = _unit_last_stride(b)
+    bias, bias_stride = _bias_layout(bias)
     if not bins.is_contiguous():
         bins = bins.contiguous()
     m = indices.shape[0] if rows is None else rows
-    plan = _planned(x, b, bins, indices, trans_b, m, int(top_k), True, config)
-    return plan(x, b, bins, indices)
+    plan = _planned(x, b, bins, indices, trans_b, m, int(top_k), True, config, bias_stride)
+    return plan(x, b, bins, indices, bias)
 
 
 def gmm_scatter(
@@ -323,34 +384,36 @@ def gmm_scatter(
     trans_b: bool = False,
     activation: str | None = None,
     rows: int | None = None,
+    bias: torch.Tensor | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """``scatter(gmm(act(x), b, counts), indices, bin_ids, weights, bins, top_k)``: the GEMM
-    keeps its plain (TMA) stores and the token-major scatter kernel sums each token's rows once
-    (reading its top_k rows, weighting and summing in fp32): no atomics, deterministic. x may
-    hold only the first ``rows`` sorted rows (the GEMM covers those, the scatter reads no
-    other). The activation is the contract's own (applied to x first, a transient copy)."""
+    """``scatter(gmm(act(x), b, counts, bias), indices, bin_ids, weights, bins, top_k)``: the
+    GEMM keeps its plain (TMA) stores, adding the bias in its epilogue, and the token-major
+    scatter kernel sums each token's rows once (reading its top_k rows, weighting and summing in
+    fp32): no atomics, deterministic. x may hold only the first ``rows`` sorted rows (the GEMM
+    covers those, the scatter reads no other). The activation is the contract's own (applied to
+    x first, a transient copy, with the clamped SwiGLU's ``alpha`` and ``limit``)."""
     if activation is not None:
-        x = _activate()(x, activation)
+        x = _activate()(x, activation, alpha, limit)
     x = _unit_last_stride(x)
     b = _unit_last_stride(b)
+    bias, bias_stride = _bias_layout(bias)
     if not bins.is_contiguous():
         bins = bins.contiguous()
     configs = launch_configs()
     key = (
         x.shape, x.stride(), x.dtype, x.device, b.shape, b.stride(), b.dtype,
         indices.shape, indices.dtype, bins.shape, bins.dtype,
-        None if weights is None else weights.dtype, top_k, trans_b, configs,
+        None if weights is None else weights.dtype, top_k, trans_b, configs, bias_stride,
     )  # fmt: skip
     plan = _GMM_SCATTER_PLANS.get(key)
     if plan is None:
-        plan = remember(
-            _GMM_SCATTER_PLANS,
-            key,
-            _gmm_scatter_plan(
-                configs, x, b, indices, bins, weights is not None, int(top_k), trans_b
-            ),
+        made = _gmm_scatter_plan(
+            configs, x, b, indices, bins, weights is not None, int(top_k), trans_b, bias_stride
         )
-    return plan(x, b, indices, weights, bins)
+        plan = remember(_GMM_SCATTER_PLANS, key, made)
+    return plan(x, b, indices, weights, bins, bias)
 
 
 def _gmm_scatter_plan(
@@ -362,6 +425,7 @@ def _gmm_scatter_plan(
     has_weights: bool,
     top_k: int,
     trans_b: bool,
+    bias_stride: int | None,
 ) -> Callable[..., torch.Tensor]:
     """gmm_scatter's two prepared steps: the grouped GEMM into expert-sorted rows, then the plain
     scatter of those rows (its plan taken once, for the rows' shape and dtype). Sorted rows past
@@ -369,7 +433,9 @@ def _gmm_scatter_plan(
     GEMM nor read by the scatter: their products are 0 by the contract."""
     from .permutation import _scatter_plan
 
-    gemm = _forward_plan(configs, x, b, trans_b, x.shape[0], None, True, None, zero_tail=False)
+    gemm = _forward_plan(
+        configs, x, b, trans_b, x.shape[0], None, True, None, False, bias_stride=bias_stride
+    )
     n = b.shape[1] if trans_b else b.shape[2]
     rows = torch.empty((x.shape[0], n), dtype=x.dtype, device="meta")
     reduce = _scatter_plan(
@@ -382,7 +448,8 @@ def _gmm_scatter_plan(
         indices: torch.Tensor,
         weights: torch.Tensor | None,
         bins: torch.Tensor,
+        bias: torch.Tensor | None,
     ) -> torch.Tensor:
-        return reduce(gemm(x, b, bins, bins), indices, weights, bins)
+        return reduce(gemm(x, b, bins, bins, bias), indices, weights, bins)
 
     return run

@@ -30,6 +30,7 @@ compile it for sm_90.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -231,6 +232,14 @@ def _wgrad_kernel(a_desc, g_desc, out_desc, sizes_ptr, num_experts, rows, tiles_
     # fmt: on
 
 
+@functools.cache
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> Any:
+    """The NVMMA shared-memory layout of a TMA block of ``dtype``: a pure function of the block
+    shape and dtype, built once (Gluon builds it in Python, tens of µs of host time, three per
+    launch)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _DTYPES[dtype])
+
+
 def serves_dtypes(a: torch.dtype, grad: torch.dtype, out: torch.dtype) -> bool:
     """Whether this kernel takes these dtypes: 16-bit ``a`` and ``grad`` of one dtype, a 16-bit
     gradient. The caller checks the device (sm_90) and the layouts (TMA)."""
@@ -251,20 +260,16 @@ def launch(
     the int32 per-expert row counts on the device (:func:`serves_dtypes` holds, and every
     tensor suits TMA)."""
     num_experts, k, n = out.shape
+    # The descriptors hold the tensors (their addresses, shapes and strides): made per call.
     a_desc = TensorDescriptor.from_tensor(
-        a,
-        [BLOCK_K, BLOCK_M],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], _DTYPES[a.dtype]),
+        a, [BLOCK_K, BLOCK_M], shared_layout((BLOCK_K, BLOCK_M), a.dtype)
     )
     g_desc = TensorDescriptor.from_tensor(
-        grad,
-        [BLOCK_K, BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], _DTYPES[a.dtype]),
+        grad, [BLOCK_K, BLOCK_N], shared_layout((BLOCK_K, BLOCK_N), a.dtype)
     )
     out_desc = TensorDescriptor.from_tensor(
-        out, [1, BLOCK_M, BLOCK_N],
-        gl.NVMMASharedLayout.get_default_for([1, BLOCK_M, BLOCK_N], _DTYPES[out.dtype]),
-    )  # fmt: skip
+        out, [1, BLOCK_M, BLOCK_N], shared_layout((1, BLOCK_M, BLOCK_N), out.dtype)
+    )
     tiles_m, tiles_n = -(-k // BLOCK_M), -(-n // BLOCK_N)
     grid = (max(1, min(num_sms, num_experts * tiles_m * tiles_n)),)
     launch_kernel(

@@ -149,22 +149,25 @@ def _group_sizes(sizes_ptr, E, M, BLOCK_E: tl.constexpr, FROM_ENDS: tl.constexpr
 
 @triton.jit
 def _gmm_kernel(
-    a_ptr, b_ptr, c_ptr, sizes_ptr, idx_ptr,
+    a_ptr, b_ptr, c_ptr, sizes_ptr, idx_ptr, bias_ptr,
     M, N, K, E, top_k, num_ids,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
-    stride_cm, stride_cn,
+    stride_cm, stride_cn, stride_bias,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, IEEE_FP32: tl.constexpr, USE_TMA: tl.constexpr, TRANS_B: tl.constexpr,
     GATHER: tl.constexpr = False, FROM_ENDS: tl.constexpr = False, FLATTEN: tl.constexpr = False,
-    ZERO_TAIL: tl.constexpr = True,
+    ZERO_TAIL: tl.constexpr = True, HAS_BIAS: tl.constexpr = False,
 ):  # fmt: skip
     # USE_TMA: a_ptr is a (M, K) TensorDescriptor and b_ptr a 3-D one over b's storage
     # ((E, K, N), or (E, N, K) when TRANS_B); the strides are then unused.
     # GATHER (gather_gmm): a_ptr is the token rows x and A's row i is x[idx[i] // top_k] (ids in
     # [0, num_ids): M may be fewer rows, the first of them); with USE_TMA only b goes through a
     # descriptor. FROM_ENDS: sizes_ptr holds bins (cumulative).
+    # HAS_BIAS: bias_ptr is the per-expert bias (E, N), rows stride_bias apart, unit column
+    # stride: the epilogue adds bias[e] to the float32 accumulator of expert e's rows before the
+    # one rounding (rows of no group get none). Otherwise bias_ptr is unused.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # runtime, so the grid size never forces a recompile
     # Per-expert sizes and tile-count prefix, built once per program (device side: no host sync).
@@ -212,6 +215,9 @@ def _gmm_kernel(
                 BLOCK_K, EVEN_K, IEEE_FP32,
             )  # fmt: skip
 
+        if HAS_BIAS:
+            bias_row = bias_ptr + e.to(tl.int64) * stride_bias
+            acc += tl.load(bias_row + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         out_rows = (row_start + rows).to(tl.int64)
         c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
         c_mask = (rows < size_e)[:, None] & (cols < N)[None, :]
