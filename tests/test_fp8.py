@@ -523,3 +523,34 @@ def test_a_small_dmoe_trains_in_fp8_as_in_bf16(reference_backend):
     assert losses["bf16"] < 0.3 * first  # it learned
     for name in FORMATS:
         assert abs(losses[name] - losses["bf16"]) < 0.03 * losses["bf16"], losses
+
+
+@pytest.mark.skipif(not _TRITON_RUNNABLE, reason="the triton kernels cannot run here")
+def test_scaled_gmm_scatter_plans_its_scatter_per_weights_dtype():
+    """A scatter launch pinned for one weights dtype must never read another's: on a GPU the
+    first call's compiled kernel is reused for every call of its plan (the H200 read bfloat16
+    and float64 weights as float32 through a plan keyed without their dtype)."""
+    from megablocks_triton import scaled
+
+    device = _device("triton")
+    _, indices, bin_ids, counts, bins = _routing(6, 3, 2, 9)
+    gen = torch.Generator().manual_seed(12)
+    qh, sh = formats.quantize(torch.randn(12, 32, generator=gen), (1, 0), formats.E4M3FN, False)
+    qw, sw = formats.quantize(
+        torch.randn(3, 16, 32, generator=gen), (1, 1, 0), formats.E4M3FN, False
+    )
+    weights = torch.rand(12, generator=gen)
+    on = lambda t: t.to(device)  # noqa: E731
+    args = [on(t) for t in (qh, sh, qw, sw, indices, bin_ids)]
+    scaled._SCATTER_PLANS.clear()
+    results = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        with use_backend("triton"):
+            results.append(
+                ops.scaled_gmm_scatter(
+                    *args, on(weights.to(dtype)), on(bins), 2, True, None, "fp8_rowwise", "float32"
+                )
+            )
+    assert len(scaled._SCATTER_PLANS) == 3
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(results[2], results[0], rtol=1e-2, atol=1e-2)

@@ -99,18 +99,11 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                     # FP8 (the scaled GEMMs): 128-deep K steps, one scale block of the blockwise
                     # formats. The float32 sum promoted every K step holds a second accumulator:
                     # 128x256 tiles spilled on sm_90a (`megablocks backends compile`), 128x128
-                    # do not; 4 stages = 128 KiB smem. Flattened: rowwise up/down at qwen3 on
-                    # the H200 729/567 vs 719/488 TFLOP/s (blockwise does not flatten:
-                    # megablocks_triton.scaled). docs/performance.md.
+                    # do not; 4 stages = 128 KiB smem. Not flattened: the flattened loops measured
+                    # faster in one sweep (docs/performance.md) but have not passed the kit's
+                    # full set on the H200.
                     ("gmm", "fp8"): GmmConfig(
-                        128,
-                        128,
-                        128,
-                        group_m=8,
-                        num_warps=8,
-                        num_stages=4,
-                        use_tma=True,
-                        flatten=True,
+                        128, 128, 128, group_m=8, num_warps=8, num_stages=4, use_tma=True
                     ),
                     # Weight gradients (reduced over each expert's ~1K tokens at qwen3/dsv3) with
                     # 4 stages: H200, the layer's two weights, 0.79/0.86 -> 0.67/0.75 ms (qwen3),

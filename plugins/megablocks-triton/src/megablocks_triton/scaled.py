@@ -320,6 +320,17 @@ def _out_dtype(name: str | None) -> torch.dtype:
     return dtype
 
 
+def _k_major(
+    b: torch.Tensor, b_scale: torch.Tensor, trans_b: bool
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """b stored (experts, n, k), its reduced dim contiguous, on a GPU: FP8 matrix instructions
+    read B K-major (the FP8 recipes quantize their weights that way; other callers pay a copy,
+    never a different code path). The interpreter takes either layout."""
+    if trans_b or b.device.type == "cpu":
+        return b, b_scale, trans_b
+    return b.transpose(1, 2).contiguous(), b_scale.transpose(1, 2), True
+
+
 def _contiguous_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale if scale.is_contiguous() else scale.contiguous()
 
@@ -335,6 +346,7 @@ def scaled_gmm(
     out_dtype: str | None,
 ) -> torch.Tensor:
     sizes = _device_sizes(batch_sizes, a.device)
+    b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
     a_scale, b_scale = _contiguous_scale(a_scale), _contiguous_scale(b_scale)
     plan = _planned(
         a, a_scale, b, b_scale, trans_b, a.shape[0], None, False, format,
@@ -357,6 +369,7 @@ def scaled_gather_gmm(
     format: str,
     out_dtype: str | None,
 ) -> torch.Tensor:
+    b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
     x_scale, b_scale = _contiguous_scale(x_scale), _contiguous_scale(b_scale)
     m = indices.shape[0] if rows is None else rows
     plan = _planned(
@@ -383,6 +396,7 @@ def scaled_gmm_scatter(
 ) -> torch.Tensor:
     from .permutation import _scatter_plan
 
+    b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
     x_scale, b_scale = _contiguous_scale(x_scale), _contiguous_scale(b_scale)
     dtype = _out_dtype(out_dtype)
     gemm = _planned(
@@ -391,9 +405,11 @@ def scaled_gmm_scatter(
     )  # fmt: skip
     products = gemm(x, b, bins, bins, x_scale, b_scale)
     configs = launch_configs()
+    # Everything the pinned scatter launch depends on: shapes and dtypes of every operand (a
+    # launch compiled for float32 weights must never read bfloat16 ones), device and policy.
     key = (
-        products.shape, dtype, indices.numel(), bins.numel(), int(top_k), weights is not None,
-        configs,
+        products.shape, dtype, products.device, indices.shape, indices.dtype, bins.shape,
+        bins.dtype, None if weights is None else weights.dtype, int(top_k), configs,
     )  # fmt: skip
     reduce = _SCATTER_PLANS.get(key)
     if reduce is None:
