@@ -53,11 +53,18 @@ def specialize(launch: RecordedLaunch, lim: ArchLimits) -> tuple[dict, dict, dic
     return signature, constexprs, attrs, dict(options.__dict__)
 
 
+def _float_dtypes(launch: RecordedLaunch) -> list[torch.dtype]:
+    """The float dtypes of a launch's tensor arguments, in order (a TMA descriptor's tensor
+    too: an FP8 GEMM's operands may come as descriptors)."""
+    tensors = [getattr(a, "base", a) for a in launch.args]
+    return [t.dtype for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
 def _describe(launch: RecordedLaunch) -> str:
     """A short name for a launch variant: the first tensor's dtype, the tile and warp counts."""
     kw = launch.kwargs
-    dtype = next((str(a.dtype).removeprefix("torch.") for a in launch.args
-                  if isinstance(a, torch.Tensor) and a.is_floating_point()), "")  # fmt: skip
+    floats = _float_dtypes(launch)
+    dtype = str(floats[0]).removeprefix("torch.") if floats else ""
     tiles = "x".join(str(kw[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if k in kw)
     parts = [dtype, tiles, f"w{kw.get('num_warps', 4)}"]
     if "num_stages" in kw:
@@ -299,7 +306,7 @@ _SPILL_CLASSES = {
 
 def _spill_key(launch: RecordedLaunch) -> tuple[str, str]:
     kind = _SPILL_CLASSES.get(launch.kernel.fn.__name__, "")
-    floats = [a.dtype for a in launch.args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    floats = _float_dtypes(launch)
     dtype = dtype_class(floats[0]) if floats else ""
     return kind, dtype
 
