@@ -516,3 +516,35 @@ def test_unsupported_layouts_are_errors_naming_what() -> None:
 def test_import_megablocks_core_does_not_import_transformers() -> None:
     code = "import sys, megablocks_core.ops; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_use_fp8_runs_the_experts_gemms_quantized(family: str, monkeypatch) -> None:
+    """use_fp8(model): the Experts modules' GEMMs go through the scaled ops (output and every
+    gradient within FP8's error of the full-precision ones); None turns it off again."""
+    import megablocks_core.fp8 as fp8_module
+
+    experts = _experts(family, torch.float32)
+    args = _routing(experts, 24, 2, torch.float32)
+    with megablocks_core.use_backend("reference"):
+        want = _run(experts, hf.IMPLEMENTATION, *args)
+        assert hf.use_fp8(experts, "fp8_blockwise") == 1
+        seen: list[str] = []
+        real = fp8_module.call
+
+        def spy(op: str, *a: Any) -> Any:
+            seen.append(op)
+            return real(op, *a)
+
+        monkeypatch.setattr(fp8_module, "call", spy)
+        got = _run(experts, hf.IMPLEMENTATION, *args)
+        assert "scaled_gather_gmm" in seen and "scaled_gmm_scatter" in seen
+        for g, w in zip(got, want, strict=True):
+            rel = float((g - w).norm() / w.norm())
+            assert rel < 0.15, rel  # FP8's ~4e-2 a GEMM, two GEMMs deep
+        seen.clear()
+        assert hf.use_fp8(experts, None) == 1
+        _close(_run(experts, hf.IMPLEMENTATION, *args), want, 1e-6)
+        assert not any(op.startswith("scaled_") for op in seen)
+    with pytest.raises(TypeError, match="recipe"):
+        hf.use_fp8(experts, 8)  # type: ignore[arg-type]

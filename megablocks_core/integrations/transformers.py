@@ -18,6 +18,9 @@ ReLU, the exact or tanh GELU, or GPT-OSS's clamped SwiGLU with the module's own 
 a step keeps only the first GEMM's output. Nothing reads a count on the host: a step is as
 sync-free (and CUDA-graph capturable) as the backends that serve the ops.
 
+``use_fp8(model)`` runs the experts' GEMMs in FP8 (:mod:`megablocks_core.fp8`), the weights
+quantized per call from the model's own.
+
 A module this cannot serve exactly (an activation with no fused equivalent, a custom gate, a
 post-expert norm) raises :class:`UnsupportedExpertsError` naming what is unsupported, instead of
 computing something else.
@@ -25,6 +28,7 @@ computing something else.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 from typing import Any, cast
@@ -32,7 +36,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from .. import ops
+from .. import fp8, ops
 from ..activations import GATED, INTERLEAVED, SWIGLU_OAI, clamp_constants
 
 __all__ = [
@@ -42,7 +46,11 @@ __all__ = [
     "experts_modules",
     "fuse_grad_accumulation",
     "register",
+    "use_fp8",
 ]
+
+#: The attribute of an Experts module that holds its FP8 recipe (set by :func:`use_fp8`).
+_FP8_ATTRIBUTE = "_megablocks_fp8_recipe"
 
 #: The name to pass as ``experts_implementation=``.
 IMPLEMENTATION = "megablocks"
@@ -205,8 +213,13 @@ def experts_forward(
     first_bias = _bias(self, layout.first_bias)
     second_bias = _bias(self, layout.second_bias)
     trans_b = layout.trans_b
-    h = ops.gather_gmm(x, first, indices, bin_ids, bins, top_k, trans_b, None, first_bias)
-    out = ops.gmm_scatter(
+    recipe = getattr(self, _FP8_ATTRIBUTE, None)
+    gather_gmm, gmm_scatter = ops.gather_gmm, ops.gmm_scatter
+    if recipe is not None:  # use_fp8: the same ops with their GEMMs quantized
+        gather_gmm = functools.partial(fp8.gather_gmm, recipe=recipe)
+        gmm_scatter = functools.partial(fp8.gmm_scatter, recipe=recipe)
+    h = gather_gmm(x, first, indices, bin_ids, bins, top_k, trans_b, None, first_bias)
+    out = gmm_scatter(
         h, second, indices, bin_ids, weights, bins, top_k, trans_b, layout.activation, None,
         second_bias, layout.alpha, layout.limit,
     )  # fmt: skip
@@ -243,6 +256,19 @@ def fuse_grad_accumulation(model: torch.nn.Module, enabled: bool = True) -> int:
     served = _served(model)
     for module, layout in served:
         fuse(getattr(module, layout.first), cast(Tensor, module.down_proj), enabled=enabled)
+    return len(served)
+
+
+def use_fp8(model: torch.nn.Module, recipe: fp8.Recipe | str | None = "fp8_rowwise") -> int:
+    """Run the expert GEMMs of every Experts module of ``model`` that ``"megablocks"`` serves in
+    FP8 (:mod:`megablocks_core.fp8`): ``recipe`` a :class:`megablocks_core.fp8.Recipe` or a format
+    name; None turns it off again. The weights stay the model's own (the master copy), quantized
+    per call (``Recipe(cache_weights=True)``: once while unchanged); checkpoints are unaffected.
+    Returns how many modules it set."""
+    resolved = fp8.recipe_of(recipe)
+    served = _served(model)
+    for module, _ in served:
+        setattr(module, _FP8_ATTRIBUTE, resolved)
     return len(served)
 
 
