@@ -259,7 +259,8 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                     for op in ("gmm", "wgrad")
                     for dclass in ("16bit", "fp32")
                 }
-                | {("gmm", "fp8"): GmmConfig(16, 16, 16, group_m=2, num_warps=1, num_stages=1)}
+                # FP8: 32-deep K steps (an FP8 MMA's smallest on Hopper, as the GPUs run them)
+                | {("gmm", "fp8"): GmmConfig(32, 32, 32, group_m=2, num_warps=1, num_stages=1)}
             ),
         ),
     }
