@@ -208,12 +208,14 @@ def quantize(
         amax = blocked.new_zeros([blocked.shape[d] for d in range(0, blocked.dim(), 2)])
     else:
         amax = blocked.abs().amax(dim=inner)
-    scale = torch.clamp_min(amax / encoding.max, MIN_SCALE)
+    # Tensor by tensor: torch divides a CUDA tensor by a Python number as a multiply by its
+    # reciprocal, 1 ulp off the quotient at times (and a tie in the encoding moves with it).
+    scale = torch.clamp_min(amax / torch.full_like(amax, encoding.max), MIN_SCALE)
     if power_of_two:
         scale = round_up_to_power_of_two(scale)
     scale = torch.where(torch.isfinite(scale), scale, torch.full_like(scale, math.nan))
     expanded = scale.reshape([s for d in range(scale.dim()) for s in (scale.shape[d], 1)])
-    scaled = (blocked * (1.0 / expanded)).clamp(-encoding.max, encoding.max)
+    scaled = (blocked * (torch.ones_like(expanded) / expanded)).clamp(-encoding.max, encoding.max)
     if not encoding.negative_zero:
         scaled = torch.where(scaled == 0, torch.zeros_like(scaled), scaled)  # -0 is FNUZ's NaN
     data = _unblocked(scaled, values.shape).to(encoding.dtype).contiguous()

@@ -195,6 +195,23 @@ def test_quantize_matches_the_definition_bit_for_bit(backend, shape, reduce_dim)
                 assert torch.equal(scale.cpu(), want[1])
 
 
+_DEFINITION_DEVICES = ["cpu"] + (["cuda"] if TRITON_DEVICE.type == "cuda" else [])
+
+
+@pytest.mark.parametrize("device", _DEFINITION_DEVICES)
+def test_the_definition_divides_exactly_on_every_device(device):
+    """scale = amax / max correctly rounded (torch multiplies a CUDA tensor by the reciprocal of
+    a Python divisor, which can differ in the last bit) and the same data on every device."""
+    x = torch.randn(512, 256, generator=torch.Generator().manual_seed(3)) * 7
+    for enc in ENCODINGS:
+        data, scale = formats.quantize(x.to(device), (1, 256), enc, False)
+        amax = x.abs().amax(1, keepdim=True)
+        exact = (amax.double() / enc.max).float().clamp_min(formats.MIN_SCALE)
+        assert torch.equal(scale.cpu(), exact)
+        want = formats.quantize(x, (1, 256), enc, False)[0]
+        assert torch.equal(data.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
 def test_power_of_two_scales_cover_the_block():
     x = torch.randn(4, 300) * torch.tensor([1e-3, 1.0, 7.0, 1e4])[:, None]
     for enc in ENCODINGS:
