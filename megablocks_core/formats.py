@@ -157,6 +157,12 @@ def operand_scale_shape(fmt: str, shape: Sequence[int], reduce_dim: int) -> tupl
     return scale_shape(shape, FORMATS[fmt].block(len(shape), reduce_dim))
 
 
+def out_dtype_of(name: str | None) -> torch.dtype:
+    """A scaled op's output dtype, given by name (None: bfloat16)."""
+    dtype: torch.dtype = getattr(torch, name or "bfloat16")
+    return dtype
+
+
 def encoding_of(name: str | None, device: torch.device) -> Encoding:
     """The encoding named, or (None) the one the device's matrix units take."""
     if name is not None:

@@ -68,7 +68,7 @@ from .devices import ARCH_FAMILIES, arch_family, base_arch
 from .devices import describe as describe_device
 from .formats import ENCODINGS as FP8_ENCODINGS
 from .formats import FORMATS as SCALED_FORMATS
-from .formats import FP8_DTYPES, Encoding, Format, encoding_of, native_encoding
+from .formats import FP8_DTYPES, Encoding, Format, encoding_of, native_encoding, out_dtype_of
 from .formats import dequantize as dequantize_definition
 from .formats import quantize as quantize_definition
 from .hookspecs import ENTRY_POINT_GROUP, BackendHooks, hookimpl
@@ -147,5 +147,6 @@ __all__ = [
     "gmm_problem",
     "hookimpl",
     "native_encoding",
+    "out_dtype_of",
     "quantize_definition",
 ]

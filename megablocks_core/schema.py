@@ -465,17 +465,11 @@ def _cumsum_fits(x: torch.Tensor, dim: int) -> bool:
     return not bool(wrapped.any()) and bool(((total >= info.min) & (total <= info.max)).all())
 
 
-def _out_dtype_of(name: str | None) -> torch.dtype:
-    """A scaled op's output dtype by name (None: bfloat16)."""
-    dtype: torch.dtype = getattr(torch, name or "bfloat16")
-    return dtype
-
-
 RULE_HELPERS: Mapping[str, Any] = {
     "torch": torch,
     "operand_scale_shape": formats.operand_scale_shape,
     "encoding_of": formats.encoding_of,
-    "out_dtype_of": _out_dtype_of,
+    "out_dtype_of": formats.out_dtype_of,
     "nondecreasing": _nondecreasing,
     "is_permutation": _is_permutation,
     "in_range": _in_range,

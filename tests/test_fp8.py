@@ -9,6 +9,7 @@ takes one)."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
@@ -33,7 +34,7 @@ TRITON_DEVICE = torch.device(
 )
 _TRITON_RUNNABLE = (
     interpreting() if TRITON_DEVICE.type == "cpu" else torch.cuda.is_available()
-) and __import__("importlib").util.find_spec("triton") is not None
+) and importlib.util.find_spec("triton") is not None
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.skipif(
     not _TRITON_RUNNABLE, reason=f"triton kernels on {TRITON_DEVICE} cannot run here"))]  # fmt: skip
 

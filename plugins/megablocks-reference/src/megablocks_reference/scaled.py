@@ -11,6 +11,7 @@ from megablocks_core.plugin import (
     SCALED_FORMATS,
     dequantize_definition,
     encoding_of,
+    out_dtype_of,
     quantize_definition,
 )
 
@@ -45,7 +46,7 @@ def _sizes_from_bins(bins: Tensor, rows: int) -> Tensor:
 
 
 def _out(values: Tensor, out_dtype: str | None) -> Tensor:
-    return values.to(getattr(torch, out_dtype or "bfloat16"))
+    return values.to(out_dtype_of(out_dtype))
 
 
 def scaled_gmm(

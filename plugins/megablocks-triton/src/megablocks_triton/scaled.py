@@ -28,6 +28,7 @@ from megablocks_core.plugin import (
     DeviceInfo,
     base_arch,
     native_encoding,
+    out_dtype_of,
 )
 
 from .config import LaunchConfigs, launch_configs
@@ -136,13 +137,6 @@ def quantize(
         num_warps=4,
     )  # fmt: skip
     return data, scale
-
-
-def quantize_supports(device: DeviceInfo, call: Any) -> str | None:
-    encoding = call["encoding"]
-    if encoding is not None and encoding not in FP8_ENCODINGS:  # pragma: no cover - validated
-        return f"unknown encoding {encoding!r}"
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,11 +309,6 @@ def _planned(
     return plan
 
 
-def _out_dtype(name: str | None) -> torch.dtype:
-    dtype: torch.dtype = getattr(torch, name or "bfloat16")
-    return dtype
-
-
 def _k_major(
     b: torch.Tensor, b_scale: torch.Tensor, trans_b: bool
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -328,11 +317,7 @@ def _k_major(
     never a different code path). The interpreter takes either layout."""
     if trans_b or b.device.type == "cpu":
         return b, b_scale, trans_b
-    return b.transpose(1, 2).contiguous(), b_scale.transpose(1, 2), True
-
-
-def _contiguous_scale(scale: torch.Tensor) -> torch.Tensor:
-    return scale if scale.is_contiguous() else scale.contiguous()
+    return b.transpose(1, 2).contiguous(), b_scale.transpose(1, 2).contiguous(), True
 
 
 def scaled_gmm(
@@ -347,10 +332,9 @@ def scaled_gmm(
 ) -> torch.Tensor:
     sizes = _device_sizes(batch_sizes, a.device)
     b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
-    a_scale, b_scale = _contiguous_scale(a_scale), _contiguous_scale(b_scale)
     plan = _planned(
         a, a_scale, b, b_scale, trans_b, a.shape[0], None, False, format,
-        _out_dtype(out_dtype), sizes_dtype=sizes.dtype,
+        out_dtype_of(out_dtype), sizes_dtype=sizes.dtype,
     )  # fmt: skip
     return plan(a, b, sizes, sizes, a_scale, b_scale)
 
@@ -370,10 +354,9 @@ def scaled_gather_gmm(
     out_dtype: str | None,
 ) -> torch.Tensor:
     b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
-    x_scale, b_scale = _contiguous_scale(x_scale), _contiguous_scale(b_scale)
     m = indices.shape[0] if rows is None else rows
     plan = _planned(
-        x, x_scale, b, b_scale, trans_b, m, int(top_k), True, format, _out_dtype(out_dtype),
+        x, x_scale, b, b_scale, trans_b, m, int(top_k), True, format, out_dtype_of(out_dtype),
         sizes_dtype=bins.dtype, indices_dtype=indices.dtype,
     )  # fmt: skip
     return plan(x, b, bins, indices, x_scale, b_scale)
@@ -397,8 +380,7 @@ def scaled_gmm_scatter(
     from .permutation import _scatter_plan
 
     b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
-    x_scale, b_scale = _contiguous_scale(x_scale), _contiguous_scale(b_scale)
-    dtype = _out_dtype(out_dtype)
+    dtype = out_dtype_of(out_dtype)
     gemm = _planned(
         x, x_scale, b, b_scale, trans_b, x.shape[0], None, True, format, dtype,
         zero_tail=False, sizes_dtype=bins.dtype,
@@ -437,7 +419,7 @@ def scaled_gmm_supports(device: DeviceInfo, call: Any) -> str | None:
     """The data's encoding must be the one the device's matrix units take (the interpreter
     takes both, but rounds bfloat16 products wrongly on their way into the scatter kernel)."""
     if device.kind == "cpu":
-        if call.get("weights", False) is not False and call.get("out_dtype") in (None, "bfloat16"):
+        if "weights" in call and call.get("out_dtype") in (None, "bfloat16"):
             return "Triton's interpreter truncates the bfloat16 products the scatter sums"
         return None
     native = native_encoding(device)
