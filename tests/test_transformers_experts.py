@@ -513,6 +513,24 @@ def test_unsupported_layouts_are_errors_naming_what() -> None:
             experts(*_routing(experts, tokens=4, top_k=2, dtype=torch.float64))
 
 
+def test_the_layout_is_derived_again_only_when_its_inputs_change(monkeypatch) -> None:
+    experts = _experts("mixtral", torch.float64)
+    args = _routing(experts, tokens=4, top_k=2, dtype=torch.float64)
+    experts.config._experts_implementation = hf.IMPLEMENTATION
+    derived = []
+    layout_of = hf.layout_of
+    monkeypatch.setattr(hf, "layout_of", lambda m: derived.append(m) or layout_of(m))
+    with torch.no_grad():
+        first = experts(*args)
+        assert torch.equal(experts(*args), first) and len(derived) == 1
+        experts.act_fn = torch.nn.ReLU()  # a changed activation is seen, not served stale
+        relu = experts(*args)
+    assert len(derived) == 2 and not torch.equal(relu, first)
+    experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(relu, experts(*args))
+
+
 def test_import_megablocks_core_does_not_import_transformers() -> None:
     code = "import sys, megablocks_core.ops; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from transformers.integrations import moe as hf_moe
 
 from .. import fp8, ops
 from ..activations import GATED, INTERLEAVED, SWIGLU_OAI, clamp_constants
@@ -118,12 +119,15 @@ def _gate_function(module: torch.nn.Module) -> Any:
     return getattr(type(module), "_apply_gate", None)
 
 
+#: Where GPT-OSS's gate is defined. Compared by name, not imported: an import inside the
+#: traced call breaks torch.compile's graph (transformers' packages are lazy modules).
+_GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+
+
 def _is_gpt_oss_gate(module: torch.nn.Module) -> bool:
-    try:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    except ImportError:
-        return False
-    return _gate_function(module) is GptOssExperts._apply_gate
+    gate = _gate_function(module)
+    where = (getattr(gate, "__module__", None), getattr(gate, "__qualname__", None))
+    return where == _GPT_OSS_GATE
 
 
 def _clamp_constants(module: torch.nn.Module) -> tuple[float, float]:
@@ -144,9 +148,7 @@ def _gate_unit(module: torch.nn.Module) -> tuple[str, float | None, float | None
     """The glu name (side by side) of a gated module's gate and its constants: act(gate) * up
     for transformers' default gate (no constants), GPT-OSS's clamped SwiGLU with the module's
     alpha and limit for its own."""
-    from transformers.integrations import moe
-
-    if _gate_function(module) is moe._default_apply_gate:
+    if _gate_function(module) is hf_moe._default_apply_gate:
         return _activation_name(module), None, None
     if _is_gpt_oss_gate(module):
         alpha, limit = _clamp_constants(module)
@@ -189,12 +191,39 @@ def layout_of(module: torch.nn.Module) -> ExpertsLayout:
     )
 
 
+#: The attribute of an Experts module that keeps its layout, with what it was derived from.
+_LAYOUT_ATTRIBUTE = "_megablocks_layout"
+
+#: The module's attributes its layout depends on (besides its class and its act_fn).
+_LAYOUT_INPUTS = (
+    "has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm", "alpha",
+    "limit",
+)  # fmt: skip
+
+
+def _cached_layout(module: torch.nn.Module) -> ExpertsLayout:
+    """:func:`layout_of`, derived again only when what it depends on changed (a cheap check: the
+    derivation costs microseconds of host time a call); nothing is stored while torch.compile
+    traces."""
+    inputs = (
+        type(module), getattr(module, "act_fn", None),
+        *(getattr(module, name, None) for name in _LAYOUT_INPUTS),
+    )  # fmt: skip
+    cached = module.__dict__.get(_LAYOUT_ATTRIBUTE)
+    if cached is not None and cached[0] == inputs:
+        return cast(ExpertsLayout, cached[1])
+    layout = layout_of(module)
+    if not torch.compiler.is_compiling():
+        module.__dict__[_LAYOUT_ATTRIBUTE] = (inputs, layout)
+    return layout
+
+
 def experts_forward(
     self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
 ) -> Tensor:
     """transformers' experts call ``(T, H), (T, K) ids, (T, K) weights -> (T, H)`` through
     ``route``, ``gather_gmm`` and ``gmm_scatter``."""
-    layout = layout_of(self)
+    layout = _cached_layout(self)
     num_experts = cast(int, self.num_experts)
     top_k = top_k_index.shape[-1]
     expert_ids = top_k_index.reshape(-1).to(torch.int32)
@@ -279,9 +308,7 @@ def _bias(module: torch.nn.Module, name: str | None) -> Tensor | None:
 def register(name: str = IMPLEMENTATION) -> None:
     """Registers :func:`experts_forward` in transformers' ``ExpertsInterface`` as ``name``
     (done for ``"megablocks"`` on import of this module)."""
-    from transformers.integrations.moe import ExpertsInterface
-
-    ExpertsInterface.register(name, experts_forward)
+    hf_moe.ExpertsInterface.register(name, experts_forward)
 
 
 register()
