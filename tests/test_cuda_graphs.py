@@ -102,6 +102,15 @@ def _grads(module: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [loss.detach(), x.grad, *(p.grad for p in module.parameters())]
 
 
+def _assert_matches_eager(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Each float32 tensor within 1e-4 of its largest magnitude: inductor fuses the model's own
+    torch ops (router, softmax, clamp) in another order than eager, and a sum that cancels keeps
+    that rounding as it is (seen: 1 element in 288 off by 3e-5 of itself, with torch 2.11)."""
+    for g, w in zip(got, want, strict=True):
+        bound = 1e-4 * float(w.abs().max()) + 1e-6
+        torch.testing.assert_close(g, w, rtol=0, atol=bound)
+
+
 # ---------------------------------------------------------------------------------------------
 # On the CPU: the whole step in one graph, as the compiled recipes need it
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +131,7 @@ def test_reduce_overhead_compiles_the_whole_step_and_matches_eager(name: str) ->
         for _ in range(2):  # a second step reuses the compiled graphs
             torch.compiler.cudagraph_mark_step_begin()
             got = _grads(compiled, x)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    _assert_matches_eager(got, want)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,6 +228,5 @@ def test_reduce_overhead_runs_the_step_in_cuda_graphs(name: str) -> None:
         want = _grads(module, x)
         torch.compiler.cudagraph_mark_step_begin()
         got = _grads(compiled, x)
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        _assert_matches_eager(got, want)
     assert counters["inductor"]["cudagraph_skips"] == 0
