@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_routing import (
+    TRITON_DEVICE,
     moe_utils,
     needs_megatron,
     needs_triton,
+    needs_triton_device,
     on_the_reference,  # noqa: F401 (an autouse fixture)
     top_k_mask,
 )
@@ -187,6 +189,25 @@ def test_permuting_quantized_rows_equals_quantizing_permuted_rows(fmt, encoding)
         dequantize(*q, block), probs, mask, mask.sum(0), 16
     )[0]
     assert torch.equal(dequantize(*got, block), dequantized)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("encoding", ENCODING_NAMES)
+def test_triton_on_its_test_device_moves_fp8_bytes_exactly(encoding):
+    """On a GPU (MEGABLOCKS_TRITON_TEST_DEVICE) too: every byte pattern, NaN words included."""
+    rows = _raw_rows(37, 260, "fp8_blockwise", encoding, seed=19)
+    mask = top_k_mask(37, 5, 2, 1, seed=20)
+    on = QuantizedRows(rows.data.to(TRITON_DEVICE), rows.scale.to(TRITON_DEVICE))
+    probs = torch.rand(37, 5, device=TRITON_DEVICE)
+    with megablocks_core.use_backend(**dict.fromkeys(PERMUTE_OPS, "triton")):
+        got = te.moe_permute_and_pad_with_probs(on, probs, mask.to(TRITON_DEVICE), mask.sum(0), 16)
+        got_i = te.moe_permute(on, _ids(mask).to(TRITON_DEVICE), 74, map_type="index")[0]
+    padded = QuantizedRows(got[0].data.cpu(), got[0].scale.cpu())
+    padded_rows = int(((mask.sum(0) + 15) // 16 * 16).sum())
+    assert padded_rows > 16 * 5  # an expert with more than 16 rows
+    _assert_bits(padded, *_expected(rows, _slot_order(mask, 5), 16, padded_rows), rows.data.dtype)
+    dense = QuantizedRows(got_i.data.cpu(), got_i.scale.cpu())
+    _assert_bits(dense, *_expected(rows, _slot_order(mask, 5), 1, 74), rows.data.dtype)
 
 
 # ---------------------------------------------------------------------------
