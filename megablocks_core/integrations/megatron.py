@@ -12,6 +12,13 @@ backends::
     from megablocks_core.integrations import megatron
     megatron.install()  # before building the model; then moe_permute_fusion=True works
 
+FP8 rows: the permutations also take quantized tokens with their scales,
+:class:`~megablocks_core.integrations.transformer_engine.QuantizedRows` (data in an FP8 dtype,
+float32 scales of ``fp8_rowwise`` or ``fp8_blockwise``), and return them permuted the same way,
+padding rows included (the rules: that module's docstring). Megatron-Core's ``permute`` and
+``sort_chunks_by_idxs`` with ``fused=True`` hand ``tokens`` to these functions untouched, so
+QuantizedRows pass through them; ``unpermute`` stays in the experts' output dtype (bf16).
+
 Megatron-Core is imported only when :func:`install` runs.
 """
 
@@ -23,6 +30,7 @@ from typing import Any
 from torch import Tensor
 
 from . import transformer_engine as te
+from .transformer_engine import QuantizedRows
 
 #: moe_utils' names of the fused permutation functions, and ours.
 _PERMUTATION_NAMES = (
@@ -46,14 +54,17 @@ _MISSING = object()
 
 
 def fused_permute(
-    tokens: Tensor, routing_map: Tensor, num_out_tokens: int | Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+    tokens: Tensor | QuantizedRows, routing_map: Tensor, num_out_tokens: int | Tensor | None = None
+) -> tuple[Tensor | QuantizedRows, Tensor]:
     return te.moe_permute(tokens, routing_map, -1 if num_out_tokens is None else num_out_tokens)
 
 
 def fused_permute_with_probs(
-    tokens: Tensor, probs: Tensor, routing_map: Tensor, num_out_tokens: int | Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
+    tokens: Tensor | QuantizedRows,
+    probs: Tensor,
+    routing_map: Tensor,
+    num_out_tokens: int | Tensor | None = None,
+) -> tuple[Tensor | QuantizedRows, Tensor, Tensor]:
     rows = -1 if num_out_tokens is None else num_out_tokens
     return te.moe_permute_with_probs(tokens, probs, routing_map, rows)
 
