@@ -15,8 +15,13 @@ Expert weights are quantized with their reduced dimension stored contiguous (the
 ``(experts, k, n)`` weight for the forward, the weight as it is for the gradient of the rows):
 the layout NVIDIA Hopper's FP8 matrix instructions read at full speed.
 
-Not supported (each a clear error): ``create_graph=True`` through an FP8 GEMM, and
-``torch.compile`` of these functions (the ops themselves compile; eager and CUDA graphs work).
+Under ``torch.compile`` (``fullgraph=True`` too) each function is one custom op,
+``torch.ops.megablocks.fp8_<op>``: its forward runs the eager forward, its backward (the rule
+above, on the ops' custom ops) is traced into the compiled backward graph, and the weights are
+quantized on every call (:attr:`Recipe.cache_weights` does not apply there).
+
+Not supported (a clear error): ``create_graph=True`` through an FP8 GEMM (torch.compile refuses a
+double backward of its own).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import autograd, validation
+from . import autograd, library, validation
 from .activations import activate_with
 from .calls import call
 from .contracts import BY_NAME
@@ -53,7 +58,8 @@ class Recipe:
     is unchanged (its version counter), across the forward, the backward and further
     micro-batches, for one byte a weight element per layout kept (two: the forward's and the
     backward's). Off by default: an update the version counter does not see (through ``.data``)
-    would go unnoticed."""
+    would go unnoticed. Under ``torch.compile`` the cache is neither read nor filled: a compiled
+    step quantizes the weights on every call, whatever this says."""
 
     format: str = "fp8_rowwise"
     encoding: str | None = None
@@ -111,17 +117,31 @@ def _out_name(dtype: torch.dtype) -> str:
 
 class _ScaledCall:
     """``call(op, *args)`` of the backward rules and forwards, with the grouped GEMMs run on
-    quantized operands (the rest goes to the ops as they are)."""
+    quantized operands (the rest goes to the ops as they are).
 
-    def __init__(self, recipe: Recipe, in_backward: bool) -> None:
+    ``traced``: the backward of the compiled op (:func:`_register_compiled`), which torch traces
+    into the compiled graph: every op runs as its ``torch.ops.megablocks`` custom op (the eager
+    entries take no fake tensors), and no weight cache is read (a graph replays its quantization
+    on every step)."""
+
+    def __init__(self, recipe: Recipe, in_backward: bool, traced: bool = False) -> None:
         self.recipe = recipe
         self.scaled = not in_backward or recipe.backward == "fp8"
         self.in_backward = in_backward
+        self.traced = traced
+
+    def op(self, name: str, *args: Any) -> Any:
+        """The op ``name`` itself, as this call runs it (eager or traced)."""
+        if self.traced:
+            return getattr(torch.ops.megablocks, name)(*args)
+        return call(name, *args)
 
     def __call__(self, op: str, *args: Any) -> Any:
         gemm = _GEMMS.get(op) if self.scaled else None
         if gemm is None:
-            return call(op, *args)
+            return self.op(op, *args)
+        # (A compiled backward is traced without gradients: torch itself refuses a double
+        # backward through a compiled graph.)
         if self.in_backward and torch.is_grad_enabled():
             raise NotImplementedError(
                 f"megablocks_core.fp8: a backward with create_graph=True through the FP8 {op} "
@@ -131,7 +151,7 @@ class _ScaledCall:
 
     def rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """A row operand (rows, k), quantized along k."""
-        data, scale = call("quantize", x, 1, self.recipe.format, self.recipe.encoding)
+        data, scale = self.op("quantize", x, 1, self.recipe.format, self.recipe.encoding)
         return data, scale
 
     def matrices(self, b: Tensor, trans_b: bool) -> tuple[Tensor, Tensor]:
@@ -139,13 +159,13 @@ class _ScaledCall:
         (the op then takes them with trans_b=True)."""
         recipe = self.recipe
         key = (recipe.format, recipe.encoding, trans_b)
-        copies = _cached_copies(b) if recipe.cache_weights else None
+        copies = _cached_copies(b) if recipe.cache_weights and not self.traced else None
         if copies is not None:
             kept = copies.get(key)
             if kept is not None and kept[0] == b._version:
                 return kept[1], kept[2]
         k_last = b if trans_b else b.transpose(1, 2)
-        data, scale = call("quantize", k_last, 2, recipe.format, recipe.encoding)
+        data, scale = self.op("quantize", k_last, 2, recipe.format, recipe.encoding)
         if copies is not None:
             copies[key] = (b._version, data, scale)
         return data, scale
@@ -171,7 +191,7 @@ def _gmm(
     bias: Tensor | None = None,
 ) -> Tensor:
     rows, matrices = scaled.rows(a), scaled.matrices(b, trans_b)
-    out = call(
+    out = scaled.op(
         "scaled_gmm", *rows, *matrices, batch_sizes, True, scaled.recipe.format, _out_name(a.dtype)
     )
     return scaled.finish(out, a, BY_NAME["gmm"], (a, b, batch_sizes, trans_b, bias))
@@ -190,7 +210,7 @@ def _gather_gmm(
     bias: Tensor | None = None,
 ) -> Tensor:
     tokens, matrices = scaled.rows(x), scaled.matrices(b, trans_b)
-    out = call(
+    out = scaled.op(
         "scaled_gather_gmm",
         *tokens,
         *matrices,
@@ -224,9 +244,9 @@ def _gmm_scatter(
     limit: float | None = None,
 ) -> Tensor:
     # The activation in the inputs' dtype (a transient copy), then its rows quantized.
-    activated = x if activation is None else activate_with(call, x, activation, alpha, limit)
+    activated = x if activation is None else activate_with(scaled.op, x, activation, alpha, limit)
     sorted_rows, matrices = scaled.rows(activated), scaled.matrices(b, trans_b)
-    out = call(
+    out = scaled.op(
         "scaled_gmm_scatter",
         *sorted_rows,
         *matrices,
@@ -256,9 +276,12 @@ _GEMMS: dict[str, Callable[..., Tensor]] = {
 def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
     """The op ``name`` on ``args`` (kernel order, validated against its contract) with its GEMMs
     in ``recipe``, differentiable through the op's own backward rule."""
-    contract = BY_NAME[name]
     resolved = recipe_of(recipe)
     assert resolved is not None
+    if torch.compiler.is_compiling():  # one custom op: its fake validates, its real runs eagerly
+        compiled = getattr(torch.ops.megablocks, _COMPILED_PREFIX + name)
+        return compiled(resolved.format, resolved.encoding, resolved.backward, *args)
+    contract = BY_NAME[name]
     args = validation.validate(contract, args, overrides.checked)
     forward = _ScaledCall(resolved, in_backward=False)
     bound = contract.bind(args)
@@ -271,6 +294,62 @@ def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
             contract, lambda *a: forward(name, *a), current_policy(), backward, args
         )
     return forward(name, *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Under torch.compile: torch.ops.megablocks.fp8_<op>(format, encoding, backward, *op's args)
+#
+# Tracing never enters the eager path above (its validation, autograd node and weight cache are
+# Python that dynamo cannot follow): each function is one custom op with the op's own fake
+# (library.py), a real implementation that runs the eager forward, and an autograd formula whose
+# backward runs the op's rule on the custom ops, traced into the compiled backward graph.
+# Weights are quantized on every call there: Recipe.cache_weights does not apply.
+
+_COMPILED_PREFIX = "fp8_"
+_COMPILED_LIBRARY = torch.library.Library(library.NAMESPACE, "FRAGMENT")
+#: The leading arguments of a compiled op that carry the recipe.
+_RECIPE_ARGS = 3
+
+
+def _register_compiled(name: str) -> None:
+    contract = BY_NAME[name]
+    op_schema = library.schema(contract)
+    _COMPILED_LIBRARY.define(
+        f"{_COMPILED_PREFIX}{name}(str recipe_format, str? recipe_encoding, str recipe_backward, "
+        + op_schema[op_schema.index("(") + 1 :]
+    )
+    fake = library._fake(contract)
+
+    def real(
+        fmt: str, encoding: str | None, backward: Literal["fp8", "input"], *args: Any
+    ) -> Tensor:
+        with torch.no_grad():  # the autograd formula below records the graph
+            return _run(name, library._complete(contract, args), Recipe(fmt, encoding, backward))
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        args = library._complete(contract, inputs[_RECIPE_ARGS:])
+        needs = {
+            a.name: a.name in contract.differentiable and isinstance(v, Tensor) and v.requires_grad
+            for a, v in zip(contract.args, args, strict=True)
+        }
+        tensors, consts = autograd.pack_for_backward(contract, args, needs)
+        ctx.save_for_backward(*tensors)
+        ctx.meta = (consts, needs, len(inputs), Recipe(*inputs[:_RECIPE_ARGS]))
+
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        consts, needs, given, recipe = ctx.meta
+        bound = autograd.unpack_for_backward(contract, ctx.saved_tensors, consts)
+        scaled = _ScaledCall(recipe, in_backward=True, traced=True)
+        grads = autograd.run_rule(contract, scaled, bound, grad, needs)
+        op_grads = (grads.get(a.name) if needs[a.name] else None for a in contract.args)
+        return (*(None,) * _RECIPE_ARGS, *op_grads)[:given]
+
+    qualified = f"{library.NAMESPACE}::{_COMPILED_PREFIX}{name}"
+    _COMPILED_LIBRARY.impl(_COMPILED_PREFIX + name, real, "CompositeExplicitAutograd")
+    torch.library.register_fake(
+        qualified, lambda *a: fake(*a[_RECIPE_ARGS:]), lib=_COMPILED_LIBRARY
+    )
+    torch.library.register_autograd(qualified, backward, setup_context=setup_context)
 
 
 def gmm(
@@ -330,6 +409,10 @@ def gmm_scatter(
         x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias, alpha, limit
     )  # fmt: skip
     return _run("gmm_scatter", args, recipe)
+
+
+for _name in _GEMMS:
+    _register_compiled(_name)
 
 
 __all__ = ["Recipe", "gather_gmm", "gmm", "gmm_scatter", "recipe_of"]

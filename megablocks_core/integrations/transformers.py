@@ -292,8 +292,9 @@ def use_fp8(model: torch.nn.Module, recipe: fp8.Recipe | str | None = "fp8_rowwi
     """Run the expert GEMMs of every Experts module of ``model`` that ``"megablocks"`` serves in
     FP8 (:mod:`megablocks_core.fp8`): ``recipe`` a :class:`megablocks_core.fp8.Recipe` or a format
     name; None turns it off again. The weights stay the model's own (the master copy), quantized
-    per call (``Recipe(cache_weights=True)``: once while unchanged); checkpoints are unaffected.
-    Returns how many modules it set."""
+    per call (``Recipe(cache_weights=True)``: once while unchanged, except under
+    ``torch.compile``, which quantizes them every call); checkpoints are unaffected. Returns how
+    many modules it set."""
     resolved = fp8.recipe_of(recipe)
     served = _served(model)
     for module, _ in served:

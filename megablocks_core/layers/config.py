@@ -284,7 +284,8 @@ class MoEConfig:
     :class:`megablocks_core.fp8.Recipe` or a format name (``"fp8_rowwise"``,
     ``"fp8_blockwise"``: that format, the recipe's defaults otherwise); None (default): in the
     weights' dtype. The weights stay in their dtype (the master copy) and are quantized per call
-    (``Recipe.cache_weights`` keeps the quantized copy while a weight is unchanged); the tokens
+    (``Recipe.cache_weights`` keeps the quantized copy while a weight is unchanged, except under
+    ``torch.compile``, where every call quantizes them); the tokens
     are quantized once each, the activated rows once per (token, expert) pair, and the
     backward's data gradients run in FP8 too unless ``Recipe(backward="input")``. Weight
     gradients stay in the weights' dtype."""
