@@ -134,6 +134,21 @@ def test_reduce_overhead_compiles_the_whole_step_and_matches_eager(name: str) ->
     _assert_matches_eager(got, want)
 
 
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
+def test_a_block_compiles_on_its_first_call(name: str) -> None:
+    """Traced before any eager call (nothing cached on the module): GPT-OSS's gate is still
+    recognised, and the compiled forward is the eager one."""
+    torch._dynamo.reset()
+    x = _input("cpu", torch.float32, seed=3)
+    with megablocks_core.use_backend("reference"):
+        compiled = torch.compile(
+            _modules("cpu", torch.float32)[name](), fullgraph=True, backend="aot_eager"
+        )
+        got = _out(compiled(x))
+        want = _out(_modules("cpu", torch.float32)[name]()(x))
+    _assert_matches_eager([got], [want])
+
+
 # ---------------------------------------------------------------------------------------------
 # On a CUDA GPU: manual capture and reduce-overhead, replays against eager steps
 # ---------------------------------------------------------------------------------------------

@@ -208,11 +208,6 @@ def _module(name: str, recipe: fp8.Recipe) -> torch.nn.Module:
 
     block = transformers_block(name, "cpu", torch.float32)
     assert hf.use_fp8(block, recipe) == 1
-    # One eager call keeps the block's layout: traced first, dynamo reads GPT-OSS's gate
-    # function's __qualname__ as a descriptor and the integration refuses the block (the
-    # full-precision path as well).
-    with torch.no_grad():
-        block(torch.zeros(1, 1, 32))
     return block
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -119,15 +120,19 @@ def _gate_function(module: torch.nn.Module) -> Any:
     return getattr(type(module), "_apply_gate", None)
 
 
-#: Where GPT-OSS's gate is defined. Compared by name, not imported: an import inside the
-#: traced call breaks torch.compile's graph (transformers' packages are lazy modules).
-_GPT_OSS_GATE = ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssExperts._apply_gate")
+#: The module that defines GPT-OSS's Experts class (and so its gate).
+_GPT_OSS_MODELING = "transformers.models.gpt_oss.modeling_gpt_oss"
 
 
 def _is_gpt_oss_gate(module: torch.nn.Module) -> bool:
-    gate = _gate_function(module)
-    where = (getattr(gate, "__module__", None), getattr(gate, "__qualname__", None))
-    return where == _GPT_OSS_GATE
+    """Whether the module's gate is GPT-OSS's own, by identity. Looked up among the loaded
+    modules, not imported: an import inside a call torch.compile traces breaks its graph
+    (transformers' packages are lazy modules), and the gate's ``__qualname__`` is not what it
+    is while dynamo traces. A GPT-OSS module's class comes from that module, so it is loaded
+    whenever one exists."""
+    experts_class = getattr(sys.modules.get(_GPT_OSS_MODELING), "GptOssExperts", None)
+    gate = getattr(experts_class, "_apply_gate", None)
+    return gate is not None and _gate_function(module) is gate
 
 
 def _clamp_constants(module: torch.nn.Module) -> tuple[float, float]:
