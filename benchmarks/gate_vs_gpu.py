@@ -2,7 +2,8 @@
 
 The compile gate (``megablocks backends compile --target sm_90a``) lists megablocks-triton's
 launches at its shapes on a *simulated* device of the target and compiles them on the CPU. Here,
-on the real GPU, the same op calls (``megablocks_triton.aot``'s list, at each gate shape) run for
+on the real GPU, the same op calls (``megablocks_triton.aot``'s list and the FP8 ops' of
+``megablocks_triton.scaled.compile_calls``, at each gate shape) run for
 real on zero-filled tensors of those shapes (values do not change which kernel variant a launch
 takes: no launch reads a size on the host). Then every kernel Triton compiled in this process is
 compared with the gate's jobs. The comparison key is the kernel, its source's specialisation
@@ -85,7 +86,7 @@ def compiled_keys() -> set[Key]:
 def run_gate_calls(shapes: Iterable[Any], device: Any) -> list[str]:
     """The gate's op calls (and declared variants) at ``shapes``, run on zero-filled CUDA tensors;
     returns the calls that raised (each one's error), so one bad call does not hide the rest."""
-    from megablocks_triton import aot
+    from megablocks_triton import aot, scaled
 
     def real(*shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device="cuda")
@@ -98,7 +99,7 @@ def run_gate_calls(shapes: Iterable[Any], device: Any) -> list[str]:
         except Exception as exc:
             failed.append(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
 
-    with mock.patch.object(aot, "_meta", real):
+    with mock.patch.object(aot, "_meta", real), mock.patch.object(scaled, "_meta", real):
         for shape in shapes:
             for dtype in shape.dtypes:
                 label = f"{shape.name} {str(dtype).removeprefix('torch.')}"
@@ -106,6 +107,8 @@ def run_gate_calls(shapes: Iterable[Any], device: Any) -> list[str]:
                     attempt(f"{label} {op}", call)
                     for alternative in aot._alternatives(op, device, shape, dtype):
                         attempt(f"{label} {op} (variant)", alternative)
+            for op, call in scaled.compile_calls(shape, device):  # FP8, as the gate lists them
+                attempt(f"{shape.name} {op} (FP8)", call)
     torch.cuda.synchronize()
     return failed
 
