@@ -45,6 +45,7 @@ from .grouped_gemm import (
     GROUPS_FIT_A,
     GROUPS_FROM_BINS,
     GROUPS_WITHIN_A,
+    INNER_B,
     ONE_MATRIX_PER_BIN,
     ROUTED_RULES,
     ROWS_PAST_GROUPS,
@@ -242,7 +243,7 @@ SCALED_GATHER_GMM = OpContract(
     rules=(
         *_scale_rules("x", "b"),
         ONE_MATRIX_PER_BIN,
-        Rule("x.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
+        INNER_B,
         GATHER_ROWS,
         *ROUTED_RULES,
         ROWS_WITHIN,
@@ -299,7 +300,7 @@ SCALED_GMM_SCATTER = OpContract(
     rules=(
         *_scale_rules("x", "b"),
         ONE_MATRIX_PER_BIN,
-        Rule("x.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
+        INNER_B,
         Rule(
             f"x.shape[0] == ({ROWS_OUT_DIM})",
             "one row of x per sorted (token, k) pair, or per each of the first rows of them",

@@ -383,17 +383,19 @@ def gmm_weight_grad_accumulate(a: Tensor, grad: Tensor, batch_sizes: Tensor, out
 # --- fused permutation + grouped GEMM: their defining compositions ------------------
 
 
+def _sizes_from_bins(bins: Tensor, rows: int) -> Tensor:
+    """Group sizes from cumulative bins, safe for any bins, as the fused kernels read them: a
+    negative group counts as 0 and groups are cut at row ``rows``. No host sync."""
+    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp_(min=0)
+    return torch.diff(sizes.cumsum(0).clamp_(max=rows), prepend=sizes.new_zeros(1))
+
+
 def _gmm_by_bins(a: Tensor, b: Tensor, bins: Tensor, trans_b: bool) -> Tensor:
-    """ops.gmm with expert e's rows at bins[e-1]:bins[e], safe for any bins: a negative group
-    counts as 0 and groups are cut at a's last row, as the fused kernels do. Rows past the last
-    group (sorted rows routed to no expert) are 0: gmm's contract gives them so. No host sync on
-    an accelerator."""
+    """ops.gmm with expert e's rows at bins[e-1]:bins[e] (:func:`_sizes_from_bins`). Rows past
+    the last group (sorted rows routed to no expert) are 0: gmm's contract gives them so."""
     from megablocks_core import ops
 
-    rows = a.shape[0]
-    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp_(min=0)
-    sizes = torch.diff(sizes.cumsum(0).clamp_(max=rows), prepend=sizes.new_zeros(1))
-    return ops.gmm(a, b, sizes, trans_b)
+    return ops.gmm(a, b, _sizes_from_bins(bins, a.shape[0]), trans_b)
 
 
 def gather_gmm(

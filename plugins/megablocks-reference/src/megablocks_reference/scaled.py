@@ -15,7 +15,7 @@ from megablocks_core.plugin import (
     quantize_definition,
 )
 
-from .kernels import _gather_rows, _token_major, gmm
+from .kernels import _gather_rows, _sizes_from_bins, _token_major, gmm
 
 
 def quantize(
@@ -37,12 +37,6 @@ def _operands(
         _dequantized(a, a_scale, format, 1),
         _dequantized(b, b_scale, format, 2 if trans_b else 1),
     )
-
-
-def _sizes_from_bins(bins: Tensor, rows: int) -> Tensor:
-    """Group sizes from cumulative bins, safe for any bins (as the fused ops read them)."""
-    sizes = torch.diff(bins.long(), prepend=bins.new_zeros(1, dtype=torch.int64)).clamp_(min=0)
-    return torch.diff(sizes.cumsum(0).clamp_(max=rows), prepend=sizes.new_zeros(1))
 
 
 def _out(values: Tensor, out_dtype: str | None) -> Tensor:
