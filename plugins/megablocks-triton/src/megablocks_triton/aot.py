@@ -140,8 +140,9 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
         row_map, probs = _meta(t, k, dtype=i32), _meta(t, k, dtype=torch.float32)
         yield "moe_permute_map", lambda: moe_permute.moe_permute_map(mask, e, rows, 1)
         yield "moe_permute_map", lambda: moe_permute.moe_permute_map(top, e, rows, 16)
-        # The map's other paths: a map one program takes whole (a few tokens), and the
-        # per-expert scans past MAX_MAP_EXPERTS.
+        # The map's other paths: a map one program takes whole (a few tokens; an index map of
+        # that tile's full size walks it in several chunks), and the per-expert scans past
+        # MAX_MAP_EXPERTS.
         few, many = (
             max(moe_permute.SINGLE_MAP_TILE // max(k, e), 1),
             moe_permute.MAX_MAP_EXPERTS + 1,
@@ -149,6 +150,7 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
         for routing_map, experts in (
             (_meta(few, e, dtype=torch.bool), e),
             (_meta(few, k, dtype=i32), e),
+            (_meta(max(moe_permute.SINGLE_MAP_TILE // k, 1), k, dtype=i32), e),
             (_meta(t, many, dtype=torch.bool), many),
             (_meta(t, k, dtype=i32), many),
         ):

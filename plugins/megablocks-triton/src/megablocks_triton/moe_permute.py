@@ -261,11 +261,12 @@ def _index_rows_kernel(
     (CHUNK at a time: a compare matrix within the chunk, a histogram across chunks). SINGLE:
     one tile holds every slot and counts them itself. Ids outside [0, num_experts) get -1."""
     tile = tl.program_id(0)
-    if SINGLE:
+    if SINGLE:  # names of their own: the loop below rebinds its (CHUNK,) ones
         every = tl.arange(0, TILE)
-        raw = tl.load(ids_ptr + every, mask=every < n, other=0)
-        expert, valid = _digits(raw, every < n, num_experts, 0, 0, False)
-        total, before = tl.histogram(expert, NB, mask=valid), tl.zeros((NB,), dtype=tl.int32)
+        every_id = tl.load(ids_ptr + every, mask=every < n, other=0)
+        every_expert, listed = _digits(every_id, every < n, num_experts, 0, 0, False)
+        total = tl.histogram(every_expert, NB, mask=listed)
+        before = tl.zeros((NB,), dtype=tl.int32)
     else:
         total, before = _scanned(total_ptr, before_ptr, tile, NB)
     base = _tile_base(total, before, tile, counts_ptr, num_out, num_experts, align, NB)
