@@ -41,7 +41,7 @@ from .gmm_configs import (
     device_info,
 )
 from .kernels.scaled import _quantize_kernel, _scaled_gmm_kernel
-from .launch import BoundLaunch, bind, bind_descriptors, cdiv, next_power_of_2, remember
+from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
 
 #: AMD archs with FP8 matrix instructions: CDNA3 (FNUZ) and CDNA4 (OCP).
 AMD_FP8_ARCHS = frozenset({"gfx940", "gfx941", "gfx942", "gfx950"})
@@ -84,9 +84,6 @@ def _hardware_conversion(device: DeviceInfo, encoding: str) -> bool:
 #: (R, C) tile of the quantize kernel per mode: "tile" is the format's square block; the others
 #: keep ~4K elements per program.
 _QUANTIZE_TILES = {"row_tile": (32, 128), "row": (8, 512), "column": (64, 64)}
-#: The widest row that one scale per row is computed for in a single pass: the whole row is one
-#: tile ("row_tile" mode, read once); wider rows take "row" mode's two passes (amax, then codes).
-_ONE_PASS_ROW = 8192
 
 
 def quantize(
@@ -118,13 +115,11 @@ def quantize(
     block_r, block_c = (br, bc) if mode == "tile" else _QUANTIZE_TILES[mode]
     if mode == "row_tile":
         block_c = bc
-    if mode == "row" and c <= _ONE_PASS_ROW:
-        mode, block_c = "row_tile", max(16, next_power_of_2(c))
-        tile_r, tile_c = _QUANTIZE_TILES["row_tile"]
-        block_r = min(max(1, tile_r * tile_c // block_c), next_power_of_2(r))
-    # ~16 elements a thread (at most 16 warps): a 128x128 tile in 4 warps took every register
-    # of sm_90a and left an SM 8 warps to hide its loads (megablocks backends compile).
-    num_warps = min(16, max(4, block_r * block_c // 512))
+    # A square block of a row-major tensor (a weight's 128x128 blocks) in 16 warps, not 4: 4
+    # took every register of sm_90a (megablocks backends compile) and, on the H200, 2.5x its
+    # ideal bytes against 1.4x. Across a transposed view, and in the other modes, 16 warps (or a
+    # row read once in one tile) were slower (docs/performance.md).
+    num_warps = 16 if mode == "tile" and view.stride(-1) == 1 else 4
     r_tiles = 1 if mode == "column" else cdiv(r, block_r)
     c_tiles = 1 if mode == "row" else cdiv(c, block_c)
     scale3 = scale if x.dim() == 3 else scale.unsqueeze(0)
