@@ -221,6 +221,31 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
             hidden_rows, w2, ids, ids, weights, counts, k, False, None, None, b2
         ),
     )
+    if k <= e:  # one token (decode): gmm_scatter's one-launch path, both gated layouts
+        pair_ids, pair_weights = _meta(k, dtype=i32), _meta(k, dtype=dtype)
+        gated_rows, w2_t = _meta(k, 2 * f, dtype=dtype), _meta(e, h, f, dtype=dtype)
+        yield (
+            "gmm_scatter",
+            lambda: gmm.gmm_scatter(
+                gated_rows, w2_t, pair_ids, pair_ids, pair_weights, counts, k, True, "swiglu"
+            ),
+        )
+        yield (
+            "gmm_scatter",
+            lambda: gmm.gmm_scatter(
+                gated_rows,
+                w2_t,
+                pair_ids,
+                pair_ids,
+                pair_weights,
+                counts,
+                k,
+                True,
+                "swiglu_oai_interleaved",
+                None,
+                b2,
+            ),
+        )
     yield "gmm_weight_grad", lambda: gmm.gmm_weight_grad(sorted_rows, hidden_rows, counts)
     yield "gmm_weight_grad", lambda: gmm.gmm_weight_grad(hidden_rows, sorted_rows, counts)
     for grad_dtype in dict.fromkeys((dtype, out_dtype)):  # into .grad, or a float32 main_grad

@@ -26,7 +26,13 @@ from megablocks_core.plugin import DeviceInfo
 from .arch_table import ARCHS, arch_tuning, gmm_tile_family
 from .arch_table import ArchTuning as ArchTuning
 from .launch import cdiv, next_power_of_2
-from .launch_types import GmmConfig, PermutationConfig, RoutingConfig, dtype_class
+from .launch_types import (
+    GmmConfig,
+    PermutationConfig,
+    RoutingConfig,
+    TokenGmmConfig,
+    dtype_class,
+)
 
 #: The kernel classes :meth:`LaunchConfigs.launch_options` is asked about: ``"routing"``
 #: (sort/route/histogram/cumsum/topology/replicate), ``"permutation"`` (gather/scatter and their
@@ -186,6 +192,31 @@ class LaunchConfigs:
         # on the GPU (6.5 against 7.5 in 2048-id steps), at 4096 more so (7.7 against 11.5).
         rows = num_tokens * top_k
         return next_power_of_2(rows) if rows <= 1024 else 0
+
+    def token_gmm_scatter(
+        self,
+        num_tokens: int,
+        top_k: int,
+        depth: int,
+        width: int,
+        element_size: int,
+        depth_contiguous: bool,
+    ) -> TokenGmmConfig | None:
+        """gmm_scatter in one launch (activation, GEMM, bias and the top-k sum per (token, column
+        block): :mod:`megablocks_triton.kernels.token_gmm`), or None for the tiled path.
+        ``depth_contiguous``: the expert matrices hold each output column's ``depth`` values
+        contiguously (``trans_b``, transformers' layout)."""
+        # H200, bf16, one token, trans_b (docs/performance.md): 9.7 µs against the tiled path's
+        # 13.5 at Qwen3 widths, 26.7 against 37.7 at GPT-OSS's, ~100 against 143 at Mixtral's,
+        # and 25-45 µs less host time per call. Two tokens and more (each pair reads its expert's
+        # matrix itself) and the other layout were slower on the GPU than the tiled path.
+        if num_tokens != 1 or not depth_contiguous or depth == 0 or width == 0:
+            return None
+        # 16 columns per program (the most programs at one token), 32 KiB of the pairs' matrices
+        # per step, two steps in flight.
+        block_n, k_pad = 16, next_power_of_2(top_k)
+        block_k = min(_pow2_at_least(depth, 16), max(32768 // (element_size * block_n * k_pad), 16))
+        return TokenGmmConfig(block_n=block_n, block_k=block_k, num_warps=8)
 
     def scatter_wgrad(
         self, num_tokens: int, hidden: int, top_k: int, element_size: int

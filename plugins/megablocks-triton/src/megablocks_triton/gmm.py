@@ -64,9 +64,10 @@ from typing import Any
 
 import torch
 
-from megablocks_core.plugin import contract
+from megablocks_core.plugin import GATED_ACTIVATIONS, clamp_constants, contract
 
-from .config import GmmConfig, LaunchConfigs, launch_configs
+from .activation import _unit as activation_unit
+from .config import GmmConfig, LaunchConfigs, TokenGmmConfig, launch_configs
 from .gmm_configs import (
     MAX_EXPERTS,
     _check_experts,
@@ -92,7 +93,8 @@ from .gmm_wgrad import (
 from .gmm_wgrad import gmm_weight_grad_accumulate_supports as gmm_weight_grad_accumulate_supports
 from .gmm_wgrad import gmm_weight_grad_supports as gmm_weight_grad_supports
 from .kernels.gmm import _gmm_kernel
-from .launch import BoundLaunch, bind, bind_descriptors, cdiv, remember
+from .kernels.token_gmm import _token_gmm_scatter_kernel
+from .launch import BoundLaunch, bind, bind_descriptors, cdiv, next_power_of_2, remember
 
 __all__ = [
     "MAX_EXPERTS",
@@ -388,14 +390,15 @@ def gmm_scatter(
     alpha: float | None = None,
     limit: float | None = None,
 ) -> torch.Tensor:
-    """``scatter(gmm(act(x), b, counts, bias), indices, bin_ids, weights, bins, top_k)``: the
-    GEMM keeps its plain (TMA) stores, adding the bias in its epilogue, and the token-major
-    scatter kernel sums each token's rows once (reading its top_k rows, weighting and summing in
-    fp32): no atomics, deterministic. x may hold only the first ``rows`` sorted rows (the GEMM
-    covers those, the scatter reads no other). The activation is the contract's own (applied to
-    x first, a transient copy, with the clamped SwiGLU's ``alpha`` and ``limit``)."""
-    if activation is not None:
-        x = _activate()(x, activation, alpha, limit)
+    """``scatter(gmm(act(x), b, counts, bias), indices, bin_ids, weights, bins, top_k)``.
+
+    Tiled (most calls): the activation (the contract's own, a transient copy), then the GEMM with
+    its plain (TMA) stores and the bias in its epilogue, then the token-major scatter kernel that
+    sums each token's rows once (reading its top_k rows, weighting and summing in fp32): no
+    atomics, deterministic. A few tokens (:meth:`~megablocks_triton.config.LaunchConfigs.
+    token_gmm_scatter`): all of it in one launch (:mod:`megablocks_triton.kernels.token_gmm`),
+    with the same roundings. x may hold only the first ``rows`` sorted rows (the GEMM covers
+    those, the scatter reads no other)."""
     x = _unit_last_stride(x)
     b = _unit_last_stride(b)
     bias, bias_stride = _bias_layout(bias)
@@ -406,12 +409,14 @@ def gmm_scatter(
         x.shape, x.stride(), x.dtype, x.device, b.shape, b.stride(), b.dtype,
         indices.shape, indices.dtype, bins.shape, bins.dtype,
         None if weights is None else weights.dtype, top_k, trans_b, configs, bias_stride,
+        activation, alpha, limit,
     )  # fmt: skip
     plan = _GMM_SCATTER_PLANS.get(key)
     if plan is None:
         made = _gmm_scatter_plan(
-            configs, x, b, indices, bins, weights is not None, int(top_k), trans_b, bias_stride
-        )
+            configs, x, b, indices, bins, weights is not None, int(top_k), trans_b, bias_stride,
+            activation, alpha, limit,
+        )  # fmt: skip
         plan = remember(_GMM_SCATTER_PLANS, key, made)
     return plan(x, b, indices, weights, bins, bias)
 
@@ -426,21 +431,40 @@ def _gmm_scatter_plan(
     top_k: int,
     trans_b: bool,
     bias_stride: int | None,
+    activation: str | None,
+    alpha: float | None,
+    limit: float | None,
 ) -> Callable[..., torch.Tensor]:
-    """gmm_scatter's two prepared steps: the grouped GEMM into expert-sorted rows, then the plain
+    """gmm_scatter's prepared launches for one call shape: the few-token kernel where the launch
+    policy takes it, else the activation, the grouped GEMM into expert-sorted rows and the plain
     scatter of those rows (its plan taken once, for the rows' shape and dtype). Sorted rows past
     bins' groups (expert parallelism's pairs of other ranks' experts) are neither written by the
     GEMM nor read by the scatter: their products are 0 by the contract."""
     from .permutation import _scatter_plan
 
+    depth = x.shape[1] // 2 if activation in GATED_ACTIVATIONS else x.shape[1]
+    width = b.shape[1] if trans_b else b.shape[2]
+    num_tokens = indices.shape[0] // top_k
+    depth_contiguous = (b.stride(2) if trans_b else b.stride(1)) == 1
+    shape = configs.token_gmm_scatter(
+        num_tokens, top_k, depth, width, x.element_size(), depth_contiguous
+    )
+    if shape is not None:
+        return _token_gmm_scatter_plan(
+            configs, shape, x, b, indices, bins, has_weights, top_k, trans_b, bias_stride,
+            activation, alpha, limit, depth, width,
+        )  # fmt: skip
+    # The activation's output: a new (rows, depth) tensor (allocated once here, for its layout).
+    activated = x if activation is None else x.new_empty((x.shape[0], depth))
     gemm = _forward_plan(
-        configs, x, b, trans_b, x.shape[0], None, True, None, False, bias_stride=bias_stride
-    )
-    n = b.shape[1] if trans_b else b.shape[2]
-    rows = torch.empty((x.shape[0], n), dtype=x.dtype, device="meta")
+        configs, activated, b, trans_b, x.shape[0], None, True, None, False,
+        bias_stride=bias_stride,
+    )  # fmt: skip
+    sorted_rows = torch.empty((x.shape[0], width), dtype=x.dtype, device="meta")
     reduce = _scatter_plan(
-        configs, rows, indices.numel(), bins.numel(), top_k, has_weights, grouped_rows=True
+        configs, sorted_rows, indices.numel(), bins.numel(), top_k, has_weights, grouped_rows=True
     )
+    activate = _activate()
 
     def run(
         x: torch.Tensor,
@@ -450,6 +474,64 @@ def _gmm_scatter_plan(
         bins: torch.Tensor,
         bias: torch.Tensor | None,
     ) -> torch.Tensor:
+        if activation is not None:
+            x = activate(x, activation, alpha, limit)
         return reduce(gemm(x, b, bins, bins, bias), indices, weights, bins)
+
+    return run
+
+
+def _token_gmm_scatter_plan(
+    configs: LaunchConfigs,
+    shape: TokenGmmConfig,
+    x: torch.Tensor,
+    b: torch.Tensor,
+    indices: torch.Tensor,
+    bins: torch.Tensor,
+    has_weights: bool,
+    top_k: int,
+    trans_b: bool,
+    bias_stride: int | None,
+    activation: str | None,
+    alpha: float | None,
+    limit: float | None,
+    depth: int,
+    width: int,
+) -> Callable[..., torch.Tensor]:
+    """The few-token gmm_scatter: one launch per call, its scalars fixed here."""
+    n = indices.shape[0]
+    num_tokens = n // top_k
+    gated = activation in GATED_ACTIVATIONS
+    unit = GATED_ACTIVATIONS[activation] if activation is not None and gated else activation
+    code, interleaved = activation_unit(unit)
+    stride_bn, stride_bk = (b.stride(1), b.stride(2)) if trans_b else (b.stride(2), b.stride(1))
+    launch = bind(
+        _token_gmm_scatter_kernel,
+        (num_tokens, cdiv(width, shape.block_n)),
+        n, x.shape[0], bins.shape[0], depth, width,
+        x.stride(0), b.stride(0), stride_bk, stride_bn, bias_stride or 0,
+        *clamp_constants(activation, alpha, limit),
+        TOP_K=top_k, K_PAD=next_power_of_2(top_k), SEARCH=next_power_of_2(n),
+        BLOCK_E=next_power_of_2(bins.shape[0]), BLOCK_N=shape.block_n, BLOCK_K=shape.block_k,
+        ACTIVATION=code, GATED=gated, INTERLEAVED=interleaved, HAS_WEIGHTS=has_weights,
+        HAS_BIAS=bias_stride is not None, num_warps=shape.num_warps,
+        **configs.launch_options("gmm"),
+    )  # fmt: skip
+
+    def run(
+        x: torch.Tensor,
+        b: torch.Tensor,
+        indices: torch.Tensor,
+        weights: torch.Tensor | None,
+        bins: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out = x.new_empty((num_tokens, width))
+        # Absent weights and bias: the kernel reads neither (HAS_WEIGHTS, HAS_BIAS are false).
+        launch(
+            x, b, indices, weights if weights is not None else x, bins,
+            bias if bias is not None else x, out,
+        )  # fmt: skip
+        return out
 
     return run

@@ -1,5 +1,6 @@
 """The launch shapes the launch policy (:class:`megablocks_triton.config.LaunchConfigs`) returns:
-:class:`RoutingConfig`, :class:`PermutationConfig`, :class:`GmmConfig`, and :func:`dtype_class`,
+:class:`RoutingConfig`, :class:`PermutationConfig`, :class:`TokenGmmConfig`, :class:`GmmConfig`,
+and :func:`dtype_class`,
 the key of the grouped-GEMM tile tables. :mod:`megablocks_triton.config` re-exports them.
 """
 
@@ -42,6 +43,17 @@ class PermutationConfig:
     """Programs sharing one token's hidden dim (more parallelism for few tokens)."""
     zero_rows: int
     """Programs per expert that zero-fill padding rows (padded/binned gather)."""
+    num_warps: int
+
+
+@dataclass(frozen=True)
+class TokenGmmConfig:
+    """gmm_scatter's few-token launch shape (one program per token and column block)."""
+
+    block_n: int
+    """Output columns per program."""
+    block_k: int
+    """Reduction elements per inner-loop step."""
     num_warps: int
 
 
