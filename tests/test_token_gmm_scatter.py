@@ -228,7 +228,12 @@ def test_the_default_policy_takes_one_token_with_contiguous_depth() -> None:
     policy = LaunchConfigs()
     qwen3 = policy.token_gmm_scatter(1, 8, 768, 2048, 2, True)  # decode, transformers' layout
     assert qwen3 is not None and 8 * qwen3.block_n * qwen3.block_k == 16384
-    assert policy.token_gmm_scatter(1, 2, 14336, 4096, 2, True) is not None  # Mixtral
+    mixtral = policy.token_gmm_scatter(1, 2, 14336, 4096, 2, True)
+    assert (
+        mixtral is not None
+        and mixtral.num_warps == 4
+        and 2 * mixtral.block_n * mixtral.block_k == 16384
+    )
     three = policy.token_gmm_scatter(1, 3, 768, 2048, 4, True)  # padded lanes, float32
     assert three is not None and 4 * three.block_n * three.block_k == 8192
     assert policy.token_gmm_scatter(2, 8, 768, 2048, 2, True) is None  # two tokens
