@@ -230,6 +230,21 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
                 gated_rows, w2_t, pair_ids, pair_ids, pair_weights, counts, k, True, "swiglu"
             ),
         )
+        two = _meta(2, dtype=i32)  # top-2 (Mixtral's): fewer warps, longer steps
+        yield (
+            "gmm_scatter",
+            lambda: gmm.gmm_scatter(
+                _meta(2, 2 * f, dtype=dtype),
+                w2_t,
+                two,
+                two,
+                _meta(2, dtype=dtype),
+                counts,
+                2,
+                True,
+                "swiglu",
+            ),
+        )
         yield (
             "gmm_scatter",
             lambda: gmm.gmm_scatter(
