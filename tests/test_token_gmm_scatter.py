@@ -15,7 +15,10 @@ import numpy as np
 import oracle
 import pytest
 import torch
+from device_infos import H200, MI300
 from triton_interpreter import interpreting
+
+from megablocks_core.plugin import DeviceInfo
 
 pytest.importorskip("triton")
 
@@ -244,3 +247,31 @@ def test_the_default_policy_takes_one_token_with_contiguous_depth() -> None:
     assert policy.token_gmm_scatter(2, 8, 768, 2048, 2, True) is None  # two tokens
     assert policy.token_gmm_scatter(1, 8, 768, 2048, 2, False) is None  # the other layout
     assert policy.token_gmm_scatter(0, 8, 768, 2048, 2, True) is None  # no tokens
+
+
+@pytest.mark.parametrize("device", [H200, MI300], ids=lambda d: d.arch)
+def test_one_token_is_one_launch_and_two_take_the_tiled_path(device: DeviceInfo) -> None:
+    """The launches gmm_scatter would make on the device (recorded, not run): one token,
+    transformers' layout, with GPT-OSS's activation, bias and weights is the one kernel and
+    nothing else; two tokens are the grouped GEMM and the scatter."""
+    from megablocks_triton.kernels.token_gmm import _token_gmm_scatter_kernel
+    from megablocks_triton.launch import record_launches
+
+    experts, top_k, hidden, ffn = 32, 4, 64, 48
+
+    def kernels(tokens: int, act: str | None) -> list[object]:
+        pairs = tokens * top_k
+        meta = {"device": "meta"}
+        x = torch.empty(pairs, 2 * ffn if act else ffn, dtype=torch.bfloat16, **meta)
+        ids = torch.empty(pairs, dtype=torch.int32, **meta)
+        b = torch.empty(experts, hidden, ffn, dtype=torch.bfloat16, **meta)
+        bias = torch.empty(experts, hidden, dtype=torch.bfloat16, **meta)
+        weights = torch.empty(pairs, dtype=torch.bfloat16, **meta)
+        bins = torch.empty(experts, dtype=torch.int32, **meta)
+        with record_launches(device) as recorder:
+            G.gmm_scatter(x, b, ids, ids, weights, bins, top_k, True, act, None, bias)
+        return [launch.kernel for launch in recorder.launches]
+
+    assert kernels(1, "swiglu_oai_interleaved") == [_token_gmm_scatter_kernel]
+    tiled = kernels(2, None)
+    assert len(tiled) == 2 and _token_gmm_scatter_kernel not in tiled
