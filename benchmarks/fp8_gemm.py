@@ -204,10 +204,24 @@ def _gemm_rows(name: str, shape: tuple[int, ...], device: torch.device, args: An
             )
             emit(gemm=gemm, provider="dense-fp8", us=us, tflops=flops / us / 1e6)
 
-    # The quantization passes alone, against their ideal bytes at the copy bandwidth.
-    big = torch.empty(rows * hidden * 2, dtype=torch.uint8, device=device)
-    copy_us = time_us(lambda: big.clone())
-    bandwidth = 2 * big.numel() / copy_us  # bytes per µs, read + write
+    for row in quantize_rows(x, h, w1, w2, time_us):
+        emit(**row)
+    return out
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    time_us: Callable[[Callable[[], Any]], float],
+) -> list[dict[str, Any]]:
+    """The quantization passes alone, in every format, against their ideal bytes at the copy
+    bandwidth (a clone of a rows * hidden * 2-byte buffer, timed alike): the tokens x, the sorted
+    rows h, the up weights w1 as the FP8 path reads them (transposed) and the down weights w2."""
+    big = torch.empty(h.shape[0] * x.shape[1] * 2, dtype=torch.uint8, device=x.device)
+    bandwidth = 2 * big.numel() / time_us(big.clone)  # bytes per µs, read + write
+    rows = []
     for fmt in FORMAT_NAMES:
         for what, tensor, dim in (
             ("tokens", x, 1),
@@ -217,8 +231,9 @@ def _gemm_rows(name: str, shape: tuple[int, ...], device: torch.device, args: An
         ):
             us = time_us(lambda t=tensor, d=dim, f=fmt: ops.quantize(t, d, f))
             ideal = tensor.numel() * 3 / bandwidth  # read 2 bytes, write 1 (scales: noise)
-            emit(quantize=what, format=fmt, us=us, ideal_us=ideal, ratio=us / ideal)
-    return out
+            rows.append({"quantize": what, "format": fmt, "us": us, "ideal_us": ideal,
+                         "ratio": us / ideal})  # fmt: skip
+    return rows
 
 
 #: The scaled GEMM's tile candidates: (BM, BN, BK, GROUP_M, WARPS, STAGES, PROGRAMS_PER_SM,

@@ -2,8 +2,8 @@
 tokens (T, H), the sorted rows (T * top_k, F), the up weights as the FP8 path reads them (w1
 transposed) and the down weights, in every format, at each shape's T (``megablocks_core.shapes``).
 
-The ideal is 3 bytes an element (read bf16, write FP8; the scales are noise) at the copy
-bandwidth measured in the same run (a clone of a T * top_k * H * 2-byte buffer). GPU µs per pass:
+``fp8_gemm.quantize_rows`` (its rows, timed alone): the ideal is 3 bytes an element (read bf16,
+write FP8; the scales are noise) at the copy bandwidth measured in the same run. GPU µs per pass:
 20 passes between two events, the median of 5. ``--label`` tags the rows (a variant of the
 kernel being compared). Usage: ``python benchmarks/quantize_passes.py [--shapes qwen3,dsv3]
 [--label NAME] [--json PATH]``.
@@ -18,9 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from fp8_gemm import quantize_rows  # benchmarks/fp8_gemm.py (this script's directory)
 
-from megablocks_core import ops
-from megablocks_core.formats import FORMAT_NAMES
 from megablocks_core.shapes import SHAPES
 
 
@@ -48,22 +47,11 @@ def rows_of(name: str, label: str) -> list[dict[str, Any]]:
     w1 = torch.randn(experts, hidden, ffn, device=device).bfloat16()
     h = torch.randn(rows, ffn, device=device).bfloat16()
     w2 = torch.randn(experts, ffn, hidden, device=device).bfloat16()
-    buffer = torch.empty(rows * hidden * 2, dtype=torch.uint8, device=device)
-    bandwidth = 2 * buffer.numel() / gpu_us(buffer.clone)  # bytes per µs, read + write
     out = []
-    for fmt in FORMAT_NAMES:
-        for what, tensor, dim in (
-            ("tokens", x, 1),
-            ("rows", h, 1),
-            ("w1-transposed", w1.transpose(1, 2), 2),
-            ("w2", w2, 1),
-        ):
-            us = gpu_us(lambda t=tensor, d=dim, f=fmt: ops.quantize(t, d, f))
-            ideal = tensor.numel() * 3 / bandwidth
-            row = {"variant": label, "shape": name, "quantize": what, "format": fmt, "us": us,
-                   "ideal_us": ideal, "ratio": us / ideal}  # fmt: skip
-            print(label, name, what, fmt, round(us, 1), round(us / ideal, 2), flush=True)
-            out.append(row)
+    for row in quantize_rows(x, h, w1, w2, gpu_us):
+        out.append({"variant": label, "shape": name, **row})
+        print(label, name, row["quantize"], row["format"], round(row["us"], 1),
+              round(row["ratio"], 2), flush=True)  # fmt: skip
     return out
 
 

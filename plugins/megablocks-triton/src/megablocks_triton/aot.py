@@ -230,19 +230,16 @@ def _op_calls(shape: CompileShape, dtype: torch.dtype) -> Iterator[tuple[str, Ca
                 gated_rows, w2_t, pair_ids, pair_ids, pair_weights, counts, k, True, "swiglu"
             ),
         )
-        two = _meta(2, dtype=i32)  # top-2 (Mixtral's): fewer warps, longer steps
+        # Top-2 too (Mixtral's): fewer warps, longer steps (the same launch as above at k = 2).
+        two, two_rows, two_weights = (
+            _meta(2, dtype=i32),
+            _meta(2, 2 * f, dtype=dtype),
+            _meta(2, dtype=dtype),
+        )
         yield (
             "gmm_scatter",
             lambda: gmm.gmm_scatter(
-                _meta(2, 2 * f, dtype=dtype),
-                w2_t,
-                two,
-                two,
-                _meta(2, dtype=dtype),
-                counts,
-                2,
-                True,
-                "swiglu",
+                two_rows, w2_t, two, two, two_weights, counts, 2, True, "swiglu"
             ),
         )
         yield (
