@@ -30,6 +30,7 @@ from .launch_types import (
     GmmConfig,
     PermutationConfig,
     RoutingConfig,
+    RowCopyConfig,
     TokenGmmConfig,
     dtype_class,
 )
@@ -192,6 +193,16 @@ class LaunchConfigs:
         # on the GPU (6.5 against 7.5 in 2048-id steps), at 4096 more so (7.7 against 11.5).
         rows = num_tokens * top_k
         return next_power_of_2(rows) if rows <= 1024 else 0
+
+    def row_copy(self, hidden: int, element_size: int) -> RowCopyConfig:
+        """moe_permute's launch: each token's row of ``hidden`` elements of ``element_size``
+        bytes, copied to its slots' rows by one program per hidden block."""
+        # H200, T = 16384 (docs/performance.md): the whole row up to 8K elements, 16 bytes a
+        # thread: 111 µs against 113 with 1K-element blocks of 4 warps at Mixtral's widths,
+        # 189 against 193 at Qwen3's, 601 against 629 at DeepSeek-V3's.
+        block_h = min(next_power_of_2(max(hidden, 1)), 8192)
+        num_warps = min(max(block_h * element_size // (16 * 32), 4), 16)
+        return RowCopyConfig(block_h=block_h, num_warps=num_warps)
 
     def token_gmm_scatter(
         self,

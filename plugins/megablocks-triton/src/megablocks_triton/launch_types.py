@@ -47,6 +47,15 @@ class PermutationConfig:
 
 
 @dataclass(frozen=True)
+class RowCopyConfig:
+    """moe_permute's launch shape: one program per token and hidden block."""
+
+    block_h: int
+    """Hidden elements per program (power of two)."""
+    num_warps: int
+
+
+@dataclass(frozen=True)
 class TokenGmmConfig:
     """gmm_scatter's few-token launch shape (one program per token and column block)."""
 

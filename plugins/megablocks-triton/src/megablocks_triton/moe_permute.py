@@ -561,11 +561,11 @@ def moe_permute(
     # Only the rows no slot names are zeroed, after the copies: not the whole output first.
     out = torch.empty(num_out_tokens, hidden, dtype=x.dtype, device=x.device)
     named = torch.zeros(num_out_tokens, dtype=torch.uint8, device=x.device)
-    block = _hidden_block(hidden)
     cols, count, compact = _compact_slots(row_map, num_out_tokens)
+    shape = launch_configs().row_copy(hidden, x.element_size())
     launch(
         _permute_kernel,
-        (tokens, cdiv(hidden, block)),
+        (tokens, cdiv(hidden, shape.block_h)),
         x,
         row_map,
         row_map if probs is None else probs,  # an unread placeholder without probs
@@ -578,7 +578,8 @@ def moe_permute(
         num_out_tokens,
         HAS_PROBS=probs is not None,
         COMPACT=compact,
-        BLOCK_H=block,
+        BLOCK_H=shape.block_h,
+        num_warps=shape.num_warps,
         **_options(),
     )
     launch(
