@@ -10,6 +10,7 @@ takes one)."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import os
 
@@ -153,10 +154,18 @@ def test_quantize_edges(backend):
         ],
         device=device,
     )
-    for enc in _encodings(backend):
+    # The rows as they are, through a transposed view, and as the columns of a matrix (the
+    # column passes): the same blocks, so the same codes and scales.
+    columns = x.t().contiguous()[None]
+    for enc, view in itertools.product(_encodings(backend), ("rows", "transposed", "columns")):
         with use_backend(backend):
-            data, scale = ops.quantize(x, 1, "fp8_rowwise", enc.name)
-        codes = data.cpu().view(torch.uint8).tolist()
+            if view == "columns":
+                data, scale = ops.quantize(columns, 1, "fp8_rowwise", enc.name)
+                data, scale = data[0].t(), scale[0].t()
+            else:
+                rows = x if view == "rows" else x.t().contiguous().t()
+                data, scale = ops.quantize(rows, 1, "fp8_rowwise", enc.name)
+        codes = data.cpu().contiguous().view(torch.uint8).tolist()
         nan_code = 0x7F if enc.negative_zero else 0x80
         assert codes[1] == codes[2] == [nan_code] * 4  # a non-finite block: all NaN
         assert math.isnan(scale[1, 0]) and math.isnan(scale[2, 0])
@@ -182,9 +191,9 @@ def test_quantize_matches_the_definition_bit_for_bit(backend, shape, reduce_dim)
     device = _device(backend)
     gen = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(shape, generator=gen) * 5).to(device)
-    views = [x]
-    if x.dim() == 3:  # a transposed view, as the FP8 recipes quantize their weights
-        views.append(x.transpose(1, 2).contiguous().transpose(1, 2))
+    # and a transposed view, as the FP8 recipes quantize their weights (Triton reads its
+    # stored layout and writes the codes transposed)
+    views = [x, x.transpose(-1, -2).contiguous().transpose(-1, -2)]
     for fmt in FORMATS:
         block = formats.FORMATS[fmt].block(x.dim(), reduce_dim)
         for enc in _encodings(backend):

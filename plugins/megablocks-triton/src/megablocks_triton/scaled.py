@@ -81,9 +81,23 @@ def _hardware_conversion(device: DeviceInfo, encoding: str) -> bool:
 # quantize
 # --------------------------------------------------------------------------------------------
 
-#: (R, C) tile of the quantize kernel per mode: "tile" is the format's square block; the others
-#: keep ~4K elements per program.
-_QUANTIZE_TILES = {"row_tile": (32, 128), "row": (8, 512), "column": (64, 64)}
+
+def _quantize_launch(mode: str, block: tuple[int, int], c: int, row_major: bool) -> tuple[int, ...]:
+    """(BLOCK_R, BLOCK_C, num_warps) of the quantize kernel: "tile" takes the format's square
+    block, "row_tile" 32 of its 1 x 128 blocks; the whole-row and whole-column passes a tile of
+    4K-8K elements, chosen on the H200 (docs/performance.md)."""
+    if mode == "tile":
+        # 16 warps for a row-major tensor: 4 took every register of sm_90a (megablocks backends
+        # compile) and 2.5x the ideal bytes against 1.4x; across a transposed view 16 were slower.
+        return (*block, 16 if row_major else 4)
+    if mode == "row_tile":
+        return 32, block[1], 4
+    if mode == "column":  # 1.7-1.9x the ideal bytes (64 x 64: 1.8-1.9x)
+        return 64, 128, 4
+    # Whole rows: 512 columns a step, 256 where that divides the row and 512 does not (768:
+    # 1.50x against 1.87x); 8 warps (1.30-1.75x against 1.44-1.92x with 4).
+    block_c = 256 if c % 512 and not c % 256 else 512
+    return 4096 // block_c, block_c, 8
 
 
 def quantize(
@@ -112,17 +126,18 @@ def quantize(
         mode = "row_tile"
     else:
         mode = "tile"
-    block_r, block_c = (br, bc) if mode == "tile" else _QUANTIZE_TILES[mode]
-    if mode == "row_tile":
-        block_c = bc
-    # A square block of a row-major tensor (a weight's 128x128 blocks) in 16 warps, not 4: 4
-    # took every register of sm_90a (megablocks backends compile) and, on the H200, 2.5x its
-    # ideal bytes against 1.4x. Across a transposed view, and in the other modes, 16 warps (or a
-    # row read once in one tile) were slower (docs/performance.md).
-    num_warps = 16 if mode == "tile" and view.stride(-1) == 1 else 4
+    scale3 = scale if x.dim() == 3 else scale.unsqueeze(0)
+    transposed = mode in ("row", "tile") and view.stride(-1) != 1 and view.stride(-2) == 1
+    if transposed:
+        # A transposed view (a weight's transpose, the layout the GEMMs read): its transpose,
+        # the stored layout, read along its contiguous dim (rows become columns, tiles stay
+        # tiles), and the codes written transposed back into x's shape.
+        view, scale3 = view.transpose(1, 2), scale3.transpose(1, 2)
+        experts, r, c = view.shape
+        mode, br, bc = ("column" if mode == "row" else mode), bc, br
+    block_r, block_c, num_warps = _quantize_launch(mode, (br, bc), c, view.stride(-1) == 1)
     r_tiles = 1 if mode == "column" else cdiv(r, block_r)
     c_tiles = 1 if mode == "row" else cdiv(c, block_c)
-    scale3 = scale if x.dim() == 3 else scale.unsqueeze(0)
     hardware = _hardware_conversion(info, enc.name)
     import triton.language as tl  # type: ignore[import-untyped]
 
@@ -138,7 +153,7 @@ def quantize(
         BLOCK_R=block_r, BLOCK_C=block_c, MODE=mode,
         MAX=enc.max, BIAS=enc.exponent_bias, NEG_ZERO=enc.negative_zero,
         NAN_BITS=0x7F if enc.negative_zero else 0x80,
-        POW2=fmt.power_of_two, HARDWARE=hardware, FP8=fp8,
+        POW2=fmt.power_of_two, HARDWARE=hardware, FP8=fp8, TRANSPOSED=transposed,
         num_warps=num_warps,
     )  # fmt: skip
     return data, scale

@@ -79,6 +79,20 @@ def _nonfinite(values):
 
 
 @triton.jit
+def _running_peak(peak, values):
+    """Elementwise the largest |value| so far, NaN once any value was NaN: the passes over a
+    row or column keep a whole tile of these and reduce it once, after the loop."""
+    return tl.maximum(peak, tl.abs(values), propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _peak_amax(peak, axis: tl.constexpr):
+    """(amax, whether the block held a NaN or an infinity) along ``axis`` of a running peak."""
+    bad = tl.max(_nonfinite(peak).to(tl.int32), axis) > 0
+    return tl.max(tl.where(_nonfinite(peak), 0.0, peak), axis), bad
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr,
     R, C, r_tiles, c_tiles,
@@ -86,12 +100,13 @@ def _quantize_kernel(
     stride_se, stride_sr, stride_sc,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr,
     MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
-    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
+    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):  # fmt: skip
     """x viewed as (E, R, C) with any strides -> data (E, R, C) contiguous (as uint8 codes) and
     its scales (strided as given). MODE "tile": one scale per (BLOCK_R, BLOCK_C) tile; "row_tile":
     one per row of each tile (1 x BLOCK_C blocks); "row": one per whole row (two passes over C);
-    "column": one per whole column (two passes over R). Program (e, r-tile, c-tile)."""
+    "column": one per whole column (two passes over R). TRANSPOSED ("tile", "column"): the data
+    stored (E, C, R) contiguous instead. Program (e, r-tile, c-tile)."""
     pid = tl.program_id(0)
     e = pid // (r_tiles * c_tiles)
     rest = pid % (r_tiles * c_tiles)
@@ -129,11 +144,11 @@ def _quantize_kernel(
                 values, scale[:, None], bad[:, None], MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE,
                 FP8,
             )  # fmt: skip
-        tl.store(d_base + r_off * C + c_off, codes, mask=mask)
+        d_off = c_off * R + r_off if TRANSPOSED else r_off * C + c_off
+        tl.store(d_base + d_off, codes, mask=mask)
     elif MODE == "row":
         r_ok = (rows < R)[:, None]
-        amax = tl.zeros((BLOCK_R,), tl.float32)
-        bad_count = tl.zeros((BLOCK_R,), tl.int32)
+        peak = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c_at = c0 + tl.arange(0, BLOCK_C)
             mask = r_ok & (c_at < C)[None, :]
@@ -142,9 +157,8 @@ def _quantize_kernel(
                 mask=mask,
                 other=0.0,
             ).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(values), 1))
-            bad_count += tl.sum(_nonfinite(values).to(tl.int32), 1)
-        bad = bad_count > 0
+            peak = _running_peak(peak, values)
+        amax, bad = _peak_amax(peak, 1)
         scale = _block_scale(amax, bad, MAX, POW2)
         tl.store(s_base + rows.to(tl.int64) * stride_sr, scale, mask=rows < R)
         for c0 in range(0, C, BLOCK_C):
@@ -159,8 +173,7 @@ def _quantize_kernel(
             tl.store(d_base + r_off * C + c64, codes, mask=mask)
     else:  # "column"
         c_ok = (cols < C)[None, :]
-        amax = tl.zeros((BLOCK_C,), tl.float32)
-        bad_count = tl.zeros((BLOCK_C,), tl.int32)
+        peak = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         for r0 in range(0, R, BLOCK_R):
             r_at = r0 + tl.arange(0, BLOCK_R)
             mask = (r_at < R)[:, None] & c_ok
@@ -169,9 +182,8 @@ def _quantize_kernel(
                 mask=mask,
                 other=0.0,
             ).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(values), 0))
-            bad_count += tl.sum(_nonfinite(values).to(tl.int32), 0)
-        bad = bad_count > 0
+            peak = _running_peak(peak, values)
+        amax, bad = _peak_amax(peak, 0)
         scale = _block_scale(amax, bad, MAX, POW2)
         tl.store(s_base + cols.to(tl.int64) * stride_sc, scale, mask=cols < C)
         for r0 in range(0, R, BLOCK_R):
@@ -183,7 +195,8 @@ def _quantize_kernel(
                 values.to(tl.float32), scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO,
                 NAN_BITS, HARDWARE, FP8,
             )  # fmt: skip
-            tl.store(d_base + r64 * C + c_off, codes, mask=mask)
+            d_off = c_off * R + r64 if TRANSPOSED else r64 * C + c_off
+            tl.store(d_base + d_off, codes, mask=mask)
 
 
 @triton.jit
