@@ -431,6 +431,22 @@ def test_triton_matches_the_loop_on_multi_block_shapes(
 
 
 @needs_triton_device
+@pytest.mark.parametrize("index_form", [False, True])
+def test_triton_map_with_a_count_table_scanned_in_several_steps(index_form, monkeypatch):
+    """The scan down the tiles' count table in steps of two tiles, across many small tiles: the
+    running sums carried from step to step (real shapes take one or a few steps)."""
+    from megablocks_triton import moe_permute as kernels
+
+    monkeypatch.setattr(kernels, "SCAN_COLS", 4)
+    monkeypatch.setattr(kernels, "SCAN_STEP", 8)  # 2 tiles a step
+    monkeypatch.setattr(kernels, "MASK_MAP_TILE", 256)  # 8 tokens of 32 experts a tile
+    tokens, experts, top_k = 300, 32, 3
+    mask = top_k_mask(tokens, experts, top_k, 0, 5)
+    routing = mask.nonzero()[:, 1].view(tokens, top_k).to(torch.int64) if index_form else mask
+    _triton_against_the_loop(routing, experts, tokens * top_k + experts * 15, 16, 8, 6)
+
+
+@needs_triton_device
 @pytest.mark.parametrize("experts", [40, 130])  # 130: more slots than the pre-pass's chunk
 def test_triton_compacted_slots_match_the_per_slot_loop_and_a_plain_loop(experts, monkeypatch):
     """Mask-form row maps with many slots go through the compaction pre-pass: its lists, and

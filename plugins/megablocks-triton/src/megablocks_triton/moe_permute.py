@@ -65,12 +65,17 @@ COMPACT_TILE = 2048
 #: bytes per expert per tile of MASK_MAP_TILE / experts tokens: past this it would outgrow the
 #: mask itself, and the per-expert scans take over.
 MAX_MAP_EXPERTS = 1024
-#: Mask entries (tokens x experts) in one tile of the tiled map build, and its programs' warps.
+#: Mask entries (tokens x experts) in one tile of the tiled map build.
 MASK_MAP_TILE = 4096
-MASK_MAP_WARPS = 8
 #: An index-form map of at most this many slots is mapped by one program in one launch (a
 #: mask-form map is when one tile of MASK_MAP_TILE entries holds every token).
 SINGLE_MAP_TILE = 256
+#: The count table's scan: columns per program, table entries per step, warps (H200, the map
+#: build from a CUDA graph: 19.0 against 28.3 µs at Qwen3's mask, 31.9 against 54.9 at
+#: DeepSeek-V3's, with the mask tiles' warps below; 32 columns and 64 tiles a step before).
+SCAN_COLS = 4
+SCAN_STEP = 4096
+SCAN_WARPS = 4
 #: Output rows per program of the pass that zeroes the rows no slot names, and its tile.
 ZERO_ROWS = 32
 ZERO_TILE = 4096
@@ -288,7 +293,7 @@ def _scan_tiles(table: torch.Tensor, tiles: int, nb: int) -> tuple[torch.Tensor,
     every slot per expert."""
     before = torch.empty(tiles * nb, dtype=torch.int32, device=table.device)
     total = torch.empty(nb, dtype=torch.int32, device=table.device)
-    cols = min(nb, 32)
+    cols, rows, warps = _scan_shape(tiles, nb)
     launch(
         _tile_scan_kernel,
         (nb // cols,),
@@ -298,11 +303,24 @@ def _scan_tiles(table: torch.Tensor, tiles: int, nb: int) -> tuple[torch.Tensor,
         tiles,
         NB=nb,
         COLS=cols,
-        ROWS=64,
-        num_warps=4,
+        ROWS=rows,
+        num_warps=warps,
         **_options(),
     )
     return before, total
+
+
+def _scan_shape(tiles: int, nb: int) -> tuple[int, int, int]:
+    """(COLS, ROWS, num_warps) of the scan down a (tiles, nb) count table: few columns per
+    program and most of the tiles per step (each step is a dependent load, scan and store)."""
+    cols = min(nb, SCAN_COLS)
+    return cols, min(next_power_of_2(tiles), max(SCAN_STEP // cols, 1)), SCAN_WARPS
+
+
+def _mask_map_warps(nb: int) -> int:
+    """Warps of the mask map's tile programs: 8 for tall tiles of a few experts (Mixtral's 8:
+    12.6 against 14.4 µs with 4), 4 for many experts (Qwen3's 128, DeepSeek-V3's 256)."""
+    return 8 if nb <= 16 else 4
 
 
 def _map_mask(
@@ -312,11 +330,12 @@ def _map_mask(
     nb = next_power_of_2(experts)
     bt = min(max(MASK_MAP_TILE // nb, 1), next_power_of_2(tokens))
     tiles = cdiv(tokens, bt)
+    warps = _mask_map_warps(nb)
     before = total = row_map  # unread placeholders when one tile holds every token
     if tiles > 1:
         table = torch.empty(tiles * nb, dtype=torch.int32, device=mask.device)
         scalars = (tokens, experts)
-        kw = {"NB": nb, "BT": bt, "num_warps": MASK_MAP_WARPS, **_options()}
+        kw = {"NB": nb, "BT": bt, "num_warps": warps, **_options()}
         launch(_mask_histogram_kernel, (tiles,), mask, table, *scalars, **kw)
         before, total = _scan_tiles(table, tiles, nb)
     launch(
@@ -334,7 +353,7 @@ def _map_mask(
         NB=nb,
         BT=bt,
         SINGLE=tiles == 1,
-        num_warps=MASK_MAP_WARPS,
+        num_warps=warps,
         **_options(),
     )
 
