@@ -447,3 +447,46 @@ def test_conformance_kit(ext):
     failures = [r for r in results if r.status == "fail"]
     assert not failures, [r.message for r in failures]
     assert any(r.backend == "cuda" and r.status == "pass" for r in results)
+
+
+_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _SM90, reason="torch._scaled_grouped_mm's provider serves compute 9.x")
+@pytest.mark.parametrize("sizes", [[700, 0, 513, 811], [2048, 0, 0, 0], [0, 0, 0, 0]])
+def test_scaled_grouped_mm_against_a_float64_loop(sizes):
+    """The provider's scaled_gmm against the dequantized operands multiplied in float64: uneven
+    and empty groups, rows past the groups (zero), device-side sizes; and ranking sends it this
+    call (k, n >= 2048, 512 rows per expert)."""
+    from megablocks_cuda import gmm
+
+    import megablocks_core.ops as ops
+    from megablocks_core import formats
+    from megablocks_core.contracts import BY_NAME
+    from megablocks_core.dispatch import describe_call, explain, explain_call
+
+    experts, k, n, rows = 4, 2048, 2048, 2048 + 64  # 64 rows past the groups
+    g = torch.Generator(device=DEV).manual_seed(sum(sizes))
+    a = torch.randn(rows, k, device=DEV, generator=g)
+    w = torch.randn(experts, n, k, device=DEV, generator=g) / k**0.5
+    rowwise = formats.FORMATS["fp8_rowwise"]
+    qa, sa = formats.quantize(a, rowwise.block(2, 1), formats.E4M3FN, False)
+    qb, sb = formats.quantize(w, rowwise.block(3, 2), formats.E4M3FN, False)
+    batch_sizes = torch.tensor(sizes, dtype=torch.int32, device=DEV)
+    out = gmm.scaled_grouped_mm_gmm(qa, sa, qb, sb, batch_sizes, True, "fp8_rowwise", None)
+    da = formats.dequantize(qa, sa, rowwise.block(2, 1)).double()
+    db = formats.dequantize(qb, sb, rowwise.block(3, 2)).double()
+    want = torch.zeros(rows, n, dtype=torch.float64, device=DEV)
+    start = 0
+    for e, size in enumerate(sizes):
+        want[start : start + size] = da[start : start + size] @ db[e].T
+        start += size
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    scale = max(want.abs().max().item(), 1e-30)
+    assert (out.double() - want).abs().max().item() <= 2**-7 * scale  # bf16 output
+    assert not out[start:].any()  # rows past the groups
+    args = (qa, sa, qb, sb, batch_sizes, True, "fp8_rowwise", "bfloat16")
+    trace = explain("scaled_gmm", qa.device, {"a": qa.dtype, "b": qb.dtype})
+    kernel, why = explain_call(trace, describe_call(BY_NAME["scaled_gmm"], args))
+    assert kernel is not None and kernel.variant == "scaled_grouped_mm", why
+    assert torch.equal(ops.scaled_gmm(*args), out)

@@ -110,7 +110,7 @@ def test_unavailable_on_cpu_torch_with_a_reason(monkeypatch):
     assert record.status == "unavailable"
     assert "without CUDA" in record.reason
     assert record.distribution == "megablocks-cuda" and record.version == "0.1.0"
-    assert set(record.ops) == {*ROUTING, "route", "scatter", "gmm", "gmm_weight_grad"}
+    assert set(record.ops) == {*ROUTING, "route", "scatter", "gmm", "gmm_weight_grad", "scaled_gmm"}
     assert extension.loaded() is None  # listing never builds or loads the extension
 
 
@@ -135,6 +135,7 @@ def test_every_op_is_registered_with_its_variant_and_dtypes():
         | {(op, "one-block") for op in ("sort", "route")}
         | {("scatter", "scan")}
         | {(op, v) for op in ("gmm", "gmm_weight_grad") for v in ("grouped_mm", "grouped_gemm")}
+        | {("scaled_gmm", "scaled_grouped_mm")}
     )
     assert set(kernels) == expected
     for op in ROUTING:
@@ -163,7 +164,9 @@ def test_every_op_is_registered_with_its_variant_and_dtypes():
 
 
 def test_cost_hooks_are_declared_for_the_grouped_gemms():
-    assert all(callable(k.cost) for k in plugin.megablocks_grouped_gemm_kernels())
+    # (The FP8 provider takes its calls by shape predicate, in the vendor tier: no cost hint.)
+    bf16 = [k for k in plugin.megablocks_grouped_gemm_kernels() if k.op != "scaled_gmm"]
+    assert bf16 and all(callable(k.cost) for k in bf16)
     assert all(k.cost is None for k in plugin.megablocks_routing_kernels())
 
 
@@ -568,3 +571,86 @@ def test_grouped_gemm_provider_hands_short_host_sizes_to_grouped_mm(fake_grouped
     wg = gmm.grouped_gemm_gmm_weight_grad(a, grad, sizes)
     torch.testing.assert_close(wg.double(), loop_weight_grad(a[:22], grad[:22], sizes), **tol)
     assert fake_grouped_gemm == []
+
+
+# ---------------------------------------------------------------- torch._scaled_grouped_mm
+
+E4M3 = torch.float8_e4m3fn
+SCALED_FP8 = {"a": E4M3, "b": E4M3, "a_scale": torch.float32, "b_scale": torch.float32}
+
+
+def _scaled_call(rows_per_expert, k, n, experts, trans_b=True, out_dtype=None):
+    b = (experts, n, k) if trans_b else (experts, k, n)
+    return {
+        "a": TensorMeta((rows_per_expert * experts, k), E4M3, "cuda"),
+        "b": TensorMeta(b, E4M3, "cuda"),
+        "batch_sizes": TensorMeta((experts,), torch.int32, "cuda"),
+        "trans_b": trans_b,
+        "format": "fp8_rowwise",
+        "out_dtype": out_dtype,
+    }
+
+
+def test_scaled_grouped_mm_is_declared_for_fp8_rowwise_only():
+    (k,) = [k for k in _kernels() if k.variant == "scaled_grouped_mm"]
+    assert k.op == "scaled_gmm" and k.formats == ("fp8_rowwise",) and k.contiguous
+    assert k.dtypes == {"a": {E4M3}, "b": {E4M3}}  # OCP data only: no FNUZ on NVIDIA
+    assert k.tier == plugin.MEASURED_FASTER_TIER == Tier.VENDOR  # above triton, where it takes
+
+
+def test_scaled_grouped_mm_only_where_it_was_measured():
+    assert plugin.scaled_grouped_mm_capability(H200) is None
+    for device in (B200, A100, RTX, MI300, CPU):  # Blackwell: unmeasured, so not claimed
+        assert plugin.scaled_grouped_mm_capability(device) is not None
+
+
+@pytest.mark.parametrize(
+    ("call", "accepted"),
+    [
+        (_scaled_call(4096, 4096, 14336, 8), True),  # Mixtral's up projection
+        (_scaled_call(512, 2048, 7168, 256), True),  # DeepSeek-V3's down projection
+        (_scaled_call(256, 2880, 2880, 32), True),  # GPT-OSS, 256 rows per expert
+        (_scaled_call(1024, 2048, 1536, 128), False),  # Qwen3's widths: triton's is faster
+        (_scaled_call(64, 7168, 4096, 256), False),  # 64 rows per expert: triton's is faster
+        (_scaled_call(4096, 1024, 2048, 8), False),  # k = 1024
+        (_scaled_call(4096, 4096, 14336, 8, trans_b=False), False),  # b stored (E, k, n)
+        (_scaled_call(4096, 4096, 14336, 8, out_dtype="float32"), False),
+        (_scaled_call(4096, 4104, 14336, 8), False),  # k not a multiple of 16
+    ],
+)
+def test_scaled_grouped_mm_takes_the_calls_measured_faster(call, accepted):
+    assert (plugin.scaled_grouped_mm_supports(H200, call) is None) == accepted
+
+
+def test_scaled_gmm_goes_to_torch_or_triton_per_shape_on_an_h200():
+    triton_like = megablocks_core.Kernel(
+        op="scaled_gmm",
+        fn=lambda *args: None,
+        devices=("cuda",),
+        tier=Tier.GENERIC_ACCELERATOR,
+        formats=("fp8_rowwise", "fp8_blockwise"),
+        backend="triton",
+    )
+    records = dict(_registry().plugins)
+    records["triton"] = PluginRecord(
+        "triton", "megablocks-triton", "0.1.0", "ok", None, (triton_like,)
+    )
+    trace = rank(Registry(records), "scaled_gmm", H200, SCALED_FP8)
+    assert for_call(trace, _scaled_call(4096, 4096, 14336, 8))[0].backend == "cuda"
+    assert for_call(trace, _scaled_call(1024, 2048, 1536, 128))[0].backend == "triton"
+    blockwise = {**_scaled_call(4096, 4096, 14336, 8), "format": "fp8_blockwise"}
+    assert for_call(trace, blockwise)[0].backend == "triton"
+
+
+def test_scaled_grouped_mm_gmm_refuses_what_ranking_never_sends():
+    a = torch.zeros(4, 32, dtype=E4M3)
+    with pytest.raises(ValueError, match="trans_b=True"):
+        gmm.scaled_grouped_mm_gmm(
+            a, torch.ones(4, 1), torch.zeros(2, 32, 32, dtype=E4M3), torch.ones(2, 1, 32),
+            torch.tensor([2, 2]), False, "fp8_rowwise", None,
+        )  # fmt: skip
+    empty = gmm.scaled_grouped_mm_gmm(
+        a[:0], torch.ones(0, 1), torch.zeros(2, 16, 32, dtype=E4M3), torch.ones(2, 16, 1),
+        torch.tensor([0, 0]), True, "fp8_rowwise", None,
+    )  # fmt: skip
+    assert empty.shape == (0, 16) and empty.dtype == torch.bfloat16

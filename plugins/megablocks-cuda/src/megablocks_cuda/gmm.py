@@ -1,11 +1,16 @@
-"""Grouped-GEMM providers: ``torch._grouped_mm`` and the ``grouped_gemm`` package.
+"""Grouped-GEMM providers: ``torch._grouped_mm``, the ``grouped_gemm`` package and, for FP8,
+``torch._scaled_grouped_mm``.
 
-Both implement the core's contracts (``docs/contracts.md``):
+The bf16 ones implement the core's contracts (``docs/contracts.md``):
 
 * ``gmm(a, b, batch_sizes, trans_b)``: rows ``bins[e-1]:bins[e]`` of the output are
   ``a[those rows] @ b[e]`` (``@ b[e].T`` with ``trans_b``), in a's dtype;
 * ``gmm_weight_grad(a, grad, batch_sizes)``: ``out[e] = a_e.T @ grad_e``, shape (E, K, N),
   exactly 0 for an expert without rows.
+
+``scaled_grouped_mm_gmm`` is ``scaled_gmm`` in the ``fp8_rowwise`` format with b stored (E, n, k)
+(``trans_b``, the layout the FP8 recipes quantize): torch's rowwise scales are the format's, a's
+per row and b's per output column, so the data and scales go in as they are.
 
 ``grouped_mm`` never syncs the host: the group end offsets are an int32 cumsum computed on the
 device (CPU ``batch_sizes`` are copied there asynchronously). ``grouped_gemm`` takes its sizes
@@ -22,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from megablocks_core.plugin import out_dtype_of
 
 from . import extension
 
@@ -225,3 +232,38 @@ def grouped_gemm_gmm_weight_grad(a: Tensor, grad: Tensor, batch_sizes: Tensor) -
         return grouped_mm_gmm_weight_grad(a, grad, batch_sizes)
     out = grouped_gemm_backend().gmm(a, grad, sizes, True, False)
     return _zero_empty_experts(out, sizes)
+
+
+# ---------------------------------------------------------------- torch._scaled_grouped_mm
+
+
+def scaled_grouped_mm_function() -> Callable[..., Tensor] | None:
+    """``torch._scaled_grouped_mm`` when this torch has it, else None."""
+    return getattr(torch, "_scaled_grouped_mm", None)
+
+
+def scaled_grouped_mm_gmm(
+    a: Tensor,
+    a_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    batch_sizes: Tensor,
+    trans_b: bool,
+    format: str,
+    out_dtype: str | None,
+) -> Tensor:
+    """``scaled_gmm`` of ``fp8_rowwise`` operands, b (E, n, k) (trans_b: the plugin's shape
+    predicate declines the other layout), through torch's sync-free CUTLASS kernel."""
+    if not trans_b or format != "fp8_rowwise":  # a direct call; ranking never sends these
+        raise ValueError("scaled_grouped_mm_gmm takes fp8_rowwise operands with trans_b=True")
+    (m, k), (experts, n) = a.shape, b.shape[:2]
+    dtype = out_dtype_of(out_dtype)
+    if 0 in (m, k, n, experts):  # a sum over nothing: zeros
+        return torch.zeros(m, n, dtype=dtype, device=a.device)
+    found = scaled_grouped_mm_function()
+    if found is None:
+        raise RuntimeError(f"torch {torch.__version__} has no _scaled_grouped_mm")
+    offs = _end_offsets(batch_sizes, a.device, m)
+    scale_a, scale_b = a_scale.reshape(m), b_scale.reshape(experts, n)
+    out = found(a, b.transpose(1, 2), scale_a, scale_b, offs=offs, out_dtype=dtype)
+    return _zero_uncovered_rows(out, offs, batch_sizes)

@@ -18,7 +18,12 @@ Provides
 * grouped GEMM: gmm and gmm_weight_grad, variant ``grouped_mm`` (``torch._grouped_mm``, bf16,
   compute capability 9.x/10.x, no host sync) and variant ``grouped_gemm`` (the ``grouped_gemm``
   package, bf16, when installed; syncs the host for device-side batch sizes), in triton's
-  generic-accelerator tier: the cost hints of :mod:`megablocks_cuda.tuning` pick per shape.
+  generic-accelerator tier: the cost hints of :mod:`megablocks_cuda.tuning` pick per shape;
+* FP8: scaled_gmm, variant ``scaled_grouped_mm`` (``torch._scaled_grouped_mm``, ``fp8_rowwise``
+  with b stored (E, n, k), e4m3fn data, bf16 output, compute capability 9.x, no host sync), in
+  the vendor tier for the calls where it was measured faster than triton's scaled_gmm on the
+  H200 (:mod:`megablocks_cuda.tuning`: k and n of at least 2048, 256 rows per expert or more);
+  other calls go to the next kernel.
 
 The CUB routing kernels are in that tier too, but yield to triton's (``Kernel.yields_to``) until
 GPU measurements say otherwise: they serve where triton cannot (not installed, a shape it
@@ -77,6 +82,9 @@ GMM_DTYPES: dict[str, dict[str, frozenset[torch.dtype]]] = {
 #: Compute capabilities (major) where torch._grouped_mm runs its sync-free CUTLASS kernels;
 #: elsewhere it loops over groups after copying the offsets to the host.
 GROUPED_MM_MAJORS = (9, 10)
+#: Compute capabilities (major) where torch._scaled_grouped_mm was measured (the H200).
+SCALED_GROUPED_MM_MAJORS = (9,)
+SCALED_DTYPES = {"a": frozenset({torch.float8_e4m3fn}), "b": frozenset({torch.float8_e4m3fn})}
 # ---------------------------------------------------------------- capability predicates
 
 
@@ -113,6 +121,20 @@ def grouped_mm_capability(device: DeviceInfo) -> str | None:
     return None
 
 
+def scaled_grouped_mm_capability(device: DeviceInfo) -> str | None:
+    if device.kind != "cuda" or device.capability is None:
+        return _nvidia(device)
+    if device.capability[0] not in SCALED_GROUPED_MM_MAJORS:
+        return (
+            f"torch._scaled_grouped_mm was measured against triton's scaled_gmm on compute "
+            f"capability 9.x only; {device.name or device} is "
+            f"{'.'.join(map(str, device.capability))}"
+        )
+    if gmm.scaled_grouped_mm_function() is None:
+        return f"torch {torch.__version__} has no _scaled_grouped_mm"
+    return None
+
+
 def grouped_gemm_capability(device: DeviceInfo) -> str | None:
     if device.kind != "cuda" or device.capability is None:
         return _nvidia(device)
@@ -138,6 +160,31 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
     if bad:
         return (
             f"torch._grouped_mm needs 16-byte rows: {', '.join(bad)} not a multiple of {multiple}"
+        )
+    return None
+
+
+def scaled_grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
+    """torch._scaled_grouped_mm takes b stored (E, n, k), bf16 output, 16-byte rows; and only
+    the calls where it was measured faster than triton's scaled_gmm (:mod:`megablocks_cuda.tuning`)."""
+    if not call["trans_b"]:
+        return "torch._scaled_grouped_mm takes b stored (E, n, k) (trans_b=True)"
+    if call["out_dtype"] not in (None, "bfloat16"):
+        return (
+            f"torch._scaled_grouped_mm's rowwise scaling writes bfloat16, not {call['out_dtype']}"
+        )
+    rows, k, n, experts = gmm_problem(call)
+    if k % 16 or n % 16:
+        return f"torch._scaled_grouped_mm needs k and n multiples of 16 (k = {k}, n = {n})"
+    if k < tuning.SCALED_GROUPED_MM_FEWEST_K or n < tuning.SCALED_GROUPED_MM_FEWEST_N:
+        return (
+            f"k = {k}, n = {n}: torch._scaled_grouped_mm was faster than triton's only from "
+            f"k, n >= {tuning.SCALED_GROUPED_MM_FEWEST_K}"
+        )
+    if rows < tuning.SCALED_GROUPED_MM_FEWEST_ROWS_PER_EXPERT * max(experts, 1):
+        return (
+            f"{rows} rows for {experts} experts: torch._scaled_grouped_mm was faster than "
+            f"triton's only from {tuning.SCALED_GROUPED_MM_FEWEST_ROWS_PER_EXPERT} rows per expert"
         )
     return None
 
@@ -289,4 +336,17 @@ def megablocks_grouped_gemm_kernels() -> list[Kernel]:
         )
         for variant, check, supports, host_only, fns in providers
         for op, fn in fns.items()
+    ] + [
+        Kernel(
+            op="scaled_gmm",
+            fn=gmm.scaled_grouped_mm_gmm,
+            devices=("cuda",),
+            tier=MEASURED_FASTER_TIER,
+            capability=scaled_grouped_mm_capability,
+            supports=scaled_grouped_mm_supports,
+            dtypes=SCALED_DTYPES,
+            contiguous=True,
+            variant="scaled_grouped_mm",
+            formats=("fp8_rowwise",),
+        )
     ]
