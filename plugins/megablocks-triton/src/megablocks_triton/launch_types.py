@@ -48,7 +48,7 @@ class PermutationConfig:
 
 @dataclass(frozen=True)
 class RowCopyConfig:
-    """moe_permute's launch shape: one program per token and hidden block."""
+    """moe_permute's and moe_unpermute's launch shape: one program per token and hidden block."""
 
     block_h: int
     """Hidden elements per program (power of two)."""

@@ -685,11 +685,11 @@ def moe_unpermute(
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0 or hidden == 0:
         return out
-    block = _hidden_block(hidden)
+    shape = launch_configs().row_sum(hidden)
     cols, count, compact = _compact_slots(row_map, x.shape[0])
     launch(
         _unpermute_kernel,
-        (tokens, cdiv(hidden, block)),
+        (tokens, cdiv(hidden, shape.block_h)),
         x,
         row_map,
         row_map if probs is None else probs,  # an unread placeholder without probs
@@ -701,7 +701,8 @@ def moe_unpermute(
         x.shape[0],
         HAS_PROBS=probs is not None,
         COMPACT=compact,
-        BLOCK_H=block,
+        BLOCK_H=shape.block_h,
+        num_warps=shape.num_warps,
         **_options(),
     )
     return out
