@@ -39,7 +39,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	# The gate: the conformance kit on every installed backend that serves the CPU (Triton's kernels
 	# under its interpreter; the reference is the kit's oracle, checked against numpy by the suite),
-	# then the test suite (README, "Quick start": about 2-3 and 8 minutes of wall-clock time on the
+	# then the test suite (README, "Quick start": about 1-3 and 4-8 minutes of wall-clock time on the
 	# 2-core CI machine). --quick: the full set's larger shapes would take the interpreter many
 	# minutes; they are for accelerators.
 	TRITON_INTERPRET=1 $(BIN)/megablocks backends check --device cpu --quick
