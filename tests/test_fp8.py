@@ -175,6 +175,31 @@ def test_quantize_edges(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_values_late_in_a_long_row_or_column(backend):
+    """A NaN or an infinity in the last steps of Triton's whole-row and whole-column passes (which
+    keep a running peak and reduce it once): its block is all NaN, the other blocks untouched;
+    through a row, a transposed view and a matrix's column pass, against the definition."""
+    device = _device(backend)
+    x = torch.randn(4, 1500, generator=torch.Generator().manual_seed(9))
+    x[1, -1], x[2, 1100], x[3, 700] = math.nan, math.inf, -math.inf
+    for enc in _encodings(backend):
+        want = formats.quantize(x, (1, 0), enc, False)
+        columns = x.t().contiguous()[None]  # (1, 1500, 4): column j of it is row j of x
+        for view in ("rows", "transposed", "columns"):
+            with use_backend(backend):
+                if view == "columns":
+                    data, scale = ops.quantize(columns.to(device), 1, "fp8_rowwise", enc.name)
+                    data, scale = data[0].t(), scale[0].t()
+                else:
+                    rows = x if view == "rows" else x.t().contiguous().t()
+                    data, scale = ops.quantize(rows.to(device), 1, "fp8_rowwise", enc.name)
+            got = data.cpu().contiguous().view(torch.uint8)
+            assert torch.equal(got, want[0].view(torch.uint8)), (enc.name, view)
+            assert torch.equal(scale.cpu().isnan(), torch.tensor([[False], [True], [True], [True]]))
+            assert torch.equal(scale.cpu()[0], want[1][0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     ("shape", "reduce_dim"),
     [

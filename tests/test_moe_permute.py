@@ -431,6 +431,14 @@ def test_triton_matches_the_loop_on_multi_block_shapes(
 
 
 @needs_triton_device
+def test_triton_rows_wider_than_one_program():
+    """Rows of more than 8K elements: permute and unpermute split each token's row over
+    programs (LaunchConfigs.row_copy / row_sum), against the loop."""
+    mask = top_k_mask(5, 4, 2, 0, 3)
+    _triton_against_the_loop(mask, 4, 10, 1, 8192 + 40, 4)
+
+
+@needs_triton_device
 @pytest.mark.parametrize("index_form", [False, True])
 def test_triton_map_with_a_count_table_scanned_in_several_steps(index_form, monkeypatch):
     """The scan down the tiles' count table in steps of two tiles, across many small tiles: the

@@ -120,7 +120,8 @@ SCAN_SCATTER_MOST_ROW_BYTES = 4096
 #: on the H200 against triton's scaled_gmm in the same process (fp8_rowwise, b (E, n, k), uniform
 #: groups, docs/performance.md): 1.12-1.51x faster with k and n of at least 2048 and 256 rows or
 #: more per expert on average (OLMoE, DeepSeek-V3, Mixtral and GPT-OSS widths); 0.48-0.60x at
-#: Qwen3-30B-A3B's (n 1536, k 768), 0.78-0.87x at 64 rows per expert (DeepSeek-V3), 0.55x at
+#: Qwen3-30B-A3B's (n 1536, k 768) with 1024 rows per expert (0.96x and 1.07x with 128),
+#: 0.78-0.87x at 64 rows per expert (DeepSeek-V3), 0.55x at
 #: k = 1024 with 256 rows (OLMoE's down projection; 1.23x with 2048 rows, not taken).
 SCALED_GROUPED_MM_FEWEST_K = 2048
 SCALED_GROUPED_MM_FEWEST_N = 2048

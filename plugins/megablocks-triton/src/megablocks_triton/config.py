@@ -198,7 +198,7 @@ class LaunchConfigs:
         """moe_permute's launch: each token's row of ``hidden`` elements of ``element_size``
         bytes, copied to its slots' rows by one program per hidden block."""
         # H200, T = 16384 (docs/performance.md): the whole row up to 8K elements, 16 bytes a
-        # thread: 111 µs against 113 with 1K-element blocks of 4 warps at Mixtral's widths,
+        # thread (32 for 8K bf16 elements: at most 16 warps): 111 µs against 113 with 1K-element blocks of 4 warps at Mixtral's widths,
         # 189 against 193 at Qwen3's, 601 against 629 at DeepSeek-V3's.
         block_h = min(next_power_of_2(max(hidden, 1)), 8192)
         num_warps = min(max(block_h * element_size // (16 * 32), 4), 16)
@@ -210,7 +210,7 @@ class LaunchConfigs:
         # H200, T = 16384, with probs (docs/performance.md): the whole row up to 8K elements in
         # 4 warps, against 1K-element blocks: 101.4 µs against 128.2 at Mixtral's widths (mask
         # form), 165.9 against 173.0 at Qwen3's, 529.7 against 562.4 at DeepSeek-V3's; 8 and 16
-        # warps were slower at every width.
+        # warps were slower at every width but Mixtral's index form (as fast).
         return RowCopyConfig(block_h=min(next_power_of_2(max(hidden, 1)), 8192), num_warps=4)
 
     def token_gmm_scatter(
