@@ -215,3 +215,36 @@ def test_gate_vs_gpu_says_it_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _script("gate_vs_gpu").main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_moe_permute_profile_times_every_form(tmp_path):
+    script = _script("moe_permute_profile")
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--tokens", "16", "--shapes", "tiny", "--json", str(path)]
+    assert script.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["form"] for r in rows} == {
+        "mask",
+        "mask + probs",
+        "index",
+        "mask, padded to 128 (static bound)",
+        "map only, mask",
+        "map only, index",
+        "permute only, mask map",
+        "permute only, index map",
+    }
+    for r in rows:
+        assert r["us"] > 0 and r["host_us"] > 0 and r["limit_us"] > 0
+        assert r["vs_limit"] == pytest.approx(r["us"] / r["limit_us"])
+        assert r["kernels"] == {} and r["kernels_us"] == 0  # no device kernels on the CPU
+
+
+def test_scaled_gmm_providers_reports_the_ranked_provider(tmp_path):
+    script = _script("scaled_gmm_providers")
+    path = tmp_path / "out.json"
+    assert script.main(["--device", "cpu", "--tiny", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["rows_per_expert"] for r in rows] == [32, 4]
+    for r in rows:  # torch's kernel has no CPU implementation: only triton's columns
+        assert r["triton_us"] > 0 and "torch_us" not in r
+        assert r["ranked"] is not None and r["ranked"].startswith("triton")

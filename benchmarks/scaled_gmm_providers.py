@@ -1,0 +1,143 @@
+"""FP8 scaled_gmm providers side by side: triton's kernel, ``torch._scaled_grouped_mm``, and the
+one the core's ranking picks, on the same quantized operands.
+
+Each model's two expert GEMMs (up: hidden to ffn, two ffn for gated experts; down: ffn to hidden)
+on plain rows (no gather), ``fp8_rowwise``, b stored (E, n, k), uniform groups of the rows a
+16384-token batch gives each expert, and an eighth of that. Per row: µs and TFLOP/s of each
+(the GEMM alone, ``do_bench`` median), the largest difference of torch's output from triton's
+relative to the output's largest element, and which provider ``ops.scaled_gmm`` chose.
+
+Usage (H200): ``python benchmarks/scaled_gmm_providers.py [--gemms qwen3-up,...] [--json PATH]``.
+``--device cpu --tiny`` is a smoke run of the same code (triton's kernel under the interpreter
+when TRITON_INTERPRET=1; torch's has no CPU kernel, so its columns are empty there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import megablocks_core
+import megablocks_core.ops as ops
+from megablocks_core.contracts import BY_NAME
+from megablocks_core.dispatch import describe_call, explain, explain_call
+
+#: name -> (experts, k, n, rows per expert at 16384 tokens)
+GEMMS: dict[str, tuple[int, int, int, int]] = {
+    "qwen3-up": (128, 2048, 1536, 1024),
+    "qwen3-down": (128, 768, 2048, 1024),
+    "olmoe-up": (64, 2048, 2048, 2048),
+    "olmoe-down": (64, 1024, 2048, 2048),
+    "dsv3-up": (256, 7168, 4096, 512),
+    "dsv3-down": (256, 2048, 7168, 512),
+    "mixtral-up": (8, 4096, 28672, 4096),
+    "mixtral-down": (8, 14336, 4096, 4096),
+    "gpt_oss-up": (32, 2880, 5760, 2048),
+    "gpt_oss-down": (32, 2880, 2880, 2048),
+}
+TINY = {"tiny": (4, 64, 48, 32)}
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: float(do_bench(fn, warmup=10, rep=100, return_mode="median")) * 1e3
+    import time
+
+    def cpu(fn: Callable[[], Any]) -> float:
+        began = time.perf_counter()
+        fn()
+        return (time.perf_counter() - began) * 1e6
+
+    return cpu
+
+
+def run_gemm(
+    name: str, shape: tuple[int, int, int, int], divisor: int, device: torch.device
+) -> dict[str, Any]:
+    experts, k, n, per_expert = shape
+    rows_per_expert = max(per_expert // divisor, 1)
+    timer = _timer(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = (torch.randn(experts, n, k, device=device, generator=gen) / k**0.5).bfloat16()
+    a = torch.randn(experts * rows_per_expert, k, device=device, generator=gen).bfloat16()
+    qa, sa = ops.quantize(a, 1, "fp8_rowwise", "e4m3fn")
+    qb, sb = ops.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    del a, w
+    sizes = torch.full((experts,), rows_per_expert, dtype=torch.int32, device=device)
+    args = (qa, sa, qb, sb, sizes, True, "fp8_rowwise", "bfloat16")
+    flops = 2.0 * experts * rows_per_expert * k * n
+    row: dict[str, Any] = {"gemm": name, "rows_per_expert": rows_per_expert}
+
+    def triton() -> torch.Tensor:
+        with megablocks_core.use_backend(scaled_gmm="triton"):
+            return ops.scaled_gmm(*args)
+
+    reference = triton()
+    row["triton_us"] = timer(triton)
+    row["triton_tflops"] = flops / row["triton_us"] / 1e6
+    scaled_grouped_mm = getattr(torch, "_scaled_grouped_mm", None)
+    if device.type == "cuda" and scaled_grouped_mm is not None:
+        offs = torch.cumsum(sizes, 0, dtype=torch.int32)
+
+        def torch_fp8() -> torch.Tensor:
+            return scaled_grouped_mm(  # type: ignore[no-any-return]
+                qa, qb.transpose(1, 2), sa.view(-1), sb.view(experts, n), offs=offs,
+                out_dtype=torch.bfloat16,
+            )  # fmt: skip
+
+        got = torch_fp8().float()
+        scale = reference.float().abs().max().clamp_min(1e-30)
+        row["torch_max_rel_diff"] = float((got - reference.float()).abs().max() / scale)
+        row["torch_us"] = timer(torch_fp8)
+        row["torch_tflops"] = flops / row["torch_us"] / 1e6
+        row["torch_speedup"] = row["triton_us"] / row["torch_us"]
+    trace = explain("scaled_gmm", qa.device, {"a": qa.dtype, "b": qb.dtype})
+    kernel, _ = explain_call(trace, describe_call(BY_NAME["scaled_gmm"], args))
+    row["ranked"] = None if kernel is None else f"{kernel.backend}:{kernel.variant or 'default'}"
+    row["ranked_us"] = timer(lambda: ops.scaled_gmm(*args))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gemms", default=",".join(GEMMS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="one tiny GEMM (a smoke run)")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    table = TINY if args.tiny else {g: GEMMS[g] for g in args.gemms.split(",")}
+    rows = []
+    for name, shape in table.items():
+        for divisor in (1, 8):
+            rows.append(run_gemm(name, shape, divisor, device))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    for r in rows:
+        torch_part = (
+            f"torch {r['torch_tflops']:>6.0f} ({r['torch_speedup']:.2f}x)"
+            if "torch_us" in r
+            else ""
+        )
+        print(
+            f"{r['gemm']:<14}{r['rows_per_expert']:>6} rows/expert  triton "
+            f"{r['triton_tflops']:>6.0f} TFLOP/s  {torch_part:<24} ranked {r['ranked']}"
+        )
+    if args.json:
+        meta = {
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+        }
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
