@@ -228,7 +228,7 @@ def test_quantize_matches_the_definition_bit_for_bit(backend, shape, reduce_dim)
                     data, scale = ops.quantize(view, reduce_dim, fmt, enc.name)
                 assert data.is_contiguous() and scale.shape == formats.scale_shape(shape, block)
                 assert torch.equal(data.cpu().view(torch.uint8), want[0].view(torch.uint8))
-                assert torch.equal(scale.cpu(), want[1])
+                torch.testing.assert_close(scale.cpu(), want[1], rtol=0, atol=0, equal_nan=True)
 
 
 _DEFINITION_DEVICES = ["cpu"] + (["cuda"] if TRITON_DEVICE.type == "cuda" else [])
@@ -539,6 +539,43 @@ def test_dequantized_error_is_bounded_by_the_encoding(rows, cols, scale, fmt, en
     step = torch.maximum(x.abs() * 2.0**-4, formats.dequantize(
         torch.ones_like(data, dtype=torch.float32).to(e.dtype), s, block) * e.min_subnormal / 2)  # fmt: skip
     assert bool(((back - x).abs() <= step * 1.0001 + 1e-38).all())
+
+
+@pytest.mark.skipif(
+    not _TRITON_RUNNABLE, reason=f"triton kernels on {TRITON_DEVICE} cannot run here"
+)
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    matrix=st.booleans(),
+    rows=st.integers(1, 300),
+    cols=st.integers(1, 300),
+    reduce_last=st.booleans(),
+    stored_transposed=st.booleans(),
+    fmt=st.sampled_from(FORMATS),
+    non_finite=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_quantize_of_any_layout_matches_the_definition(
+    matrix, rows, cols, reduce_last, stored_transposed, fmt, non_finite, seed
+):
+    """Triton's quantize, bit for bit the definition's, over random shapes, both reduced dims of a
+    matrix, row-major and transposed storage (the stored-layout passes), and NaN or infinities
+    anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, rows, cols) if matrix else (rows, cols)
+    x = torch.randn(shape, generator=gen) * 3
+    flat = x.view(-1)
+    for i in torch.randint(0, flat.numel(), (non_finite,), generator=gen).tolist():
+        flat[i] = (math.nan, math.inf, -math.inf)[i % 3]
+    reduce_dim = (x.dim() - 1) if (reduce_last or not matrix) else 1
+    stored = x.transpose(-1, -2).contiguous().transpose(-1, -2) if stored_transposed else x
+    f = formats.FORMATS[fmt]
+    for enc in _encodings("triton"):
+        want = formats.quantize(x, f.block(x.dim(), reduce_dim), enc, f.power_of_two)
+        with use_backend("triton"):
+            data, scale = ops.quantize(stored.to(TRITON_DEVICE), reduce_dim, fmt, enc.name)
+        assert torch.equal(data.cpu().view(torch.uint8), want[0].view(torch.uint8))
+        torch.testing.assert_close(scale.cpu(), want[1], rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_small_dmoe_trains_in_fp8_as_in_bf16(reference_backend):
