@@ -196,11 +196,12 @@ class LaunchConfigs:
 
     def row_copy(self, hidden: int, element_size: int) -> RowCopyConfig:
         """moe_permute's launch: each token's row of ``hidden`` elements of ``element_size``
-        bytes, copied to its slots' rows by one program per hidden block."""
-        # H200, T = 16384 (docs/performance.md): the whole row up to 8K elements, 16 bytes a
-        # thread (32 for 8K bf16 elements: at most 16 warps): 111 µs against 113 with 1K-element blocks of 4 warps at Mixtral's widths,
-        # 189 against 193 at Qwen3's, 601 against 629 at DeepSeek-V3's.
-        block_h = min(next_power_of_2(max(hidden, 1)), 8192)
+        bytes, copied to its slots' rows by one program per hidden block (the whole row up to
+        8K elements)."""
+        # H200, T = 16384 (docs/performance.md): 16 bytes a thread (32 for 8K bf16 elements: at
+        # most 16 warps), 111 µs against 113 with 1K-element blocks of 4 warps at Mixtral's
+        # widths, 189 against 193 at Qwen3's, 601 against 629 at DeepSeek-V3's.
+        block_h = _whole_row(hidden)
         num_warps = min(max(block_h * element_size // (16 * 32), 4), 16)
         return RowCopyConfig(block_h=block_h, num_warps=num_warps)
 
@@ -211,7 +212,7 @@ class LaunchConfigs:
         # 4 warps, against 1K-element blocks: 101.4 µs against 128.2 at Mixtral's widths (mask
         # form), 165.9 against 173.0 at Qwen3's, 529.7 against 562.4 at DeepSeek-V3's; 8 and 16
         # warps were slower at every width but Mixtral's index form (as fast).
-        return RowCopyConfig(block_h=min(next_power_of_2(max(hidden, 1)), 8192), num_warps=4)
+        return RowCopyConfig(block_h=_whole_row(hidden), num_warps=4)
 
     def token_gmm_scatter(
         self,
@@ -361,6 +362,11 @@ class LaunchConfigs:
         portable: nothing.
         """
         return _NO_OPTIONS
+
+
+def _whole_row(hidden: int) -> int:
+    """moe_permute's and moe_unpermute's hidden block: the whole row, up to 8K elements."""
+    return min(next_power_of_2(max(hidden, 1)), 8192)
 
 
 _CONFIGS: LaunchConfigs = LaunchConfigs()

@@ -82,14 +82,17 @@ def _hardware_conversion(device: DeviceInfo, encoding: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _quantize_launch(mode: str, block: tuple[int, int], c: int, row_major: bool) -> tuple[int, ...]:
+def _quantize_launch(
+    mode: str, block: tuple[int, int], c: int, row_major: bool
+) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps) of the quantize kernel: "tile" takes the format's square
     block, "row_tile" 32 of its 1 x 128 blocks; the whole-row and whole-column passes a tile of
     4K-8K elements, chosen on the H200 (docs/performance.md)."""
     if mode == "tile":
-        # 16 warps for a row-major tensor: 4 took every register of sm_90a (megablocks backends
-        # compile) and 2.5x the ideal bytes against 1.4x; across a transposed view 16 were slower.
-        return (*block, 16 if row_major else 4)
+        # 16 warps for a row-major tensor (a transposed one is read through its stored layout):
+        # 4 took every register of sm_90a (megablocks backends compile) and 2.5x the ideal bytes
+        # against 1.4x. A view contiguous in neither dim keeps 4 (16 were slower across strides).
+        return block[0], block[1], 16 if row_major else 4
     if mode == "row_tile":
         return 32, block[1], 4
     if mode == "column":  # 1.7-1.9x the ideal bytes (64 x 64: 1.8-1.9x)
