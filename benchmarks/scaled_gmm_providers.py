@@ -1,11 +1,14 @@
-"""FP8 scaled_gmm providers side by side: triton's kernel, ``torch._scaled_grouped_mm``, and the
+"""FP8 scaled_gmm providers side by side: triton's kernels, ``torch._scaled_grouped_mm``, and the
 one the core's ranking picks, on the same quantized operands.
 
 Each model's two expert GEMMs (up: hidden to ffn, two ffn for gated experts; down: ffn to hidden)
 on plain rows (no gather), ``fp8_rowwise``, b stored (E, n, k), uniform groups of the rows a
 16384-token batch gives each expert, and an eighth of that. Per row: µs and TFLOP/s of each
 (the GEMM alone, ``do_bench`` median), the largest difference of torch's output from triton's
-relative to the output's largest element, and which provider ``ops.scaled_gmm`` chose.
+relative to the output's largest element, and which provider ``ops.scaled_gmm`` chose. The
+triton backend's own choice (``triton``: on Hopper the warp-specialized Gluon kernel where its
+launch path takes it, ``triton_kernel`` says which) is timed beside its Triton kernel forced
+(``triton_plain``); their outputs must be equal bit for bit.
 
 Usage (H200): ``python benchmarks/scaled_gmm_providers.py [--gemms qwen3-up,...] [--json PATH]``.
 ``--device cpu --tiny`` is a smoke run of the same code (triton's kernel under the interpreter
@@ -26,6 +29,16 @@ import megablocks_core
 import megablocks_core.ops as ops
 from megablocks_core.contracts import BY_NAME
 from megablocks_core.dispatch import describe_call, explain, explain_call
+
+try:
+    from megablocks_triton import scaled
+except ImportError:  # pragma: no cover - the triton backend is what this compares
+    raise SystemExit("needs megablocks-triton") from None
+
+
+def _plans() -> list[Any]:
+    return list(scaled._SCALED_PLANS.values())
+
 
 #: name -> (experts, k, n, rows per expert at 16384 tokens)
 GEMMS: dict[str, tuple[int, int, int, int]] = {
@@ -79,9 +92,25 @@ def run_gemm(
         with megablocks_core.use_backend(scaled_gmm="triton"):
             return ops.scaled_gmm(*args)
 
+    def triton_plain() -> torch.Tensor:
+        scaled.WARP_SPECIALIZED = False
+        try:
+            return triton()
+        finally:
+            scaled.WARP_SPECIALIZED = True
+
+    scaled._SCALED_PLANS.clear()  # this GEMM's plan only, to tell which kernel it chose
     reference = triton()
+    row["triton_kernel"] = (
+        "gluon" if any(type(p).__name__ == "_WarpSpecializedPlan" for p in _plans()) else "triton"
+    )
+    plain = triton_plain()
+    if not torch.equal(plain, reference):
+        raise SystemExit(f"{name}: the Gluon kernel's output differs from the Triton kernel's")
     row["triton_us"] = timer(triton)
     row["triton_tflops"] = flops / row["triton_us"] / 1e6
+    row["triton_plain_us"] = timer(triton_plain)
+    row["triton_plain_tflops"] = flops / row["triton_plain_us"] / 1e6
     scaled_grouped_mm = getattr(torch, "_scaled_grouped_mm", None)
     if device.type == "cuda" and scaled_grouped_mm is not None:
         offs = torch.cumsum(sizes, 0, dtype=torch.int32)
@@ -127,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"{r['gemm']:<14}{r['rows_per_expert']:>6} rows/expert  triton "
-            f"{r['triton_tflops']:>6.0f} TFLOP/s  {torch_part:<24} ranked {r['ranked']}"
+            f"{r['triton_tflops']:>6.0f} TFLOP/s ({r['triton_kernel']}; Triton kernel "
+            f"{r['triton_plain_tflops']:.0f})  {torch_part:<24} ranked {r['ranked']}"
         )
     if args.json:
         meta = {

@@ -8,14 +8,10 @@ against a float64 loop, bad sizes and worst-case buffers included.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from device_infos import B200, H200
+from sm90_compile import compile_sm90
 
 triton = pytest.importorskip("triton")
 hopper_wgrad = pytest.importorskip("megablocks_triton.hopper_wgrad")
@@ -69,27 +65,8 @@ def test_other_triton_releases_take_the_triton_kernel(monkeypatch: pytest.Monkey
     G._hopper_wgrad.cache_clear()
 
 
-#: Compiles the kernel for sm_90 in a fresh process: outside the Triton interpreter (which the
-#: CPU test run enables) and with a stand-in for the CUDA driver that only names the target.
+#: Compiles the kernel for sm_90 (:func:`sm90_compile.compile_sm90`).
 _COMPILE = """
-import json, sys
-import torch
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaDriver
-from triton.runtime import driver
-
-class Sm90(CudaDriver):
-    def __init__(self):
-        pass
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-    def get_current_device(self):
-        return 0
-    def get_current_stream(self, device=None):
-        return 0
-
-driver.set_active(Sm90())
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from megablocks_triton import hopper_wgrad as H
 
 dtype = getattr(torch, sys.argv[1])
@@ -104,21 +81,14 @@ compiled = H._wgrad_kernel.warmup(
     *descs, torch.zeros(3, dtype=torch.int32), 3, 512, 2, 2, BLOCK_E=4, STAGES=H.STAGES,
     ACCUMULATE=accumulate, LOADER_REGS=H.LOADER_REGISTERS, num_warps=H.MMA_WARPS, grid=(1,),
 )
-print(json.dumps({"ptx": compiled.asm["ptx"], "cubin": len(compiled.asm["cubin"]),
-                  "shared": compiled.metadata.shared}))
+report(compiled)
 """
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_compiles_for_sm90(accumulate: bool, dtype: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run(
-        [sys.executable, "-c", _COMPILE, dtype, str(int(accumulate))],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    built = json.loads(run.stdout.strip().splitlines()[-1])
+    built = compile_sm90(_COMPILE, dtype, str(int(accumulate)))
     assert ".target sm_90a" in built["ptx"] and "wgmma.mma_async" in built["ptx"]
     # The epilogue: a TMA store of a new gradient, a TMA reduction into an existing one.
     assert ("cp.reduce.async.bulk.tensor" in built["ptx"]) == accumulate

@@ -56,6 +56,9 @@ class ArchTuning:
     """TMA tensor descriptors (sm90+)."""
     gluon_wgrad: bool = False
     """The warp-specialized Gluon weight gradient (:mod:`.hopper_wgrad`) runs here."""
+    gluon_scaled_max_k: int | None = None
+    """FP8 rowwise scaled GEMMs of plain rows reducing over fewer than this many k: the Gluon
+    kernel (:mod:`.hopper_scaled`); None: never."""
     gmm_small_n_stages: int | None = None
     """16-bit ``gmm`` with N <= 1024: this many stages."""
     gmm_flatten_max_k: int | None = None
@@ -144,6 +147,11 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
             ),
             tma=True,
             gluon_wgrad=True,
+            # H200, model GEMMs at two sizes (docs/performance.md, 2026-12-04): the Gluon kernel
+            # 1.1-1.36x the Triton one on plain rows and 1.05-1.24x on gathered ones for k up to
+            # 2880 (Qwen3, OLMoE, GPT-OSS, DeepSeek-V3's down projection); about equal at
+            # DeepSeek-V3's k = 7168, 0.84-0.93x at Mixtral's k = 4096 and 14336.
+            gluon_scaled_max_k=4096,
             # One more K step in flight with few output columns (e.g. many small experts): 0.91
             # vs 0.87 of dense at the qwen3 shape on the H200.
             gmm_small_n_stages=4,

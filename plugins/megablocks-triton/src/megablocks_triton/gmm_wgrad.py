@@ -8,6 +8,7 @@ with its predicates (:func:`warp_specialized_capability`, :func:`warp_specialize
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from typing import Any
 
@@ -109,18 +110,23 @@ def gmm_weight_grad_accumulate_warp_specialized(
 GLUON_TESTED = ((3, 6),)
 
 
-@functools.cache
-def _hopper_wgrad() -> Any:
-    """:mod:`.hopper_wgrad`, or None with a Triton it was not tested with or whose Gluon does not
-    import (the Triton kernel then serves every weight gradient)."""
+def tested_gluon_module(name: str) -> Any:
+    """This package's Gluon module ``name``, or None with a Triton it was not tested with
+    (:data:`GLUON_TESTED`) or whose Gluon does not import."""
     release = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
     if release not in GLUON_TESTED:
         return None
     try:
-        from . import hopper_wgrad
+        return importlib.import_module(f"{__package__}.{name}")
     except Exception:
         return None
-    return hopper_wgrad
+
+
+@functools.cache
+def _hopper_wgrad() -> Any:
+    """:mod:`.hopper_wgrad`, or None (:func:`tested_gluon_module`: the Triton kernel then serves
+    every weight gradient)."""
+    return tested_gluon_module("hopper_wgrad")
 
 
 def _tma_ready(info: DeviceInfo, tensors: tuple[torch.Tensor, ...]) -> bool:

@@ -6,7 +6,10 @@ is read tile by tile and written contiguous (the transpose-quantize that gives t
 their reduced dimension contiguous). The scaled GEMMs are one launch of
 :func:`~megablocks_triton.kernels.scaled._scaled_gmm_kernel` each, prepared once per call shape
 like the 16-bit forward ops (:mod:`megablocks_triton.gmm`); ``scaled_gmm_scatter`` is that GEMM
-into expert-sorted rows of the output dtype, then the 16-bit path's token-major scatter.
+into expert-sorted rows of the output dtype, then the 16-bit path's token-major scatter. On
+Hopper the rowwise GEMMs of plain and gathered rows take the warp-specialized Gluon kernel of
+:mod:`.hopper_scaled` instead, where :func:`_warp_specialized` says (the arch table's
+``gluon_scaled_max_k``, enough rows per expert): the same results bit for bit, faster there.
 
 FP8 matrix instructions exist on NVIDIA sm_89+ (OCP e4m3fn) and AMD gfx942 (FNUZ e4m3fnuz) /
 gfx950 (OCP): :func:`fp8_capability` refuses other devices, :func:`scaled_gmm_supports` a data
@@ -31,7 +34,7 @@ from megablocks_core.plugin import (
     out_dtype_of,
 )
 
-from .config import LaunchConfigs, launch_configs
+from .config import LaunchConfigs, arch_tuning, launch_configs
 from .gmm_configs import (
     _check_experts,
     _device_sizes,
@@ -54,6 +57,12 @@ PROMOTE_EVERY: int | None = SCALE_BLOCK
 MIN_BLOCK_K = 32
 #: Measurements only (tile sweeps): this config instead of the launch policy's.
 CONFIG_OVERRIDE: Any = None
+#: Measurements only: False keeps every scaled GEMM on the Triton kernel, where the Gluon kernel
+#: of :mod:`.hopper_scaled` would take some (:func:`_warp_specialized`).
+WARP_SPECIALIZED = True
+#: The Gluon kernel's tiles are 128 rows: with fewer rows per expert on average (DeepSeek-V3's
+#: 64 on the H200: 0.85-0.91x) the Triton kernel's are the better fit.
+WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT = 128
 
 
 def fp8_capability(device: DeviceInfo) -> str | None:
@@ -174,6 +183,86 @@ def _scale_strides(scale: torch.Tensor, trans_b: bool) -> tuple[int, int, int]:
     return scale.stride(0), scale.stride(1), scale.stride(2)
 
 
+@functools.cache
+def _hopper_scaled() -> Any:
+    """:mod:`.hopper_scaled`, or None (:func:`~megablocks_triton.gmm_wgrad.tested_gluon_module`:
+    the Triton kernel then serves every scaled GEMM)."""
+    from .gmm_wgrad import tested_gluon_module
+
+    return tested_gluon_module("hopper_scaled")
+
+
+def _warp_specialized(
+    info: DeviceInfo,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    blockwise: bool,
+    out_dtype: torch.dtype,
+) -> Any:
+    """:mod:`.hopper_scaled` when its kernel takes this call shape, else None: a Hopper GPU (the
+    arch table's ``gluon_scaled_max_k``), the rowwise format promoted every 128 k, k below that
+    bound, at least WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT rows per expert on average, and layouts
+    its descriptors take (:func:`hopper_scaled.serves`; the bases' alignment is checked per
+    call). Plain or gathered rows."""
+    max_k = arch_tuning(info).gluon_scaled_max_k
+    if not WARP_SPECIALIZED or max_k is None or info.kind != "cuda":
+        return None
+    if blockwise or not trans_b or PROMOTE_EVERY != SCALE_BLOCK:
+        return None
+    if CONFIG_OVERRIDE is not None or a.shape[1] >= max_k:
+        return None
+    if m < WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT * b.shape[0]:
+        return None
+    module = _hopper_scaled()
+    if module is None or not module.serves(a, b, out_dtype):
+        return None
+    return module
+
+
+class _WarpSpecializedPlan:
+    """One call shape's launch of the Gluon kernel (:mod:`.hopper_scaled`); operands whose bases
+    its descriptors cannot take go to the Triton kernel's plan."""
+
+    __slots__ = ("block_e", "fallback", "from_ends", "module", "num_sms", "out_dtype", "shape",
+                 "top_k", "zero_tail")  # fmt: skip
+
+    def __init__(
+        self,
+        module: Any,
+        shape: tuple[int, int],
+        out_dtype: torch.dtype,
+        from_ends: bool,
+        zero_tail: bool,
+        block_e: int,
+        num_sms: int,
+        top_k: int | None,
+        fallback: Callable[..., torch.Tensor],
+    ) -> None:
+        self.module = module
+        self.top_k = top_k
+        self.shape = shape
+        self.out_dtype = out_dtype
+        self.from_ends = from_ends
+        self.zero_tail = zero_tail
+        self.block_e = block_e
+        self.num_sms = num_sms
+        self.fallback = fallback
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        a, b, sizes, ids, a_scale, b_scale = tensors
+        if (a.data_ptr() | b.data_ptr()) & 15:
+            return self.fallback(*tensors)
+        out = torch.empty(self.shape, dtype=self.out_dtype, device=a.device)
+        self.module.launch(
+            a, a_scale, b, b_scale, sizes, out, from_ends=self.from_ends,
+            zero_tail=self.zero_tail, block_e=self.block_e, num_sms=self.num_sms,
+            gather=None if self.top_k is None else (ids, self.top_k),
+        )  # fmt: skip
+        return out
+
+
 class _ScaledPlan:
     """One call shape's scaled GEMM launch (as :class:`megablocks_triton.gmm._ForwardPlan`)."""
 
@@ -280,7 +369,21 @@ def _scaled_plan(
         tma = bind_descriptors(
             _scaled_gmm_kernel, grid, *scalars, descriptors=blocks, B_TMA=True, A_TMA=a_tma, **kw
         )
-    return _ScaledPlan(shape, out_dtype, plain, tma, reads_a=not gather)
+    triton_plan = _ScaledPlan(shape, out_dtype, plain, tma, reads_a=not gather)
+    hopper = _warp_specialized(info, a, b, trans_b, m, blockwise, out_dtype)
+    if hopper is None:
+        return triton_plan
+    return _WarpSpecializedPlan(
+        hopper,
+        shape,
+        out_dtype,
+        from_ends,
+        zero_tail,
+        block_e,
+        _num_sms(info),
+        gather_top_k,
+        triton_plan,
+    )
 
 
 #: Per call shape and launch policy: the prepared scaled launches.
@@ -307,6 +410,7 @@ def _planned(
         a.shape, a.stride(), a.dtype, a.device, a_scale.shape, a_scale.stride(),
         b.shape, b.stride(), b.dtype, b_scale.shape, b_scale.stride(), sizes_dtype,
         indices_dtype, m, trans_b, gather_top_k, from_ends, format, out_dtype, zero_tail, configs,
+        CONFIG_OVERRIDE, WARP_SPECIALIZED, PROMOTE_EVERY,  # the measurement switches
     )  # fmt: skip
     plan = _SCALED_PLANS.get(key)
     if plan is None:

@@ -1,0 +1,354 @@
+"""The warp-specialized FP8 grouped GEMM on Hopper (megablocks_triton.hopper_scaled).
+
+On the CPU: which calls the scaled GEMMs' launch path gives it (recorded on a simulated H200,
+not run), and that it compiles for sm_90 with two products in flight. On an sm_90 GPU: its
+results against the Triton kernel it replaces (bit for bit with that kernel's 128 x 128 x 128
+tiles: the same 128-deep products added in the same order) and against a float64 loop, with
+uneven and empty groups, rows past the groups, k and n tails, and both output dtypes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from device_infos import B200, H200
+from sm90_compile import compile_sm90
+
+triton = pytest.importorskip("triton")
+hopper_scaled = pytest.importorskip("megablocks_triton.hopper_scaled")
+
+from megablocks_triton import scaled as S  # noqa: E402
+from megablocks_triton.launch import record_launches  # noqa: E402
+from megablocks_triton.launch_types import GmmConfig  # noqa: E402
+
+on_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU",
+)
+E4M3 = torch.float8_e4m3fn
+#: The Triton kernel's tiles on Hopper, forced (a config override also keeps it off the Gluon one).
+TRITON_TILES = GmmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=4, use_tma=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans() -> Iterator[None]:
+    # Plans are kept per call shape, and a meta tensor's shape is the same on every simulated
+    # device: each test starts and ends with none.
+    S._SCALED_PLANS.clear()
+    yield
+    S._SCALED_PLANS.clear()
+
+
+def _meta(*shape: int, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _kernels(device: object, call: str = "gmm", **shape: int) -> list[str]:
+    """Module-qualified names of the kernels ``scaled_gmm`` (or ``scatter``, ``gather``) would
+    launch."""
+    return [
+        f"{r.kernel.fn.__module__}.{r.kernel.fn.__name__}" for r in _launches(device, call, **shape)
+    ]
+
+
+def _launches(device: object, call: str = "gmm", **shape: int) -> list[Any]:
+    rows, k, n, experts = shape["rows"], shape["k"], shape["n"], shape["experts"]
+    fmt = "fp8_blockwise" if shape.get("blockwise") else "fp8_rowwise"
+    a, b = _meta(rows, k), _meta(experts, n, k)
+    if shape.get("blockwise"):
+        sa, sb = (
+            _meta(rows, -(-k // 128), dtype=torch.float32),
+            _meta(experts, -(-n // 128), -(-k // 128), dtype=torch.float32),
+        )
+    else:
+        sa, sb = _meta(rows, 1, dtype=torch.float32), _meta(experts, n, 1, dtype=torch.float32)
+    counts, ids = _meta(experts, dtype=torch.int32), _meta(rows, dtype=torch.int32)
+    with record_launches(device) as recorder:  # type: ignore[arg-type]
+        if call == "gmm":
+            S.scaled_gmm(a, sa, b, sb, counts, True, fmt, None)
+        elif call == "scatter":
+            weights = _meta(rows, dtype=torch.float32)
+            S.scaled_gmm_scatter(a, sa, b, sb, ids, ids, weights, counts, 1, True, None, fmt, None)
+        else:
+            S.scaled_gather_gmm(a, sa, b, sb, ids, ids, counts, 1, True, None, fmt, None)
+    return recorder.launches
+
+
+GLUON = "megablocks_triton.hopper_scaled._scaled_gmm_kernel"
+QWEN3_DOWN = {"rows": 128 * 1024, "k": 768, "n": 2048, "experts": 128}
+
+
+def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel() -> None:
+    assert _kernels(H200, **QWEN3_DOWN) == [GLUON]
+    # The layer's down projection: the Gluon GEMM, then the 16-bit scatter.
+    assert _kernels(H200, "scatter", **QWEN3_DOWN)[0] == GLUON
+    # Its up projection: the tokens gathered by the loader's threads.
+    (launch,) = _launches(H200, "gather", **QWEN3_DOWN)
+    assert launch.kwargs["GATHER"] and launch.kwargs["LOADER_WARPS"] == 4
+
+
+@pytest.mark.parametrize(
+    "why, device, call, shape",
+    [
+        ("another arch", B200, "gmm", QWEN3_DOWN),
+        ("blockwise format", H200, "gmm", {**QWEN3_DOWN, "blockwise": 1}),
+        ("k at the table's bound", H200, "gmm", {**QWEN3_DOWN, "k": 4096}),
+        ("64 rows per expert", H200, "gmm", {**QWEN3_DOWN, "rows": 64 * 128}),
+        ("rows TMA cannot address", H200, "gmm", {**QWEN3_DOWN, "k": 776}),
+    ],
+)
+def test_other_calls_keep_the_triton_kernel(
+    why: str, device: object, call: str, shape: dict[str, int]
+) -> None:
+    kernels = _kernels(device, call, **shape)
+    assert kernels and GLUON not in kernels, why
+
+
+def test_switches_keep_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(S, "WARP_SPECIALIZED", False)
+    assert GLUON not in _kernels(H200, **QWEN3_DOWN)
+    S._SCALED_PLANS.clear()
+    monkeypatch.setattr(S, "WARP_SPECIALIZED", True)
+    monkeypatch.setattr(S, "PROMOTE_EVERY", None)  # the measurement-only unpromoted sum
+    assert GLUON not in _kernels(H200, **QWEN3_DOWN)
+
+
+def test_serves_dense_k_major_e4m3_operands_only() -> None:
+    a, b = torch.zeros(64, 256, dtype=E4M3), torch.zeros(3, 128, 256, dtype=E4M3)
+    assert hopper_scaled.serves(a, b, torch.bfloat16)
+    assert hopper_scaled.serves(a, b, torch.float32)
+    assert not hopper_scaled.serves(a.to(torch.float8_e4m3fnuz), b, torch.bfloat16)
+    assert not hopper_scaled.serves(a[:, :128], b[:, :, :128], torch.bfloat16)  # b not dense
+    assert not hopper_scaled.serves(
+        a, torch.zeros(3, 256, 128, dtype=E4M3).transpose(1, 2), torch.bfloat16
+    )
+    assert not hopper_scaled.serves(a.t().contiguous().t(), b, torch.bfloat16)  # a column-major
+    assert not hopper_scaled.serves(
+        a, torch.zeros(3, 4, 256, dtype=E4M3), torch.bfloat16
+    )  # 8-byte rows out
+
+
+def test_other_triton_releases_take_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    for version, available in (("3.6.0", True), ("3.7.0", False), ("4.0", False)):
+        S._hopper_scaled.cache_clear()
+        monkeypatch.setattr(triton, "__version__", version)
+        assert (S._hopper_scaled() is not None) == available, version
+    S._hopper_scaled.cache_clear()
+
+
+#: Compiles the kernel for sm_90 (:func:`sm90_compile.compile_sm90`).
+_COMPILE = """
+from megablocks_triton import hopper_scaled as H
+
+out_dtype = getattr(torch, sys.argv[1])
+gather = sys.argv[2] == "1"
+rows, k, n, experts = 512, 256, 384, 3
+a = torch.zeros(rows, k, dtype=torch.float8_e4m3fn)
+b = torch.zeros(experts * n, k, dtype=torch.float8_e4m3fn)
+out = torch.zeros(rows, n, dtype=out_dtype)
+descs = [  # with the launch's own (cached) layouts
+    TensorDescriptor.from_tensor(t, list(block), H.shared_layout(block, t.dtype))
+    for t, block in ((a, (H.BLOCK_M, H.BLOCK_K)), (b, (H.BLOCK_N, H.BLOCK_K)),
+                     (out, (H.BLOCK_M, H.BLOCK_N)))
+]
+compiled = H._scaled_gmm_kernel.warmup(
+    *descs, out, torch.zeros(rows, 1), torch.zeros(experts, n, 1),
+    torch.zeros(experts, dtype=torch.int32), experts, rows, n, k, 1, n, 1,
+    a, k, torch.zeros(rows, dtype=torch.int32), 2, rows,
+    FROM_ENDS=gather, ZERO_TAIL=True, BLOCK_E=4, GROUP_M=8, GATHER=gather,
+    STAGES=H.stages(out_dtype),
+    LOADER_WARPS=H.GATHER_LOADER_WARPS if gather else 1,
+    LOADER_REGS=H.GATHER_LOADER_REGISTERS if gather else H.LOADER_REGISTERS,
+    num_warps=H.MMA_WARPS, grid=(1,),
+)
+report(compiled)
+"""
+
+
+@pytest.mark.parametrize("out_dtype, gather", [("bfloat16", 0), ("float32", 0), ("bfloat16", 1)])
+def test_compiles_for_sm90_with_two_products_in_flight(out_dtype: str, gather: int) -> None:
+    built = compile_sm90(_COMPILE, out_dtype, str(gather))
+    ptx = built["ptx"]
+    assert (
+        ".target sm_90a" in ptx and "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    )
+    # The promotion overlapped: the older product is waited for with the newer one in flight.
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads and the full tiles' stores
+    # Gathered rows: 16-byte copies by the loader's threads, each arriving on the stage's barrier.
+    assert ("cp.async.cg.shared.global" in ptx) == bool(gather)
+    assert ("cp.async.mbarrier.arrive.noinc" in ptx) == bool(gather)
+    assert built["cubin"] > 0  # ptxas accepted it
+    assert built["shared"] <= 227 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# On the GPU
+# ---------------------------------------------------------------------------------------------
+
+
+CASES = {
+    # group sizes, k, n, rows past the groups
+    "odd sizes, empty experts": ([1, 70, 0, 129, 300, 0, 255], 256, 384, 0),
+    "one expert": ([1000], 512, 256, 0),
+    "many experts": ([(7 * e) % 97 for e in range(200)], 128, 256, 0),
+    "rows past the groups": ([0, 300, 17, 0, 65], 384, 264, 123),
+    "k and n tails": ([130, 2, 64], 208, 136, 5),
+    "one k step of 16": ([64, 64], 16, 128, 0),
+    "several tiles a program": ([3000, 2500, 17], 384, 1024, 0),
+}
+
+
+def _case(name: str) -> tuple[torch.Tensor, ...]:
+    sizes, k, n, spare = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(len(name))
+    rows = sum(sizes) + spare
+    x = torch.randn(rows, k, device="cuda", generator=gen)
+    w = torch.randn(len(sizes), n, k, device="cuda", generator=gen) / k**0.5
+    qa, sa = S.quantize(x, 1, "fp8_rowwise", "e4m3fn")
+    qb, sb = S.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    return qa, sa, qb, sb, torch.tensor(sizes, dtype=torch.int32, device="cuda")
+
+
+def _gluon(*operands: torch.Tensor, out: torch.Tensor, **how: bool) -> torch.Tensor:
+    qa, sa, qb, sb, sizes = operands
+    hopper_scaled.launch(
+        qa, sa, qb, sb, sizes, out, from_ends=how.get("from_ends", False),
+        zero_tail=how.get("zero_tail", True), block_e=256, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+    )  # fmt: skip
+    return out
+
+
+def _loop(
+    qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, sizes: list[int]
+) -> torch.Tensor:
+    """The float64 definition, one expert at a time, on the dequantized operands."""
+    a, b = qa.double() * sa.double(), qb.double() * sb.double()
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
+    start = 0
+    for e, size in enumerate(sizes):
+        out[start : start + size] = a[start : start + size] @ b[e].T
+        start += size
+    return out
+
+
+@on_hopper
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_equals_the_triton_kernel_and_a_float64_loop(
+    name: str, out_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    qa, sa, qb, sb, sizes = _case(name)
+    rows, n = qa.shape[0], qb.shape[1]
+    covered = int(sizes.sum())
+    got = _gluon(
+        qa,
+        sa,
+        qb,
+        sb,
+        sizes,
+        out=torch.full((rows, n), float("nan"), device="cuda", dtype=out_dtype),
+    )
+    monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
+    want = S.scaled_gmm(
+        qa, sa, qb, sb, sizes, True, "fp8_rowwise", str(out_dtype).removeprefix("torch.")
+    )
+    assert torch.equal(got, want)
+    ref = _loop(qa, sa, qb, sb, CASES[name][0])
+    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert err < (4e-3 if out_dtype == torch.bfloat16 else 1e-3)
+    assert (got[covered:] == 0).all() and not torch.signbit(got[covered:]).any()
+    # Running ends (bins) give the same; without the zero tail the rows past are left as they were.
+    ends = torch.cumsum(sizes, 0, dtype=torch.int32)
+    kept = torch.full((rows, n), 7.0, device="cuda", dtype=out_dtype)
+    _gluon(qa, sa, qb, sb, ends, out=kept, from_ends=True, zero_tail=False)
+    assert torch.equal(kept[:covered], got[:covered]) and (kept[covered:] == 7).all()
+
+
+@on_hopper
+def test_the_ops_take_it_and_equal_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through the op functions, at a shape the table gives the Gluon kernel: 16 experts of about
+    # 200 rows (uneven, one empty), k 768, n 512; the scatter's products too.
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    sizes_list = [int(v) for v in torch.randint(100, 300, (16,), generator=gen, device="cuda")]
+    sizes_list[5] = 0
+    rows = sum(sizes_list)
+    x = torch.randn(rows, 768, device="cuda", generator=gen)
+    w = torch.randn(16, 512, 768, device="cuda", generator=gen) / 768**0.5
+    qa, sa = S.quantize(x, 1, "fp8_rowwise", "e4m3fn")
+    qb, sb = S.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    sizes = torch.tensor(sizes_list, dtype=torch.int32, device="cuda")
+    got = S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", None)
+    assert any(isinstance(p, S._WarpSpecializedPlan) for p in S._SCALED_PLANS.values())
+    ids = torch.randperm(rows, device="cuda", generator=gen).int()
+    bins = torch.cumsum(sizes, 0, dtype=torch.int32)
+    weights = torch.rand(rows, device="cuda", generator=gen)
+    scattered = S.scaled_gmm_scatter(
+        qa, sa, qb, sb, ids, ids, weights, bins, 1, True, None, "fp8_rowwise", None
+    )
+    monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
+    S._SCALED_PLANS.clear()
+    assert torch.equal(got, S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", None))
+    assert torch.equal(
+        scattered,
+        S.scaled_gmm_scatter(
+            qa, sa, qb, sb, ids, ids, weights, bins, 1, True, None, "fp8_rowwise", None
+        ),
+    )
+
+
+GATHER_CASES = {
+    # tokens, top_k, experts, k, n, sorted rows whose id names no token
+    "top 1 of 4": (300, 1, 4, 256, 384, 0),
+    "top 8 of 16, ids past the tokens": (200, 8, 16, 208, 136, 9),
+    "top 2 of 3, one expert empty": (700, 2, 3, 384, 264, 0),
+}
+
+
+def _gather_case(name: str) -> tuple[Any, ...]:
+    tokens, top_k, experts, k, n, bad = GATHER_CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(len(name))
+    x = torch.randn(tokens, k, device="cuda", generator=gen)
+    w = torch.randn(experts, n, k, device="cuda", generator=gen) / k**0.5
+    choice = torch.randint(0, experts, (tokens * top_k,), device="cuda", generator=gen)
+    if name.endswith("empty"):
+        choice[choice == 1] = 0
+    ids = torch.sort(choice, stable=True).indices.int()
+    ids[torch.randperm(ids.numel(), device="cuda", generator=gen)[:bad]] = tokens * top_k + 3
+    bins = torch.cumsum(torch.bincount(choice, minlength=experts), 0).int()
+    qx, sx = S.quantize(x, 1, "fp8_rowwise", "e4m3fn")
+    qw, sw = S.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    return qx, sx, qw, sw, ids, bins, top_k
+
+
+@on_hopper
+@pytest.mark.parametrize("name", sorted(GATHER_CASES))
+def test_gathered_rows_equal_the_triton_kernel_and_a_float64_loop(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    qx, sx, qw, sw, ids, bins, top_k = _gather_case(name)
+    rows, n = ids.numel(), qw.shape[1]
+    got = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    hopper_scaled.launch(
+        qx, sx, qw, sw, bins, got, from_ends=True, zero_tail=True, block_e=256,
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count, gather=(ids, top_k),
+    )  # fmt: skip
+    monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
+    want = S.scaled_gather_gmm(
+        qx, sx, qw, sw, ids, ids, bins, top_k, True, None, "fp8_rowwise", None
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    x, w = qx.double() * sx.double(), qw.double() * sw.double()
+    named = ids < qx.shape[0] * top_k
+    tokens = torch.where(named, ids // top_k, 0).long()
+    experts = torch.searchsorted(
+        bins, torch.arange(rows, device="cuda", dtype=bins.dtype), right=True
+    )
+    ref = torch.einsum("rk,rnk->rn", x[tokens], w[experts])
+    ref[~named] = 0
+    err = (got.double() - ref).norm() / ref.norm()
+    assert err < 4e-3
+    assert (got[~named] == 0).all()
