@@ -10,7 +10,13 @@ triton backend's own choice (``triton``: on Hopper the warp-specialized Gluon ke
 launch path takes it, ``triton_kernel`` says which) is timed beside its Triton kernel forced
 (``triton_plain``); their outputs must be equal bit for bit.
 
-Usage (H200): ``python benchmarks/scaled_gmm_providers.py [--gemms qwen3-up,...] [--json PATH]``.
+``--gather``: the same GEMMs with their rows gathered from the tokens (``scaled_gather_gmm``, as
+an FP8 layer's up projection and the gradient of its down projection run them; softmax-free
+uniform top-k routing of 16384 tokens and an eighth of that): the triton backend's choice
+beside its Triton kernel (torch has no gathering FP8 GEMM).
+
+Usage (H200): ``python benchmarks/scaled_gmm_providers.py [--gemms qwen3-up,...] [--gather]
+[--json PATH]``.
 ``--device cpu --tiny`` is a smoke run of the same code (triton's kernel under the interpreter
 when TRITON_INTERPRET=1; torch's has no CPU kernel, so its columns are empty there).
 """
@@ -134,11 +140,63 @@ def run_gemm(
     return row
 
 
+def run_gathered(
+    name: str, shape: tuple[int, int, int, int], divisor: int, device: torch.device
+) -> dict[str, Any]:
+    experts, k, n, per_expert = shape
+    batch = TOKENS if name != "tiny" else 64
+    top_k = max(per_expert * experts // batch, 1)
+    tokens = max(batch // divisor, 1)
+    timer = _timer(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, k, device=device, generator=gen).bfloat16()
+    w = (torch.randn(experts, n, k, device=device, generator=gen) / k**0.5).bfloat16()
+    qx, sx = ops.quantize(x, 1, "fp8_rowwise", "e4m3fn")
+    qw, sw = ops.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    del x, w
+    choice = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, 1).indices
+    ids = torch.sort(choice.flatten(), stable=True).indices.int()
+    bins = torch.cumsum(torch.bincount(choice.flatten(), minlength=experts), 0).int()
+    args = (qx, sx, qw, sw, ids, ids, bins, top_k, True, None, "fp8_rowwise", "bfloat16")
+    flops = 2.0 * tokens * top_k * k * n
+    row: dict[str, Any] = {
+        "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts
+    }  # fmt: skip
+
+    def triton() -> torch.Tensor:
+        with megablocks_core.use_backend(scaled_gather_gmm="triton"):
+            return ops.scaled_gather_gmm(*args)
+
+    def triton_plain() -> torch.Tensor:
+        scaled.WARP_SPECIALIZED = False
+        try:
+            return triton()
+        finally:
+            scaled.WARP_SPECIALIZED = True
+
+    scaled._SCALED_PLANS.clear()
+    reference = triton()
+    row["triton_kernel"] = (
+        "gluon" if any(type(p).__name__ == "_WarpSpecializedPlan" for p in _plans()) else "triton"
+    )
+    if not torch.equal(triton_plain(), reference):
+        raise SystemExit(f"{name}: the Gluon kernel's output differs from the Triton kernel's")
+    for key, fn in (("triton", triton), ("triton_plain", triton_plain)):
+        row[key + "_us"] = timer(fn)
+        row[key + "_tflops"] = flops / row[key + "_us"] / 1e6
+    return row
+
+
+#: The batch the GEMMS' rows per expert are of.
+TOKENS = 16384
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gemms", default=",".join(GEMMS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="one tiny GEMM (a smoke run)")
+    parser.add_argument("--gather", action="store_true", help="rows gathered from the tokens")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -146,9 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, shape in table.items():
         for divisor in (1, 8):
-            rows.append(run_gemm(name, shape, divisor, device))
+            run = run_gathered if args.gather else run_gemm
+            rows.append(run(name, shape, divisor, device))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for r in rows:
+        if args.gather:
+            print(
+                f"{r['gemm']:<14}{r['rows_per_expert']:>6} rows/expert (gathered)  triton "
+                f"{r['triton_tflops']:>6.0f} TFLOP/s ({r['triton_kernel']}; Triton kernel "
+                f"{r['triton_plain_tflops']:.0f})"
+            )
+            continue
         torch_part = (
             f"torch {r['torch_tflops']:>6.0f} ({r['torch_speedup']:.2f}x)"
             if "torch_us" in r

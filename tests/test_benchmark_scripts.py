@@ -248,3 +248,13 @@ def test_scaled_gmm_providers_reports_the_ranked_provider(tmp_path):
     for r in rows:  # torch's kernel has no CPU implementation: only triton's columns
         assert r["triton_us"] > 0 and "torch_us" not in r
         assert r["ranked"] is not None and r["ranked"].startswith("triton")
+
+
+def test_scaled_gmm_providers_times_gathered_rows(tmp_path):
+    script = _script("scaled_gmm_providers")
+    path = tmp_path / "out.json"
+    assert script.main(["--device", "cpu", "--tiny", "--gather", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["tokens"], r["top_k"]) for r in rows] == [(64, 2), (8, 2)]
+    for r in rows:  # the interpreter has no Gluon kernel: the Triton one both ways
+        assert r["triton_kernel"] == "triton" and r["triton_us"] > 0 and r["triton_plain_us"] > 0
