@@ -190,6 +190,25 @@ def test_launcher_key_records_what_triton_specialises_a_descriptor_on():
     assert key != _key((TensorDescriptor.from_tensor(a.float(), [16, 32]),))
 
 
+def test_launcher_key_records_what_gluon_specialises_a_descriptor_on():
+    """A Gluon kernel's descriptor (another class than Triton's) is keyed too, on its layout as
+    well: without it every launch of a Hopper Gluon kernel took Triton's generic path."""
+    gluon = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from megablocks_triton.launch import _key
+    from triton.experimental.gluon import language as gl
+
+    def desc(t: torch.Tensor, block: list[int], swizzle: int = 64) -> object:
+        layout = gl.NVMMASharedLayout(swizzle, 16, rank=2)
+        return gluon.TensorDescriptor.from_tensor(t, block, layout)
+
+    a = torch.zeros(64, 32, dtype=torch.float16)
+    other = torch.zeros(128, 64, dtype=torch.float16)[:, :32]
+    key = _key((desc(a, [16, 32]),))
+    assert key == _key((desc(other, [16, 32]),))
+    assert key != _key((desc(a, [32, 32]),))
+    assert key != _key((desc(a, [16, 32], swizzle=32),))
+
+
 def _stand_in_triton(monkeypatch, metas):
     """A compiled kernel whose launcher is Triton 3.6's descriptor wrapper around a recording
     native launch, with the driver's descriptor encoder replaced by a recording stand-in; the

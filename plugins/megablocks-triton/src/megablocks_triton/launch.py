@@ -83,10 +83,27 @@ def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
             # Triton specialises a host-side descriptor on its dtype and block shape (its base
             # address, shape and strides are runtime arguments).
             key.append((arg.base.dtype, tuple(arg.block_shape), arg.padding))
+        elif kind is _GLUON_DESCRIPTOR and not _HIP:
+            # A Gluon kernel's descriptor: on its shared-memory layout too.
+            key.append((arg.base.dtype, tuple(arg.block_shape), arg.padding, arg.layout))
         else:
             raise _Uncacheable
     return tuple(key)
 
+
+def _gluon_descriptor_class() -> type | None:
+    try:
+        from triton.experimental.gluon.nvidia.hopper import (  # type: ignore[import-untyped]
+            TensorDescriptor as GluonTensorDescriptor,
+        )
+    except Exception:  # a Triton without Gluon: no such descriptors to key
+        return None
+    return GluonTensorDescriptor
+
+
+#: The host-side descriptor of Gluon kernels (the Hopper kernels take it): another class than
+#: Triton's, specialised on its shared-memory layout as well.
+_GLUON_DESCRIPTOR = _gluon_descriptor_class()
 
 _raw_stream: Callable[[int], int] = getattr(
     torch._C, "_cuda_getCurrentRawStream", lambda i: torch.cuda.current_stream(i).cuda_stream
