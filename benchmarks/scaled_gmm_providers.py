@@ -15,8 +15,10 @@ an FP8 layer's up projection and the gradient of its down projection run them; s
 uniform top-k routing of 16384 tokens and an eighth of that): the triton backend's choice
 beside its Triton kernel (torch has no gathering FP8 GEMM).
 
+``--format fp8_blockwise``: the blockwise format instead (no torch peer).
+
 Usage (H200): ``python benchmarks/scaled_gmm_providers.py [--gemms qwen3-up,...] [--gather]
-[--json PATH]``.
+[--format F] [--json PATH]``.
 ``--device cpu --tiny`` is a smoke run of the same code (triton's kernel under the interpreter
 when TRITON_INTERPRET=1; torch's has no CPU kernel, so its columns are empty there).
 """
@@ -60,6 +62,8 @@ GEMMS: dict[str, tuple[int, int, int, int]] = {
     "gpt_oss-down": (32, 2880, 2880, 2048),
 }
 TINY = {"tiny": (4, 64, 48, 32)}
+#: The operands' format unless ``--format`` says: torch's peer takes fp8_rowwise only.
+FORMAT = "fp8_rowwise"
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -78,7 +82,11 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 
 def run_gemm(
-    name: str, shape: tuple[int, int, int, int], divisor: int, device: torch.device
+    name: str,
+    shape: tuple[int, int, int, int],
+    divisor: int,
+    device: torch.device,
+    fmt: str = FORMAT,
 ) -> dict[str, Any]:
     experts, k, n, per_expert = shape
     rows_per_expert = max(per_expert // divisor, 1)
@@ -86,13 +94,13 @@ def run_gemm(
     gen = torch.Generator(device=device).manual_seed(0)
     w = (torch.randn(experts, n, k, device=device, generator=gen) / k**0.5).bfloat16()
     a = torch.randn(experts * rows_per_expert, k, device=device, generator=gen).bfloat16()
-    qa, sa = ops.quantize(a, 1, "fp8_rowwise", "e4m3fn")
-    qb, sb = ops.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    qa, sa = ops.quantize(a, 1, fmt, "e4m3fn")
+    qb, sb = ops.quantize(w, 2, fmt, "e4m3fn")
     del a, w
     sizes = torch.full((experts,), rows_per_expert, dtype=torch.int32, device=device)
-    args = (qa, sa, qb, sb, sizes, True, "fp8_rowwise", "bfloat16")
+    args = (qa, sa, qb, sb, sizes, True, fmt, "bfloat16")
     flops = 2.0 * experts * rows_per_expert * k * n
-    row: dict[str, Any] = {"gemm": name, "rows_per_expert": rows_per_expert}
+    row: dict[str, Any] = {"gemm": name, "rows_per_expert": rows_per_expert, "format": fmt}
 
     def triton() -> torch.Tensor:
         with megablocks_core.use_backend(scaled_gmm="triton"):
@@ -118,7 +126,7 @@ def run_gemm(
     row["triton_plain_us"] = timer(triton_plain)
     row["triton_plain_tflops"] = flops / row["triton_plain_us"] / 1e6
     scaled_grouped_mm = getattr(torch, "_scaled_grouped_mm", None)
-    if device.type == "cuda" and scaled_grouped_mm is not None:
+    if device.type == "cuda" and scaled_grouped_mm is not None and fmt == "fp8_rowwise":
         offs = torch.cumsum(sizes, 0, dtype=torch.int32)
 
         def torch_fp8() -> torch.Tensor:
@@ -141,7 +149,11 @@ def run_gemm(
 
 
 def run_gathered(
-    name: str, shape: tuple[int, int, int, int], divisor: int, device: torch.device
+    name: str,
+    shape: tuple[int, int, int, int],
+    divisor: int,
+    device: torch.device,
+    fmt: str = FORMAT,
 ) -> dict[str, Any]:
     experts, k, n, per_expert = shape
     batch = TOKENS if name != "tiny" else 64
@@ -151,13 +163,13 @@ def run_gathered(
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, k, device=device, generator=gen).bfloat16()
     w = (torch.randn(experts, n, k, device=device, generator=gen) / k**0.5).bfloat16()
-    qx, sx = ops.quantize(x, 1, "fp8_rowwise", "e4m3fn")
-    qw, sw = ops.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    qx, sx = ops.quantize(x, 1, fmt, "e4m3fn")
+    qw, sw = ops.quantize(w, 2, fmt, "e4m3fn")
     del x, w
     choice = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, 1).indices
     ids = torch.sort(choice.flatten(), stable=True).indices.int()
     bins = torch.cumsum(torch.bincount(choice.flatten(), minlength=experts), 0).int()
-    args = (qx, sx, qw, sw, ids, ids, bins, top_k, True, None, "fp8_rowwise", "bfloat16")
+    args = (qx, sx, qw, sw, ids, ids, bins, top_k, True, None, fmt, "bfloat16")
     flops = 2.0 * tokens * top_k * k * n
     row: dict[str, Any] = {
         "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts
@@ -197,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="one tiny GEMM (a smoke run)")
     parser.add_argument("--gather", action="store_true", help="rows gathered from the tokens")
+    parser.add_argument("--format", default=FORMAT, choices=("fp8_rowwise", "fp8_blockwise"))
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -205,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, shape in table.items():
         for divisor in (1, 8):
             run = run_gathered if args.gather else run_gemm
-            rows.append(run(name, shape, divisor, device))
+            rows.append(run(name, shape, divisor, device, args.format))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for r in rows:
         if args.gather:

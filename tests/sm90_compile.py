@@ -35,15 +35,19 @@ driver.set_active(Sm90())
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 def report(compiled):
+    from megablocks_core.aot import _nvidia_resources
+    registers, spills, _ = _nvidia_resources(compiled, 90)
     print(json.dumps({"ptx": compiled.asm["ptx"], "cubin": len(compiled.asm["cubin"]),
-                      "shared": compiled.metadata.shared}))
+                      "shared": compiled.metadata.shared, "registers": registers,
+                      "spills": spills}))
 """
 
 
 def compile_sm90(script: str, *args: str) -> dict[str, Any]:
     """Runs ``script`` (which compiles a kernel with ``warmup`` and passes the result to
-    ``report``) with ``args`` as sys.argv[1:]; returns the PTX, the cubin's size and the shared
-    memory it uses."""
+    ``report``) with ``args`` as sys.argv[1:]; returns the PTX, the cubin's size, the shared
+    memory it uses, its registers a thread and the bytes it spills (as the compile gate counts
+    them)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     run = subprocess.run(
         [sys.executable, "-c", _PRELUDE + script, *args],

@@ -258,3 +258,12 @@ def test_scaled_gmm_providers_times_gathered_rows(tmp_path):
     assert [(r["tokens"], r["top_k"]) for r in rows] == [(64, 2), (8, 2)]
     for r in rows:  # the interpreter has no Gluon kernel: the Triton one both ways
         assert r["triton_kernel"] == "triton" and r["triton_us"] > 0 and r["triton_plain_us"] > 0
+
+
+def test_scaled_gmm_providers_takes_the_blockwise_format(tmp_path):
+    script = _script("scaled_gmm_providers")
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--tiny", "--format", "fp8_blockwise", "--json", str(path)]
+    assert script.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert rows and all(r["format"] == "fp8_blockwise" and "torch_us" not in r for r in rows)

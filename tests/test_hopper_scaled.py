@@ -88,14 +88,35 @@ def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel() -> None:
     # Its up projection: the tokens gathered by the loader's threads.
     (launch,) = _launches(H200, "gather", **QWEN3_DOWN)
     assert launch.kwargs["GATHER"] and launch.kwargs["LOADER_WARPS"] == 4
+    # The blockwise format on plain rows: each 128-deep product scaled by its blocks' scales.
+    (launch,) = _launches(H200, **QWEN3_DOWN, blockwise=1)
+    assert launch.kwargs["BLOCKWISE"] and not launch.kwargs["GATHER"]
+    # Plain rowwise rows of 256 experts (DeepSeek-V3's count).
+    assert _kernels(H200, **{**QWEN3_DOWN, "experts": 256}) == [GLUON]
+
+
+def test_its_launches_take_the_cached_launch_path() -> None:
+    # Every argument of the Gluon kernel's launches has a launch-cache key (Gluon descriptors
+    # included): else each call would go through Triton's generic path, slower than a small GEMM.
+    from megablocks_triton.launch import _key
+
+    for call in ("gmm", "gather"):
+        (launch,) = _launches(H200, call, **QWEN3_DOWN)
+        assert launch.kernel.fn.__name__ == "_scaled_gmm_kernel"
+        descriptors = [a for a in launch.args if type(a).__name__ == "TensorDescriptor"]
+        assert len(descriptors) == 3
+        _key(launch.args)  # raises where an argument has none
 
 
 @pytest.mark.parametrize(
     "why, device, call, shape",
     [
         ("another arch", B200, "gmm", QWEN3_DOWN),
-        ("blockwise format", H200, "gmm", {**QWEN3_DOWN, "blockwise": 1}),
-        ("k at the table's bound", H200, "gmm", {**QWEN3_DOWN, "k": 4096}),
+        ("blockwise gathered rows", H200, "gather", {**QWEN3_DOWN, "blockwise": 1}),
+        ("k at the table's bound", H200, "gmm", {**QWEN3_DOWN, "k": 3072}),
+        ("512 experts", H200, "gmm", {**QWEN3_DOWN, "experts": 512, "rows": 512 * 256}),
+        ("256 experts, gathered", H200, "gather", {**QWEN3_DOWN, "experts": 256}),
+        ("256 experts, blockwise", H200, "gmm", {**QWEN3_DOWN, "experts": 256, "blockwise": 1}),
         ("64 rows per expert", H200, "gmm", {**QWEN3_DOWN, "rows": 64 * 128}),
         ("rows TMA cannot address", H200, "gmm", {**QWEN3_DOWN, "k": 776}),
     ],
@@ -145,6 +166,8 @@ from megablocks_triton import hopper_scaled as H
 
 out_dtype = getattr(torch, sys.argv[1])
 gather = sys.argv[2] == "1"
+blockwise = sys.argv[3] == "1"
+block_e = int(sys.argv[4])
 rows, k, n, experts = 512, 256, 384, 3
 a = torch.zeros(rows, k, dtype=torch.float8_e4m3fn)
 b = torch.zeros(experts * n, k, dtype=torch.float8_e4m3fn)
@@ -156,9 +179,10 @@ descs = [  # with the launch's own (cached) layouts
 ]
 compiled = H._scaled_gmm_kernel.warmup(
     *descs, out, torch.zeros(rows, 1), torch.zeros(experts, n, 1),
-    torch.zeros(experts, dtype=torch.int32), experts, rows, n, k, 1, n, 1,
+    torch.zeros(experts, dtype=torch.int32), experts, rows, n, k, 1, 1, n, 1, 1,
     a, k, torch.zeros(rows, dtype=torch.int32), 2, rows,
-    FROM_ENDS=gather, ZERO_TAIL=True, BLOCK_E=4, GROUP_M=8, GATHER=gather,
+    FROM_ENDS=gather, ZERO_TAIL=True, BLOCK_E=block_e, GROUP_M=8, GATHER=gather,
+    BLOCKWISE=blockwise,
     STAGES=H.stages(out_dtype),
     LOADER_WARPS=H.GATHER_LOADER_WARPS if gather else 1,
     LOADER_REGS=H.GATHER_LOADER_REGISTERS if gather else H.LOADER_REGISTERS,
@@ -168,9 +192,21 @@ report(compiled)
 """
 
 
-@pytest.mark.parametrize("out_dtype, gather", [("bfloat16", 0), ("float32", 0), ("bfloat16", 1)])
-def test_compiles_for_sm90_with_two_products_in_flight(out_dtype: str, gather: int) -> None:
-    built = compile_sm90(_COMPILE, out_dtype, str(gather))
+@pytest.mark.parametrize(
+    "out_dtype, gather, blockwise",
+    [("bfloat16", 0, 0), ("float32", 0, 0), ("bfloat16", 1, 0), ("bfloat16", 0, 1)],
+)
+def test_compiles_for_sm90_with_two_products_in_flight(
+    out_dtype: str, gather: int, blockwise: int
+) -> None:
+    # With as many experts as the launch path gives it: nothing spills (the gate's rule).
+    most = (
+        S.WARP_SPECIALIZED_MAX_BLOCK_E_GATHERED_OR_BLOCKWISE
+        if gather or blockwise
+        else S.WARP_SPECIALIZED_MAX_BLOCK_E
+    )
+    built = compile_sm90(_COMPILE, out_dtype, str(gather), str(blockwise), str(most))
+    assert built["spills"] == 0
     ptx = built["ptx"]
     assert (
         ".target sm_90a" in ptx and "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
@@ -202,14 +238,14 @@ CASES = {
 }
 
 
-def _case(name: str) -> tuple[torch.Tensor, ...]:
+def _case(name: str, fmt: str = "fp8_rowwise") -> tuple[torch.Tensor, ...]:
     sizes, k, n, spare = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(len(name))
     rows = sum(sizes) + spare
     x = torch.randn(rows, k, device="cuda", generator=gen)
     w = torch.randn(len(sizes), n, k, device="cuda", generator=gen) / k**0.5
-    qa, sa = S.quantize(x, 1, "fp8_rowwise", "e4m3fn")
-    qb, sb = S.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    qa, sa = S.quantize(x, 1, fmt, "e4m3fn")
+    qb, sb = S.quantize(w, 2, fmt, "e4m3fn")
     return qa, sa, qb, sb, torch.tensor(sizes, dtype=torch.int32, device="cuda")
 
 
@@ -218,15 +254,24 @@ def _gluon(*operands: torch.Tensor, out: torch.Tensor, **how: bool) -> torch.Ten
     hopper_scaled.launch(
         qa, sa, qb, sb, sizes, out, from_ends=how.get("from_ends", False),
         zero_tail=how.get("zero_tail", True), block_e=256, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        blockwise=how.get("blockwise", False),
     )  # fmt: skip
     return out
+
+
+def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 values of quantized data: each scale over its block (1, the whole dim, or 128)."""
+    for d in range(q.dim()):
+        if scale.shape[d] not in (1, q.shape[d]):
+            scale = scale.repeat_interleave(128, dim=d).narrow(d, 0, q.shape[d])
+    return q.double() * scale.double()
 
 
 def _loop(
     qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, sizes: list[int]
 ) -> torch.Tensor:
     """The float64 definition, one expert at a time, on the dequantized operands."""
-    a, b = qa.double() * sa.double(), qb.double() * sb.double()
+    a, b = _dequantized(qa, sa), _dequantized(qb, sb)
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=a.device)
     start = 0
     for e, size in enumerate(sizes):
@@ -271,7 +316,9 @@ def test_equals_the_triton_kernel_and_a_float64_loop(
 @on_hopper
 def test_the_ops_take_it_and_equal_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     # Through the op functions, at a shape the table gives the Gluon kernel: 16 experts of about
-    # 200 rows (uneven, one empty), k 768, n 512; the scatter's products too.
+    # 200 rows (uneven, one empty), k 768, n 512: plain rows in float16, the scatter's products,
+    # and the tokens gathered by int64 ids (one naming no token) into more rows than the groups
+    # hold (zeros past them).
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes_list = [int(v) for v in torch.randint(100, 300, (16,), generator=gen, device="cuda")]
     sizes_list[5] = 0
@@ -281,23 +328,32 @@ def test_the_ops_take_it_and_equal_the_triton_kernel(monkeypatch: pytest.MonkeyP
     qa, sa = S.quantize(x, 1, "fp8_rowwise", "e4m3fn")
     qb, sb = S.quantize(w, 2, "fp8_rowwise", "e4m3fn")
     sizes = torch.tensor(sizes_list, dtype=torch.int32, device="cuda")
-    got = S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", None)
-    assert any(isinstance(p, S._WarpSpecializedPlan) for p in S._SCALED_PLANS.values())
     ids = torch.randperm(rows, device="cuda", generator=gen).int()
     bins = torch.cumsum(sizes, 0, dtype=torch.int32)
     weights = torch.rand(rows, device="cuda", generator=gen)
-    scattered = S.scaled_gmm_scatter(
-        qa, sa, qb, sb, ids, ids, weights, bins, 1, True, None, "fp8_rowwise", None
-    )
+    gather_ids = torch.randint(0, 2 * rows, (rows,), device="cuda", generator=gen)
+    gather_ids[7] = 2 * rows + 1  # names no token
+
+    def calls() -> list[torch.Tensor]:
+        return [
+            S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", "float16"),
+            S.scaled_gmm_scatter(
+                qa, sa, qb, sb, ids, ids, weights, bins, 1, True, None, "fp8_rowwise", None
+            ),
+            S.scaled_gather_gmm(
+                qa, sa, qb, sb, gather_ids, gather_ids, bins, 2, True, rows + 37, "fp8_rowwise",
+                None,
+            ),
+        ]  # fmt: skip
+
+    got = calls()
+    plans = list(S._SCALED_PLANS.values())
+    assert len(plans) == 3 and all(isinstance(p, S._WarpSpecializedPlan) for p in plans)
+    assert (got[2][rows:] == 0).all() and (got[2][[7]] == 0).all()
     monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
     S._SCALED_PLANS.clear()
-    assert torch.equal(got, S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", None))
-    assert torch.equal(
-        scattered,
-        S.scaled_gmm_scatter(
-            qa, sa, qb, sb, ids, ids, weights, bins, 1, True, None, "fp8_rowwise", None
-        ),
-    )
+    for mine, triton_kernel in zip(got, calls(), strict=True):
+        assert torch.equal(mine, triton_kernel)
 
 
 GATHER_CASES = {
@@ -352,3 +408,24 @@ def test_gathered_rows_equal_the_triton_kernel_and_a_float64_loop(
     err = (got.double() - ref).norm() / ref.norm()
     assert err < 4e-3
     assert (got[~named] == 0).all()
+
+
+@on_hopper
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_blockwise_equals_the_triton_kernel_and_a_float64_loop(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # fp8_blockwise: 1 x 128 blocks of a, 128 x 128 of b, each 128-deep product scaled by its
+    # blocks' scales before it is added (as the Triton kernel does, so the bits are equal).
+    qa, sa, qb, sb, sizes = _case(name, "fp8_blockwise")
+    rows, n = qa.shape[0], qb.shape[1]
+    covered = int(sizes.sum())
+    got = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    _gluon(qa, sa, qb, sb, sizes, out=got, blockwise=True)
+    monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
+    want = S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_blockwise", None)
+    assert torch.equal(got, want)
+    ref = _loop(qa, sa, qb, sb, CASES[name][0])
+    err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert err < 4e-3
+    assert (got[covered:] == 0).all()

@@ -45,6 +45,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # type: ig
 
 from .launch import launch as launch_kernel
 
+#: 128 x 128 tiles, 128-deep K steps: one scale block of the blockwise format a step and an n tile.
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128
 MMA_WARPS = 8
 LOADER_REGISTERS = 56
@@ -151,12 +152,27 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts
 
 
 @gluon.jit
+def _row_scales(tile, idx, sizes, tiles, tile_end, n_tiles, ids_ptr, top_k, num_ids, stride_sa,
+                stride_sbe, stride_sbn, block_m: gl.constexpr, GROUP_M: gl.constexpr,
+                GATHER: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    # Blockwise: the offsets of a tile's rows' scales (their tokens', gathered; rows clamped
+    # into the group) and of its column block's, at k block 0.
+    e, row_start, size, tile_m, tile_n = _tile(tile, idx, sizes, tiles, tile_end, n_tiles,
+                                               block_m, GROUP_M)  # fmt: skip
+    rows = row_start + gl.minimum(tile_m * block_m + gl.arange(0, block_m, layout=layout), size - 1)
+    if GATHER:
+        ids = gl.load(ids_ptr + rows).to(gl.int64)
+        rows = gl.where((ids >= 0) & (ids < num_ids), ids // top_k, 0)
+    return rows.to(gl.int64) * stride_sa, e.to(gl.int64) * stride_sbe + tile_n * stride_sbn
+
+
+@gluon.jit
 def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr, sa_ptr,
               sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
-              GROUP_M: gl.constexpr, GATHER: gl.constexpr,
+              GROUP_M: gl.constexpr, GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
               store_layout: gl.constexpr):  # fmt: skip
     # The tile's sum times both scales (rows clamped into the group: rows past it are not
-    # stored), rounded, staged in shared memory and stored.
+    # stored; blockwise sums are scaled already), rounded, staged in shared memory and stored.
     block_m: gl.constexpr = c_smem.type.shape[0]
     block_n: gl.constexpr = c_smem.type.shape[1]
     e, row_start, size, tile_m, tile_n = _tile(tile, idx, sizes, tiles, tile_end, n_tiles,
@@ -168,13 +184,17 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
     if GATHER:  # a gathered row's scale is its token's; an unnamed row's (NaN) must not leak
         ids = gl.load(ids_ptr + a_rows).to(gl.int64)
         named = (ids >= 0) & (ids < num_ids)
-        sa = gl.load(sa_ptr + gl.where(named, ids // top_k, 0) * stride_sa)
+    if BLOCKWISE:
+        scaled = acc
     else:
-        sa = gl.load(sa_ptr + a_rows.to(gl.int64) * stride_sa)
-    cols = tile_n * block_n + acc_cols
-    sb = gl.load(sb_ptr + e.to(gl.int64) * stride_sbe + cols * stride_sbn, mask=cols < n,
-                 other=0.0)  # fmt: skip
-    scaled = acc * sa[:, None] * sb[None, :]
+        if GATHER:
+            sa = gl.load(sa_ptr + gl.where(named, ids // top_k, 0) * stride_sa)
+        else:
+            sa = gl.load(sa_ptr + a_rows.to(gl.int64) * stride_sa)
+        cols = tile_n * block_n + acc_cols
+        sb = gl.load(sb_ptr + e.to(gl.int64) * stride_sbe + cols * stride_sbn, mask=cols < n,
+                     other=0.0)  # fmt: skip
+        scaled = acc * sa[:, None] * sb[None, :]
     if GATHER:
         scaled = gl.where(named[:, None], scaled, 0.0)
     result = scaled.to(c_smem.dtype)
@@ -195,9 +215,10 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
 
 @gluon.jit
 def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_ptr, sb_ptr,
-                      sizes_ptr, num_experts, rows, n, k, stride_sa, stride_sbe, stride_sbn,
-                      ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr, ZERO_TAIL: gl.constexpr,
-                      BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr,
+                      sizes_ptr, num_experts, rows, n, k, stride_sa, stride_sak, stride_sbe,
+                      stride_sbn, stride_sbk, ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr,
+                      ZERO_TAIL: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
+                      GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
                       num_warps: gl.constexpr):  # fmt: skip
     block_m: gl.constexpr = c_smem.type.shape[0]
     block_n: gl.constexpr = c_smem.type.shape[1]
@@ -217,6 +238,7 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
     programs = gl.num_programs(0)
     chunks = gl.cdiv(k, block_k)  # every tile reduces over all of k
     zero = gl.zeros([block_m, block_n], gl.float32, acc_layout)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     if pid < group_tiles:
         # The program's tiles' chunks as one sequence of steps. Each step's product is issued
         # before the one before it is added: two products in flight, the adds off the matrix
@@ -228,6 +250,12 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
         prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero,
                              use_acc=False, is_async=True)  # fmt: skip
         acc = zero
+        if BLOCKWISE:  # each product times its k block's scales; loaded a step ahead of use
+            sa_at, sb_at = _row_scales(pid, idx, sizes, tiles, tile_end, n_tiles, ids_ptr, top_k,
+                                       num_ids, stride_sa, stride_sbe, stride_sbn, block_m,
+                                       GROUP_M, GATHER, rows_layout)  # fmt: skip
+            sa_prev = gl.load(sa_ptr + sa_at)
+            sb_prev = gl.load(sb_ptr + sb_at)
         for step in range(1, steps):
             slot = step % stages
             mbarrier.wait(ready.index(slot), (step // stages) & 1)
@@ -235,23 +263,41 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
                 fence_async_shared()
             part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), zero,
                                  use_acc=False, is_async=True)  # fmt: skip
+            if BLOCKWISE:
+                kb = step % chunks
+                if kb == 0:  # a new tile's rows
+                    sa_at, sb_at = _row_scales(pid + (step // chunks) * programs, idx, sizes,
+                                               tiles, tile_end, n_tiles, ids_ptr, top_k, num_ids,
+                                               stride_sa, stride_sbe, stride_sbn, block_m,
+                                               GROUP_M, GATHER, rows_layout)  # fmt: skip
+                sa_next = gl.load(sa_ptr + sa_at + kb * stride_sak)
+                sb_next = gl.load(sb_ptr + sb_at + kb * stride_sbk)
             done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            acc = acc + done
+            if BLOCKWISE:
+                acc = acc + done * (sa_prev[:, None] * sb_prev)
+                sa_prev = sa_next
+                sb_prev = sb_next
+            else:
+                acc = acc + done
             mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1)
             prev = part
             if step % chunks == 0:  # the step before was its tile's last
                 tile = pid + (step // chunks - 1) * programs
                 _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc,
                           c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr,
-                          top_k, num_ids, GROUP_M, GATHER, store_layout)  # fmt: skip
+                          top_k, num_ids, GROUP_M, GATHER, BLOCKWISE,
+                          store_layout)  # fmt: skip
                 acc = zero
         done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-        acc = acc + done
+        if BLOCKWISE:  # noqa: SIM108 (a constexpr branch: sa_prev exists only blockwise)
+            acc = acc + done * (sa_prev[:, None] * sb_prev)
+        else:
+            acc = acc + done
         mbarrier.arrive(empty.index((steps + stages - 1) % stages), count=1)
         tile = pid + (steps // chunks - 1) * programs
         _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr,
                   sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
-                  GROUP_M, GATHER, store_layout)  # fmt: skip
+                  GROUP_M, GATHER, BLOCKWISE, store_layout)  # fmt: skip
     tma.store_wait(0)
     if ZERO_TAIL:  # rows past every group: zeros
         tail_tiles = gl.cdiv(rows - covered, block_m) * n_tiles
@@ -268,15 +314,19 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
 
 @gluon.jit
 def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr, num_experts,
-                       rows, n, k, stride_sa, stride_sbe, stride_sbn, x_ptr, stride_x, ids_ptr,
-                       top_k, num_ids, FROM_ENDS: gl.constexpr, ZERO_TAIL: gl.constexpr,
-                       BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr,
+                       rows, n, k, stride_sa, stride_sak, stride_sbe, stride_sbn, stride_sbk,
+                       x_ptr, stride_x, ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr,
+                       ZERO_TAIL: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
+                       GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
                        STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
                        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """The grouped GEMM (module docstring). a_desc: a (rows, k), or with GATHER x (tokens, k)
     (only its block and layout are used: the loader copies row ids[i] // top_k of x for sorted
     row i, zeros for ids outside [0, num_ids)). b_desc: b seen as (E * n, k). c_desc / c_ptr:
-    the output (rows, n), contiguous."""
+    the output (rows, n), contiguous. Scales: rowwise, sa per row (stride_sa) and sb per output
+    column (stride_sbe, stride_sbn); BLOCKWISE (1 x 128 blocks of a, 128 x 128 of b, one block
+    a K step and an n tile), sa per row and k block (stride_sak), sb per expert, n block and k
+    block (stride_sbk)."""
     block_m: gl.constexpr = a_desc.block_type.shape[0]
     block_k: gl.constexpr = a_desc.block_type.shape[1]
     block_n: gl.constexpr = b_desc.block_type.shape[0]
@@ -295,8 +345,9 @@ def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr,
         [
             (_mma_and_epilogue, (a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_ptr,
                                  sb_ptr, sizes_ptr, num_experts, rows, n, k, stride_sa,
-                                 stride_sbe, stride_sbn, ids_ptr, top_k, num_ids, FROM_ENDS,
-                                 ZERO_TAIL, BLOCK_E, GROUP_M, GATHER, num_warps)),
+                                 stride_sak, stride_sbe, stride_sbn, stride_sbk, ids_ptr, top_k,
+                                 num_ids, FROM_ENDS, ZERO_TAIL, BLOCK_E, GROUP_M, GATHER,
+                                 BLOCKWISE, num_warps)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts,
                        rows, n, k, x_ptr, stride_x, ids_ptr, top_k, num_ids, FROM_ENDS, BLOCK_E,
                        GROUP_M, GATHER, LOADER_WARPS)),
@@ -353,12 +404,15 @@ def launch(
     block_e: int,
     num_sms: int,
     gather: tuple[torch.Tensor, int] | None = None,
+    blockwise: bool = False,
     group_m: int = 8,
 ) -> None:
     """``out = a @ b[e].T`` per group of rows, scaled: a (rows, k) and its (rows, 1) scales, b
     (E, n, k) and its (E, n, 1) scales, ``sizes`` the per-expert row counts on the device (or
     their running ends, ``from_ends``), out (rows, n) (:func:`serves` holds). ``gather`` (ids,
-    top_k): a is the tokens (tokens, k) and sorted row i reads token ids[i] // top_k."""
+    top_k): a is the tokens (tokens, k) and sorted row i reads token ids[i] // top_k.
+    ``blockwise``: format ``fp8_blockwise``'s scales instead, a (rows, k / 128) and b
+    (E, n / 128, k / 128)."""
     k = a.shape[1]
     rows = out.shape[0]
     num_experts, n, _ = b.shape
@@ -378,10 +432,10 @@ def launch(
     launch_kernel(
         _scaled_gmm_kernel, grid,
         a_desc, b_desc, c_desc, out, a_scale, b_scale, sizes, num_experts, rows, n, k,
-        a_scale.stride(0), b_scale.stride(0), b_scale.stride(1),
-        a, a.stride(0), ids, top_k, a.shape[0] * top_k,
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        b_scale.stride(2), a, a.stride(0), ids, top_k, a.shape[0] * top_k,
         FROM_ENDS=from_ends, ZERO_TAIL=zero_tail, BLOCK_E=block_e, GROUP_M=group_m,
-        GATHER=gather is not None, STAGES=stages(out.dtype),
+        GATHER=gather is not None, BLOCKWISE=blockwise, STAGES=stages(out.dtype),
         LOADER_WARPS=GATHER_LOADER_WARPS if gather is not None else 1,
         LOADER_REGS=GATHER_LOADER_REGISTERS if gather is not None else LOADER_REGISTERS,
         num_warps=MMA_WARPS,

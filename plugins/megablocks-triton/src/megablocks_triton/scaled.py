@@ -61,8 +61,13 @@ CONFIG_OVERRIDE: Any = None
 #: of :mod:`.hopper_scaled` would take some (:func:`_warp_specialized`).
 WARP_SPECIALIZED = True
 #: The Gluon kernel's tiles are 128 rows: with fewer rows per expert on average (DeepSeek-V3's
-#: 64 on the H200: 0.85-0.91x) the Triton kernel's are the better fit.
+#: 64 on the H200: 0.79-0.92x) the Triton kernel's are the better fit.
 WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT = 128
+#: Its partitions keep every expert's row count in registers: up to this many experts (as
+#: ``block_e``, the next power of two) nothing spills on sm_90a; plain rowwise rows 256, the
+#: gathering loader and the blockwise scales 128 (``megablocks backends compile``, ptxas -v).
+WARP_SPECIALIZED_MAX_BLOCK_E = 256
+WARP_SPECIALIZED_MAX_BLOCK_E_GATHERED_OR_BLOCKWISE = 128
 
 
 def fp8_capability(device: DeviceInfo) -> str | None:
@@ -198,22 +203,33 @@ def _warp_specialized(
     b: torch.Tensor,
     trans_b: bool,
     m: int,
+    gathered: bool,
     blockwise: bool,
     out_dtype: torch.dtype,
+    block_e: int,
 ) -> Any:
     """:mod:`.hopper_scaled` when its kernel takes this call shape, else None: a Hopper GPU (the
-    arch table's ``gluon_scaled_max_k``), the rowwise format promoted every 128 k, k below that
-    bound, at least WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT rows per expert on average, and layouts
-    its descriptors take (:func:`hopper_scaled.serves`; the bases' alignment is checked per
-    call). Plain or gathered rows."""
+    arch table's ``gluon_scaled_max_k``), the sum promoted every 128 k, k below that bound, at
+    least WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT rows per expert on average, and layouts its
+    descriptors take (:func:`hopper_scaled.serves`; the bases' alignment is checked per call),
+    and no more experts than it keeps in registers (WARP_SPECIALIZED_MAX_BLOCK_E...). Rowwise:
+    plain or gathered rows; blockwise: plain rows (gathered, its loader and per-step scales
+    together spill on sm_90a)."""
     max_k = arch_tuning(info).gluon_scaled_max_k
     if not WARP_SPECIALIZED or max_k is None or info.kind != "cuda":
         return None
-    if blockwise or not trans_b or PROMOTE_EVERY != SCALE_BLOCK:
+    if (blockwise and gathered) or not trans_b or PROMOTE_EVERY != SCALE_BLOCK:
         return None
     if CONFIG_OVERRIDE is not None or a.shape[1] >= max_k:
         return None
     if m < WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT * b.shape[0]:
+        return None
+    most = (
+        WARP_SPECIALIZED_MAX_BLOCK_E_GATHERED_OR_BLOCKWISE
+        if gathered or blockwise
+        else WARP_SPECIALIZED_MAX_BLOCK_E
+    )
+    if block_e > most:
         return None
     module = _hopper_scaled()
     if module is None or not module.serves(a, b, out_dtype):
@@ -225,8 +241,8 @@ class _WarpSpecializedPlan:
     """One call shape's launch of the Gluon kernel (:mod:`.hopper_scaled`); operands whose bases
     its descriptors cannot take go to the Triton kernel's plan."""
 
-    __slots__ = ("block_e", "fallback", "from_ends", "module", "num_sms", "out_dtype", "shape",
-                 "top_k", "zero_tail")  # fmt: skip
+    __slots__ = ("block_e", "blockwise", "fallback", "from_ends", "module", "num_sms",
+                 "out_dtype", "shape", "top_k", "zero_tail")  # fmt: skip
 
     def __init__(
         self,
@@ -238,10 +254,12 @@ class _WarpSpecializedPlan:
         block_e: int,
         num_sms: int,
         top_k: int | None,
+        blockwise: bool,
         fallback: Callable[..., torch.Tensor],
     ) -> None:
         self.module = module
         self.top_k = top_k
+        self.blockwise = blockwise
         self.shape = shape
         self.out_dtype = out_dtype
         self.from_ends = from_ends
@@ -258,7 +276,7 @@ class _WarpSpecializedPlan:
         self.module.launch(
             a, a_scale, b, b_scale, sizes, out, from_ends=self.from_ends,
             zero_tail=self.zero_tail, block_e=self.block_e, num_sms=self.num_sms,
-            gather=None if self.top_k is None else (ids, self.top_k),
+            gather=None if self.top_k is None else (ids, self.top_k), blockwise=self.blockwise,
         )  # fmt: skip
         return out
 
@@ -370,20 +388,13 @@ def _scaled_plan(
             _scaled_gmm_kernel, grid, *scalars, descriptors=blocks, B_TMA=True, A_TMA=a_tma, **kw
         )
     triton_plan = _ScaledPlan(shape, out_dtype, plain, tma, reads_a=not gather)
-    hopper = _warp_specialized(info, a, b, trans_b, m, blockwise, out_dtype)
+    hopper = _warp_specialized(info, a, b, trans_b, m, gather, blockwise, out_dtype, block_e)
     if hopper is None:
         return triton_plan
     return _WarpSpecializedPlan(
-        hopper,
-        shape,
-        out_dtype,
-        from_ends,
-        zero_tail,
-        block_e,
-        _num_sms(info),
-        gather_top_k,
-        triton_plan,
-    )
+        hopper, shape, out_dtype, from_ends, zero_tail, block_e, _num_sms(info), gather_top_k,
+        blockwise, triton_plan,
+    )  # fmt: skip
 
 
 #: Per call shape and launch policy: the prepared scaled launches.
