@@ -172,7 +172,8 @@ def run_gathered(
     args = (qx, sx, qw, sw, ids, ids, bins, top_k, True, None, fmt, "bfloat16")
     flops = 2.0 * tokens * top_k * k * n
     row: dict[str, Any] = {
-        "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts
+        "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts,
+        "format": fmt,
     }  # fmt: skip
 
     def triton() -> torch.Tensor:

@@ -263,7 +263,8 @@ def test_scaled_gmm_providers_times_gathered_rows(tmp_path):
 def test_scaled_gmm_providers_takes_the_blockwise_format(tmp_path):
     script = _script("scaled_gmm_providers")
     path = tmp_path / "out.json"
-    argv = ["--device", "cpu", "--tiny", "--format", "fp8_blockwise", "--json", str(path)]
-    assert script.main(argv) == 0
-    rows = json.loads(path.read_text())["rows"]
-    assert rows and all(r["format"] == "fp8_blockwise" and "torch_us" not in r for r in rows)
+    for gather in ([], ["--gather"]):
+        argv = ["--device", "cpu", "--tiny", "--format", "fp8_blockwise", "--json", str(path)]
+        assert script.main(argv + gather) == 0
+        rows = json.loads(path.read_text())["rows"]
+        assert rows and all(r["format"] == "fp8_blockwise" for r in rows)

@@ -66,9 +66,10 @@ def _launches(device: object, call: str = "gmm", **shape: int) -> list[Any]:
     else:
         sa, sb = _meta(rows, 1, dtype=torch.float32), _meta(experts, n, 1, dtype=torch.float32)
     counts, ids = _meta(experts, dtype=torch.int32), _meta(rows, dtype=torch.int32)
+    out = "float32" if shape.get("float32") else None
     with record_launches(device) as recorder:  # type: ignore[arg-type]
         if call == "gmm":
-            S.scaled_gmm(a, sa, b, sb, counts, True, fmt, None)
+            S.scaled_gmm(a, sa, b, sb, counts, True, fmt, out)
         elif call == "scatter":
             weights = _meta(rows, dtype=torch.float32)
             S.scaled_gmm_scatter(a, sa, b, sb, ids, ids, weights, counts, 1, True, None, fmt, None)
@@ -78,21 +79,22 @@ def _launches(device: object, call: str = "gmm", **shape: int) -> list[Any]:
 
 
 GLUON = "megablocks_triton.hopper_scaled._scaled_gmm_kernel"
+TRITON = "megablocks_triton.kernels.scaled._scaled_gmm_kernel"
 QWEN3_DOWN = {"rows": 128 * 1024, "k": 768, "n": 2048, "experts": 128}
 
 
-TRITON = "megablocks_triton.kernels.scaled._scaled_gmm_kernel"
-
-
 def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel() -> None:
-    # Recorded for the compile gate, the Triton kernel too: the launch for operands whose bases
-    # the Gluon kernel's descriptors cannot take.
+    # Recorded for the compile gate, the Triton kernel too: the launch operands whose bases the
+    # Gluon kernel's descriptors cannot take fall back to (plain rows: no descriptor at all).
     assert _kernels(H200, **QWEN3_DOWN) == [TRITON, GLUON]
+    fallback, _ = _launches(H200, **QWEN3_DOWN)
+    assert not fallback.kwargs["B_TMA"] and not fallback.kwargs.get("A_TMA", False)
     # The layer's down projection: the Gluon GEMM, then the 16-bit scatter.
     assert _kernels(H200, "scatter", **QWEN3_DOWN)[1] == GLUON
     # Its up projection: the tokens gathered by the loader's threads.
-    _, launch = _launches(H200, "gather", **QWEN3_DOWN)
+    fallback, launch = _launches(H200, "gather", **QWEN3_DOWN)
     assert launch.kwargs["GATHER"] and launch.kwargs["LOADER_WARPS"] == 4
+    assert fallback.kwargs["B_TMA"]  # only the tokens misaligned: b still through TMA
     # The blockwise format on plain rows: each 128-deep product scaled by its blocks' scales.
     _, launch = _launches(H200, **QWEN3_DOWN, blockwise=1)
     assert launch.kwargs["BLOCKWISE"] and not launch.kwargs["GATHER"]
@@ -122,6 +124,7 @@ def test_its_launches_take_the_cached_launch_path() -> None:
         ("512 experts", H200, "gmm", {**QWEN3_DOWN, "experts": 512, "rows": 512 * 256}),
         ("256 experts, gathered", H200, "gather", {**QWEN3_DOWN, "experts": 256}),
         ("256 experts, blockwise", H200, "gmm", {**QWEN3_DOWN, "experts": 256, "blockwise": 1}),
+        ("blockwise into float32", H200, "gmm", {**QWEN3_DOWN, "blockwise": 1, "float32": 1}),
         ("64 rows per expert", H200, "gmm", {**QWEN3_DOWN, "rows": 64 * 128}),
         ("rows TMA cannot address", H200, "gmm", {**QWEN3_DOWN, "k": 776}),
     ],

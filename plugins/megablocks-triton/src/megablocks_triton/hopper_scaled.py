@@ -155,7 +155,8 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts
 def _row_scales(tile, idx, sizes, tiles, tile_end, n_tiles, ids_ptr, top_k, num_ids, stride_sa,
                 stride_sbe, stride_sbn, block_m: gl.constexpr, GROUP_M: gl.constexpr,
                 GATHER: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    # Blockwise: the offsets of a tile's rows' scales (their tokens', gathered; rows clamped
+    # Blockwise: the offsets of a tile's rows' scales (their tokens', gathered: compiled, but the
+    # launch path keeps gathered blockwise rows on the Triton kernel, as they spill; rows clamped
     # into the group) and of its column block's, at k block 0.
     e, row_start, size, tile_m, tile_n = _tile(tile, idx, sizes, tiles, tile_end, n_tiles,
                                                block_m, GROUP_M)  # fmt: skip
@@ -374,8 +375,9 @@ def stages(out_dtype: torch.dtype) -> int:
 def serves(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether this kernel takes operands of these layouts: OCP e4m3 data, a (rows, k) and b
     (E, n, k) with k contiguous and b dense, row strides TMA can address (16-byte multiples), an
-    output of 16-byte rows. The caller checks the device (sm_90), the format (rowwise) and, per
-    call, the bases' 16-byte alignment."""
+    output of 16-byte rows. The caller checks the device (sm_90), which formats and row forms it
+    gives it (:func:`megablocks_triton.scaled._warp_specialized`) and, per call, the bases'
+    16-byte alignment."""
     k = a.shape[1]
     return (
         a.dtype in _FP8

@@ -213,12 +213,15 @@ def _warp_specialized(
     least WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT rows per expert on average, and layouts its
     descriptors take (:func:`hopper_scaled.serves`; the bases' alignment is checked per call),
     and no more experts than it keeps in registers (WARP_SPECIALIZED_MAX_BLOCK_E...). Rowwise:
-    plain or gathered rows; blockwise: plain rows (gathered, its loader and per-step scales
-    together spill on sm_90a)."""
+    plain or gathered rows; blockwise: plain rows into a 16-bit output (gathered rows, or a
+    float32 output, spill on sm_90a: the per-step scales beside the gathering loader or the
+    float32 epilogue)."""
     max_k = arch_tuning(info).gluon_scaled_max_k
     if not WARP_SPECIALIZED or max_k is None or info.kind != "cuda":
         return None
-    if (blockwise and gathered) or not trans_b or PROMOTE_EVERY != SCALE_BLOCK:
+    if blockwise and (gathered or out_dtype == torch.float32):
+        return None
+    if not trans_b or PROMOTE_EVERY != SCALE_BLOCK:
         return None
     if CONFIG_OVERRIDE is not None or a.shape[1] >= max_k:
         return None
@@ -255,7 +258,7 @@ class _WarpSpecializedPlan:
         num_sms: int,
         top_k: int | None,
         blockwise: bool,
-        fallback: Callable[..., torch.Tensor],
+        fallback: _ScaledPlan,
     ) -> None:
         self.module = module
         self.top_k = top_k
@@ -273,7 +276,7 @@ class _WarpSpecializedPlan:
         if (a.data_ptr() | b.data_ptr()) & 15:
             return self.fallback(*tensors)
         if recorded_device() is not None:  # the compile gate: the fallback's launch compiles too
-            self.fallback(*tensors)
+            self.fallback.misaligned(*tensors)
         out = torch.empty(self.shape, dtype=self.out_dtype, device=a.device)
         self.module.launch(
             a, a_scale, b, b_scale, sizes, out, from_ends=self.from_ends,
@@ -301,6 +304,17 @@ class _ScaledPlan:
         self.plain = plain
         self.tma = tma
         self.reads_a = reads_a
+
+    def misaligned(self, *tensors: torch.Tensor) -> torch.Tensor:
+        """The launch of operands whose bases TMA cannot take: what a Gluon plan falls back to
+        for them (plain rows: no descriptor; gathered rows: b's alone, x being the one
+        misaligned). Recorded for the compile gate, whose meta tensors look aligned, so it
+        compiles the 16-byte pointer specialisation, not the misaligned one."""
+        a, b = tensors[0], tensors[1]
+        out = torch.empty(self.shape, dtype=self.out_dtype, device=a.device)
+        launch = self.tma if self.tma is not None and not self.reads_a else self.plain
+        launch(a, b, out, *tensors[2:])
+        return out
 
     def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
         a, b = tensors[0], tensors[1]
