@@ -44,8 +44,39 @@ except ImportError:  # pragma: no cover - the triton backend is what this compar
     raise SystemExit("needs megablocks-triton") from None
 
 
-def _plans() -> list[Any]:
-    return list(scaled._SCALED_PLANS.values())
+def time_triton_kernels(
+    name: str,
+    op: Callable[[], torch.Tensor],
+    op_name: str,
+    row: dict[str, Any],
+    flops: float,
+    timer: Callable[[Callable[[], Any]], float],
+) -> torch.Tensor:
+    """The triton backend's choice for ``op`` and its Triton kernel forced, on the same call:
+    which kernel it chose (``triton_kernel``), their outputs checked equal, µs and TFLOP/s of
+    each (``triton_*``, ``triton_plain_*``). Returns the output."""
+
+    def triton() -> torch.Tensor:
+        with megablocks_core.use_backend(**{op_name: "triton"}):
+            return op()
+
+    def triton_plain() -> torch.Tensor:
+        scaled.WARP_SPECIALIZED = False
+        try:
+            return triton()
+        finally:
+            scaled.WARP_SPECIALIZED = True
+
+    scaled._SCALED_PLANS.clear()  # this call's plan only, to tell which kernel it chose
+    reference = triton()
+    gluon = any(isinstance(p, scaled._WarpSpecializedPlan) for p in scaled._SCALED_PLANS.values())
+    row["triton_kernel"] = "gluon" if gluon else "triton"
+    if not torch.equal(triton_plain(), reference):
+        raise SystemExit(f"{name}: the Gluon kernel's output differs from the Triton kernel's")
+    for key, fn in (("triton", triton), ("triton_plain", triton_plain)):
+        row[key + "_us"] = timer(fn)
+        row[key + "_tflops"] = flops / row[key + "_us"] / 1e6
+    return reference
 
 
 #: name -> (experts, k, n, rows per expert at 16384 tokens)
@@ -102,29 +133,9 @@ def run_gemm(
     flops = 2.0 * experts * rows_per_expert * k * n
     row: dict[str, Any] = {"gemm": name, "rows_per_expert": rows_per_expert, "format": fmt}
 
-    def triton() -> torch.Tensor:
-        with megablocks_core.use_backend(scaled_gmm="triton"):
-            return ops.scaled_gmm(*args)
-
-    def triton_plain() -> torch.Tensor:
-        scaled.WARP_SPECIALIZED = False
-        try:
-            return triton()
-        finally:
-            scaled.WARP_SPECIALIZED = True
-
-    scaled._SCALED_PLANS.clear()  # this GEMM's plan only, to tell which kernel it chose
-    reference = triton()
-    row["triton_kernel"] = (
-        "gluon" if any(type(p).__name__ == "_WarpSpecializedPlan" for p in _plans()) else "triton"
+    reference = time_triton_kernels(
+        name, lambda: ops.scaled_gmm(*args), "scaled_gmm", row, flops, timer
     )
-    plain = triton_plain()
-    if not torch.equal(plain, reference):
-        raise SystemExit(f"{name}: the Gluon kernel's output differs from the Triton kernel's")
-    row["triton_us"] = timer(triton)
-    row["triton_tflops"] = flops / row["triton_us"] / 1e6
-    row["triton_plain_us"] = timer(triton_plain)
-    row["triton_plain_tflops"] = flops / row["triton_plain_us"] / 1e6
     scaled_grouped_mm = getattr(torch, "_scaled_grouped_mm", None)
     if device.type == "cuda" and scaled_grouped_mm is not None and fmt == "fp8_rowwise":
         offs = torch.cumsum(sizes, 0, dtype=torch.int32)
@@ -175,28 +186,9 @@ def run_gathered(
         "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts,
         "format": fmt,
     }  # fmt: skip
-
-    def triton() -> torch.Tensor:
-        with megablocks_core.use_backend(scaled_gather_gmm="triton"):
-            return ops.scaled_gather_gmm(*args)
-
-    def triton_plain() -> torch.Tensor:
-        scaled.WARP_SPECIALIZED = False
-        try:
-            return triton()
-        finally:
-            scaled.WARP_SPECIALIZED = True
-
-    scaled._SCALED_PLANS.clear()
-    reference = triton()
-    row["triton_kernel"] = (
-        "gluon" if any(type(p).__name__ == "_WarpSpecializedPlan" for p in _plans()) else "triton"
+    time_triton_kernels(
+        name, lambda: ops.scaled_gather_gmm(*args), "scaled_gather_gmm", row, flops, timer
     )
-    if not torch.equal(triton_plain(), reference):
-        raise SystemExit(f"{name}: the Gluon kernel's output differs from the Triton kernel's")
-    for key, fn in (("triton", triton), ("triton_plain", triton_plain)):
-        row[key + "_us"] = timer(fn)
-        row[key + "_tflops"] = flops / row[key + "_us"] / 1e6
     return row
 
 

@@ -152,18 +152,14 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts
 
 
 @gluon.jit
-def _row_scales(tile, idx, sizes, tiles, tile_end, n_tiles, ids_ptr, top_k, num_ids, stride_sa,
-                stride_sbe, stride_sbn, block_m: gl.constexpr, GROUP_M: gl.constexpr,
-                GATHER: gl.constexpr, layout: gl.constexpr):  # fmt: skip
-    # Blockwise: the offsets of a tile's rows' scales (their tokens', gathered: compiled, but the
-    # launch path keeps gathered blockwise rows on the Triton kernel, as they spill; rows clamped
-    # into the group) and of its column block's, at k block 0.
+def _row_scales(tile, idx, sizes, tiles, tile_end, n_tiles, stride_sa, stride_sbe, stride_sbn,
+                block_m: gl.constexpr, GROUP_M: gl.constexpr,
+                layout: gl.constexpr):  # fmt: skip
+    # Blockwise (plain rows only): the offsets of a tile's rows' scales (rows clamped into the
+    # group) and of its column block's, at k block 0.
     e, row_start, size, tile_m, tile_n = _tile(tile, idx, sizes, tiles, tile_end, n_tiles,
                                                block_m, GROUP_M)  # fmt: skip
     rows = row_start + gl.minimum(tile_m * block_m + gl.arange(0, block_m, layout=layout), size - 1)
-    if GATHER:
-        ids = gl.load(ids_ptr + rows).to(gl.int64)
-        rows = gl.where((ids >= 0) & (ids < num_ids), ids // top_k, 0)
     return rows.to(gl.int64) * stride_sa, e.to(gl.int64) * stride_sbe + tile_n * stride_sbn
 
 
@@ -252,9 +248,9 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
                              use_acc=False, is_async=True)  # fmt: skip
         acc = zero
         if BLOCKWISE:  # each product times its k block's scales; loaded a step ahead of use
-            sa_at, sb_at = _row_scales(pid, idx, sizes, tiles, tile_end, n_tiles, ids_ptr, top_k,
-                                       num_ids, stride_sa, stride_sbe, stride_sbn, block_m,
-                                       GROUP_M, GATHER, rows_layout)  # fmt: skip
+            sa_at, sb_at = _row_scales(pid, idx, sizes, tiles, tile_end, n_tiles, stride_sa,
+                                       stride_sbe, stride_sbn, block_m, GROUP_M,
+                                       rows_layout)  # fmt: skip
             sa_prev = gl.load(sa_ptr + sa_at)
             sb_prev = gl.load(sb_ptr + sb_at)
         for step in range(1, steps):
@@ -268,9 +264,9 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
                 kb = step % chunks
                 if kb == 0:  # a new tile's rows
                     sa_at, sb_at = _row_scales(pid + (step // chunks) * programs, idx, sizes,
-                                               tiles, tile_end, n_tiles, ids_ptr, top_k, num_ids,
-                                               stride_sa, stride_sbe, stride_sbn, block_m,
-                                               GROUP_M, GATHER, rows_layout)  # fmt: skip
+                                               tiles, tile_end, n_tiles, stride_sa, stride_sbe,
+                                               stride_sbn, block_m, GROUP_M,
+                                               rows_layout)  # fmt: skip
                 sa_next = gl.load(sa_ptr + sa_at + kb * stride_sak)
                 sb_next = gl.load(sb_ptr + sb_at + kb * stride_sbk)
             done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
@@ -336,6 +332,8 @@ def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr,
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [block_m, block_n], c_desc.layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # Gathered blockwise rows spill on sm_90a (the launch path never asks for them).
+    gl.static_assert(not (GATHER and BLOCKWISE), "blockwise rows are not gathered here")
     # A stage is ready after the expect's arrival and, gathering, one a loader thread.
     arrivals: gl.constexpr = 1 + 32 * LOADER_WARPS if GATHER else 1
     for i in gl.static_range(STAGES):

@@ -43,6 +43,7 @@ from .gmm_configs import (
     choose_config,
     device_info,
 )
+from .gmm_wgrad import tested_gluon_module
 from .kernels.scaled import _quantize_kernel, _scaled_gmm_kernel
 from .launch import BoundLaunch, bind, bind_descriptors, cdiv, recorded_device, remember
 
@@ -192,8 +193,6 @@ def _scale_strides(scale: torch.Tensor, trans_b: bool) -> tuple[int, int, int]:
 def _hopper_scaled() -> Any:
     """:mod:`.hopper_scaled`, or None (:func:`~megablocks_triton.gmm_wgrad.tested_gluon_module`:
     the Triton kernel then serves every scaled GEMM)."""
-    from .gmm_wgrad import tested_gluon_module
-
     return tested_gluon_module("hopper_scaled")
 
 
@@ -244,14 +243,12 @@ class _WarpSpecializedPlan:
     """One call shape's launch of the Gluon kernel (:mod:`.hopper_scaled`); operands whose bases
     its descriptors cannot take go to the Triton kernel's plan."""
 
-    __slots__ = ("block_e", "blockwise", "fallback", "from_ends", "module", "num_sms",
-                 "out_dtype", "shape", "top_k", "zero_tail")  # fmt: skip
+    __slots__ = ("block_e", "blockwise", "fallback", "from_ends", "module", "num_sms", "top_k",
+                 "zero_tail")  # fmt: skip
 
     def __init__(
         self,
         module: Any,
-        shape: tuple[int, int],
-        out_dtype: torch.dtype,
         from_ends: bool,
         zero_tail: bool,
         block_e: int,
@@ -263,8 +260,6 @@ class _WarpSpecializedPlan:
         self.module = module
         self.top_k = top_k
         self.blockwise = blockwise
-        self.shape = shape
-        self.out_dtype = out_dtype
         self.from_ends = from_ends
         self.zero_tail = zero_tail
         self.block_e = block_e
@@ -277,7 +272,7 @@ class _WarpSpecializedPlan:
             return self.fallback(*tensors)
         if recorded_device() is not None:  # the compile gate: the fallback's launch compiles too
             self.fallback.misaligned(*tensors)
-        out = torch.empty(self.shape, dtype=self.out_dtype, device=a.device)
+        out = torch.empty(self.fallback.shape, dtype=self.fallback.out_dtype, device=a.device)
         self.module.launch(
             a, a_scale, b, b_scale, sizes, out, from_ends=self.from_ends,
             zero_tail=self.zero_tail, block_e=self.block_e, num_sms=self.num_sms,
@@ -408,8 +403,8 @@ def _scaled_plan(
     if hopper is None:
         return triton_plan
     return _WarpSpecializedPlan(
-        hopper, shape, out_dtype, from_ends, zero_tail, block_e, _num_sms(info), gather_top_k,
-        blockwise, triton_plan,
+        hopper, from_ends, zero_tail, block_e, _num_sms(info), gather_top_k, blockwise,
+        triton_plan,
     )  # fmt: skip
 
 
