@@ -209,7 +209,8 @@ def test_non_finite_values_late_in_a_long_row_or_column(backend):
         ((2, 140, 136), 1),
         ((2, 140, 136), 2),
         ((1, 1, 1), 1),
-        ((3, 8200), 1),  # rows wider than one tile: Triton's two-pass row mode
+        ((3, 8200), 1),  # rows wider than one read holds: Triton's two-pass row mode
+        ((5, 1000), 1),  # rows near a power of two: its one-read row pass
     ],
 )
 def test_quantize_matches_the_definition_bit_for_bit(backend, shape, reduce_dim):

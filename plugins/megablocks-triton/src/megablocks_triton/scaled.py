@@ -45,7 +45,15 @@ from .gmm_configs import (
 )
 from .gmm_wgrad import tested_gluon_module
 from .kernels.scaled import _quantize_kernel, _scaled_gmm_kernel
-from .launch import BoundLaunch, bind, bind_descriptors, cdiv, recorded_device, remember
+from .launch import (
+    BoundLaunch,
+    bind,
+    bind_descriptors,
+    cdiv,
+    next_power_of_2,
+    recorded_device,
+    remember,
+)
 
 #: AMD archs with FP8 matrix instructions: CDNA3 (FNUZ) and CDNA4 (OCP).
 AMD_FP8_ARCHS = frozenset({"gfx940", "gfx941", "gfx942", "gfx950"})
@@ -97,25 +105,49 @@ def _hardware_conversion(device: DeviceInfo, encoding: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+#: Whole rows up to this many elements, padded to a power of two with at most a seventh more,
+#: are quantized in one read: a tile of whole rows held in registers ("row_tile" with one tile
+#: across the row). The rest take the two passes of "row" (the peak, then the codes), which read
+#: x twice. On the H200 (docs/performance.md): DeepSeek-V3's rows of 7168 1.36-1.48x the ideal
+#: bytes against 1.62-1.86x; rows of 2048 alike either way; rows of 768 (padded to 1024) 1.80x
+#: against 1.45x in one of two tensors, hence the padding bound. Whole columns (a strip of
+#: whole columns in registers) were 1.6-5x slower in one read: they keep two passes.
+ONE_PASS_MAX = 8192
+#: (elements, warps) of one program's tile in the one-read row pass (4096 elements in 8 or 16
+#: warps, 8192 or 16384 in 8 or 16, 2048 in 4: slower or equal).
+ONE_PASS_ROWS = (4096, 4)
+
+
+def _one_read_row(c: int) -> int | None:
+    """The padded row length of a one-read row pass over rows of ``c`` elements, or None."""
+    whole = next_power_of_2(c)
+    return whole if whole <= ONE_PASS_MAX and 7 * (whole - c) <= c else None
+
+
 def _quantize_launch(
     mode: str, block: tuple[int, int], c: int, row_major: bool
-) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, num_warps) of the quantize kernel: "tile" takes the format's square
-    block, "row_tile" 32 of its 1 x 128 blocks; the whole-row and whole-column passes a tile of
-    4K-8K elements, chosen on the H200 (docs/performance.md)."""
+) -> tuple[str, int, int, int]:
+    """(MODE, BLOCK_R, BLOCK_C, num_warps) of the quantize kernel: "tile" takes the format's
+    square block, "row_tile" 32 of its 1 x 128 blocks; whole rows one read each where they fit
+    (:func:`_one_read_row`); else the two passes over a tile of 4K-8K elements, chosen on the
+    H200 (docs/performance.md)."""
     if mode == "tile":
         # 16 warps for a row-major tensor (a transposed one is read through its stored layout):
         # 4 took every register of sm_90a (megablocks backends compile) and 2.5x the ideal bytes
         # against 1.4x. A view contiguous in neither dim keeps 4 (16 were slower across strides).
-        return block[0], block[1], 16 if row_major else 4
+        return mode, block[0], block[1], 16 if row_major else 4
     if mode == "row_tile":
-        return 32, block[1], 4
+        return mode, 32, block[1], 4
     if mode == "column":  # 1.7-1.9x the ideal bytes (64 x 64: 1.8-1.9x)
-        return 64, 128, 4
+        return mode, 64, 128, 4
+    whole = _one_read_row(c)
+    if whole is not None:
+        elements, warps = ONE_PASS_ROWS
+        return "row_tile", max(elements // whole, 1), whole, warps
     # Whole rows: 512 columns a step, 256 where that divides the row and 512 does not (768:
     # 1.50x against 1.87x); 8 warps (1.30-1.75x against 1.44-1.92x with 4).
     block_c = 256 if c % 512 and not c % 256 else 512
-    return 4096 // block_c, block_c, 8
+    return mode, 4096 // block_c, block_c, 8
 
 
 def quantize(
@@ -153,7 +185,7 @@ def quantize(
         view, scale3 = view.transpose(1, 2), scale3.transpose(1, 2)
         experts, r, c = view.shape
         mode, br, bc = ("column" if mode == "row" else mode), bc, br
-    block_r, block_c, num_warps = _quantize_launch(mode, (br, bc), c, view.stride(-1) == 1)
+    mode, block_r, block_c, num_warps = _quantize_launch(mode, (br, bc), c, view.stride(-1) == 1)
     r_tiles = 1 if mode == "column" else cdiv(r, block_r)
     c_tiles = 1 if mode == "row" else cdiv(c, block_c)
     hardware = _hardware_conversion(info, enc.name)

@@ -104,7 +104,8 @@ def _quantize_kernel(
 ):  # fmt: skip
     """x viewed as (E, R, C) with any strides -> data (E, R, C) contiguous (as uint8 codes) and
     its scales (strided as given). MODE "tile": one scale per (BLOCK_R, BLOCK_C) tile; "row_tile":
-    one per row of each tile (1 x BLOCK_C blocks); "row": one per whole row (two passes over C);
+    one per row of each tile (1 x BLOCK_C blocks; one tile across C: one per whole row, in one
+    read); "row": one per whole row (two passes over C);
     "column": one per whole column (two passes over R). TRANSPOSED ("tile", "column"): the data
     stored (E, C, R) contiguous instead. Program (e, r-tile, c-tile)."""
     pid = tl.program_id(0)
