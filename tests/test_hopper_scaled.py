@@ -261,10 +261,17 @@ def _gluon(*operands: torch.Tensor, out: torch.Tensor, **how: bool) -> torch.Ten
     qa, sa, qb, sb, sizes = operands
     hopper_scaled.launch(
         qa, sa, qb, sb, sizes, out, from_ends=how.get("from_ends", False),
-        zero_tail=how.get("zero_tail", True), block_e=256, num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        zero_tail=how.get("zero_tail", True), block_e=_block_e(sizes.numel()),
+        num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
         blockwise=how.get("blockwise", False),
     )  # fmt: skip
     return out
+
+
+def _block_e(experts: int) -> int:
+    """The BLOCK_E the launch path gives this many experts (its register budget: fewer experts,
+    fewer registers per partition)."""
+    return max(16, 1 << (experts - 1).bit_length())
 
 
 def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -364,6 +371,33 @@ def test_the_ops_take_it_and_equal_the_triton_kernel(monkeypatch: pytest.MonkeyP
         assert torch.equal(mine, triton_kernel)
 
 
+@on_hopper
+def test_misaligned_bases_take_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows starting 8 bytes past a 16-byte boundary (a view into a larger buffer): the Gluon
+    # plan's descriptors cannot take them, so the call goes to its Triton fallback: the same
+    # bits as the Triton kernel on the aligned copy.
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    sizes = torch.full((16,), 200, dtype=torch.int32, device="cuda")
+    rows, k, n = 3200, 768, 512
+    x = torch.randn(rows, k, device="cuda", generator=gen)
+    w = torch.randn(16, n, k, device="cuda", generator=gen) / k**0.5
+    qa, sa = S.quantize(x, 1, "fp8_rowwise", "e4m3fn")
+    qb, sb = S.quantize(w, 2, "fp8_rowwise", "e4m3fn")
+    shifted = torch.empty(rows * k + 16, dtype=torch.uint8, device="cuda")[8 : 8 + rows * k]
+    shifted = shifted.view(E4M3).view(rows, k)
+    shifted.copy_(qa)
+    assert shifted.data_ptr() % 16 == 8
+    got = S.scaled_gmm(shifted, sa, qb, sb, sizes, True, "fp8_rowwise", None)
+    plans = list(S._SCALED_PLANS.values())
+    assert plans and all(isinstance(p, S._WarpSpecializedPlan) for p in plans)
+    monkeypatch.setattr(S, "WARP_SPECIALIZED", False)
+    S._SCALED_PLANS.clear()
+    want = S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", None)
+    assert torch.equal(got, want)
+    ref = _loop(qa, sa, qb, sb, sizes.tolist())
+    assert (got.double() - ref).norm() / ref.norm() < 4e-3
+
+
 GATHER_CASES = {
     # tokens, top_k, experts, k, n, sorted rows whose id names no token
     "top 1 of 4": (300, 1, 4, 256, 384, 0),
@@ -397,7 +431,7 @@ def test_gathered_rows_equal_the_triton_kernel_and_a_float64_loop(
     rows, n = ids.numel(), qw.shape[1]
     got = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     hopper_scaled.launch(
-        qx, sx, qw, sw, bins, got, from_ends=True, zero_tail=True, block_e=256,
+        qx, sx, qw, sw, bins, got, from_ends=True, zero_tail=True, block_e=_block_e(bins.numel()),
         num_sms=torch.cuda.get_device_properties(0).multi_processor_count, gather=(ids, top_k),
     )  # fmt: skip
     monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
