@@ -438,6 +438,43 @@ def test_triton_rows_wider_than_one_program():
     _triton_against_the_loop(mask, 4, 10, 1, 8192 + 40, 4)
 
 
+def _fresh_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty plan caches for the Triton permutation ops (restored after the test): a test that
+    changes their launch constants must not reuse, or leave behind, launches prepared under
+    other ones."""
+    from megablocks_triton import moe_permute as kernels
+
+    for name in ("_MAP_PLANS", "_PERMUTE_PLANS", "_PROBS_PLANS", "_UNPERMUTE_PLANS"):
+        monkeypatch.setattr(kernels, name, {})
+
+
+@needs_triton_device
+def test_triton_prepares_each_call_shape_once(monkeypatch):
+    """The map build, permute, probs and unpermute keep one prepared launch per call shape,
+    reused by later calls (with their outputs fresh each time); a new shape prepares another."""
+    from megablocks_triton import moe_permute as kernels
+
+    _fresh_plans(monkeypatch)
+    mask = top_k_mask(40, 24, 3, 0, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    x, probs = torch.randn(40, 8, generator=gen), torch.rand(40, 24, generator=gen)
+    want_map, _, want_rows, _ = loop_permute(x, mask, 24, 120, 1, probs)
+    dev = TRITON_DEVICE
+    outputs = []
+    for _ in range(2):
+        row_map, _ = kernels.moe_permute_map(mask.to(dev), 24, 120, 1)
+        rows = kernels.moe_permute(x.to(dev), row_map, None, 120)
+        outputs.append(rows)
+        kernels.moe_permute_probs(probs.to(dev), row_map, 120)
+        kernels.moe_unpermute(rows, row_map, probs.to(dev))
+        assert torch.equal(row_map.cpu(), want_map) and torch.equal(rows.cpu(), want_rows)
+    assert outputs[0].data_ptr() != outputs[1].data_ptr()
+    plans = (kernels._MAP_PLANS, kernels._PERMUTE_PLANS, kernels._PROBS_PLANS)
+    assert [len(p) for p in (*plans, kernels._UNPERMUTE_PLANS)] == [1, 1, 1, 1]
+    kernels.moe_permute_map(mask.to(dev), 24, 100, 1)
+    assert len(kernels._MAP_PLANS) == 2
+
+
 @needs_triton_device
 @pytest.mark.parametrize("index_form", [False, True])
 def test_triton_map_with_a_count_table_scanned_in_several_steps(index_form, monkeypatch):
@@ -445,6 +482,7 @@ def test_triton_map_with_a_count_table_scanned_in_several_steps(index_form, monk
     running sums carried from step to step (real shapes take one or a few steps)."""
     from megablocks_triton import moe_permute as kernels
 
+    _fresh_plans(monkeypatch)
     monkeypatch.setattr(kernels, "SCAN_COLS", 4)
     monkeypatch.setattr(kernels, "SCAN_STEP", 8)  # 2 tiles a step
     monkeypatch.setattr(kernels, "MASK_MAP_TILE", 256)  # 8 tokens of 32 experts a tile
@@ -488,8 +526,10 @@ def test_triton_compacted_slots_match_the_per_slot_loop_and_a_plain_loop(experts
             kernels.moe_unpermute_wgrad(y.to(dev), g, m).cpu(),
         ]
 
+    _fresh_plans(monkeypatch)
     compacted, few = run(tokens), run(4)  # the per-slot path is slow under the interpreter
     monkeypatch.setattr(kernels, "COMPACT_ABOVE_SLOTS", experts)
+    _fresh_plans(monkeypatch)
     for got, want in zip(few, run(4), strict=True):
         assert torch.equal(got, want)
     want = [
@@ -544,6 +584,7 @@ def test_triton_writes_every_row_and_map_entry(
     per-expert scans past MAX_MAP_EXPERTS; rows wider than the zeroing pass's block."""
     from megablocks_triton import moe_permute as kernels
 
+    _fresh_plans(monkeypatch)
     monkeypatch.setattr(kernels, "torch", _GarbageEmpty())
     if many_experts:
         monkeypatch.setattr(kernels, "MAX_MAP_EXPERTS", experts - 1)

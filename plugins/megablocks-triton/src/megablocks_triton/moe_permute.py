@@ -35,13 +35,16 @@ its limit on the routing map's entries).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
 from .config import launch_configs
 from .kernels.routing import _digits, _tile_histogram_kernel, _tile_scan_kernel
-from .launch import cdiv, launch, next_power_of_2
+from .launch import BoundLaunch, bind, cdiv, launch, next_power_of_2, remember
 
 __all__ = [
     "moe_permute",
@@ -288,18 +291,31 @@ def _index_rows_kernel(
         base += tl.histogram(expert, NB, mask=valid)
 
 
-def _scan_tiles(table: torch.Tensor, tiles: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(before, total) of a (tiles, nb) count table: each tile's earlier slots per expert, and
-    every slot per expert."""
-    before = torch.empty(tiles * nb, dtype=torch.int32, device=table.device)
-    total = torch.empty(nb, dtype=torch.int32, device=table.device)
+# The forward ops (the map build, the permute, its probs, the unpermute) keep their launches
+# prepared per call shape, as permutation.py's gather and scatter do: a repeated call allocates
+# its outputs and launches, with no launch parameter to work out (Megatron's permutation at
+# Mixtral's widths is host-bound: docs/performance.md). Each key holds every input's shape and
+# dtype and the routing's or rows' device, which decide every scalar and tensor dtype of the
+# launches, and the launch configs in force.
+_MAP_PLANS: dict[Any, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+_PERMUTE_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+_PROBS_PLANS: dict[Any, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+_UNPERMUTE_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def _aligned(n: int) -> int:
+    """``n`` int32 entries rounded up to 16 bytes: scratch carved from one allocation keeps
+    every piece's base 16-byte aligned (the launches' pinned specialisation)."""
+    return -(-n // 4) * 4
+
+
+def _scan(tiles: int, nb: int) -> BoundLaunch:
+    """The scan down a (tiles, nb) count table: (table, before, total) -> each tile's earlier
+    slots per expert, and every slot per expert."""
     cols, rows, warps = _scan_shape(tiles, nb)
-    launch(
+    return bind(
         _tile_scan_kernel,
         (nb // cols,),
-        table,
-        before,
-        total,
         tiles,
         NB=nb,
         COLS=cols,
@@ -307,7 +323,6 @@ def _scan_tiles(table: torch.Tensor, tiles: int, nb: int) -> tuple[torch.Tensor,
         num_warps=warps,
         **_options(),
     )
-    return before, total
 
 
 def _scan_shape(tiles: int, nb: int) -> tuple[int, int, int]:
@@ -323,86 +338,72 @@ def _mask_map_warps(nb: int) -> int:
     return 8 if nb <= 16 else 4
 
 
-def _map_mask(
-    mask: torch.Tensor, row_map: torch.Tensor, counts: torch.Tensor, num_out: int, align: int
-) -> None:
-    tokens, experts = mask.shape
+def _tiled_map(
+    count: BoundLaunch | None,
+    scan: BoundLaunch | None,
+    rows: BoundLaunch,
+    table_size: int,
+    scanned_size: int,
+    nb: int,
+    shape: tuple[int, int],
+    num_experts: int,
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The map build of one call shape: the tiles' count table (``count``: routing -> table),
+    its scan, then the rows kernel (routing, before, total -> row map, counts). Without
+    ``count`` one tile holds every slot and counts them itself (no table)."""
+    int32 = torch.int32
+
+    def build(routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        device = routing.device
+        row_map = torch.empty(shape, dtype=int32, device=device)
+        counts = torch.empty(num_experts, dtype=int32, device=device)
+        if count is None or scan is None:
+            rows(routing, row_map, row_map, row_map, counts)  # unread placeholders
+            return row_map, counts
+        # The table, the scan's (tiles, nb) "before" and its nb totals: one allocation.
+        scratch = torch.empty(table_size + scanned_size + nb, dtype=int32, device=device)
+        table = scratch[:table_size]
+        before = scratch[table_size : table_size + scanned_size]
+        total = scratch[table_size + scanned_size :]
+        count(routing, table)
+        scan(table, before, total)
+        rows(routing, before, total, row_map, counts)
+        return row_map, counts
+
+    return build
+
+
+def _mask_map(
+    tokens: int, experts: int, num_out: int, align: int
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     nb = next_power_of_2(experts)
     bt = min(max(MASK_MAP_TILE // nb, 1), next_power_of_2(tokens))
     tiles = cdiv(tokens, bt)
-    warps = _mask_map_warps(nb)
-    before = total = row_map  # unread placeholders when one tile holds every token
-    if tiles > 1:
-        table = torch.empty(tiles * nb, dtype=torch.int32, device=mask.device)
-        scalars = (tokens, experts)
-        kw = {"NB": nb, "BT": bt, "num_warps": warps, **_options()}
-        launch(_mask_histogram_kernel, (tiles,), mask, table, *scalars, **kw)
-        before, total = _scan_tiles(table, tiles, nb)
-    launch(
-        _mask_rows_kernel,
-        (tiles,),
-        mask,
-        before,
-        total,
-        row_map,
-        counts,
-        tokens,
-        experts,
-        num_out,
-        align,
-        NB=nb,
-        BT=bt,
-        SINGLE=tiles == 1,
-        num_warps=warps,
-        **_options(),
+    kw = {"NB": nb, "BT": bt, "num_warps": _mask_map_warps(nb), **_options()}
+    rows = bind(
+        _mask_rows_kernel, (tiles,), tokens, experts, num_out, align, SINGLE=tiles == 1, **kw
     )
+    if tiles == 1:
+        return _tiled_map(None, None, rows, 0, 0, nb, (tokens, experts), experts)
+    count = bind(_mask_histogram_kernel, (tiles,), tokens, experts, **kw)
+    size = _aligned(tiles * nb)
+    return _tiled_map(count, _scan(tiles, nb), rows, size, size, nb, (tokens, experts), experts)
 
 
-def _map_index(
-    ids: torch.Tensor,
-    num_experts: int,
-    row_map: torch.Tensor,
-    counts: torch.Tensor,
-    num_out: int,
-    align: int,
-) -> None:
-    n = ids.numel()
+def _index_map(
+    shape: tuple[int, int], num_experts: int, num_out: int, align: int
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    n = shape[0] * shape[1]
     nb = next_power_of_2(num_experts)
     single = n <= SINGLE_MAP_TILE
     cfg = launch_configs().routing(n, nb)  # the counting sort's tiles
     # A tile of at least nb slots keeps the (tiles, nb) count table below the map's size.
     tile = next_power_of_2(max(n, cfg.chunk)) if single else max(cfg.tile, nb)
     tiles = cdiv(n, tile)
-    before = total = row_map  # unread placeholders when one tile holds every slot
-    if not single:
-        # The counting sort's tile histogram; it also counts each tile's ids outside
-        # [0, num_experts) after the table (unread here).
-        table = torch.empty(tiles * nb + tiles, dtype=torch.int32, device=ids.device)
-        launch(
-            _tile_histogram_kernel,
-            (tiles,),
-            ids,
-            table,
-            n,
-            tiles,
-            num_experts,
-            0,
-            0,
-            NB=nb,
-            TILE=tile,
-            USE_MASK=False,
-            num_warps=cfg.num_warps,
-            **_options(),
-        )
-        before, total = _scan_tiles(table, tiles, nb)
-    launch(
+    kw = {"num_warps": cfg.num_warps, **_options()}
+    rows = bind(
         _index_rows_kernel,
         (tiles,),
-        ids,
-        before,
-        total,
-        row_map,
-        counts,
         n,
         num_experts,
         num_out,
@@ -411,31 +412,76 @@ def _map_index(
         TILE=tile,
         CHUNK=min(cfg.chunk, tile),
         SINGLE=single,
-        num_warps=cfg.num_warps,
-        **_options(),
+        **kw,
     )
+    if single:
+        return _tiled_map(None, None, rows, 0, 0, nb, shape, num_experts)
+    # The counting sort's tile histogram; it also counts each tile's ids outside
+    # [0, num_experts) after the table (unread here).
+    count = bind(
+        _tile_histogram_kernel,
+        (tiles,),
+        n,
+        tiles,
+        num_experts,
+        0,
+        0,
+        NB=nb,
+        TILE=tile,
+        USE_MASK=False,
+        **kw,
+    )
+    table, scanned = _aligned(tiles * nb + tiles), _aligned(tiles * nb)
+    return _tiled_map(count, _scan(tiles, nb), rows, table, scanned, nb, shape, num_experts)
+
+
+def _map_plan(
+    shape: tuple[int, int], is_mask: bool, num_experts: int, num_out: int, align: int
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    tokens, slots = shape
+    int32 = torch.int32
+    if tokens * slots == 0:
+
+        def empty(routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            device = routing.device
+            row_map = torch.empty(shape, dtype=int32, device=device)
+            return row_map, torch.zeros(num_experts, dtype=int32, device=device)
+
+        return empty
+    if num_experts > MAX_MAP_EXPERTS:
+
+        def per_expert(routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            row_map = torch.empty(shape, dtype=int32, device=routing.device)
+            args = (routing, is_mask, num_experts, row_map, num_out, align)
+            return row_map, _map_per_expert(*args)
+
+        return per_expert
+    if is_mask:
+        return _mask_map(tokens, slots, num_out, align)
+    return _index_map(shape, num_experts, num_out, align)
 
 
 def moe_permute_map(
     routing_map: torch.Tensor, num_experts: int, num_out_tokens: int, align_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, slots = routing_map.shape
-    device = routing_map.device
-    row_map = torch.empty(tokens, slots, dtype=torch.int32, device=device)
     is_mask = routing_map.dtype == torch.bool
-    if routing_map.numel() == 0:
-        return row_map, torch.zeros(num_experts, dtype=torch.int32, device=device)
+    configs = launch_configs()
+    key = (
+        routing_map.shape,
+        routing_map.dtype,
+        routing_map.device,
+        num_experts,
+        num_out_tokens,
+        align_size,
+        configs,
+    )
+    plan = _MAP_PLANS.get(key)
+    if plan is None:
+        tokens, slots = routing_map.shape
+        made = _map_plan((tokens, slots), is_mask, num_experts, num_out_tokens, align_size)
+        plan = remember(_MAP_PLANS, key, made)
     # Bools are read as bytes (Triton has no pointer to bool in every version).
-    routing = routing_map.view(torch.uint8) if is_mask else routing_map
-    if num_experts > MAX_MAP_EXPERTS:
-        args = (routing, is_mask, num_experts, row_map, num_out_tokens, align_size)
-        return row_map, _map_per_expert(*args)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    if is_mask:
-        _map_mask(routing, row_map, counts, num_out_tokens, align_size)
-    else:
-        _map_index(routing, num_experts, row_map, counts, num_out_tokens, align_size)
-    return row_map, counts
+    return plan(routing_map.view(torch.uint8) if is_mask else routing_map)
 
 
 def _map_per_expert(
@@ -493,22 +539,17 @@ def _compact_slots_kernel(
     tl.store(count_ptr + t, seen, mask=in_t)
 
 
-def _compact_slots(row_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The pre-pass's (cols, count) where the row map has many slots, else two unread
-    placeholders; and whether it ran (the kernels' COMPACT)."""
-    tokens, slots = row_map.shape
+def _compaction(
+    tokens: int, slots: int, rows: int
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The pre-pass of row maps with many slots (row map -> cols, count), else None."""
     if slots <= COMPACT_ABOVE_SLOTS:
-        return row_map, row_map, False
-    cols = torch.empty(tokens, slots, dtype=torch.int32, device=row_map.device)
-    count = torch.empty(tokens, dtype=torch.int32, device=row_map.device)
+        return None
     block_s = min(next_power_of_2(slots), COMPACT_BLOCK_S)
     block_t = max(COMPACT_TILE // block_s, 1)
-    launch(
+    listing = bind(
         _compact_slots_kernel,
         (cdiv(tokens, block_t),),
-        row_map,
-        cols,
-        count,
         tokens,
         slots,
         rows,
@@ -516,7 +557,26 @@ def _compact_slots(row_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torc
         BLOCK_S=block_s,
         **_options(),
     )
-    return cols, count, True
+    int32 = torch.int32
+    listed = _aligned(tokens * slots)
+
+    def compact(row_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        both = torch.empty(listed + tokens, dtype=int32, device=row_map.device)
+        cols, count = both[: tokens * slots].view(tokens, slots), both[listed:]
+        listing(row_map, cols, count)
+        return cols, count
+
+    return compact
+
+
+def _compact_slots(row_map: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The pre-pass's (cols, count) where the row map has many slots, else two unread
+    placeholders; and whether it ran (the kernels' COMPACT)."""
+    tokens, slots = row_map.shape
+    compact = _compaction(tokens, slots, rows)
+    if compact is None:
+        return row_map, row_map, False
+    return (*compact(row_map), True)
 
 
 @triton.jit
@@ -571,48 +631,70 @@ def _zero_unnamed_kernel(
             tl.store(at, zeros, mask=unnamed[:, None] & (h < hidden)[None, :])
 
 
-def moe_permute(
-    x: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None, num_out_tokens: int
-) -> torch.Tensor:
-    tokens, hidden = x.shape
-    if tokens == 0 or hidden == 0 or num_out_tokens == 0:
-        return torch.zeros(num_out_tokens, hidden, dtype=x.dtype, device=x.device)
-    # Only the rows no slot names are zeroed, after the copies: not the whole output first.
-    out = torch.empty(num_out_tokens, hidden, dtype=x.dtype, device=x.device)
-    named = torch.zeros(num_out_tokens, dtype=torch.uint8, device=x.device)
-    cols, count, compact = _compact_slots(row_map, num_out_tokens)
-    shape = launch_configs().row_copy(hidden, x.element_size())
-    launch(
+def _permute_plan(
+    x_shape: tuple[int, int],
+    dtype: torch.dtype,
+    slots: int,
+    has_probs: bool,
+    num_out: int,
+    element_size: int,
+) -> Callable[..., torch.Tensor]:
+    tokens, hidden = x_shape
+    if tokens == 0 or hidden == 0 or num_out == 0:
+        return lambda x, row_map, probs: torch.zeros(num_out, hidden, dtype=dtype, device=x.device)
+    compact = _compaction(tokens, slots, num_out)
+    shape = launch_configs().row_copy(hidden, element_size)
+    copy = bind(
         _permute_kernel,
         (tokens, cdiv(hidden, shape.block_h)),
-        x,
-        row_map,
-        row_map if probs is None else probs,  # an unread placeholder without probs
-        out,
-        named,
-        cols,
-        count,
-        row_map.shape[1],
+        slots,
         hidden,
-        num_out_tokens,
-        HAS_PROBS=probs is not None,
-        COMPACT=compact,
+        num_out,
+        HAS_PROBS=has_probs,
+        COMPACT=compact is not None,
         BLOCK_H=shape.block_h,
         num_warps=shape.num_warps,
         **_options(),
     )
-    launch(
+    zero = bind(
         _zero_unnamed_kernel,
-        (cdiv(num_out_tokens, ZERO_ROWS),),
-        out,
-        named,
-        num_out_tokens,
+        (cdiv(num_out, ZERO_ROWS),),
+        num_out,
         hidden,
         BLOCK_R=ZERO_ROWS,
         BLOCK_H=min(next_power_of_2(hidden), ZERO_TILE // ZERO_ROWS),
         **_options(),
     )
-    return out
+    uint8 = torch.uint8
+
+    def permute(x: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+        # Only the rows no slot names are zeroed, after the copies: not the whole output first.
+        out = torch.empty(num_out, hidden, dtype=dtype, device=x.device)
+        named = torch.zeros(num_out, dtype=uint8, device=x.device)
+        cols, count = (row_map, row_map) if compact is None else compact(row_map)
+        scale = row_map if probs is None else probs  # an unread placeholder without probs
+        copy(x, row_map, scale, out, named, cols, count)
+        zero(out, named)
+        return out
+
+    return permute
+
+
+def moe_permute(
+    x: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None, num_out_tokens: int
+) -> torch.Tensor:
+    configs = launch_configs()
+    probs_dtype = None if probs is None else probs.dtype
+    key = (x.shape, x.dtype, x.device, row_map.shape, probs_dtype, num_out_tokens, configs)
+    plan = _PERMUTE_PLANS.get(key)
+    if plan is None:
+        tokens, hidden = x.shape
+        made = _permute_plan(
+            (tokens, hidden), x.dtype, row_map.shape[1], probs is not None, num_out_tokens,
+            x.element_size(),
+        )  # fmt: skip
+        plan = remember(_PERMUTE_PLANS, key, made)
+    return plan(x, row_map, probs)
 
 
 @triton.jit
@@ -625,26 +707,32 @@ def _permute_probs_kernel(probs_ptr, row_map_ptr, out_ptr, n, num_out, BLOCK: tl
     tl.store(out_ptr + tl.where(ok, dest, 0), value, mask=ok)
 
 
+def _probs_plan(
+    n: int, dtype: torch.dtype, num_out: int
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if n == 0 or num_out == 0:
+        return lambda probs, row_map: torch.zeros(num_out, dtype=dtype, device=probs.device)
+    block = launch_configs().elementwise_block(n)
+    move = bind(
+        _permute_probs_kernel, (cdiv(n, block),), n, num_out, BLOCK=block, **_options()
+    )  # fmt: skip
+
+    def permute_probs(probs: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(num_out, dtype=dtype, device=probs.device)
+        move(probs, row_map, out)
+        return out
+
+    return permute_probs
+
+
 def moe_permute_probs(
     probs: torch.Tensor, row_map: torch.Tensor, num_out_tokens: int
 ) -> torch.Tensor:
-    out = torch.zeros(num_out_tokens, dtype=probs.dtype, device=probs.device)
-    n = probs.numel()
-    if n == 0 or num_out_tokens == 0:
-        return out
-    block = launch_configs().elementwise_block(n)
-    launch(
-        _permute_probs_kernel,
-        (cdiv(n, block),),
-        probs,
-        row_map,
-        out,
-        n,
-        num_out_tokens,
-        BLOCK=block,
-        **_options(),
-    )
-    return out
+    key = (probs.shape, probs.dtype, probs.device, num_out_tokens, launch_configs())
+    plan = _PROBS_PLANS.get(key)
+    if plan is None:
+        plan = remember(_PROBS_PLANS, key, _probs_plan(probs.numel(), probs.dtype, num_out_tokens))
+    return plan(probs, row_map)
 
 
 @triton.jit
@@ -677,35 +765,49 @@ def _unpermute_kernel(
     tl.store(out_ptr + t * hidden + h, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-def moe_unpermute(
-    x: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None
-) -> torch.Tensor:
-    tokens, slots = row_map.shape
-    hidden = x.shape[1]
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+def _unpermute_plan(
+    rows: int, hidden: int, dtype: torch.dtype, tokens: int, slots: int, has_probs: bool
+) -> Callable[..., torch.Tensor]:
     if tokens == 0 or hidden == 0:
-        return out
+        return lambda x, row_map, probs: torch.empty(tokens, hidden, dtype=dtype, device=x.device)
+    compact = _compaction(tokens, slots, rows)
     shape = launch_configs().row_sum(hidden)
-    cols, count, compact = _compact_slots(row_map, x.shape[0])
-    launch(
+    combine = bind(
         _unpermute_kernel,
         (tokens, cdiv(hidden, shape.block_h)),
-        x,
-        row_map,
-        row_map if probs is None else probs,  # an unread placeholder without probs
-        out,
-        cols,
-        count,
         slots,
         hidden,
-        x.shape[0],
-        HAS_PROBS=probs is not None,
-        COMPACT=compact,
+        rows,
+        HAS_PROBS=has_probs,
+        COMPACT=compact is not None,
         BLOCK_H=shape.block_h,
         num_warps=shape.num_warps,
         **_options(),
     )
-    return out
+
+    def unpermute(
+        x: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None
+    ) -> torch.Tensor:
+        out = torch.empty(tokens, hidden, dtype=dtype, device=x.device)
+        cols, count = (row_map, row_map) if compact is None else compact(row_map)
+        scale = row_map if probs is None else probs  # an unread placeholder without probs
+        combine(x, row_map, scale, out, cols, count)
+        return out
+
+    return unpermute
+
+
+def moe_unpermute(
+    x: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None
+) -> torch.Tensor:
+    probs_dtype = None if probs is None else probs.dtype
+    key = (x.shape, x.dtype, x.device, row_map.shape, probs_dtype, launch_configs())
+    plan = _UNPERMUTE_PLANS.get(key)
+    if plan is None:
+        (rows, hidden), (tokens, slots) = x.shape, row_map.shape
+        made = _unpermute_plan(rows, hidden, x.dtype, tokens, slots, probs is not None)
+        plan = remember(_UNPERMUTE_PLANS, key, made)
+    return plan(x, row_map, probs)
 
 
 @triton.jit
