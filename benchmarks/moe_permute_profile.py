@@ -6,7 +6,8 @@ build alone; the permute alone) at a shape's (T, H, E, K): the call's time as
 kernel it launches (``torch.profiler``, averaged over 20 calls), the host time to issue one call
 (the GPU idle before it), and the ideal-bytes limit (the tokens read and the permuted rows
 written once, at the bandwidth of a device copy measured in the same run). A call much slower
-than its kernels' sum is waiting on the host.
+than its kernels' sum is waiting on the host. The last form, a memset of the permuted rows,
+times their writes alone (most of the bytes).
 
 Usage: ``python benchmarks/moe_permute_profile.py [--shapes mixtral,qwen3,dsv3] [--json PATH]``
 (CUDA; ``--device cpu --tokens 64`` is a smoke run: no kernel times there).
@@ -97,6 +98,7 @@ def run_shape(
     limit_us = (tokens + rows) * hidden * x.element_size() / bandwidth
     bound = rows + experts * (PAD - 1)
     mask_map = ops.moe_permute_map(mask, experts, rows)[0]
+    written = torch.empty(rows, hidden, device=device, dtype=x.dtype)
     index_map = ops.moe_permute_map(ids, experts, rows)[0]
 
     def with_probs() -> Any:
@@ -114,6 +116,9 @@ def run_shape(
         "map only, index": lambda: ops.moe_permute_map(ids, experts, rows),
         "permute only, mask map": lambda: ops.moe_permute(x, mask_map, rows),
         "permute only, index map": lambda: ops.moe_permute(x, index_map, rows),
+        # The permuted rows' writes alone (a memset of the output): what this device's memory
+        # gives the bulk of the bytes, beside the limit (reads and writes at a copy's bandwidth).
+        "writes alone: zero the output": lambda: written.zero_(),
     }
     out = []
     for form, fn in forms.items():

@@ -232,6 +232,7 @@ def test_moe_permute_profile_times_every_form(tmp_path):
         "map only, index",
         "permute only, mask map",
         "permute only, index map",
+        "writes alone: zero the output",
     }
     for r in rows:
         assert r["us"] > 0 and r["host_us"] > 0 and r["limit_us"] > 0
@@ -268,3 +269,23 @@ def test_scaled_gmm_providers_takes_the_blockwise_format(tmp_path):
         assert script.main(argv + gather) == 0
         rows = json.loads(path.read_text())["rows"]
         assert rows and all(r["format"] == "fp8_blockwise" for r in rows)
+
+
+def test_fp8_wgrad_quantizes_each_experts_rows_and_checks_the_bf16_gradient(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports its neighbour's timer
+    script = _script("fp8_wgrad")
+    x = torch.randn(12, 5) * torch.tensor([1.0, 1e-3, 10.0, 1.0, 3.0])
+    data, scale = script.per_expert_rowwise(x, 3)
+    assert data.shape == (5, 12) and data.is_contiguous() and scale.shape == (15,)
+    back = data.float().t().reshape(3, 4, 5) * scale.view(3, 1, 5)
+    assert torch.allclose(back.reshape(12, 5), x, rtol=2**-4, atol=0)
+    amax = x.abs().reshape(3, 4, 5).amax(1).reshape(-1)
+    assert torch.equal(scale, (amax / 448.0).clamp_min(2.0**-126))
+    path = tmp_path / "out.json"
+    with megablocks_core.use_backend("reference"):
+        argv = ["--device", "cpu", "--tokens", "32", "--shapes", "qwen3", "--json", str(path)]
+        assert script.main(argv) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["gemm"] for r in rows] == ["w1 wgrad", "w2 wgrad"]
+    for r in rows:  # no FP8 grouped GEMM on the CPU: the bf16 GEMM and the quantize passes
+        assert r["bf16_error"] < 1e-2 and r["quantize_us"] > 0 and "torch_fp8_us" not in r
