@@ -8,9 +8,10 @@ layer's own; ``--float-loss`` takes the loss ``out.float().square().mean() + aux
 harness of runs before 2026-12-01, whose own kernels then land in ``copies``, ``activations``
 or ``other``). Parts:
 
-* ``expert GEMMs``: the grouped GEMMs (``_gmm_kernel``: forward and x-gradients; another
-  provider's grouped kernels, its weight gradients included), ``weight gradients``
-  (``_gmm_wgrad_kernel``);
+* ``expert GEMMs``: the grouped GEMMs (``_gmm_kernel``: forward and x-gradients, and the FP8
+  ``_scaled_gmm_kernel``; another provider's grouped kernels, its weight gradients included),
+  ``weight gradients`` (``_gmm_wgrad_kernel``), ``quantization`` (``--fp8``: the operands'
+  quantize passes);
 * ``permutation`` (gathers, scatters, the inverse permutation), ``top-k weights' gradient``
   (the row dots, ``_wgrad_kernel``), ``routing`` (router top-k, sort, histogram, scans),
   ``activations`` (GELU, SiLU, ReLU, the gate × up product, ``activation_backward``: the MLP's
@@ -24,7 +25,8 @@ the script runs anywhere (the CPU figures say little about a GPU). The step time
 from CUDA events (or the wall clock) over steps run without the profiler.
 
     python benchmarks/step_profile.py [--shape qwen3] [--glu] [--fuse-grad-accumulation]
-        [--tokens N] [--steps 3] [--float-loss] [--json PATH]
+        [--fp8 fp8_rowwise [--cache-weights]] [--tokens N] [--steps 3] [--float-loss]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from megablocks_core.fp8 import Recipe
 from megablocks_core.layers import DroplessMoE
 from megablocks_core.shapes import SHAPES
 
 #: (part, name fragments), first match wins; names are lower-cased kernel or operator names.
 PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("communication", ("nccl", "rccl", "all_to_all", "allgather", "reduce_scatter")),
+    ("quantization", ("quantize",)),
     ("weight gradients", ("gmm_wgrad", "weight_grad")),
     ("top-k weights' gradient", ("_wgrad_kernel", "scatter_wgrad")),
     ("expert GEMMs", ("_gmm_kernel", "gather_gmm", "gmm_scatter", "grouped", "::gmm")),
@@ -85,6 +89,7 @@ def make_layer(
         dtype=dtype,
         device=device,
         grad_accumulation_fusion=args.fuse_grad_accumulation,
+        fp8=None if args.fp8 is None else Recipe(args.fp8, cache_weights=args.cache_weights),
     )
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
@@ -165,6 +170,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=None, help="default: the shape's")
     parser.add_argument("--glu", action="store_true", help="gated (SwiGLU) experts")
     parser.add_argument("--fuse-grad-accumulation", action="store_true")
+    parser.add_argument("--fp8", choices=("fp8_rowwise", "fp8_blockwise"), default=None)
+    parser.add_argument(
+        "--cache-weights", action="store_true", help="with --fp8: keep the quantized weights"
+    )
     parser.add_argument(
         "--float-loss",
         action="store_true",
@@ -194,6 +203,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tokens": x.shape[0],
         "glu": args.glu,
         "fuse_grad_accumulation": args.fuse_grad_accumulation,
+        "fp8": args.fp8,
+        "cache_weights": args.cache_weights,
         "harness": "float loss" if args.float_loss else "upstream gradient",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "time_kind": "CUDA kernels" if device.type == "cuda" else "CPU operators (self time)",

@@ -438,6 +438,8 @@ def test_step_profile_sorts_kernels_into_the_layers_parts():
             "copies"
         ),
         "void at::native::reduce_kernel<512, 1>": "other",
+        "_scaled_gmm_kernel": "expert GEMMs",
+        "_quantize_kernel": "quantization",
     }
     assert {name: part_of(name) for name in names} == names
 

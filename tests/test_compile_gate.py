@@ -142,7 +142,7 @@ def test_the_gluon_weight_gradient_is_declared_for_sm90_only() -> None:
                          env=env, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert "hopper_wgrad._wgrad_kernel" in found["sm_90a"]
+    assert "hopper_wgrad._gmm_wgrad_kernel" in found["sm_90a"]
     assert "gmm._gmm_wgrad_kernel" in found["sm_90a"]  # its alternative, for other calls
     for target in ("sm_80", "sm_100a", "gfx942"):
         assert found[target] == ["gmm._gmm_wgrad_kernel"], target

@@ -77,7 +77,7 @@ descs = [  # with the launch's own (cached) layouts
     TensorDescriptor.from_tensor(t, block, H.shared_layout(tuple(block), dtype))
     for t, block in ((a, [H.BLOCK_K, H.BLOCK_M]), (g, [H.BLOCK_K, H.BLOCK_N]), (out, [1, H.BLOCK_M, H.BLOCK_N]))
 ]
-compiled = H._wgrad_kernel.warmup(
+compiled = H._gmm_wgrad_kernel.warmup(
     *descs, torch.zeros(3, dtype=torch.int32), 3, 512, 2, 2, BLOCK_E=4, STAGES=H.STAGES,
     ACCUMULATE=accumulate, LOADER_REGS=H.LOADER_REGISTERS, num_warps=H.MMA_WARPS, grid=(1,),
 )

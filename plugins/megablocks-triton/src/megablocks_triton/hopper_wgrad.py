@@ -198,7 +198,7 @@ def _mma_and_epilogue(out_desc, a_bufs, b_bufs, empty, ready, c_smem, sizes_ptr,
 
 
 @gluon.jit
-def _wgrad_kernel(a_desc, g_desc, out_desc, sizes_ptr, num_experts, rows, tiles_m, tiles_n,
+def _gmm_wgrad_kernel(a_desc, g_desc, out_desc, sizes_ptr, num_experts, rows, tiles_m, tiles_n,
                   BLOCK_E: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
                   LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     block_k: gl.constexpr = a_desc.block_type.shape[0]
@@ -273,7 +273,7 @@ def launch(
     tiles_m, tiles_n = -(-k // BLOCK_M), -(-n // BLOCK_N)
     grid = (max(1, min(num_sms, num_experts * tiles_m * tiles_n)),)
     launch_kernel(
-        _wgrad_kernel, grid,
+        _gmm_wgrad_kernel, grid,
         a_desc, g_desc, out_desc, sizes, num_experts, a.shape[0], tiles_m, tiles_n,
         BLOCK_E=block_e, STAGES=STAGES, ACCUMULATE=accumulate, LOADER_REGS=LOADER_REGISTERS,
         num_warps=MMA_WARPS,
