@@ -175,16 +175,18 @@ def test_quantize_edges(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_non_finite_values_late_in_a_long_row_or_column(backend):
-    """A NaN or an infinity in the last steps of Triton's whole-row and whole-column passes (which
-    keep a running peak and reduce it once): its block is all NaN, the other blocks untouched;
-    through a row, a transposed view and a matrix's column pass, against the definition."""
+@pytest.mark.parametrize("width", [1500, 1000])  # Triton: two passes, one read
+def test_non_finite_values_late_in_a_long_row_or_column(backend, width):
+    """A NaN or an infinity late in a long row (the last steps of Triton's two-pass row and column
+    modes, which keep a running peak and reduce it once; or the far end of a row read at once):
+    its block is all NaN, the other blocks untouched; through a row, a transposed view and a
+    matrix's column pass, against the definition."""
     device = _device(backend)
-    x = torch.randn(4, 1500, generator=torch.Generator().manual_seed(9))
-    x[1, -1], x[2, 1100], x[3, 700] = math.nan, math.inf, -math.inf
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(9))
+    x[1, -1], x[2, width * 3 // 4], x[3, width // 2] = math.nan, math.inf, -math.inf
     for enc in _encodings(backend):
         want = formats.quantize(x, (1, 0), enc, False)
-        columns = x.t().contiguous()[None]  # (1, 1500, 4): column j of it is row j of x
+        columns = x.t().contiguous()[None]  # (1, width, 4): column j of it is row j of x
         for view in ("rows", "transposed", "columns"):
             with use_backend(backend):
                 if view == "columns":
@@ -211,6 +213,7 @@ def test_non_finite_values_late_in_a_long_row_or_column(backend):
         ((1, 1, 1), 1),
         ((3, 8200), 1),  # rows wider than one read holds: Triton's two-pass row mode
         ((5, 1000), 1),  # rows near a power of two: its one-read row pass
+        ((2, 3, 1000), 2),  # and of a 3-D tensor
     ],
 )
 def test_quantize_matches_the_definition_bit_for_bit(backend, shape, reduce_dim):

@@ -387,9 +387,26 @@ def test_misaligned_bases_take_the_triton_kernel(monkeypatch: pytest.MonkeyPatch
     shifted = shifted.view(E4M3).view(rows, k)
     shifted.copy_(qa)
     assert shifted.data_ptr() % 16 == 8
+    # Which kernel ran: the two give the same bits, so the launches are counted.
+    ran = {"gluon": 0, "triton": 0}
+    gluon_launch, triton_plan = hopper_scaled.launch, S._ScaledPlan.__call__
+
+    def counted_gluon(*args: Any, **kw: Any) -> None:
+        ran["gluon"] += 1
+        gluon_launch(*args, **kw)
+
+    def counted_triton(self: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        ran["triton"] += 1
+        return triton_plan(self, *tensors)
+
+    monkeypatch.setattr(hopper_scaled, "launch", counted_gluon)
+    monkeypatch.setattr(S._ScaledPlan, "__call__", counted_triton)
     got = S.scaled_gmm(shifted, sa, qb, sb, sizes, True, "fp8_rowwise", None)
+    assert ran == {"gluon": 0, "triton": 1}
     plans = list(S._SCALED_PLANS.values())
     assert plans and all(isinstance(p, S._WarpSpecializedPlan) for p in plans)
+    S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", None)  # aligned: the Gluon kernel
+    assert ran == {"gluon": 1, "triton": 1}
     monkeypatch.setattr(S, "WARP_SPECIALIZED", False)
     S._SCALED_PLANS.clear()
     want = S.scaled_gmm(qa, sa, qb, sb, sizes, True, "fp8_rowwise", None)

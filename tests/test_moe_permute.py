@@ -451,28 +451,49 @@ def _fresh_plans(monkeypatch: pytest.MonkeyPatch) -> None:
 @needs_triton_device
 def test_triton_prepares_each_call_shape_once(monkeypatch):
     """The map build, permute, probs and unpermute keep one prepared launch per call shape,
-    reused by later calls (with their outputs fresh each time); a new shape prepares another."""
+    reused by later calls (their results right and their outputs fresh each time); another
+    num_out_tokens, routing dtype or probs dtype prepares another."""
     from megablocks_triton import moe_permute as kernels
 
     _fresh_plans(monkeypatch)
-    mask = top_k_mask(40, 24, 3, 0, seed=2)
+    experts, rows = 24, 120
+    mask = top_k_mask(40, experts, 3, 0, seed=2)
     gen = torch.Generator().manual_seed(3)
-    x, probs = torch.randn(40, 8, generator=gen), torch.rand(40, 24, generator=gen)
-    want_map, _, want_rows, _ = loop_permute(x, mask, 24, 120, 1, probs)
+    x, probs = torch.randn(40, 8, generator=gen), torch.rand(40, experts, generator=gen)
+    want_map, want_counts, want_rows, want_probs = loop_permute(x, mask, experts, rows, 1, probs)
+    want_weighted = torch.zeros(rows, 8)
+    for t, j in (want_map >= 0).nonzero().tolist():
+        want_weighted[int(want_map[t, j])] = x[t] * probs[t, j]
+    y = torch.randn(rows, 8, generator=gen)
     dev = TRITON_DEVICE
     outputs = []
-    for _ in range(2):
-        row_map, _ = kernels.moe_permute_map(mask.to(dev), 24, 120, 1)
-        rows = kernels.moe_permute(x.to(dev), row_map, None, 120)
-        outputs.append(rows)
-        kernels.moe_permute_probs(probs.to(dev), row_map, 120)
-        kernels.moe_unpermute(rows, row_map, probs.to(dev))
-        assert torch.equal(row_map.cpu(), want_map) and torch.equal(rows.cpu(), want_rows)
-    assert outputs[0].data_ptr() != outputs[1].data_ptr()
-    plans = (kernels._MAP_PLANS, kernels._PERMUTE_PLANS, kernels._PROBS_PLANS)
-    assert [len(p) for p in (*plans, kernels._UNPERMUTE_PLANS)] == [1, 1, 1, 1]
-    kernels.moe_permute_map(mask.to(dev), 24, 100, 1)
-    assert len(kernels._MAP_PLANS) == 2
+    for _ in range(3):
+        row_map, counts = kernels.moe_permute_map(mask.to(dev), experts, rows, 1)
+        assert torch.equal(row_map.cpu(), want_map) and torch.equal(counts.cpu(), want_counts)
+        permuted = kernels.moe_permute(x.to(dev), row_map, None, rows)
+        assert torch.equal(permuted.cpu(), want_rows)
+        outputs.append(permuted)
+        weighted = kernels.moe_permute(x.to(dev), row_map, probs.to(dev), rows)
+        assert torch.equal(weighted.cpu(), want_weighted)
+        moved = kernels.moe_permute_probs(probs.to(dev), row_map, rows)
+        assert torch.equal(moved.cpu(), want_probs)
+        for weights in (probs, None):
+            combined = kernels.moe_unpermute(
+                y.to(dev), row_map, None if weights is None else weights.to(dev)
+            )
+            want = loop_unpermute(y, want_map, weights)
+            torch.testing.assert_close(combined.cpu(), want.to(combined.dtype))
+    assert len({out.data_ptr() for out in outputs}) > 1  # fresh outputs, not a kept buffer
+    counted = (kernels._MAP_PLANS, kernels._PERMUTE_PLANS, kernels._PROBS_PLANS)
+    assert [len(p) for p in (*counted, kernels._UNPERMUTE_PLANS)] == [1, 2, 1, 2]
+    # Another bound on the rows and the index form of the same routing: plans of their own.
+    index = mask.nonzero()[:, 1].view(40, 3)
+    kernels.moe_permute_map(mask.to(dev), experts, 100, 1)
+    index_map, _ = kernels.moe_permute_map(index.to(dev), experts, rows, 1)
+    assert torch.equal(index_map.cpu(), loop_permute(x, index, experts, rows, 1, None)[0])
+    assert len(kernels._MAP_PLANS) == 3
+    half = kernels.moe_permute_probs(probs.half().to(dev), row_map, rows)
+    assert half.dtype == torch.float16 and len(kernels._PROBS_PLANS) == 2
 
 
 @needs_triton_device

@@ -113,8 +113,9 @@ def _hardware_conversion(device: DeviceInfo, encoding: str) -> bool:
 #: against 1.45x in one of two tensors, hence the padding bound. Whole columns (a strip of
 #: whole columns in registers) were 1.6-5x slower in one read: they keep two passes.
 ONE_PASS_MAX = 8192
-#: (elements, warps) of one program's tile in the one-read row pass (4096 elements in 8 or 16
-#: warps, 8192 or 16384 in 8 or 16, 2048 in 4: slower or equal).
+#: (elements, warps) of one program's tile in the one-read row pass: as many whole rows as fit
+#: in that many elements, one at least (a row of 7168 takes a tile of 8192). 4096 elements in 8
+#: or 16 warps, 8192 or 16384 in 8 or 16, 2048 in 4: slower or equal.
 ONE_PASS_ROWS = (4096, 4)
 
 
