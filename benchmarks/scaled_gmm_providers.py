@@ -112,6 +112,20 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return cpu
 
 
+def _operands(
+    rows: int, shape: tuple[int, int, int, int], fmt: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """(qa, sa, qb, sb, generator): ``rows`` random rows of k and the experts' (E, n, k)
+    matrices, quantized in ``fmt`` (the generator goes on to draw the routing)."""
+    experts, k, n, _ = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(rows, k, device=device, generator=gen).bfloat16()
+    w = (torch.randn(experts, n, k, device=device, generator=gen) / k**0.5).bfloat16()
+    qa, sa = ops.quantize(a, 1, fmt, "e4m3fn")
+    qb, sb = ops.quantize(w, 2, fmt, "e4m3fn")
+    return qa, sa, qb, sb, gen
+
+
 def run_gemm(
     name: str,
     shape: tuple[int, int, int, int],
@@ -122,12 +136,7 @@ def run_gemm(
     experts, k, n, per_expert = shape
     rows_per_expert = max(per_expert // divisor, 1)
     timer = _timer(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    w = (torch.randn(experts, n, k, device=device, generator=gen) / k**0.5).bfloat16()
-    a = torch.randn(experts * rows_per_expert, k, device=device, generator=gen).bfloat16()
-    qa, sa = ops.quantize(a, 1, fmt, "e4m3fn")
-    qb, sb = ops.quantize(w, 2, fmt, "e4m3fn")
-    del a, w
+    qa, sa, qb, sb, _ = _operands(experts * rows_per_expert, shape, fmt, device)
     sizes = torch.full((experts,), rows_per_expert, dtype=torch.int32, device=device)
     args = (qa, sa, qb, sb, sizes, True, fmt, "bfloat16")
     flops = 2.0 * experts * rows_per_expert * k * n
@@ -171,12 +180,7 @@ def run_gathered(
     top_k = max(per_expert * experts // batch, 1)
     tokens = max(batch // divisor, 1)
     timer = _timer(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, k, device=device, generator=gen).bfloat16()
-    w = (torch.randn(experts, n, k, device=device, generator=gen) / k**0.5).bfloat16()
-    qx, sx = ops.quantize(x, 1, fmt, "e4m3fn")
-    qw, sw = ops.quantize(w, 2, fmt, "e4m3fn")
-    del x, w
+    qx, sx, qw, sw, gen = _operands(tokens, shape, fmt, device)
     choice = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, 1).indices
     ids = torch.sort(choice.flatten(), stable=True).indices.int()
     bins = torch.cumsum(torch.bincount(choice.flatten(), minlength=experts), 0).int()

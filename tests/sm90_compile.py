@@ -45,9 +45,10 @@ def report(compiled):
 
 def compile_sm90(script: str, *args: str) -> dict[str, Any]:
     """Runs ``script`` (which compiles a kernel with ``warmup`` and passes the result to
-    ``report``) with ``args`` as sys.argv[1:]; returns the PTX, the cubin's size, the shared
-    memory it uses, its registers a thread and the bytes it spills (as the compile gate counts
-    them)."""
+    ``report``) with ``args`` as sys.argv[1:]; checks that it targets sm_90a, that ptxas built a
+    cubin and that its shared memory fits the 227 KB a block gets; returns the PTX, the cubin's
+    size, the shared memory it uses, its registers a thread and the bytes it spills (as the
+    compile gate counts them)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     run = subprocess.run(
         [sys.executable, "-c", _PRELUDE + script, *args],
@@ -55,4 +56,7 @@ def compile_sm90(script: str, *args: str) -> dict[str, Any]:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     built: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    assert ".target sm_90a" in built["ptx"]
+    assert built["cubin"] > 0  # ptxas accepted it
+    assert built["shared"] <= 227 * 1024
     return built
