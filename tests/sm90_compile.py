@@ -35,11 +35,22 @@ driver.set_active(Sm90())
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 def report(compiled):
+    import os, subprocess, tempfile, triton
     from megablocks_core.aot import _nvidia_resources
     registers, spills, _ = _nvidia_resources(compiled, 90)
+    # ptxas's own notes on the PTX (a cached kernel keeps none), e.g. a wait it injected.
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run(
+            [os.path.join(tools, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o",
+             os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True,
+        ).stderr
     print(json.dumps({"ptx": compiled.asm["ptx"], "cubin": len(compiled.asm["cubin"]),
                       "shared": compiled.metadata.shared, "registers": registers,
-                      "spills": spills}))
+                      "spills": spills, "ptxas_log": log}))
 """
 
 
@@ -47,8 +58,8 @@ def compile_sm90(script: str, *args: str) -> dict[str, Any]:
     """Runs ``script`` (which compiles a kernel with ``warmup`` and passes the result to
     ``report``) with ``args`` as sys.argv[1:]; checks that it targets sm_90a, that ptxas built a
     cubin and that its shared memory fits the 227 KB a block gets; returns the PTX, the cubin's
-    size, the shared memory it uses, its registers a thread and the bytes it spills (as the
-    compile gate counts them)."""
+    size, the shared memory it uses, its registers a thread, the bytes it spills (as the
+    compile gate counts them) and ptxas's log (``ptxas_log``)."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     run = subprocess.run(
         [sys.executable, "-c", _PRELUDE + script, *args],

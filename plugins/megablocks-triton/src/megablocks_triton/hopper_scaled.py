@@ -13,7 +13,9 @@ asynchronously, and the previous one is added while the matrix unit computes it:
   (row i of the output reads token ``ids[i] // top_k``), by 16-byte ``cp.async`` copies of its
   four warps, each arriving on the stage's barrier when it lands (no row gather in Hopper's TMA);
 * eight *MMA* warps (two warpgroups, 64 rows each of a 128 x 128 tile) keep two products in
-  flight, add the older to the tile's float32 sum and free its stage; a tile's epilogue (both
+  flight (plain rowwise rows; gathered and blockwise rows one: their loop holds one register set
+  for the products, see _mma_and_epilogue), add the older to the tile's float32 sum and free its
+  stage; a tile's epilogue (both
   scales, the rounding, a TMA store inside the group or masked stores for a group's last,
   partial tile; zeros for the rows past every group when asked) runs while the next tile's first
   product computes.
@@ -211,6 +213,36 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
 
 
 @gluon.jit
+def _issue(a_bufs, b_bufs, ready, step, zero):
+    # Plain rowwise rows: a step's product, a fresh sum (promoted into the float32 total when
+    # retired), issued once its stage has landed.
+    stages: gl.constexpr = a_bufs.type.shape[0]
+    slot = step % stages
+    mbarrier.wait(ready.index(slot), (step // stages) & 1)
+    return warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)  # fmt: skip
+
+
+@gluon.jit
+def _retire(acc, done, step, empty, tiling, out, scales, GROUP_M: gl.constexpr,
+            store_layout: gl.constexpr):  # fmt: skip
+    # Plain rowwise rows: a finished step's product added into acc, its stage freed for the
+    # loader and, after its tile's last step, the tile's epilogue. tiling: the program's
+    # (pid, programs, chunks) and _groups' tiles; out and scales: the epilogue's operands.
+    pid, programs, chunks, idx, sizes, tiles, tile_end, n_tiles = tiling
+    c_smem, c_desc, c_ptr, n = out
+    sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids = scales
+    acc = acc + done
+    mbarrier.arrive(empty.index(step % empty.type.shape[0]), count=1)
+    if (step + 1) % chunks == 0:  # its tile's last
+        _epilogue(acc, pid + (step // chunks) * programs, idx, sizes, tiles, tile_end, n_tiles,
+                  c_smem, c_desc, c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn,
+                  ids_ptr, top_k, num_ids, GROUP_M, False, False, store_layout)  # fmt: skip
+        acc = gl.zeros_like(acc)
+    return acc
+
+
+@gluon.jit
 def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_ptr, sb_ptr,
                       sizes_ptr, num_experts, rows, n, k, stride_sa, stride_sak, stride_sbe,
                       stride_sbn, stride_sbk, ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr,
@@ -237,64 +269,96 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
     zero = gl.zeros([block_m, block_n], gl.float32, acc_layout)
     rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     if pid < group_tiles:
-        # The program's tiles' chunks as one sequence of steps. Each step's product is issued
-        # before the one before it is added: two products in flight, the adds off the matrix
-        # unit's path; a tile's epilogue runs while the next tile's first product computes.
+        # The program's tiles' chunks as one sequence of steps. Each step's product (a fresh
+        # sum over 128 k) is issued before the one before it is added into acc: two products in
+        # flight, the adds off the matrix unit's path; a tile's epilogue runs while the next
+        # tile's first product computes.
         steps = gl.cdiv(group_tiles - pid, programs) * chunks
-        mbarrier.wait(ready.index(0), 0)
-        if GATHER:  # rows copied by cp.async (the generic proxy), read by the MMA (async proxy)
-            fence_async_shared()
-        prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)  # fmt: skip
-        acc = zero
-        if BLOCKWISE:  # each product times its k block's scales; loaded a step ahead of use
-            sa_at, sb_at = _row_scales(pid, idx, sizes, tiles, tile_end, n_tiles, stride_sa,
-                                       stride_sbe, stride_sbn, block_m, GROUP_M,
-                                       rows_layout)  # fmt: skip
-            sa_prev = gl.load(sa_ptr + sa_at)
-            sb_prev = gl.load(sb_ptr + sb_at)
-        for step in range(1, steps):
-            slot = step % stages
-            mbarrier.wait(ready.index(slot), (step // stages) & 1)
-            if GATHER:
+        if not GATHER and not BLOCKWISE:
+            # The steps in pairs, their products in two register sets. Carried from step to
+            # step in one set, the product in flight would have to be copied out before the
+            # next one writes those registers: ptxas waits for it first (its note C7517), and
+            # one product is in flight. Gathered and blockwise rows keep the one set (paired,
+            # they spill; measured slower or no faster: docs/performance.md).
+            tiling = (pid, programs, chunks, idx, sizes, tiles, tile_end, n_tiles)
+            out = (c_smem, c_desc, c_ptr, n)
+            scales = (sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids)
+            acc = zero
+            prev = _issue(a_bufs, b_bufs, ready, 0, zero)
+            for step in range(1, steps - 1, 2):
+                part = _issue(a_bufs, b_bufs, ready, step, zero)
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+                acc = _retire(acc, done, step - 1, empty, tiling, out, scales, GROUP_M,
+                              store_layout)  # fmt: skip
+                prev = _issue(a_bufs, b_bufs, ready, step + 1, zero)
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))
+                acc = _retire(acc, done, step, empty, tiling, out, scales, GROUP_M,
+                              store_layout)  # fmt: skip
+            if (steps - 1) % 2 == 1:  # one step left past the pairs
+                part = _issue(a_bufs, b_bufs, ready, steps - 1, zero)
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+                acc = _retire(acc, done, steps - 2, empty, tiling, out, scales, GROUP_M,
+                              store_layout)  # fmt: skip
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+                _retire(acc, done, steps - 1, empty, tiling, out, scales, GROUP_M, store_layout)
+            else:
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+                _retire(acc, done, steps - 1, empty, tiling, out, scales, GROUP_M, store_layout)
+        else:
+            mbarrier.wait(ready.index(0), 0)
+            if GATHER:  # rows copied by cp.async (the generic proxy), read by the MMA (async proxy)
                 fence_async_shared()
-            part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), zero,
+            prev = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)), zero,
                                  use_acc=False, is_async=True)  # fmt: skip
-            if BLOCKWISE:
-                kb = step % chunks
-                if kb == 0:  # a new tile's rows
-                    sa_at, sb_at = _row_scales(pid + (step // chunks) * programs, idx, sizes,
-                                               tiles, tile_end, n_tiles, stride_sa, stride_sbe,
-                                               stride_sbn, block_m, GROUP_M,
-                                               rows_layout)  # fmt: skip
-                sa_next = gl.load(sa_ptr + sa_at + kb * stride_sak)
-                sb_next = gl.load(sb_ptr + sb_at + kb * stride_sbk)
-            done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
-            if BLOCKWISE:
+            acc = zero
+            if BLOCKWISE:  # each product times its k block's scales; loaded a step ahead of use
+                sa_at, sb_at = _row_scales(pid, idx, sizes, tiles, tile_end, n_tiles, stride_sa,
+                                           stride_sbe, stride_sbn, block_m, GROUP_M,
+                                           rows_layout)  # fmt: skip
+                sa_prev = gl.load(sa_ptr + sa_at)
+                sb_prev = gl.load(sb_ptr + sb_at)
+            for step in range(1, steps):
+                slot = step % stages
+                mbarrier.wait(ready.index(slot), (step // stages) & 1)
+                if GATHER:
+                    fence_async_shared()
+                part = warpgroup_mma(a_bufs.index(slot), b_bufs.index(slot).permute((1, 0)), zero,
+                                     use_acc=False, is_async=True)  # fmt: skip
+                if BLOCKWISE:
+                    kb = step % chunks
+                    if kb == 0:  # a new tile's rows
+                        sa_at, sb_at = _row_scales(pid + (step // chunks) * programs, idx, sizes,
+                                                   tiles, tile_end, n_tiles, stride_sa, stride_sbe,
+                                                   stride_sbn, block_m, GROUP_M,
+                                                   rows_layout)  # fmt: skip
+                    sa_next = gl.load(sa_ptr + sa_at + kb * stride_sak)
+                    sb_next = gl.load(sb_ptr + sb_at + kb * stride_sbk)
+                done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+                if BLOCKWISE:
+                    acc = acc + done * (sa_prev[:, None] * sb_prev)
+                    sa_prev = sa_next
+                    sb_prev = sb_next
+                else:
+                    acc = acc + done
+                mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1)
+                prev = part
+                if step % chunks == 0:  # the step before was its tile's last
+                    tile = pid + (step // chunks - 1) * programs
+                    _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc,
+                              c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr,
+                              top_k, num_ids, GROUP_M, GATHER, BLOCKWISE,
+                              store_layout)  # fmt: skip
+                    acc = zero
+            done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
+            if BLOCKWISE:  # noqa: SIM108 (a constexpr branch: sa_prev exists only blockwise)
                 acc = acc + done * (sa_prev[:, None] * sb_prev)
-                sa_prev = sa_next
-                sb_prev = sb_next
             else:
                 acc = acc + done
-            mbarrier.arrive(empty.index((step + stages - 1) % stages), count=1)
-            prev = part
-            if step % chunks == 0:  # the step before was its tile's last
-                tile = pid + (step // chunks - 1) * programs
-                _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc,
-                          c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr,
-                          top_k, num_ids, GROUP_M, GATHER, BLOCKWISE,
-                          store_layout)  # fmt: skip
-                acc = zero
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-        if BLOCKWISE:  # noqa: SIM108 (a constexpr branch: sa_prev exists only blockwise)
-            acc = acc + done * (sa_prev[:, None] * sb_prev)
-        else:
-            acc = acc + done
-        mbarrier.arrive(empty.index((steps + stages - 1) % stages), count=1)
-        tile = pid + (steps // chunks - 1) * programs
-        _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr,
-                  sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
-                  GROUP_M, GATHER, BLOCKWISE, store_layout)  # fmt: skip
+            mbarrier.arrive(empty.index((steps + stages - 1) % stages), count=1)
+            tile = pid + (steps // chunks - 1) * programs
+            _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr,
+                      sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
+                      GROUP_M, GATHER, BLOCKWISE, store_layout)  # fmt: skip
     tma.store_wait(0)
     if ZERO_TAIL:  # rows past every group: zeros
         tail_tiles = gl.cdiv(rows - covered, block_m) * n_tiles
