@@ -109,8 +109,8 @@ def _source(job: CompileJob) -> Any:
 
 def _nvidia_resources(compiled: Any, capability: int) -> tuple[int, int, int]:
     """(registers, bytes of spill stores, stack frame bytes) of a compiled kernel: the cubin's
-    resource usage as the cuobjdump of Triton's wheel reads it (a cached kernel has no ptxas log);
-    where it has a stack frame (spills live there), ptxas ``-v`` on its PTX counts the spills."""
+    resource usage as the cuobjdump of Triton's wheel reads it; where it has a stack frame (spills
+    live there), :func:`ptxas_log` counts the spills."""
     import triton  # type: ignore[import-untyped]
 
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -126,20 +126,29 @@ def _nvidia_resources(compiled: Any, capability: int) -> tuple[int, int, int]:
         if found is None:
             raise RuntimeError(f"cuobjdump reported no resource usage: {out[-500:]}")
         regs, stack, _, local = (int(v) for v in found.groups())
-        if not stack and not local:
-            return regs, 0, 0
+    if not stack and not local:
+        return regs, 0, 0
+    spilled = _PTXAS_SPILLS.search(ptxas_log(compiled, capability))
+    return regs, int(spilled.group(1)) if spilled else local, stack
+
+
+def ptxas_log(compiled: Any, capability: int) -> str:
+    """What ``ptxas -v`` (Triton's wheel's) says of a compiled kernel's PTX: its resource lines
+    and its notes (a cached kernel keeps no log), e.g. a wait it injected between MMAs."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    arch = re.search(r"\.target\s+(sm_\w+)", compiled.asm["ptx"])
+    ptxas = os.path.join(tools, "ptxas-blackwell" if capability >= 100 else "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        arch = re.search(r"\.target\s+(sm_\w+)", compiled.asm["ptx"])
-        ptxas = os.path.join(tools, "ptxas-blackwell" if capability >= 100 else "ptxas")
-        log = subprocess.run(
+        return subprocess.run(
             [ptxas, "-v", f"--gpu-name={arch.group(1) if arch else f'sm_{capability}'}", ptx,
              "-o", os.path.join(tmp, "out.cubin")],
             capture_output=True, text=True, check=True,
         ).stderr  # fmt: skip
-    spilled = _PTXAS_SPILLS.search(log)
-    return regs, int(spilled.group(1)) if spilled else local, stack
 
 
 def compile_job(job: CompileJob, lim: ArchLimits, backend: str, shape: str) -> KernelReport:

@@ -35,22 +35,11 @@ driver.set_active(Sm90())
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 def report(compiled):
-    import os, subprocess, tempfile, triton
-    from megablocks_core.aot import _nvidia_resources
+    from megablocks_core.aot import _nvidia_resources, ptxas_log
     registers, spills, _ = _nvidia_resources(compiled, 90)
-    # ptxas's own notes on the PTX (a cached kernel keeps none), e.g. a wait it injected.
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run(
-            [os.path.join(tools, "ptxas"), "-v", "--gpu-name=sm_90a", ptx, "-o",
-             os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True,
-        ).stderr
     print(json.dumps({"ptx": compiled.asm["ptx"], "cubin": len(compiled.asm["cubin"]),
                       "shared": compiled.metadata.shared, "registers": registers,
-                      "spills": spills, "ptxas_log": log}))
+                      "spills": spills, "ptxas_log": ptxas_log(compiled, 90)}))
 """
 
 

@@ -15,10 +15,9 @@ asynchronously, and the previous one is added while the matrix unit computes it:
 * eight *MMA* warps (two warpgroups, 64 rows each of a 128 x 128 tile) keep two products in
   flight (plain rowwise rows; gathered and blockwise rows one: their loop holds one register set
   for the products, see _mma_and_epilogue), add the older to the tile's float32 sum and free its
-  stage; a tile's epilogue (both
-  scales, the rounding, a TMA store inside the group or masked stores for a group's last,
-  partial tile; zeros for the rows past every group when asked) runs while the next tile's first
-  product computes.
+  stage; a tile's epilogue (both scales, the rounding, a TMA store inside the group or masked
+  stores for a group's last, partial tile; zeros for the rows past every group when asked) runs
+  while the next tile's first product computes.
 
 The sums are the Triton kernel's (same 128-deep products, same order): outputs equal bit for bit
 with its 128 x 128 x 128 tiles. Hopper only, rowwise only; which calls it takes is
