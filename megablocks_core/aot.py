@@ -107,19 +107,23 @@ def _source(job: CompileJob) -> Any:
     return cls(job.fn, dict(job.signature), dict(job.constexprs), dict(job.attrs))
 
 
+def _nvidia_tool(name: str) -> str:
+    """The path of one of the NVIDIA tools Triton's wheel bundles (cuobjdump, ptxas, ...)."""
+    import triton  # type: ignore[import-untyped]
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def _nvidia_resources(compiled: Any, capability: int) -> tuple[int, int, int]:
     """(registers, bytes of spill stores, stack frame bytes) of a compiled kernel: the cubin's
     resource usage as the cuobjdump of Triton's wheel reads it; where it has a stack frame (spills
     live there), :func:`ptxas_log` counts the spills."""
-    import triton  # type: ignore[import-untyped]
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
         out = subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "--dump-resource-usage", cubin],
+            [_nvidia_tool("cuobjdump"), "--dump-resource-usage", cubin],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
         found = _NV_RESOURCES.search(out)
@@ -135,11 +139,8 @@ def _nvidia_resources(compiled: Any, capability: int) -> tuple[int, int, int]:
 def ptxas_log(compiled: Any, capability: int) -> str:
     """What ``ptxas -v`` (Triton's wheel's) says of a compiled kernel's PTX: its resource lines
     and its notes (a cached kernel keeps no log), e.g. a wait it injected between MMAs."""
-    import triton
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     arch = re.search(r"\.target\s+(sm_\w+)", compiled.asm["ptx"])
-    ptxas = os.path.join(tools, "ptxas-blackwell" if capability >= 100 else "ptxas")
+    ptxas = _nvidia_tool("ptxas-blackwell" if capability >= 100 else "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
