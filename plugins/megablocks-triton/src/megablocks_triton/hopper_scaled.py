@@ -15,7 +15,8 @@ asynchronously, and the previous one is added while the matrix unit computes it:
 * eight *MMA* warps (two warpgroups, 64 rows each of a 128 x 128 tile) keep two products in
   flight (plain rowwise rows; gathered and blockwise rows one: their loop holds one register set
   for the products, see _mma_and_epilogue), add the older to the tile's float32 sum and free its
-  stage; a tile's epilogue (both scales, the rounding, a TMA store inside the group or masked
+  stage; a tile's epilogue (both scales, which the loader stages in shared memory for plain
+  rows, the rounding, a TMA store inside the group or masked
   stores for a group's last, partial tile; zeros for the rows past every group when asked) runs
   while the next tile's first product computes.
 
@@ -50,6 +51,8 @@ from .launch import launch as launch_kernel
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, 128
 MMA_WARPS = 8
 LOADER_REGISTERS = 56
+#: Tiles whose epilogue scales the loader stages ahead (plain rowwise rows).
+SCALE_SLOTS = gl.constexpr(4)
 #: Gathered rows are copied by the loader's threads (cp.async, 16 bytes each), not by TMA.
 GATHER_LOADER_WARPS = 4
 GATHER_LOADER_REGISTERS = 72  # 64 spilled at the training shapes (the compile gate)
@@ -103,9 +106,9 @@ def _tile(tile, idx, sizes, tiles, tile_end, n_tiles, block_m: gl.constexpr,
 
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts, rows, n, k,
-            x_ptr, stride_x, ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr,
+            x_ptr, stride_x, ids_ptr, top_k, num_ids, scales, FROM_ENDS: gl.constexpr,
             BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr, GATHER: gl.constexpr,
-            LOADER_WARPS: gl.constexpr):  # fmt: skip
+            BLOCKWISE: gl.constexpr, LOADER_WARPS: gl.constexpr):  # fmt: skip
     block_m: gl.constexpr = a_desc.block_type.shape[0]
     block_k: gl.constexpr = a_desc.block_type.shape[1]
     block_n: gl.constexpr = b_desc.block_type.shape[0]
@@ -125,6 +128,9 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts
         )
         row = row_start + tile_m * block_m
         col = e * n + tile_n * block_n  # b seen as (E * n, k)
+        if not GATHER and not BLOCKWISE:
+            _copy_scales((tile - gl.program_id(0)) // gl.num_programs(0), e, row_start, size,
+                         tile_m, tile_n, n, scales, layout)  # fmt: skip
         if GATHER:  # each sorted row reads token ids[row] // top_k of x (none past its group)
             local = tile_m * block_m + gl.arange(0, block_m, layout=gl.SliceLayout(1, rows_layout))
             ids = gl.load(ids_ptr + row_start + gl.minimum(local, size - 1)).to(gl.int64)
@@ -168,9 +174,11 @@ def _row_scales(tile, idx, sizes, tiles, tile_end, n_tiles, stride_sa, stride_sb
 def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr, sa_ptr,
               sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
               GROUP_M: gl.constexpr, GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
-              store_layout: gl.constexpr):  # fmt: skip
+              store_layout: gl.constexpr, staged=None):  # fmt: skip
     # The tile's sum times both scales (rows clamped into the group: rows past it are not
     # stored; blockwise sums are scaled already), rounded, staged in shared memory and stored.
+    # staged: (ring, its barriers, the tile's index t in the program) where the loader copied
+    # the plain rows' scales (_copy_scales).
     block_m: gl.constexpr = c_smem.type.shape[0]
     block_n: gl.constexpr = c_smem.type.shape[1]
     e, row_start, size, tile_m, tile_n = _tile(tile, idx, sizes, tiles, tile_end, n_tiles,
@@ -184,6 +192,13 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
         named = (ids >= 0) & (ids < num_ids)
     if BLOCKWISE:
         scaled = acc
+    elif staged is not None:
+        scale_smem, scale_ready, _empty, t = staged
+        slot = t % scale_ready.type.shape[0]
+        mbarrier.wait(scale_ready.index(slot), (t // scale_ready.type.shape[0]) & 1)
+        sa = scale_smem.index(2 * slot).load(gl.SliceLayout(1, acc.type.layout))
+        sb = scale_smem.index(2 * slot + 1).load(gl.SliceLayout(0, acc.type.layout))
+        scaled = acc * sa[:, None] * sb[None, :]
     else:
         if GATHER:
             sa = gl.load(sa_ptr + gl.where(named, ids // top_k, 0) * stride_sa)
@@ -197,7 +212,9 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
         scaled = gl.where(named[:, None], scaled, 0.0)
     result = scaled.to(c_smem.dtype)
     tma.store_wait(0)  # the previous tile's store has read c_smem
-    gl.thread_barrier()  # and every warp's loads of it are done
+    gl.thread_barrier()  # and every warp's loads of it (and of the staged scales) are done
+    if staged is not None:  # the scales' slot is free for the loader
+        mbarrier.arrive(staged[2].index(staged[3] % staged[2].type.shape[0]), count=1)
     c_smem.store(result)
     fence_async_shared()
     gl.thread_barrier()
@@ -209,6 +226,26 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
         c = tile_n * block_n + gl.arange(0, block_n, layout=gl.SliceLayout(0, store_layout))
         ptrs = c_ptr + (row_start + r).to(gl.int64)[:, None] * n + c[None, :]
         gl.store(ptrs, values, mask=(r < size)[:, None] & (c < n)[None, :])
+
+
+@gluon.jit
+def _copy_scales(t, e, row_start, size, tile_m, tile_n, n, scales, layout: gl.constexpr):
+    # Plain rowwise rows: the loader copies its t-th tile's row and column scales (rows clamped
+    # into the group) into a slot of the scales' ring by cp.async, arriving on the slot's
+    # barrier when they land, so that the epilogue reads them from shared memory.
+    sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, scale_smem, scale_ready, scale_empty = scales
+    slots: gl.constexpr = scale_ready.type.shape[0]
+    block: gl.constexpr = scale_smem.type.shape[1]
+    slot = t % slots
+    mbarrier.wait(scale_empty.index(slot), ((t // slots) & 1) ^ 1)
+    r = row_start + gl.minimum(tile_m * block + gl.arange(0, block, layout=layout), size - 1)
+    async_copy.async_copy_global_to_shared(scale_smem.index(2 * slot),
+                                           sa_ptr + r.to(gl.int64) * stride_sa)  # fmt: skip
+    cols = tile_n * block + gl.arange(0, block, layout=layout)
+    async_copy.async_copy_global_to_shared(scale_smem.index(2 * slot + 1),
+                                           sb_ptr + e.to(gl.int64) * stride_sbe + cols * stride_sbn,
+                                           mask=cols < n)  # fmt: skip
+    async_copy.mbarrier_arrive(scale_ready.index(slot), increment_count=False)
 
 
 @gluon.jit
@@ -226,24 +263,27 @@ def _issue(a_bufs, b_bufs, ready, step, zero):
 def _retire(acc, done, step, empty, tiling, out, scales, GROUP_M: gl.constexpr,
             store_layout: gl.constexpr):  # fmt: skip
     # Plain rowwise rows: a finished step's product added into acc, its stage freed for the
-    # loader and, after its tile's last step, the tile's epilogue. tiling: the program's
-    # (pid, programs, chunks) and _groups' tiles; out and scales: the epilogue's operands.
+    # loader and, after its tile's last step, the tile's epilogue (its scales staged by the
+    # loader). tiling: the program's (pid, programs, chunks) and _groups' tiles; out and
+    # scales: the epilogue's operands.
     pid, programs, chunks, idx, sizes, tiles, tile_end, n_tiles = tiling
-    c_smem, c_desc, c_ptr, n = out
+    c_smem, scale_smem, scale_ready, scale_empty, c_desc, c_ptr, n = out
     sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids = scales
     acc = acc + done
     mbarrier.arrive(empty.index(step % empty.type.shape[0]), count=1)
     if (step + 1) % chunks == 0:  # its tile's last
-        _epilogue(acc, pid + (step // chunks) * programs, idx, sizes, tiles, tile_end, n_tiles,
-                  c_smem, c_desc, c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn,
-                  ids_ptr, top_k, num_ids, GROUP_M, False, False, store_layout)  # fmt: skip
+        t = step // chunks
+        _epilogue(acc, pid + t * programs, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc,
+                  c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k,
+                  num_ids, GROUP_M, False, False, store_layout,
+                  (scale_smem, scale_ready, scale_empty, t))  # fmt: skip
         acc = gl.zeros_like(acc)
     return acc
 
 
 @gluon.jit
-def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_ptr, sb_ptr,
-                      sizes_ptr, num_experts, rows, n, k, stride_sa, stride_sak, stride_sbe,
+def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, staging, c_desc, c_ptr, sa_ptr,
+                      sb_ptr, sizes_ptr, num_experts, rows, n, k, stride_sa, stride_sak, stride_sbe,
                       stride_sbn, stride_sbk, ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr,
                       ZERO_TAIL: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
                       GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
@@ -255,7 +295,12 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 32]
     )
-    sizes_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    # The experts' counts whole in each warp where registers allow (plain rows, up to 128
+    # experts): a tile's coordinates (_tile's sums over them) then take no barrier.
+    warp_local: gl.constexpr = BLOCK_E <= 128 and not BLOCKWISE
+    sizes_layout: gl.constexpr = gl.BlockedLayout(
+        [max(BLOCK_E // 32, 1) if warp_local else 1], [32], [num_warps], [0]
+    )
     store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     n_tiles = gl.cdiv(n, block_n)
     idx, sizes, tiles, tile_end, covered = _groups(
@@ -280,7 +325,7 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_pt
             # one product is in flight. Gathered and blockwise rows keep the one set (paired,
             # they spill; measured slower or no faster: docs/performance.md).
             tiling = (pid, programs, chunks, idx, sizes, tiles, tile_end, n_tiles)
-            out = (c_smem, c_desc, c_ptr, n)
+            out = (c_smem, staging[0], staging[1], staging[2], c_desc, c_ptr, n)
             scales = (sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids)
             acc = zero
             prev = _issue(a_bufs, b_bufs, ready, 0, zero)
@@ -393,6 +438,13 @@ def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr,
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, block_m, block_k], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, block_n, block_k], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [block_m, block_n], c_desc.layout)
+    # Plain rowwise rows: a ring of SCALE_SLOTS tiles' row and column scales (block_m ==
+    # block_n), filled by the loader, read by the epilogue.
+    scale_smem = gl.allocate_shared_memory(
+        gl.float32, [2 * SCALE_SLOTS, block_m], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
+    scale_empty = gl.allocate_shared_memory(gl.int64, [SCALE_SLOTS, 1], mbarrier.MBarrierLayout())
+    scale_ready = gl.allocate_shared_memory(gl.int64, [SCALE_SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # Gathered blockwise rows spill on sm_90a (the launch path never asks for them).
@@ -402,17 +454,23 @@ def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr,
     for i in gl.static_range(STAGES):
         mbarrier.init(empty.index(i), count=1)
         mbarrier.init(ready.index(i), count=arrivals)
+    for i in gl.static_range(SCALE_SLOTS):  # the loader's threads' copies arrive on ready
+        mbarrier.init(scale_empty.index(i), count=1)
+        mbarrier.init(scale_ready.index(i), count=32 * LOADER_WARPS)
     # fmt: off
     gl.warp_specialize(
         [
-            (_mma_and_epilogue, (a_bufs, b_bufs, empty, ready, c_smem, c_desc, c_ptr, sa_ptr,
-                                 sb_ptr, sizes_ptr, num_experts, rows, n, k, stride_sa,
-                                 stride_sak, stride_sbe, stride_sbn, stride_sbk, ids_ptr, top_k,
-                                 num_ids, FROM_ENDS, ZERO_TAIL, BLOCK_E, GROUP_M, GATHER,
-                                 BLOCKWISE, num_warps)),
+            (_mma_and_epilogue, (a_bufs, b_bufs, empty, ready, c_smem,
+                                 (scale_smem, scale_ready, scale_empty), c_desc,
+                                 c_ptr, sa_ptr, sb_ptr, sizes_ptr, num_experts, rows, n, k,
+                                 stride_sa, stride_sak, stride_sbe, stride_sbn, stride_sbk,
+                                 ids_ptr, top_k, num_ids, FROM_ENDS, ZERO_TAIL, BLOCK_E, GROUP_M,
+                                 GATHER, BLOCKWISE, num_warps)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts,
-                       rows, n, k, x_ptr, stride_x, ids_ptr, top_k, num_ids, FROM_ENDS, BLOCK_E,
-                       GROUP_M, GATHER, LOADER_WARPS)),
+                       rows, n, k, x_ptr, stride_x, ids_ptr, top_k, num_ids,
+                       (sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, scale_smem, scale_ready,
+                        scale_empty), FROM_ENDS, BLOCK_E, GROUP_M, GATHER, BLOCKWISE,
+                       LOADER_WARPS)),
         ],
         [LOADER_WARPS],
         [LOADER_REGS],
