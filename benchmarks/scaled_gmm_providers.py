@@ -13,7 +13,9 @@ launch path takes it, ``triton_kernel`` says which) is timed beside its Triton k
 ``--gather``: the same GEMMs with their rows gathered from the tokens (``scaled_gather_gmm``, as
 an FP8 layer's up projection and the gradient of its down projection run them; softmax-free
 uniform top-k routing of 16384 tokens and an eighth of that): the triton backend's choice
-beside its Triton kernel (torch has no gathering FP8 GEMM).
+beside its Triton kernel (torch has no gathering FP8 GEMM), and beside the rows copied into
+sorted order first for the plain rows' kernel (``scaled.GATHER_FIRST``, ``gather_first_*``: the
+copies' time included).
 
 ``--format fp8_blockwise``: the blockwise format instead (no torch peer).
 
@@ -190,10 +192,41 @@ def run_gathered(
         "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts,
         "format": fmt,
     }  # fmt: skip
-    time_triton_kernels(
+    reference = time_triton_kernels(
         name, lambda: ops.scaled_gather_gmm(*args), "scaled_gather_gmm", row, flops, timer
     )
+    time_gather_first(name, lambda: ops.scaled_gather_gmm(*args), reference, row, flops, timer)
     return row
+
+
+def time_gather_first(
+    name: str,
+    op: Callable[[], torch.Tensor],
+    reference: torch.Tensor,
+    row: dict[str, Any],
+    flops: float,
+    timer: Callable[[Callable[[], Any]], float],
+) -> None:
+    """The triton backend's gathered GEMM with ``scaled.GATHER_FIRST`` on: whether it copied
+    the rows first (``gather_first_taken``: where plain rows of the shape take the Gluon
+    kernel), its output checked equal to ``reference``, µs and TFLOP/s (copies included) and
+    the speedup over the call without it (``triton_us``)."""
+    scaled.GATHER_FIRST = True
+    try:
+        with megablocks_core.use_backend(scaled_gather_gmm="triton"):
+            scaled._SCALED_PLANS.clear()
+            got = op()
+            row["gather_first_taken"] = any(
+                isinstance(p, scaled._GatherFirstPlan) for p in scaled._SCALED_PLANS.values()
+            )
+            if not torch.equal(got, reference):
+                raise SystemExit(f"{name}: the rows copied first give another output")
+            row["gather_first_us"] = timer(op)
+    finally:
+        scaled.GATHER_FIRST = False
+        scaled._SCALED_PLANS.clear()
+    row["gather_first_tflops"] = flops / row["gather_first_us"] / 1e6
+    row["gather_first_speedup"] = row["triton_us"] / row["gather_first_us"]
 
 
 #: The batch the GEMMS' rows per expert are of.
@@ -222,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{r['gemm']:<14}{r['rows_per_expert']:>6} rows/expert (gathered)  triton "
                 f"{r['triton_tflops']:>6.0f} TFLOP/s ({r['triton_kernel']}; Triton kernel "
-                f"{r['triton_plain_tflops']:.0f})"
+                f"{r['triton_plain_tflops']:.0f}; rows copied first "
+                f"{r['gather_first_tflops']:.0f}{'' if r['gather_first_taken'] else ', not taken'})"
             )
             continue
         torch_part = (

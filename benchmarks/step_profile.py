@@ -25,7 +25,7 @@ the script runs anywhere (the CPU figures say little about a GPU). The step time
 from CUDA events (or the wall clock) over steps run without the profiler.
 
     python benchmarks/step_profile.py [--shape qwen3] [--glu] [--fuse-grad-accumulation]
-        [--fp8 fp8_rowwise [--cache-weights]] [--tokens N] [--steps 3] [--float-loss]
+        [--fp8 fp8_rowwise [--cache-weights] [--gather-first]] [--tokens N] [--steps 3] [--float-loss]
         [--json PATH]
 """
 
@@ -175,6 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cache-weights", action="store_true", help="with --fp8: keep the quantized weights"
     )
     parser.add_argument(
+        "--gather-first",
+        action="store_true",
+        help="with --fp8: the triton backend's scaled.GATHER_FIRST on (gathered rows copied "
+        "first, for the plain rows' kernel; the copies are filed under permutation)",
+    )
+    parser.add_argument(
         "--float-loss",
         action="store_true",
         help="backward from out.float().square().mean() + aux (the harness before 2026-12-01)",
@@ -186,11 +192,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.gather_first and args.fp8 is None:
+        parser.error("--gather-first takes --fp8")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if not args.gather_first:
+        return profile_step(args)
+    from megablocks_triton import scaled
+
+    scaled.GATHER_FIRST = True
+    try:
+        return profile_step(args)
+    finally:
+        scaled.GATHER_FIRST = False
+
+
+def profile_step(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layer, x, grad = make_layer(args, device)
     for _ in range(args.warmup):
@@ -205,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "fuse_grad_accumulation": args.fuse_grad_accumulation,
         "fp8": args.fp8,
         "cache_weights": args.cache_weights,
+        "gather_first": args.gather_first,
         "harness": "float loss" if args.float_loss else "upstream gradient",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "time_kind": "CUDA kernels" if device.type == "cuda" else "CPU operators (self time)",

@@ -461,3 +461,18 @@ def test_step_profile_runs_on_the_cpu(tmp_path, capsys, harness):
     assert sum(result["parts_ms"].values()) == pytest.approx(result["busy_ms"])
     assert sum(k["ms"] for k in result["kernels"].values()) == pytest.approx(result["busy_ms"])
     assert "step" in capsys.readouterr().out
+
+
+def test_step_profile_gather_first_takes_fp8_and_leaves_the_switch_off(tmp_path):
+    pytest.importorskip("megablocks_triton")
+    from megablocks_triton import scaled
+
+    module = _step_profile()
+    with pytest.raises(SystemExit):
+        module.parse_args(["--gather-first"])
+    with use_backend("reference"):
+        result = module.main(
+            ["--shape", "tiny", "--steps", "1", "--warmup", "0", "--fp8", "fp8_rowwise",
+             "--gather-first"]
+        )  # fmt: skip
+    assert result["gather_first"] and not scaled.GATHER_FIRST

@@ -251,14 +251,21 @@ def test_scaled_gmm_providers_reports_the_ranked_provider(tmp_path):
         assert r["ranked"] is not None and r["ranked"].startswith("triton")
 
 
-def test_scaled_gmm_providers_times_gathered_rows(tmp_path):
+def test_scaled_gmm_providers_times_gathered_rows(tmp_path, monkeypatch):
     script = _script("scaled_gmm_providers")
     path = tmp_path / "out.json"
     assert script.main(["--device", "cpu", "--tiny", "--gather", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [(r["tokens"], r["top_k"]) for r in rows] == [(64, 2), (8, 2)]
-    for r in rows:  # the interpreter has no Gluon kernel: the Triton one both ways
+    for r in rows:  # the interpreter has no Gluon kernel: the Triton one every way
         assert r["triton_kernel"] == "triton" and r["triton_us"] > 0 and r["triton_plain_us"] > 0
+        assert not r["gather_first_taken"] and r["gather_first_us"] > 0
+    # The rows copied first where the rule is forced: taken, and their output checked equal.
+    monkeypatch.setattr(script.scaled, "_gathers_first", lambda *a: True)
+    assert script.main(["--device", "cpu", "--tiny", "--gather", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert all(r["gather_first_taken"] and r["gather_first_us"] > 0 for r in rows)
+    assert not script.scaled.GATHER_FIRST  # the switch is left off
 
 
 def test_scaled_gmm_providers_takes_the_blockwise_format(tmp_path):

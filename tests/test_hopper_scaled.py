@@ -9,6 +9,7 @@ uneven and empty groups, rows past the groups, k and n tails, and both output dt
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from device_infos import B200, H200
 from sm90_compile import compile_sm90
+from triton_interpreter import interpreting
 
 triton = pytest.importorskip("triton")
 hopper_scaled = pytest.importorskip("megablocks_triton.hopper_scaled")
@@ -143,6 +145,27 @@ def test_switches_keep_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(S, "WARP_SPECIALIZED", True)
     monkeypatch.setattr(S, "PROMOTE_EVERY", None)  # the measurement-only unpromoted sum
     assert GLUON not in _kernels(H200, **QWEN3_DOWN)
+
+
+GATHER = "megablocks_triton.kernels.permutation._gather_kernel"
+
+
+def test_gather_first_copies_the_rows_for_the_plain_rows_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(S, "GATHER_FIRST", True)
+    # The rows and then their scales gathered into sorted order (each copy after its inverse
+    # permutation), then the plain rows' launches (the Triton fallback recorded, the Gluon one).
+    launches = _launches(H200, "gather", **QWEN3_DOWN)
+    names = [f"{r.kernel.fn.__module__}.{r.kernel.fn.__name__}" for r in launches]
+    assert [n for n in names if n == GATHER] == [GATHER, GATHER]
+    assert names[-2:] == [TRITON, GLUON]
+    assert not launches[-1].kwargs["GATHER"] and launches[-1].kwargs["LOADER_WARPS"] == 1
+    # Where plain rows of the shape keep the Triton kernel, the gathering one reads the tokens
+    # itself: no copy.
+    S._SCALED_PLANS.clear()
+    assert GATHER not in _kernels(H200, "gather", **{**QWEN3_DOWN, "rows": 64 * 128})
+    assert GATHER not in _kernels(B200, "gather", **QWEN3_DOWN)
 
 
 def test_serves_dense_k_major_e4m3_operands_only() -> None:
@@ -488,3 +511,79 @@ def test_blockwise_equals_the_triton_kernel_and_a_float64_loop(
     err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err < 4e-3
     assert (got[covered:] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathered rows copied first (GATHER_FIRST), on the Triton test device
+# ---------------------------------------------------------------------------------------------
+
+#: Where the Triton kernels run: the CPU under the interpreter, or the GPU test device.
+TRITON_DEVICE = torch.device(
+    os.environ.get("MEGABLOCKS_TRITON_TEST_DEVICE", "cpu" if interpreting() else "cuda")
+)
+_RUNNABLE = interpreting() if TRITON_DEVICE.type == "cpu" else torch.cuda.is_available()
+
+
+def _routed(
+    tokens: int, top_k: int, experts: int, k: int, n: int, fmt: str, device: torch.device
+) -> tuple[Any, ...]:
+    """Quantized tokens and expert weights, and sorted routing with expert 1 empty and three
+    sorted rows naming no token (ids past the pairs, and negative)."""
+    gen = torch.Generator().manual_seed(tokens + k)
+    x = torch.randn(tokens, k, generator=gen)
+    w = torch.randn(experts, n, k, generator=gen) / k**0.5
+    choice = torch.randint(0, experts, (tokens * top_k,), generator=gen)
+    choice[choice == 1] = 0
+    ids = torch.sort(choice, stable=True).indices.int()
+    ids[torch.randperm(ids.numel(), generator=gen)[:3]] = torch.tensor(
+        [-1, -7, tokens * top_k], dtype=torch.int32
+    )
+    bins = torch.cumsum(torch.bincount(choice, minlength=experts), 0).int()
+    qx, sx = S.quantize(x, 1, fmt, "e4m3fn")
+    qw, sw = S.quantize(w, 2, fmt, "e4m3fn")
+    return tuple(t.to(device) for t in (qx, sx, qw, sw, ids, bins))
+
+
+@pytest.mark.skipif(not _RUNNABLE, reason=f"triton kernels on {TRITON_DEVICE} cannot run here")
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise"])
+def test_gathered_rows_copied_first_equal_the_gathering_kernel(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Forced wherever it would not be taken (the interpreter's plain rows are the Triton
+    # kernel's, as are these small shapes' on a GPU): the same sums as the gathering kernel, in
+    # the same order, so the same bits; an id naming no token gives a zero row.
+    top_k = 2
+    qx, sx, qw, sw, ids, bins = _routed(40, top_k, 3, 256, 136, fmt, TRITON_DEVICE)
+    named = (ids >= 0) & (ids < ids.numel())
+    short = ids.numel() - 6  # the first rows only, the groups cut there
+    for rows, ends in ((None, bins), (short, bins.clamp(max=short))):
+        args = (qx, sx, qw, sw, ids, ids, ends, top_k, True, rows, fmt, None)
+        want = S.scaled_gather_gmm(*args)
+        monkeypatch.setattr(S, "GATHER_FIRST", True)
+        monkeypatch.setattr(S, "_gathers_first", lambda *a: True)
+        S._SCALED_PLANS.clear()
+        got = S.scaled_gather_gmm(*args)
+        assert all(isinstance(p, S._GatherFirstPlan) for p in S._SCALED_PLANS.values())
+        assert torch.equal(got, want), rows
+        assert (got[~named[: got.shape[0]]] == 0).all()
+        monkeypatch.setattr(S, "GATHER_FIRST", False)
+        S._SCALED_PLANS.clear()
+
+
+@on_hopper
+def test_gathered_rows_copied_first_take_the_gluon_kernel_and_equal_it() -> None:
+    # At a shape whose plain rows take the Gluon kernel (8 experts of about 256 rows), rows
+    # copied first through the plain rows' Gluon kernel equal the gathering Gluon kernel's.
+    qx, sx, qw, sw, ids, bins = _routed(1024, 2, 8, 768, 512, "fp8_rowwise", torch.device("cuda"))
+    args = (qx, sx, qw, sw, ids, ids, bins, 2, True, None, "fp8_rowwise", None)
+    want = S.scaled_gather_gmm(*args)
+    assert isinstance(next(iter(S._SCALED_PLANS.values())), S._WarpSpecializedPlan)
+    S._SCALED_PLANS.clear()
+    S.GATHER_FIRST = True
+    try:
+        got = S.scaled_gather_gmm(*args)
+    finally:
+        S.GATHER_FIRST = False
+    plan = next(iter(S._SCALED_PLANS.values()))
+    assert isinstance(plan, S._GatherFirstPlan) and isinstance(plan.plain, S._WarpSpecializedPlan)
+    assert torch.equal(got, want)

@@ -77,6 +77,13 @@ WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT = 128
 #: gathering loader and the blockwise scales 128 (``megablocks backends compile``, ptxas -v).
 WARP_SPECIALIZED_MAX_BLOCK_E = 256
 WARP_SPECIALIZED_MAX_BLOCK_E_GATHERED_OR_BLOCKWISE = 128
+#: Off until measured against the gathering kernels (benchmarks/scaled_gmm_providers.py
+#: --gather times both): True gathers a scaled_gather_gmm's rows and their scales into sorted
+#: order first and runs the plain rows' kernel on the copy, wherever plain rows of that shape
+#: take the Gluon kernel (:class:`_GatherFirstPlan`). Its operands then come by TMA, where the
+#: gathering loader copies them with its threads, for a write and a read of one byte per
+#: sorted row element.
+GATHER_FIRST = False
 
 
 def fp8_capability(device: DeviceInfo) -> str | None:
@@ -432,6 +439,13 @@ def _scaled_plan(
             _scaled_gmm_kernel, grid, *scalars, descriptors=blocks, B_TMA=True, A_TMA=a_tma, **kw
         )
     triton_plan = _ScaledPlan(shape, out_dtype, plain, tma, reads_a=not gather)
+    if gather_top_k is not None and GATHER_FIRST:
+        first = _gather_first_plan(
+            configs, info, a, a_scale, b, b_scale, trans_b, m, gather_top_k, blockwise,
+            out_dtype, zero_tail, block_e,
+        )  # fmt: skip
+        if first is not None:
+            return first
     hopper = _warp_specialized(info, a, b, trans_b, m, gather, blockwise, out_dtype, block_e)
     if hopper is None:
         return triton_plan
@@ -439,6 +453,94 @@ def _scaled_plan(
         hopper, from_ends, zero_tail, block_e, _num_sms(info), gather_top_k, blockwise,
         triton_plan,
     )  # fmt: skip
+
+
+class _GatherFirstPlan:
+    """Gathered rows copied into sorted order first, then the plain rows' plan on the copy. The
+    copy is :mod:`.permutation`'s gather, which moves bytes as they are: the FP8 rows as float32
+    words (four values each), their scales as rows of their own. An id out of range gives a zero
+    row and zero scales, so its output row is 0 (non-finite weight scales aside, as in the
+    reference's product of a zero row). The plain kernel's sums are the gathering one's, in the
+    same order: the same output bit for bit."""
+
+    __slots__ = ("gather_rows", "gather_scales", "plain")
+
+    def __init__(
+        self,
+        gather_rows: Callable[..., torch.Tensor],
+        gather_scales: Callable[..., torch.Tensor],
+        plain: Callable[..., torch.Tensor],
+    ) -> None:
+        self.gather_rows = gather_rows
+        self.gather_scales = gather_scales
+        self.plain = plain
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        x, b, bins, indices, x_scale, b_scale = tensors
+        words = self.gather_rows(_as_words(x), indices, None, bins)
+        scales = self.gather_scales(x_scale.contiguous(), indices, None, bins)
+        return self.plain(words.view(x.dtype), b, bins, bins, scales, b_scale)
+
+
+def _as_words(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous FP8 rows (k a multiple of 16) as float32 words of their bytes."""
+    x = x.contiguous()
+    if x.storage_offset() % 4:  # a start inside a word: a copy that starts on one
+        x = x.clone()
+    return x.view(torch.float32)
+
+
+def _gather_first_plan(
+    configs: LaunchConfigs,
+    info: DeviceInfo,
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    top_k: int,
+    blockwise: bool,
+    out_dtype: torch.dtype,
+    zero_tail: bool,
+    block_e: int,
+) -> _GatherFirstPlan | None:
+    """The :class:`_GatherFirstPlan` of a gathered call shape where plain rows of its shape take
+    the Gluon kernel (:func:`_gathers_first`), else None."""
+    from .permutation import _gather_plan
+
+    tokens, k = x.shape
+    layout = torch.empty((m, k), dtype=x.dtype, device="meta")  # the copy's
+    if not _gathers_first(info, layout, b, trans_b, m, blockwise, out_dtype, block_e):
+        return None
+    # The plans read shapes, strides and the device (made once per call shape).
+    rows, row_scales = x.new_empty((m, k)), x_scale.new_empty((m, x_scale.shape[1]))
+    plain = _scaled_plan(configs, rows, row_scales, b, b_scale, trans_b, m, None, True, blockwise,
+                         out_dtype, zero_tail)  # fmt: skip
+    n, experts = tokens * top_k, b.shape[0]
+    words = x.new_empty((tokens, k // 4), dtype=torch.float32)
+    return _GatherFirstPlan(
+        _gather_plan(configs, words, n, experts, top_k, False, m),
+        _gather_plan(configs, x_scale.new_empty(x_scale.shape), n, experts, top_k, False, m),
+        plain,
+    )
+
+
+def _gathers_first(
+    info: DeviceInfo,
+    rows: torch.Tensor,
+    b: torch.Tensor,
+    trans_b: bool,
+    m: int,
+    blockwise: bool,
+    out_dtype: torch.dtype,
+    block_e: int,
+) -> bool:
+    """Whether plain rows like ``rows`` take the Gluon kernel (the copy pays only there)."""
+    return (
+        _warp_specialized(info, rows, b, trans_b, m, False, blockwise, out_dtype, block_e)
+        is not None
+    )
 
 
 #: Per call shape and launch policy: the prepared scaled launches.
@@ -465,7 +567,7 @@ def _planned(
         a.shape, a.stride(), a.dtype, a.device, a_scale.shape, a_scale.stride(),
         b.shape, b.stride(), b.dtype, b_scale.shape, b_scale.stride(), sizes_dtype,
         indices_dtype, m, trans_b, gather_top_k, from_ends, format, out_dtype, zero_tail, configs,
-        CONFIG_OVERRIDE, WARP_SPECIALIZED, PROMOTE_EVERY,  # the measurement switches
+        CONFIG_OVERRIDE, WARP_SPECIALIZED, PROMOTE_EVERY, GATHER_FIRST,  # measurement switches
     )  # fmt: skip
     plan = _SCALED_PLANS.get(key)
     if plan is None:
