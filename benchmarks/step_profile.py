@@ -22,7 +22,9 @@ Parts go by kernel name only.
 
 On a GPU the times are the CUDA kernels'; on the CPU (no CUDA) the operators' own CPU time, so
 the script runs anywhere (the CPU figures say little about a GPU). The step time beside it comes
-from CUDA events (or the wall clock) over steps run without the profiler.
+from CUDA events (or the wall clock) over steps run without the profiler; on a GPU, the peak
+of allocated memory over those steps (``peak_allocated_mib``: the layer's parameters, input and
+gradients included) beside it.
 
     python benchmarks/step_profile.py [--shape qwen3] [--glu] [--fuse-grad-accumulation]
         [--fp8 fp8_rowwise [--cache-weights] [--gather-first]] [--tokens N] [--steps 3] [--float-loss]
@@ -215,7 +217,10 @@ def profile_step(args: argparse.Namespace) -> dict[str, Any]:
     layer, x, grad = make_layer(args, device)
     for _ in range(args.warmup):
         step(layer, x, grad)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     timed = step_ms(layer, x, grad, args.steps, device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     kernels = kernel_times(lambda: step(layer, x, grad), args.steps, device)
     parts = summarise(kernels)
     result = {
@@ -230,6 +235,7 @@ def profile_step(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "time_kind": "CUDA kernels" if device.type == "cuda" else "CPU operators (self time)",
         "step_ms": timed,
+        "peak_allocated_mib": peak,
         "busy_ms": sum(parts.values()),
         "parts_ms": parts,
         "kernels": dict(sorted(kernels.items(), key=lambda item: -item[1]["ms"])),
@@ -238,6 +244,7 @@ def profile_step(args: argparse.Namespace) -> dict[str, Any]:
         f"{args.shape} T={x.shape[0]} glu={args.glu} fused accumulation="
         f"{args.fuse_grad_accumulation} on {result['device']}: step {timed:.3f} ms, "
         f"{result['time_kind']} {result['busy_ms']:.3f} ms per step"
+        + ("" if peak is None else f", peak allocated {peak:.0f} MiB")
     )
     for part, ms in parts.items():
         print(f"  {part:<26} {ms:9.3f} ms")

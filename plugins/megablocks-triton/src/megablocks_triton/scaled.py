@@ -10,6 +10,8 @@ into expert-sorted rows of the output dtype, then the 16-bit path's token-major 
 Hopper the rowwise GEMMs of plain and gathered rows take the warp-specialized Gluon kernel of
 :mod:`.hopper_scaled` instead, where :func:`_warp_specialized` says (the arch table's
 ``gluon_scaled_max_k``, enough rows per expert): the same results bit for bit, faster there.
+With :data:`GATHER_FIRST` (off until measured) gathered rows are copied into sorted order first,
+for the plain rows' kernel.
 
 FP8 matrix instructions exist on NVIDIA sm_89+ (OCP e4m3fn) and AMD gfx942 (FNUZ e4m3fnuz) /
 gfx950 (OCP): :func:`fp8_capability` refuses other devices, :func:`scaled_gmm_supports` a data
