@@ -587,3 +587,36 @@ def test_gathered_rows_copied_first_take_the_gluon_kernel_and_equal_it() -> None
     plan = next(iter(S._SCALED_PLANS.values()))
     assert isinstance(plan, S._GatherFirstPlan) and isinstance(plan.plain, S._WarpSpecializedPlan)
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not _RUNNABLE, reason=f"triton kernels on {TRITON_DEVICE} cannot run here")
+def test_an_fp8_layer_step_is_the_same_with_rows_copied_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Through the layer (the up projection's tokens and the down projection's gradient are
+    # gathered rows): forward and backward give the same bits with the copy forced.
+    from megablocks_core import use_backend
+    from megablocks_core.layers import MoEConfig, dMoE
+
+    def step() -> list[torch.Tensor]:
+        config = MoEConfig(64, 48, 4, 2, glu=True, activation="silu", fp8="fp8_rowwise", seed=3)
+        layer = dMoE(config).to(TRITON_DEVICE)
+        x = torch.randn(24, 64, generator=torch.Generator().manual_seed(4)).to(TRITON_DEVICE)
+        x.requires_grad_()
+        S._SCALED_PLANS.clear()
+        with use_backend(scaled_gather_gmm="triton"):
+            out, _ = layer(x)
+            out.square().sum().backward()
+        assert x.grad is not None
+        return [out, x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
+
+    want = step()
+    monkeypatch.setattr(S, "GATHER_FIRST", True)
+    monkeypatch.setattr(S, "_gathers_first", lambda *a: True)
+    got = step()
+    # The forward's up projection and the backward's gradient of the down projection's input.
+    copied = [p for p in S._SCALED_PLANS.values() if isinstance(p, S._GatherFirstPlan)]
+    assert len(copied) == 2
+    assert len(got) == len(want) > 2
+    for mine, theirs in zip(got, want, strict=True):
+        assert torch.equal(mine, theirs)
