@@ -12,10 +12,11 @@ launch path takes it, ``triton_kernel`` says which) is timed beside its Triton k
 
 ``--gather``: the same GEMMs with their rows gathered from the tokens (``scaled_gather_gmm``, as
 an FP8 layer's up projection and the gradient of its down projection run them; softmax-free
-uniform top-k routing of 16384 tokens and an eighth of that): the triton backend's choice
-beside its Triton kernel (torch has no gathering FP8 GEMM), and beside the rows copied into
-sorted order first for the plain rows' kernel (``scaled.GATHER_FIRST``, ``gather_first_*``: the
-copies' time included).
+uniform top-k routing of 16384 tokens and an eighth of that): the gathering kernels
+(``scaled.GATHER_FIRST`` off: the triton backend's choice of them beside its Triton kernel;
+torch has no gathering FP8 GEMM) and the rows copied into sorted order first for the plain
+rows' kernel (``GATHER_FIRST`` on, the rowwise format's default, ``gather_first_*``: the copies'
+time included).
 
 ``--format fp8_blockwise``: the blockwise format instead (no torch peer).
 
@@ -28,9 +29,10 @@ when TRITON_INTERPRET=1; torch's has no CPU kernel, so its columns are empty the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -192,11 +194,26 @@ def run_gathered(
         "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts,
         "format": fmt,
     }  # fmt: skip
-    reference = time_triton_kernels(
-        name, lambda: ops.scaled_gather_gmm(*args), "scaled_gather_gmm", row, flops, timer
-    )
+    with gather_first(False):
+        reference = time_triton_kernels(
+            name, lambda: ops.scaled_gather_gmm(*args), "scaled_gather_gmm", row, flops, timer
+        )
     time_gather_first(name, lambda: ops.scaled_gather_gmm(*args), reference, row, flops, timer)
     return row
+
+
+@contextlib.contextmanager
+def gather_first(on: bool) -> Iterator[None]:
+    """``scaled.GATHER_FIRST`` (and its blockwise switch) set to ``on`` inside, restored after
+    (the plans built under them dropped either way)."""
+    before = scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE
+    scaled.GATHER_FIRST = scaled.GATHER_FIRST_BLOCKWISE = on
+    scaled._SCALED_PLANS.clear()
+    try:
+        yield
+    finally:
+        scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE = before
+        scaled._SCALED_PLANS.clear()
 
 
 def time_gather_first(
@@ -211,20 +228,14 @@ def time_gather_first(
     the rows first (``gather_first_taken``: where plain rows of the shape take the Gluon
     kernel), its output checked equal to ``reference``, µs and TFLOP/s (copies included) and
     the speedup over the call without it (``triton_us``)."""
-    scaled.GATHER_FIRST = True
-    try:
-        with megablocks_core.use_backend(scaled_gather_gmm="triton"):
-            scaled._SCALED_PLANS.clear()
-            got = op()
-            row["gather_first_taken"] = any(
-                isinstance(p, scaled._GatherFirstPlan) for p in scaled._SCALED_PLANS.values()
-            )
-            if not torch.equal(got, reference):
-                raise SystemExit(f"{name}: the rows copied first give another output")
-            row["gather_first_us"] = timer(op)
-    finally:
-        scaled.GATHER_FIRST = False
-        scaled._SCALED_PLANS.clear()
+    with gather_first(True), megablocks_core.use_backend(scaled_gather_gmm="triton"):
+        got = op()
+        row["gather_first_taken"] = any(
+            isinstance(p, scaled._GatherFirstPlan) for p in scaled._SCALED_PLANS.values()
+        )
+        if not torch.equal(got, reference):
+            raise SystemExit(f"{name}: the rows copied first give another output")
+        row["gather_first_us"] = timer(op)
     row["gather_first_tflops"] = flops / row["gather_first_us"] / 1e6
     row["gather_first_speedup"] = row["triton_us"] / row["gather_first_us"]
 

@@ -27,7 +27,7 @@ of allocated memory over those steps (``peak_allocated_mib``: the layer's parame
 gradients included) beside it.
 
     python benchmarks/step_profile.py [--shape qwen3] [--glu] [--fuse-grad-accumulation]
-        [--fp8 fp8_rowwise [--cache-weights] [--gather-first]] [--tokens N] [--steps 3] [--float-loss]
+        [--fp8 fp8_rowwise [--cache-weights] [--gather-first on|off]] [--tokens N] [--steps 3] [--float-loss]
         [--json PATH]
 """
 
@@ -178,9 +178,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--gather-first",
-        action="store_true",
-        help="with --fp8: the triton backend's scaled.GATHER_FIRST on (gathered rows copied "
-        "first, for the plain rows' kernel; the copies are filed under permutation)",
+        choices=("on", "off"),
+        default=None,
+        help="with --fp8: the triton backend's scaled.GATHER_FIRST and its blockwise switch "
+        "(default: its own, on for rowwise): "
+        "gathered rows copied first, for the plain rows' kernel (the copies are filed under "
+        "permutation), or the gathering kernels",
     )
     parser.add_argument(
         "--float-loss",
@@ -194,22 +197,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
-    if args.gather_first and args.fp8 is None:
+    if args.gather_first is not None and args.fp8 is None:
         parser.error("--gather-first takes --fp8")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if not args.gather_first:
+    if args.gather_first is None:
         return profile_step(args)
     from megablocks_triton import scaled
 
-    scaled.GATHER_FIRST = True
+    before = scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE
+    scaled.GATHER_FIRST = scaled.GATHER_FIRST_BLOCKWISE = args.gather_first == "on"
+    scaled._SCALED_PLANS.clear()
     try:
         return profile_step(args)
     finally:
-        scaled.GATHER_FIRST = False
+        scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE = before
+        scaled._SCALED_PLANS.clear()
+
+
+def gather_first_setting(fmt: str) -> bool | None:
+    """Whether the triton backend copies gathered rows of ``fmt`` first during the step
+    (scaled.GATHER_FIRST, and its blockwise switch; None without that backend)."""
+    try:
+        from megablocks_triton import scaled
+    except ImportError:
+        return None
+    return bool(scaled.GATHER_FIRST and (fmt == "fp8_rowwise" or scaled.GATHER_FIRST_BLOCKWISE))
 
 
 def profile_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -230,7 +246,7 @@ def profile_step(args: argparse.Namespace) -> dict[str, Any]:
         "fuse_grad_accumulation": args.fuse_grad_accumulation,
         "fp8": args.fp8,
         "cache_weights": args.cache_weights,
-        "gather_first": args.gather_first,
+        "gather_first": gather_first_setting(args.fp8) if args.fp8 else None,
         "harness": "float loss" if args.float_loss else "upstream gradient",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "time_kind": "CUDA kernels" if device.type == "cuda" else "CPU operators (self time)",

@@ -463,16 +463,18 @@ def test_step_profile_runs_on_the_cpu(tmp_path, capsys, harness):
     assert "step" in capsys.readouterr().out
 
 
-def test_step_profile_gather_first_takes_fp8_and_leaves_the_switch_off(tmp_path):
+def test_step_profile_gather_first_takes_fp8_and_restores_the_switch():
     pytest.importorskip("megablocks_triton")
     from megablocks_triton import scaled
 
     module = _step_profile()
     with pytest.raises(SystemExit):
-        module.parse_args(["--gather-first"])
-    with use_backend("reference"):
-        result = module.main(
-            ["--shape", "tiny", "--steps", "1", "--warmup", "0", "--fp8", "fp8_rowwise",
-             "--gather-first"]
-        )  # fmt: skip
-    assert result["gather_first"] and not scaled.GATHER_FIRST
+        module.parse_args(["--gather-first", "on"])
+    with pytest.raises(SystemExit):
+        module.parse_args(["--fp8", "fp8_rowwise", "--gather-first"])
+    default = scaled.GATHER_FIRST
+    for setting, expected in ((None, default), ("on", True), ("off", False)):
+        argv = ["--shape", "tiny", "--steps", "1", "--warmup", "0", "--fp8", "fp8_rowwise"]
+        with use_backend("reference"):
+            result = module.main(argv + (["--gather-first", setting] if setting else []))
+        assert result["gather_first"] is expected and scaled.GATHER_FIRST is default

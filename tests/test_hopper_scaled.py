@@ -85,7 +85,9 @@ TRITON = "megablocks_triton.kernels.scaled._scaled_gmm_kernel"
 QWEN3_DOWN = {"rows": 128 * 1024, "k": 768, "n": 2048, "experts": 128}
 
 
-def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel() -> None:
+def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Recorded for the compile gate, the Triton kernel too: the launch operands whose bases the
     # Gluon kernel's descriptors cannot take fall back to (plain rows: no descriptor at all).
     assert _kernels(H200, **QWEN3_DOWN) == [TRITON, GLUON]
@@ -93,7 +95,8 @@ def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel() -> None:
     assert not fallback.kwargs["B_TMA"] and not fallback.kwargs.get("A_TMA", False)
     # The layer's down projection: the Gluon GEMM, then the 16-bit scatter.
     assert _kernels(H200, "scatter", **QWEN3_DOWN)[1] == GLUON
-    # Its up projection: the tokens gathered by the loader's threads.
+    # Its up projection, the rows not copied first: the tokens gathered by the loader's threads.
+    monkeypatch.setattr(S, "GATHER_FIRST", False)
     fallback, launch = _launches(H200, "gather", **QWEN3_DOWN)
     assert launch.kwargs["GATHER"] and launch.kwargs["LOADER_WARPS"] == 4
     assert fallback.kwargs["B_TMA"]  # only the tokens misaligned: b still through TMA
@@ -104,11 +107,12 @@ def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel() -> None:
     assert _kernels(H200, **{**QWEN3_DOWN, "experts": 256})[1] == GLUON
 
 
-def test_its_launches_take_the_cached_launch_path() -> None:
+def test_its_launches_take_the_cached_launch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every argument of the Gluon kernel's launches has a launch-cache key (Gluon descriptors
     # included): else each call would go through Triton's generic path, slower than a small GEMM.
     from megablocks_triton.launch import _key
 
+    monkeypatch.setattr(S, "GATHER_FIRST", False)  # the gathering kernel's launch too
     for call in ("gmm", "gather"):
         _, launch = _launches(H200, call, **QWEN3_DOWN)
         assert launch.kernel.fn.__module__.endswith("hopper_scaled")
@@ -132,8 +136,9 @@ def test_its_launches_take_the_cached_launch_path() -> None:
     ],
 )
 def test_other_calls_keep_the_triton_kernel(
-    why: str, device: object, call: str, shape: dict[str, int]
+    why: str, device: object, call: str, shape: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(S, "GATHER_FIRST", False)  # gathered rows: the gathering kernels' rule
     kernels = _kernels(device, call, **shape)
     assert kernels and GLUON not in kernels, why
 
@@ -150,17 +155,27 @@ def test_switches_keep_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> Non
 GATHER = "megablocks_triton.kernels.permutation._gather_kernel"
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [QWEN3_DOWN, {**QWEN3_DOWN, "experts": 256}, {**QWEN3_DOWN, "blockwise": 1}],
+    ids=["qwen3", "256 experts", "blockwise"],
+)
 def test_gather_first_copies_the_rows_for_the_plain_rows_kernel(
-    monkeypatch: pytest.MonkeyPatch,
+    shape: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(S, "GATHER_FIRST", True)
+    assert S.GATHER_FIRST  # the default
+    if shape.get("blockwise"):  # off by default for the blockwise format
+        assert GATHER not in _kernels(H200, "gather", **shape)
+        S._SCALED_PLANS.clear()
+        monkeypatch.setattr(S, "GATHER_FIRST_BLOCKWISE", True)
     # The rows and then their scales gathered into sorted order (each copy after its inverse
     # permutation), then the plain rows' launches (the Triton fallback recorded, the Gluon one).
-    launches = _launches(H200, "gather", **QWEN3_DOWN)
+    launches = _launches(H200, "gather", **shape)
     names = [f"{r.kernel.fn.__module__}.{r.kernel.fn.__name__}" for r in launches]
     assert [n for n in names if n == GATHER] == [GATHER, GATHER]
     assert names[-2:] == [TRITON, GLUON]
     assert not launches[-1].kwargs["GATHER"] and launches[-1].kwargs["LOADER_WARPS"] == 1
+    assert launches[-1].kwargs["BLOCKWISE"] == bool(shape.get("blockwise"))
     # Where plain rows of the shape keep the Triton kernel, the gathering one reads the tokens
     # itself: no copy.
     S._SCALED_PLANS.clear()
@@ -356,7 +371,8 @@ def test_the_ops_take_it_and_equal_the_triton_kernel(monkeypatch: pytest.MonkeyP
     # Through the op functions, at a shape the table gives the Gluon kernel: 16 experts of about
     # 200 rows (uneven, one empty), k 768, n 512: plain rows in float16, the scatter's products,
     # and the tokens gathered by int64 ids (one naming no token) into more rows than the groups
-    # hold (zeros past them).
+    # hold (zeros past them) by the gathering Gluon kernel (not copied first).
+    monkeypatch.setattr(S, "GATHER_FIRST", False)
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes_list = [int(v) for v in torch.randint(100, 300, (16,), generator=gen, device="cuda")]
     sizes_list[5] = 0
@@ -530,8 +546,8 @@ def _routed(
     """Quantized tokens and expert weights, and sorted routing with expert 1 empty and three
     sorted rows naming no token (ids past the pairs, and negative)."""
     gen = torch.Generator().manual_seed(tokens + k)
-    x = torch.randn(tokens, k, generator=gen)
-    w = torch.randn(experts, n, k, generator=gen) / k**0.5
+    x = torch.randn(tokens, k, generator=gen).to(device)
+    w = (torch.randn(experts, n, k, generator=gen) / k**0.5).to(device)
     choice = torch.randint(0, experts, (tokens * top_k,), generator=gen)
     choice[choice == 1] = 0
     ids = torch.sort(choice, stable=True).indices.int()
@@ -558,6 +574,7 @@ def test_gathered_rows_copied_first_equal_the_gathering_kernel(
     short = ids.numel() - 6  # the first rows only, the groups cut there
     for rows, ends in ((None, bins), (short, bins.clamp(max=short))):
         args = (qx, sx, qw, sw, ids, ids, ends, top_k, True, rows, fmt, None)
+        monkeypatch.setattr(S, "GATHER_FIRST", False)
         want = S.scaled_gather_gmm(*args)
         monkeypatch.setattr(S, "GATHER_FIRST", True)
         monkeypatch.setattr(S, "_gathers_first", lambda *a: True)
@@ -566,26 +583,28 @@ def test_gathered_rows_copied_first_equal_the_gathering_kernel(
         assert all(isinstance(p, S._GatherFirstPlan) for p in S._SCALED_PLANS.values())
         assert torch.equal(got, want), rows
         assert (got[~named[: got.shape[0]]] == 0).all()
-        monkeypatch.setattr(S, "GATHER_FIRST", False)
+        monkeypatch.undo()
         S._SCALED_PLANS.clear()
 
 
 @on_hopper
-def test_gathered_rows_copied_first_take_the_gluon_kernel_and_equal_it() -> None:
+def test_gathered_rows_copied_first_take_the_gluon_kernel_and_equal_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # At a shape whose plain rows take the Gluon kernel (8 experts of about 256 rows), rows
-    # copied first through the plain rows' Gluon kernel equal the gathering Gluon kernel's.
+    # copied first (the default) through the plain rows' Gluon kernel equal the gathering
+    # Gluon kernel's.
+    assert S.GATHER_FIRST
     qx, sx, qw, sw, ids, bins = _routed(1024, 2, 8, 768, 512, "fp8_rowwise", torch.device("cuda"))
     args = (qx, sx, qw, sw, ids, ids, bins, 2, True, None, "fp8_rowwise", None)
-    want = S.scaled_gather_gmm(*args)
-    assert isinstance(next(iter(S._SCALED_PLANS.values())), S._WarpSpecializedPlan)
     S._SCALED_PLANS.clear()
-    S.GATHER_FIRST = True
-    try:
-        got = S.scaled_gather_gmm(*args)
-    finally:
-        S.GATHER_FIRST = False
+    got = S.scaled_gather_gmm(*args)
     plan = next(iter(S._SCALED_PLANS.values()))
     assert isinstance(plan, S._GatherFirstPlan) and isinstance(plan.plain, S._WarpSpecializedPlan)
+    monkeypatch.setattr(S, "GATHER_FIRST", False)
+    S._SCALED_PLANS.clear()
+    want = S.scaled_gather_gmm(*args)
+    assert isinstance(next(iter(S._SCALED_PLANS.values())), S._WarpSpecializedPlan)
     assert torch.equal(got, want)
 
 
@@ -610,6 +629,7 @@ def test_an_fp8_layer_step_is_the_same_with_rows_copied_first(
         assert x.grad is not None
         return [out, x.grad, *(p.grad for p in layer.parameters() if p.grad is not None)]
 
+    monkeypatch.setattr(S, "GATHER_FIRST", False)
     want = step()
     monkeypatch.setattr(S, "GATHER_FIRST", True)
     monkeypatch.setattr(S, "_gathers_first", lambda *a: True)

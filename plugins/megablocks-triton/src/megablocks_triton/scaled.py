@@ -10,8 +10,8 @@ into expert-sorted rows of the output dtype, then the 16-bit path's token-major 
 Hopper the rowwise GEMMs of plain and gathered rows take the warp-specialized Gluon kernel of
 :mod:`.hopper_scaled` instead, where :func:`_warp_specialized` says (the arch table's
 ``gluon_scaled_max_k``, enough rows per expert): the same results bit for bit, faster there.
-With :data:`GATHER_FIRST` (off until measured) gathered rows are copied into sorted order first,
-for the plain rows' kernel.
+Gathered rows are copied into sorted order first, for the plain rows' kernel, where that kernel
+is the Gluon one (:data:`GATHER_FIRST`).
 
 FP8 matrix instructions exist on NVIDIA sm_89+ (OCP e4m3fn) and AMD gfx942 (FNUZ e4m3fnuz) /
 gfx950 (OCP): :func:`fp8_capability` refuses other devices, :func:`scaled_gmm_supports` a data
@@ -79,13 +79,18 @@ WARP_SPECIALIZED_MIN_ROWS_PER_EXPERT = 128
 #: gathering loader and the blockwise scales 128 (``megablocks backends compile``, ptxas -v).
 WARP_SPECIALIZED_MAX_BLOCK_E = 256
 WARP_SPECIALIZED_MAX_BLOCK_E_GATHERED_OR_BLOCKWISE = 128
-#: Off until measured against the gathering kernels (benchmarks/scaled_gmm_providers.py
-#: --gather times both): True gathers a scaled_gather_gmm's rows and their scales into sorted
-#: order first and runs the plain rows' kernel on the copy, wherever plain rows of that shape
-#: take the Gluon kernel (:class:`_GatherFirstPlan`). Its operands then come by TMA, where the
-#: gathering loader copies them with its threads, for a write and a read of one byte per
-#: sorted row element.
-GATHER_FIRST = False
+#: True gathers a scaled_gather_gmm's rows and their scales into sorted order first and runs
+#: the plain rows' kernel on the copy, wherever plain rows of that shape take the Gluon kernel
+#: (:class:`_GatherFirstPlan`): its operands then come by TMA, where the gathering loader copies
+#: them with its threads, for a write and a read of one byte per sorted row element. On the
+#: H200 (docs/performance.md, benchmarks/scaled_gmm_providers.py --gather): 1.28-1.66x the
+#: gathering kernels at 16384 tokens (Qwen3's two GEMMs, DeepSeek-V3's down projection); at
+#: 2048, 1.37x at Qwen3's down projection and 0.93x at its up. False keeps the gathering
+#: kernels (the same output bit for bit).
+GATHER_FIRST = True
+#: The blockwise format's gathered rows copied first too (into the plain rows' blockwise Gluon
+#: kernel, where they take the Triton kernel without): off until measured.
+GATHER_FIRST_BLOCKWISE = False
 
 
 def fp8_capability(device: DeviceInfo) -> str | None:
@@ -538,7 +543,10 @@ def _gathers_first(
     out_dtype: torch.dtype,
     block_e: int,
 ) -> bool:
-    """Whether plain rows like ``rows`` take the Gluon kernel (the copy pays only there)."""
+    """Whether plain rows like ``rows`` take the Gluon kernel (the copy pays only there; for
+    the blockwise format, with :data:`GATHER_FIRST_BLOCKWISE`)."""
+    if blockwise and not GATHER_FIRST_BLOCKWISE:
+        return False
     return (
         _warp_specialized(info, rows, b, trans_b, m, False, blockwise, out_dtype, block_e)
         is not None
@@ -570,6 +578,7 @@ def _planned(
         b.shape, b.stride(), b.dtype, b_scale.shape, b_scale.stride(), sizes_dtype,
         indices_dtype, m, trans_b, gather_top_k, from_ends, format, out_dtype, zero_tail, configs,
         CONFIG_OVERRIDE, WARP_SPECIALIZED, PROMOTE_EVERY, GATHER_FIRST,  # measurement switches
+        GATHER_FIRST_BLOCKWISE,
     )  # fmt: skip
     plan = _SCALED_PLANS.get(key)
     if plan is None:
