@@ -29,10 +29,9 @@ when TRITON_INTERPRET=1; torch's has no CPU kernel, so its columns are empty the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -194,26 +193,12 @@ def run_gathered(
         "gemm": name, "tokens": tokens, "top_k": top_k, "rows_per_expert": tokens * top_k // experts,
         "format": fmt,
     }  # fmt: skip
-    with gather_first(False):
+    with scaled.gather_first(False):
         reference = time_triton_kernels(
             name, lambda: ops.scaled_gather_gmm(*args), "scaled_gather_gmm", row, flops, timer
         )
     time_gather_first(name, lambda: ops.scaled_gather_gmm(*args), reference, row, flops, timer)
     return row
-
-
-@contextlib.contextmanager
-def gather_first(on: bool) -> Iterator[None]:
-    """``scaled.GATHER_FIRST`` (and its blockwise switch) set to ``on`` inside, restored after
-    (the plans built under them dropped either way)."""
-    before = scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE
-    scaled.GATHER_FIRST = scaled.GATHER_FIRST_BLOCKWISE = on
-    scaled._SCALED_PLANS.clear()
-    try:
-        yield
-    finally:
-        scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE = before
-        scaled._SCALED_PLANS.clear()
 
 
 def time_gather_first(
@@ -228,7 +213,7 @@ def time_gather_first(
     the rows first (``gather_first_taken``: where plain rows of the shape take the Gluon
     kernel), its output checked equal to ``reference``, µs and TFLOP/s (copies included) and
     the speedup over the call without it (``triton_us``)."""
-    with gather_first(True), megablocks_core.use_backend(scaled_gather_gmm="triton"):
+    with scaled.gather_first(True), megablocks_core.use_backend(scaled_gather_gmm="triton"):
         got = op()
         row["gather_first_taken"] = any(
             isinstance(p, scaled._GatherFirstPlan) for p in scaled._SCALED_PLANS.values()

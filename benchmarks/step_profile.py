@@ -208,14 +208,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return profile_step(args)
     from megablocks_triton import scaled
 
-    before = scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE
-    scaled.GATHER_FIRST = scaled.GATHER_FIRST_BLOCKWISE = args.gather_first == "on"
-    scaled._SCALED_PLANS.clear()
-    try:
+    with scaled.gather_first(args.gather_first == "on"):
         return profile_step(args)
-    finally:
-        scaled.GATHER_FIRST, scaled.GATHER_FIRST_BLOCKWISE = before
-        scaled._SCALED_PLANS.clear()
 
 
 def gather_first_setting(fmt: str) -> bool | None:
@@ -225,7 +219,7 @@ def gather_first_setting(fmt: str) -> bool | None:
         from megablocks_triton import scaled
     except ImportError:
         return None
-    return bool(scaled.GATHER_FIRST and (fmt == "fp8_rowwise" or scaled.GATHER_FIRST_BLOCKWISE))
+    return scaled.copies_gathered_rows_first(fmt == "fp8_blockwise")
 
 
 def profile_step(args: argparse.Namespace) -> dict[str, Any]:

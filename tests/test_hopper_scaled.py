@@ -577,6 +577,7 @@ def test_gathered_rows_copied_first_equal_the_gathering_kernel(
         monkeypatch.setattr(S, "GATHER_FIRST", False)
         want = S.scaled_gather_gmm(*args)
         monkeypatch.setattr(S, "GATHER_FIRST", True)
+        monkeypatch.setattr(S, "GATHER_FIRST_BLOCKWISE", True)
         monkeypatch.setattr(S, "_gathers_first", lambda *a: True)
         S._SCALED_PLANS.clear()
         got = S.scaled_gather_gmm(*args)

@@ -20,8 +20,9 @@ encoding the device's matrix units do not take.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -91,6 +92,28 @@ GATHER_FIRST = True
 #: The blockwise format's gathered rows copied first too (into the plain rows' blockwise Gluon
 #: kernel, where they take the Triton kernel without): off until measured.
 GATHER_FIRST_BLOCKWISE = False
+
+
+def copies_gathered_rows_first(blockwise: bool) -> bool:
+    """Whether the switches copy gathered rows of the rowwise (or blockwise) format first,
+    where plain rows of the call's shape take the Gluon kernel (:func:`_gathers_first`)."""
+    return GATHER_FIRST and (GATHER_FIRST_BLOCKWISE or not blockwise)
+
+
+@contextlib.contextmanager
+def gather_first(on: bool) -> Iterator[None]:
+    """For measurements: :data:`GATHER_FIRST` and :data:`GATHER_FIRST_BLOCKWISE` set to ``on``
+    inside, restored after; the plans are dropped on entry and exit, so the ones inside are
+    this setting's only."""
+    global GATHER_FIRST, GATHER_FIRST_BLOCKWISE
+    before = GATHER_FIRST, GATHER_FIRST_BLOCKWISE
+    GATHER_FIRST = GATHER_FIRST_BLOCKWISE = on
+    _SCALED_PLANS.clear()
+    try:
+        yield
+    finally:
+        GATHER_FIRST, GATHER_FIRST_BLOCKWISE = before
+        _SCALED_PLANS.clear()
 
 
 def fp8_capability(device: DeviceInfo) -> str | None:
@@ -446,7 +469,7 @@ def _scaled_plan(
             _scaled_gmm_kernel, grid, *scalars, descriptors=blocks, B_TMA=True, A_TMA=a_tma, **kw
         )
     triton_plan = _ScaledPlan(shape, out_dtype, plain, tma, reads_a=not gather)
-    if gather_top_k is not None and GATHER_FIRST:
+    if gather_top_k is not None and copies_gathered_rows_first(blockwise):
         first = _gather_first_plan(
             configs, info, a, a_scale, b, b_scale, trans_b, m, gather_top_k, blockwise,
             out_dtype, zero_tail, block_e,
@@ -543,10 +566,7 @@ def _gathers_first(
     out_dtype: torch.dtype,
     block_e: int,
 ) -> bool:
-    """Whether plain rows like ``rows`` take the Gluon kernel (the copy pays only there; for
-    the blockwise format, with :data:`GATHER_FIRST_BLOCKWISE`)."""
-    if blockwise and not GATHER_FIRST_BLOCKWISE:
-        return False
+    """Whether plain rows like ``rows`` take the Gluon kernel (the copy pays only there)."""
     return (
         _warp_specialized(info, rows, b, trans_b, m, False, blockwise, out_dtype, block_e)
         is not None
