@@ -212,12 +212,15 @@ def measure(
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """Median, min, max and quartiles of one figure over the runs, and each run's value."""
     ordered = sorted(values)
+    median = statistics.median(ordered)
     if len(ordered) > 1:
         q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+        # the interpolation can land one ulp outside its neighbours when runs tie
+        q1, q3 = min(max(q1, ordered[0]), median), max(min(q3, ordered[-1]), median)
     else:
         q1 = q3 = ordered[0]
     return {
-        "median": statistics.median(ordered),
+        "median": median,
         "min": ordered[0],
         "max": ordered[-1],
         "q1": q1,

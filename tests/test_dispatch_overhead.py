@@ -46,6 +46,18 @@ def test_kernel_args_follow_the_contract(contract: contracts.OpContract) -> None
             assert value is given.get(arg.name, defaults[arg.name]), arg.name
 
 
+@pytest.mark.parametrize(
+    "runs",
+    [[0.9872592010330129, 0.987259201033013], [0.6787239593088918, 0.678723959308892], [2.0]],
+)
+def test_the_spread_stays_ordered_when_runs_differ_by_an_ulp(runs: list[float]) -> None:
+    """Quartiles interpolated between runs one ulp apart can round past the median; the
+    reported spread is still ordered and within the runs."""
+    stats = _benchmark().spread(runs)
+    assert stats["min"] <= stats["q1"] <= stats["median"] <= stats["q3"] <= stats["max"]
+    assert stats["min"] == min(runs) and stats["max"] == max(runs)
+
+
 def test_a_short_cpu_run_reports_each_op_with_its_spread() -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--json", "--calls", "3", "--samples", "2", "--repeats", "2"],
