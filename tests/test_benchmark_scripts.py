@@ -296,3 +296,36 @@ def test_fp8_wgrad_quantizes_each_experts_rows_and_checks_the_bf16_gradient(tmp_
     assert [r["gemm"] for r in rows] == ["w1 wgrad", "w2 wgrad"]
     for r in rows:  # no FP8 grouped GEMM on the CPU: the bf16 GEMM and the quantize passes
         assert r["bf16_error"] < 1e-2 and r["quantize_us"] > 0 and "torch_fp8_us" not in r
+
+
+def test_fp8_loss_gap_reports_each_run_against_the_same_seeds_bf16(tmp_path):
+    script = _script("fp8_loss_gap")
+    path = tmp_path / "out.json"
+    assert script.main(["--seeds", "5,6", "--steps", "2", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert [r["seed"] for r in result["rows"]] == [5, 6]
+    runs = ["bf16+ulp", "float32", "fp8_rowwise", "fp8_blockwise"]
+    with megablocks_core.use_backend("reference"):
+        for row in result["rows"]:
+            assert list(row["gap_pct"]) == runs
+            assert row["bf16_loss"] == script.final_loss("bf16", row["seed"], 2)
+            rowwise = script.final_loss("fp8_rowwise", row["seed"], 2)
+            assert row["gap_pct"]["fp8_rowwise"] == pytest.approx(
+                100 * (rowwise / row["bf16_loss"] - 1)
+            )
+            # the perturbed start is another start, and FP8 is not bf16
+            assert row["gap_pct"]["bf16+ulp"] != 0 and row["gap_pct"]["fp8_rowwise"] != 0
+    for run in runs:
+        gaps = [r["gap_pct"][run] for r in result["rows"]]
+        stats = result["summary"][run]
+        assert stats["mean_pct"] == pytest.approx(sum(gaps) / 2) and stats["max_pct"] == max(gaps)
+        assert stats["over_1pct"] == sum(g > 1 for g in gaps) and stats["seeds"] == 2
+    layer = script.dMoE(script.MoEConfig(32, 64, 8, 2, glu=True, dtype=torch.bfloat16, seed=5))
+    before = [p.detach().clone() for p in layer.parameters()]
+    script._move_one_ulp(layer, 5)
+    for old, new in zip(before, layer.parameters(), strict=True):
+        moved = old != new
+        assert 0.05 < moved.float().mean() < 0.15  # about one in ten
+        assert torch.all(
+            (new[moved].float() - old[moved].float()).abs() <= old[moved].float().abs() * 2**-7
+        )
