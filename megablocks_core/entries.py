@@ -33,7 +33,7 @@ import torch
 from . import autograd, library, validation
 from .calls import ENTRIES, call
 from .contracts import ALL
-from .dispatch import Selected, new_cache, resolve
+from .dispatch import SHAPE_CACHE_LIMIT, Selected, new_cache, resolve
 from .policy import Policy, context_policy, current_policy, overrides
 from .ranking import NoKernelError
 from .schema import (
@@ -43,6 +43,7 @@ from .schema import (
     FloatArg,
     IntArg,
     OpContract,
+    SequenceArg,
     TensorArg,
     is_option,
 )
@@ -63,6 +64,8 @@ def call_key_source(op: OpContract) -> str:
             items.append(f"{n} if {n} is None else ({n}.dtype, {n}.shape, {n}.device)")
         elif isinstance(spec, TensorArg):
             items += [f"{n}.dtype", f"{n}.shape", f"{n}.device"]
+        elif isinstance(spec, SequenceArg):  # a list too (unhashable as it is)
+            items.append(f"tuple({n})")
         else:
             items.append(n)
     return ", ".join(items)
@@ -91,6 +94,9 @@ def fast_check_source(op: OpContract) -> str:
             parts.append(f"({n} is None or (type({n}) is str and {n} in {spec.choices!r}))")
         elif isinstance(spec, FloatArg):  # an int or numpy float is converted by validation
             parts.append(f"({spec.name} is None or type({spec.name}) is float)")
+        elif isinstance(spec, SequenceArg):  # its key holds the values, not their types
+            n = spec.name
+            parts.append(f"(type({n}) in (list, tuple) and all(type(v) is int for v in {n}))")
     for rule in op.rules:
         if isinstance(rule.checked, str):
             parts.append(f"({rule.checked}.device.type != 'cpu' or ({rule.expr}))")
@@ -244,6 +250,52 @@ def _build_entry(contract: OpContract) -> Callable[..., Any]:
     entry.__qualname__ = entry.__name__ = contract.name
     entry.__doc__ = contract.summary
     return entry
+
+
+def _validator_source(contract: OpContract) -> str:
+    params = ", ".join(contract.arg_names)
+    return (
+        f"def validate_{contract.name}(args):\n"
+        f"    if _overrides.checked or len(args) != {len(contract.args)}:\n"
+        f"        return _validation.validate(_contract, args, _overrides.checked)\n"
+        f"    {params}, = args\n"
+        f"    try:\n"
+        f"        key = ({call_key_source(contract)},)\n"
+        f"        seen = key in _seen\n"
+        f"    except (AttributeError, TypeError):  # not a tensor, or unhashable\n"
+        f"        key, seen = None, False\n"
+        f"    if seen and ({fast_check_source(contract)}):\n"
+        f"        return args\n"
+        f"    args = _validation.validate(_contract, args, False)\n"
+        f"    if key is not None:\n"
+        f"        if len(_seen) >= _limit:\n"
+        f"            _seen.clear()\n"
+        f"        _seen.add(key)\n"
+        f"    return args\n"
+    )
+
+
+def validator(contract: OpContract) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """A function that validates ``contract``'s kernel-order arguments as its entry does, for
+    code that calls the op's contract without its entry (the FP8 functions): a call key already
+    accepted is valid after the fast checks (:func:`fast_check_source`), any other call is
+    validated fully (:func:`megablocks_core.validation.validate`; in checked mode always,
+    data rules included). Returns the arguments as validation returns them."""
+    scope: dict[str, Any] = {
+        **RULE_HELPERS,
+        "_contract": contract,
+        "_seen": set(),
+        "_limit": SHAPE_CACHE_LIMIT,
+        "_overrides": overrides,
+        "_validation": validation,  # looked up per call: tests count its validate calls
+    }
+    source = _validator_source(contract)
+    filename = f"<megablocks_core.entries validate_{contract.name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(compile(source, filename, "exec"), scope)
+    check: Callable[[tuple[Any, ...]], tuple[Any, ...]] = scope[f"validate_{contract.name}"]
+    check.__source__ = source  # type: ignore[attr-defined]
+    return check
 
 
 # ENTRIES (megablocks_core.calls): op name → entry function taking the kernel-order arguments.

@@ -34,12 +34,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from . import autograd, library, validation
+from . import autograd, library
 from .activations import activate_with
 from .calls import call
 from .contracts import BY_NAME
+from .entries import validator
 from .formats import ENCODINGS, FORMAT_NAMES
-from .policy import current_policy, overrides
+from .policy import current_policy
 from .schema import OpContract
 
 #: A 16/32-bit dtype -> the scaled ops' out_dtype name (float64 data: computed in float32).
@@ -271,6 +272,9 @@ _GEMMS: dict[str, Callable[..., Tensor]] = {
     "gather_gmm": _gather_gmm,
     "gmm_scatter": _gmm_scatter,
 }
+#: Each function's validation as its op's entry does it: a call shape accepted once is checked
+#: again only for what its key cannot vouch for.
+_VALIDATORS = {name: validator(BY_NAME[name]) for name in _GEMMS}
 
 
 def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
@@ -282,7 +286,7 @@ def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
         compiled = getattr(torch.ops.megablocks, _COMPILED_PREFIX + name)
         return compiled(resolved.format, resolved.encoding, resolved.backward, *args)
     contract = BY_NAME[name]
-    args = validation.validate(contract, args, overrides.checked)
+    args = _VALIDATORS[name](args)
     forward = _ScaledCall(resolved, in_backward=False)
     bound = contract.bind(args)
     wants_grad = torch.is_grad_enabled() and any(

@@ -14,10 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from . import contracts, validation
-from .dispatch import SHAPE_CACHE_LIMIT
-from .entries import ENTRIES
-from .policy import overrides
+from . import contracts
+from .entries import ENTRIES, validator
 
 _sort = ENTRIES["sort"]
 _histogram = ENTRIES["histogram"]
@@ -316,42 +314,16 @@ def scaled_gmm_scatter(
 # --- composite ops: plain torch on every device ------------------------------------
 
 
-#: Call keys each composite op has validated. Their rules read only dtypes, shapes, devices and
-#: the int/sequence arguments (never data), so a repeated call shape skips validation (~30 µs of
-#: host time), as the dispatched ops' entries do; bounded like their caches.
-_validated: dict[str, set[tuple[object, ...]]] = {}
-
-
-def _key_item(arg: object) -> object:
-    if isinstance(arg, Tensor):
-        return (arg.dtype, arg.shape, arg.device)
-    if isinstance(arg, list | tuple):  # exact types: validation tells 2 from numpy.int64(2)
-        return (type(arg), tuple(_scalar_key(a) for a in arg))
-    return _scalar_key(arg)
-
-
-def _scalar_key(value: object) -> object:
-    if isinstance(value, Tensor):  # a value held in a tensor: no key vouches for it
-        raise TypeError("not a key")
-    return (type(value), value)
+#: Each composite op's validation: their rules read only dtypes, shapes, devices and the
+#: int/sequence arguments (never data), so a repeated call shape skips it (~30 µs of host time),
+#: as the dispatched ops' entries do.
+_VALIDATORS = {c.name: validator(c) for c in (contracts.ROUND_UP, contracts.REPEAT, contracts.SUM)}
 
 
 def _check(contract: contracts.OpContract, *args: object) -> None:
     if torch.compiler.is_compiling():  # dynamo traces the torch calls, not the checks
         return
-    seen = _validated.setdefault(contract.name, set())
-    try:
-        key: tuple[object, ...] | None = tuple(_key_item(a) for a in args)
-    except TypeError:  # unhashable: validate every call
-        key = None
-    if key is None or key not in seen:
-        validation.validate(contract, args)
-        if key is not None:
-            if len(seen) >= SHAPE_CACHE_LIMIT:
-                seen.clear()
-            seen.add(key)
-    if overrides.checked:  # no call key vouches for the rules that read data: every call
-        validation.check_data(contract, args)
+    _VALIDATORS[contract.name](args)
 
 
 def round_up(x: Tensor, value: int) -> Tensor:

@@ -299,7 +299,7 @@ class OpContract:
     (beside its output dtype's own): what the contract's arithmetic leaves open, e.g. the scaled
     GEMMs' sums between two promotions, which FP8 matrix units keep in fewer than 24 bits."""
 
-    @property
+    @cached_property
     def arg_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.args)
 
@@ -307,7 +307,7 @@ class OpContract:
     def public_args(self) -> tuple[Arg, ...]:
         return tuple(a for a in self.args if not (isinstance(a, TensorArg) and not a.public))
 
-    @property
+    @cached_property
     def tensor_args(self) -> tuple[TensorArg, ...]:
         return tuple(a for a in self.args if isinstance(a, TensorArg))
 

@@ -24,6 +24,7 @@ from triton_interpreter import interpreting
 import megablocks_core.ops as ops
 from megablocks_core import formats, fp8, use_backend
 from megablocks_core.layers import MoEConfig, dMoE
+from megablocks_core.policy import overrides
 from megablocks_core.validation import ContractError, ContractTypeError
 
 ENCODINGS = tuple(formats.ENCODINGS.values())
@@ -495,6 +496,32 @@ def test_double_backward_through_fp8_is_refused(reference_backend):
     out = _mlp(fp8, x, w1, w2, weights, *routing, recipe=fp8.Recipe())
     with pytest.raises(NotImplementedError, match="create_graph"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_fp8_functions_check_again_what_a_seen_call_shape_cannot_vouch_for(
+    reference_backend, monkeypatch
+):
+    """The FP8 functions validate as the ops' entries do: a call shape accepted once skips the
+    static rules, but host data (CPU batch sizes), exact int and bool types and, in checked mode,
+    the rules that read tensor data run on every call; a new shape is validated whole."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(6, 32, generator=gen), torch.randn(2, 32, 16, generator=gen)
+    fp8.gmm(a, b, torch.tensor([2, 4]))
+    with pytest.raises(ContractError, match="batch_sizes"):
+        fp8.gmm(a, b, torch.tensor([4, 4]))  # the same shapes, more rows than a has
+    with pytest.raises(ContractTypeError, match="trans_b"):
+        fp8.gmm(a, b, torch.tensor([2, 4]), 0)  # type: ignore[arg-type]  (0 == False in a key)
+    with pytest.raises(ContractError, match="b"):
+        fp8.gmm(a, torch.randn(2, 16, 16), torch.tensor([2, 4]))  # a new shape, k wrong
+    _, indices, bin_ids, _, bins = _routing(3, 2, 2, seed=5)
+    want = fp8.gather_gmm(a[:3], b, indices, bin_ids, bins, 2)
+    got = fp8.gather_gmm(a[:3], b, indices, bin_ids, bins, np.int64(2))  # type: ignore[arg-type]
+    assert torch.equal(got, want)  # converted to an int, as validation does
+    past = indices.clone()
+    past[0] = 3  # a token that does not exist: only a rule that reads the indices sees it
+    monkeypatch.setattr(overrides, "checked", True)
+    with pytest.raises(ContractError, match="indices"):
+        fp8.gather_gmm(a[:3], b, past, bin_ids, bins, 2)
 
 
 def test_recipes_are_checked():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -271,6 +272,8 @@ def test_composite_ops_remember_valid_call_shapes_and_reject_bad_calls_every_tim
     """round_up/repeat/sum validate a call shape once (their rules read no data); a call that
     breaks the contract is never remembered, so it raises every time."""
     from megablocks_core import validation
+    from megablocks_core.contracts import BY_NAME
+    from megablocks_core.entries import validator
 
     validated = []
     real = validation.validate
@@ -280,7 +283,8 @@ def test_composite_ops_remember_valid_call_shapes_and_reject_bad_calls_every_tim
         return real(op, args, *rest, **kw)
 
     monkeypatch.setattr(validation, "validate", counting)
-    monkeypatch.setattr(ops, "_validated", {})
+    fresh = {name: validator(BY_NAME[name]) for name in ops._VALIDATORS}
+    monkeypatch.setattr(ops, "_VALIDATORS", fresh)  # no call shape seen yet
     x = torch.tensor([0, 1, 5, 8], dtype=torch.int32)
     for _ in range(3):
         assert ops.round_up(x, 4).tolist() == [0, 4, 8, 8]
@@ -300,3 +304,45 @@ def test_composite_ops_remember_valid_call_shapes_and_reject_bad_calls_every_tim
     assert ops.repeat(x.view(2, 2), [1, 2]).shape == (2, 4)
     assert ops.repeat(x.view(2, 2), [1, 2]).shape == (2, 4)
     assert validated.count("repeat") == 3  # two refused calls, one valid shape
+    ops.repeat(x.view(2, 2), (np.int64(1), 2))  # equal to the key of (1, 2), not its types
+    assert validated.count("repeat") == 4
+    with pytest.raises(TypeError, match="sequence of non-negative ints"):
+        ops.repeat(x.view(2, 2), {1: 0, 2: 0})  # iterates like (1, 2); not a sequence
+
+
+def test_a_validator_remembers_accepted_call_shapes_only_for_what_their_keys_vouch_for(
+    monkeypatch,
+):
+    """entries.validator (for code that calls a contract without its entry): a call shape it
+    accepted once is not validated again, but CPU batch sizes, exact argument types and, in
+    checked mode, the data rules are checked on every call, and rejected calls are never
+    remembered."""
+    from megablocks_core import validation
+    from megablocks_core.contracts import BY_NAME
+    from megablocks_core.entries import validator
+    from megablocks_core.policy import overrides
+
+    full = []
+    real = validation.validate
+    monkeypatch.setattr(validation, "validate", lambda *a: full.append(a[0].name) or real(*a))
+    check = validator(BY_NAME["gmm"])
+    a, b = torch.randn(6, 4), torch.randn(2, 4, 3)
+    args = (a, b, torch.tensor([2, 4]), False, None)
+    assert check(args) == args and check(args) == args
+    assert full == ["gmm"]  # the second call: its key was seen
+    with pytest.raises(megablocks_core.ContractError, match="batch_sizes"):
+        check((a, b, torch.tensor([4, 4]), False, None))  # host data the key cannot see
+    with pytest.raises(megablocks_core.ContractTypeError, match="trans_b"):
+        check((a, b, torch.tensor([2, 4]), 0, None))  # 0 == False in a key
+    with pytest.raises(megablocks_core.ContractError):
+        check((a, torch.randn(2, 5, 3), torch.tensor([2, 4]), False, None))
+    with pytest.raises(megablocks_core.ContractError):  # still refused: never remembered
+        check((a, torch.randn(2, 5, 3), torch.tensor([2, 4]), False, None))
+    with pytest.raises(TypeError, match="expected 5 arguments"):
+        check((a, b))
+    sort = validator(BY_NAME["sort"])
+    keys = torch.tensor([5, 1], dtype=torch.int32)
+    sort((keys, 1))  # out-of-range keys with end_bit: only a data rule reads them
+    monkeypatch.setattr(overrides, "checked", True)
+    with pytest.raises(megablocks_core.ContractError):
+        sort((keys, 1))
