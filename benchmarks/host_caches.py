@@ -11,7 +11,10 @@ alternating the two (``--samples`` samples of ``--calls`` calls each, the median
   gate records it: no GPU needed);
 * ``served_bias``: what the core did per forward around a grouped GEMM that did not take the
   bias (GPT-OSS's two GEMMs, ``megablocks_core.bias``), against nothing now that the Triton
-  kernels add it in their epilogue.
+  kernels add it in their epilogue;
+* ``fp8_validation``: the argument checks of one forward's FP8 functions (``fp8.gather_gmm``,
+  ``fp8.gmm_scatter``), each contract validated whole on every call against once per call
+  shape (``entries.validator``, as the ops' entries do).
 
 No GPU time is involved: these are the host's share only, on one intra-op thread (on a GPU host
 the same work costs less in absolute terms; what carries over is which work is gone). One JSON
@@ -136,6 +139,42 @@ def served_bias_case(tokens: int) -> tuple[Callable[[], Any], Callable[[], Any]]
     return served, in_the_epilogue
 
 
+def fp8_validation_case(tokens: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The argument checks of the FP8 functions one dMoE forward calls (``fp8.gather_gmm`` and
+    ``fp8.gmm_scatter``) at Qwen3's routing (128 experts, top-k 8; small widths, which the checks
+    do not depend on): the contracts validated whole on every call, against validated once per
+    call shape as the ops' entries do."""
+    from megablocks_core import fp8, ops, validation
+    from megablocks_core.contracts import BY_NAME
+
+    experts, top_k, hidden, ffn = 128, 8, 32, 16
+    gen = torch.Generator().manual_seed(0)
+    top = torch.randint(0, experts, (tokens * top_k,), generator=gen, dtype=torch.int32)
+    bin_ids, indices = ops.sort(top, experts.bit_length())
+    bins = ops.inclusive_cumsum(ops.histogram(top, experts), 0)
+    x, rows = torch.randn(tokens, hidden), torch.randn(tokens * top_k, 2 * ffn)
+    w1, w2 = torch.randn(experts, hidden, 2 * ffn), torch.randn(experts, ffn, hidden)
+    weights = torch.rand(tokens * top_k, generator=gen)
+    options = (None,) * 4  # rows, bias, alpha, limit
+    calls = (
+        ("gather_gmm", (x, w1, indices, bin_ids, bins, top_k, False, None, None)),
+        (
+            "gmm_scatter",
+            (rows, w2, indices, bin_ids, weights, bins, top_k, False, "swiglu", *options),
+        ),
+    )
+
+    def whole() -> None:
+        for name, args in calls:
+            validation.validate(BY_NAME[name], args)
+
+    def once_per_shape() -> None:
+        for name, args in calls:
+            fp8._VALIDATORS[name](args)
+
+    return whole, once_per_shape
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
@@ -151,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "counts_from_bins": counts_case(128, args.tokens * 8),
             "gluon_wgrad_launch": gluon_case(args.tokens),
             "served_bias": served_bias_case(args.tokens),
+            "fp8_validation": fp8_validation_case(args.tokens),
         }
         for name, case in cases.items():
             row: dict[str, Any] = {"case": name, "tokens": args.tokens}

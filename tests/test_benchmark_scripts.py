@@ -148,7 +148,8 @@ def test_host_caches_reports_each_case_before_and_after(capsys):
     script = _script("host_caches")
     assert script.main(["--calls", "2", "--samples", "1", "--tokens", "4"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["case"] for r in rows] == ["counts_from_bins", "gluon_wgrad_launch", "served_bias"]
+    cases = ["counts_from_bins", "gluon_wgrad_launch", "served_bias", "fp8_validation"]
+    assert [r["case"] for r in rows] == cases
     for r in rows:
         if "skipped" not in r:
             assert r["before_us"] > 0 and r["after_us"] > 0, r
