@@ -17,6 +17,7 @@ import torch
 from . import __version__, contracts, docgen
 from .cli_backends import cmd_check, cmd_explain, cmd_list
 from .cli_common import CLIError, _device, _registry
+from .formats import FORMAT_NAMES
 from .policy import Policy
 from .ranking import NoKernelError
 from .registry import PluginLoadError
@@ -121,6 +122,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         experts=args.experts,
         top_k=args.top_k,
         seed=args.seed,
+        fp8=args.fp8,
     )
 
 
@@ -292,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEMO_MAX_ROUTED_ROWS} (default 2)",
     )
     demo.add_argument("--seed", type=int, default=0, help="random seed, 0 to 2**63-1 (default 0)")
+    demo.add_argument(
+        "--fp8",
+        default=None,
+        choices=FORMAT_NAMES,
+        help="run the experts' GEMMs in FP8 in this format (default: off)",
+    )
     demo.set_defaults(func=cmd_demo)
 
     bench = commands.add_parser(

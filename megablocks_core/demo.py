@@ -57,6 +57,7 @@ class TinyMoEModel(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         seed: int,
+        fp8: str | None = None,
     ) -> None:
         super().__init__()
         with torch.random.fork_rng(
@@ -67,7 +68,7 @@ class TinyMoEModel(torch.nn.Module):
             self.head = torch.nn.Linear(hidden, features, dtype=dtype, device=device)
         # The MoE seeds its own generator.
         config = MoEConfig(
-            hidden, ffn, experts, top_k, glu=True, seed=seed, dtype=dtype, device=device
+            hidden, ffn, experts, top_k, glu=True, seed=seed, dtype=dtype, device=device, fp8=fp8
         )
         self.moe = DroplessMoE(config)
 
@@ -120,19 +121,23 @@ def run(
     lr: float = 1e-2,
     seed: int = 0,
     log_every: int = 5,
+    fp8: str | None = None,
 ) -> int:
     """Train and report; 0 if the held-out loss fell below :func:`required_fraction` of its value
-    before training (or the run has too few tokens a step to judge), else 1."""
+    before training (or the run has too few tokens a step to judge), else 1. ``fp8``: a format
+    name (:data:`megablocks_core.formats.FORMAT_NAMES`) runs the experts' GEMMs in FP8 with that
+    format's recipe defaults."""
     if steps < 2:
         raise ValueError(f"demo: --steps must be at least 2, got {steps}")
     dev, dt = torch.device(device), getattr(torch, dtype)
-    model = TinyMoEModel(features, hidden, ffn, experts, top_k, dt, dev, seed)
+    model = TinyMoEModel(features, hidden, ffn, experts, top_k, dt, dev, seed, fp8)
     task = ClusterTask(features, clusters=min(experts, MAX_CLUSTERS), seed=seed + 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     print("megablocks-core demo: training a tiny dropless-MoE model on synthetic clustered data")
     print(
         f"tokens/step={tokens} features={features} hidden={hidden} ffn={ffn} experts={experts} "
-        f"top_k={top_k} glu=yes dtype={dtype} device={dev} backend={backend or 'ranked'} steps={steps}"
+        f"top_k={top_k} glu=yes dtype={dtype} fp8={fp8 or 'off'} device={dev} "
+        f"backend={backend or 'ranked'} steps={steps}"
     )
 
     losses: list[float] = []

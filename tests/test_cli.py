@@ -568,6 +568,21 @@ def test_a_demo_with_many_experts_passes(capsys, experts):
     assert code == 0, out
 
 
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise"])
+def test_a_demo_in_fp8_trains_through_the_scaled_gemms(capsys, fmt):
+    code, out, _ = run(capsys, "demo", "--fp8", fmt, "--steps", "11", "--backend", "reference")
+    assert code == 0, out
+    assert f"fp8={fmt}" in out.splitlines()[1]
+    served = {
+        line.split()[0]
+        for line in out.split("backends that served each op:")[1].splitlines()[1:]
+        if line.startswith("  ")
+    }
+    # the forward's GEMMs ran scaled on quantized rows; the weight gradients in the inputs' dtype
+    assert {"quantize", "scaled_gather_gmm", "scaled_gmm_scatter", "gmm_weight_grad"} <= served
+    assert out.rstrip().splitlines()[-1] == "result: ok, the loss fell"
+
+
 def test_a_demo_of_too_few_tokens_a_step_is_not_judged(capsys):
     code, out, _ = run(capsys, "demo", "--steps", "15", "--tokens", "2", "--backend", "reference")
     assert code == 0, out
