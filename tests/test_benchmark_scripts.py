@@ -330,3 +330,22 @@ def test_fp8_loss_gap_reports_each_run_against_the_same_seeds_bf16(tmp_path):
         assert torch.all(
             (new[moved].float() - old[moved].float()).abs() <= old[moved].float().abs() * 2**-7
         )
+
+
+def test_decode_host_times_the_fp8_experts_beside_the_others(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports transformers_experts
+    script = _script("decode_host")
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--tiny", "--models", "qwen3", "--tokens", "1,3", "--calls", "2"]
+    argv += ["--runs", "1", "--fp8", "fp8_rowwise", "--json", str(path)]
+    with megablocks_core.use_backend("reference"):
+        megablocks_core.dispatch._served.clear()
+        assert script.main(argv) == 0
+        served = megablocks_core.dispatch.served()
+    rows = json.loads(path.read_text())
+    assert [(r["tokens"], r["implementation"]) for r in rows] == [
+        (t, i) for t in (1, 3) for i in ("megablocks", "grouped_mm", "megablocks-fp8")
+    ]
+    assert all(r["block_host_ms"] > 0 and r["experts_host_ms"] > 0 for r in rows)
+    assert {"quantize", "scaled_gather_gmm", "scaled_gmm_scatter"} <= set(served)
