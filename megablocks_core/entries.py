@@ -215,6 +215,18 @@ def _compiled_op(name: str) -> Callable[..., Any]:
     return call_custom_op
 
 
+def _generated(name: str, source: str, scope: dict[str, Any]) -> Callable[..., Any]:
+    """The function ``name`` defined by ``source``, run in ``scope``; its source kept in
+    ``__source__`` and in linecache (tracebacks and debuggers read source lines through it; mtime
+    None: linecache.checkcache never drops an entry that has no file behind it)."""
+    filename = f"<megablocks_core.entries {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(compile(source, filename, "exec"), scope)
+    function: Callable[..., Any] = scope[name]
+    function.__source__ = source  # type: ignore[attr-defined]
+    return function
+
+
 # Why the entries are generated (exec) at run time and not plain closures: a closure has to walk
 # the contract's argument specs on every call to build the key and run the checks; one that does
 # only the hot path of a cache hit (key, cache lookup, int/bool type checks, checked-mode flag,
@@ -239,14 +251,7 @@ def _build_entry(contract: OpContract) -> Callable[..., Any]:
         "_apply_autograd": _apply_autograd,
         "_compiled": _compiled_op(contract.name),
     }
-    source = _entry_source(contract)
-    filename = f"<megablocks_core.entries {contract.name}>"
-    # Tracebacks and debuggers read source lines through linecache: give them the generated ones
-    # (mtime None: linecache.checkcache never drops an entry that has no file behind it).
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    exec(compile(source, filename, "exec"), scope)
-    entry: Callable[..., Any] = scope[contract.name]
-    entry.__source__ = source  # type: ignore[attr-defined]
+    entry = _generated(contract.name, _entry_source(contract), scope)
     entry.__qualname__ = entry.__name__ = contract.name
     entry.__doc__ = contract.summary
     return entry
@@ -277,7 +282,7 @@ def _validator_source(contract: OpContract) -> str:
 
 def validator(contract: OpContract) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
     """A function that validates ``contract``'s kernel-order arguments as its entry does, for
-    code that calls the op's contract without its entry (the FP8 functions): a call key already
+    code that checks a contract without its entry (the FP8 functions, the composite ops): a call key already
     accepted is valid after the fast checks (:func:`fast_check_source`), any other call is
     validated fully (:func:`megablocks_core.validation.validate`; in checked mode always,
     data rules included). Returns the arguments as validation returns them."""
@@ -289,13 +294,7 @@ def validator(contract: OpContract) -> Callable[[tuple[Any, ...]], tuple[Any, ..
         "_overrides": overrides,
         "_validation": validation,  # looked up per call: tests count its validate calls
     }
-    source = _validator_source(contract)
-    filename = f"<megablocks_core.entries validate_{contract.name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    exec(compile(source, filename, "exec"), scope)
-    check: Callable[[tuple[Any, ...]], tuple[Any, ...]] = scope[f"validate_{contract.name}"]
-    check.__source__ = source  # type: ignore[attr-defined]
-    return check
+    return _generated(f"validate_{contract.name}", _validator_source(contract), scope)
 
 
 # ENTRIES (megablocks_core.calls): op name → entry function taking the kernel-order arguments.
