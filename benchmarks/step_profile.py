@@ -180,8 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gather-first",
         choices=("on", "off"),
         default=None,
-        help="with --fp8: the triton backend's scaled.GATHER_FIRST and its blockwise switch "
-        "(default: its own, on for rowwise): "
+        help="with --fp8: the triton backend's scaled.GATHER_FIRST (default: its own, on): "
         "gathered rows copied first, for the plain rows' kernel (the copies are filed under "
         "permutation), or the gathering kernels",
     )
@@ -212,14 +211,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return profile_step(args)
 
 
-def gather_first_setting(fmt: str) -> bool | None:
-    """Whether the triton backend copies gathered rows of ``fmt`` first during the step
-    (scaled.GATHER_FIRST, and its blockwise switch; None without that backend)."""
+def gather_first_setting() -> bool | None:
+    """Whether the triton backend copies gathered FP8 rows first during the step
+    (scaled.GATHER_FIRST; None without that backend)."""
     try:
         from megablocks_triton import scaled
     except ImportError:
         return None
-    return scaled.copies_gathered_rows_first(fmt == "fp8_blockwise")
+    return scaled.GATHER_FIRST
 
 
 def profile_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -240,7 +239,7 @@ def profile_step(args: argparse.Namespace) -> dict[str, Any]:
         "fuse_grad_accumulation": args.fuse_grad_accumulation,
         "fp8": args.fp8,
         "cache_weights": args.cache_weights,
-        "gather_first": gather_first_setting(args.fp8) if args.fp8 else None,
+        "gather_first": gather_first_setting() if args.fp8 else None,
         "harness": "float loss" if args.float_loss else "upstream gradient",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "time_kind": "CUDA kernels" if device.type == "cuda" else "CPU operators (self time)",

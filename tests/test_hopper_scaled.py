@@ -163,11 +163,7 @@ GATHER = "megablocks_triton.kernels.permutation._gather_kernel"
 def test_gather_first_copies_the_rows_for_the_plain_rows_kernel(
     shape: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert S.GATHER_FIRST  # the default
-    if shape.get("blockwise"):  # off by default for the blockwise format
-        assert GATHER not in _kernels(H200, "gather", **shape)
-        S._SCALED_PLANS.clear()
-        monkeypatch.setattr(S, "GATHER_FIRST_BLOCKWISE", True)
+    assert S.GATHER_FIRST  # the default, for both formats
     # The rows and then their scales gathered into sorted order (each copy after its inverse
     # permutation), then the plain rows' launches (the Triton fallback recorded, the Gluon one).
     launches = _launches(H200, "gather", **shape)
@@ -577,7 +573,6 @@ def test_gathered_rows_copied_first_equal_the_gathering_kernel(
         monkeypatch.setattr(S, "GATHER_FIRST", False)
         want = S.scaled_gather_gmm(*args)
         monkeypatch.setattr(S, "GATHER_FIRST", True)
-        monkeypatch.setattr(S, "GATHER_FIRST_BLOCKWISE", True)
         monkeypatch.setattr(S, "_gathers_first", lambda *a: True)
         S._SCALED_PLANS.clear()
         got = S.scaled_gather_gmm(*args)

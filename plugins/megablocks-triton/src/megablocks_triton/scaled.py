@@ -83,36 +83,27 @@ WARP_SPECIALIZED_MAX_BLOCK_E_GATHERED_OR_BLOCKWISE = 128
 #: True gathers a scaled_gather_gmm's rows and their scales into sorted order first and runs
 #: the plain rows' kernel on the copy, wherever plain rows of that shape take the Gluon kernel
 #: (:class:`_GatherFirstPlan`): its operands then come by TMA, where the gathering loader copies
-#: them with its threads, for a write and a read of one byte per sorted row element. On the
-#: H200 (docs/performance.md, benchmarks/scaled_gmm_providers.py --gather): 1.28-1.66x the
-#: gathering kernels at 16384 tokens (Qwen3's two GEMMs, DeepSeek-V3's down projection); at
-#: 2048, 1.37x at Qwen3's down projection and 0.93x at its up. False keeps the gathering
+#: them with its threads, for a write and a read of one byte per sorted row element. Measured
+#: (docs/performance.md, benchmarks/scaled_gmm_providers.py --gather): rowwise on the H200,
+#: 1.28-1.66x the gathering kernels at 16384 tokens (Qwen3's two GEMMs, DeepSeek-V3's down
+#: projection), at 2048 1.37x at Qwen3's down projection and 0.93x at its up; blockwise on the
+#: H100, 1.31-1.53x at Qwen3's, OLMoE's and GPT-OSS's GEMMs. False keeps the gathering
 #: kernels (the same output bit for bit).
 GATHER_FIRST = True
-#: The blockwise format's gathered rows copied first too (into the plain rows' blockwise Gluon
-#: kernel, where they take the Triton kernel without): off until measured.
-GATHER_FIRST_BLOCKWISE = False
-
-
-def copies_gathered_rows_first(blockwise: bool) -> bool:
-    """Whether the switches copy gathered rows of the rowwise (or blockwise) format first,
-    where plain rows of the call's shape take the Gluon kernel (:func:`_gathers_first`)."""
-    return GATHER_FIRST and (GATHER_FIRST_BLOCKWISE or not blockwise)
 
 
 @contextlib.contextmanager
 def gather_first(on: bool) -> Iterator[None]:
-    """For measurements: :data:`GATHER_FIRST` and :data:`GATHER_FIRST_BLOCKWISE` set to ``on``
-    inside, restored after; the plans are dropped on entry and exit, so the ones inside are
-    this setting's only."""
-    global GATHER_FIRST, GATHER_FIRST_BLOCKWISE
-    before = GATHER_FIRST, GATHER_FIRST_BLOCKWISE
-    GATHER_FIRST = GATHER_FIRST_BLOCKWISE = on
+    """For measurements: :data:`GATHER_FIRST` set to ``on`` inside, restored after; the plans
+    are dropped on entry and exit, so the ones inside are this setting's only."""
+    global GATHER_FIRST
+    before = GATHER_FIRST
+    GATHER_FIRST = on
     _SCALED_PLANS.clear()
     try:
         yield
     finally:
-        GATHER_FIRST, GATHER_FIRST_BLOCKWISE = before
+        GATHER_FIRST = before
         _SCALED_PLANS.clear()
 
 
@@ -469,7 +460,7 @@ def _scaled_plan(
             _scaled_gmm_kernel, grid, *scalars, descriptors=blocks, B_TMA=True, A_TMA=a_tma, **kw
         )
     triton_plan = _ScaledPlan(shape, out_dtype, plain, tma, reads_a=not gather)
-    if gather_top_k is not None and copies_gathered_rows_first(blockwise):
+    if gather_top_k is not None and GATHER_FIRST:
         first = _gather_first_plan(
             configs, info, a, a_scale, b, b_scale, trans_b, m, gather_top_k, blockwise,
             out_dtype, zero_tail, block_e,
@@ -598,7 +589,6 @@ def _planned(
         b.shape, b.stride(), b.dtype, b_scale.shape, b_scale.stride(), sizes_dtype,
         indices_dtype, m, trans_b, gather_top_k, from_ends, format, out_dtype, zero_tail, configs,
         CONFIG_OVERRIDE, WARP_SPECIALIZED, PROMOTE_EVERY, GATHER_FIRST,  # measurement switches
-        GATHER_FIRST_BLOCKWISE,
     )  # fmt: skip
     plan = _SCALED_PLANS.get(key)
     if plan is None:
