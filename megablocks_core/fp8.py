@@ -41,7 +41,6 @@ from .contracts import BY_NAME
 from .entries import validator
 from .formats import ENCODINGS, FORMAT_NAMES
 from .policy import current_policy
-from .schema import OpContract
 
 #: A 16/32-bit dtype -> the scaled ops' out_dtype name (float64 data: computed in float32).
 _OUT_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -171,16 +170,11 @@ class _ScaledCall:
             copies[key] = (b._version, data, scale)
         return data, scale
 
-    def finish(
-        self, out: Tensor, like: Tensor, contract: OpContract, args: tuple[Any, ...]
-    ) -> Tensor:
-        """The scaled op's output in the inputs' dtype, with the contract's bias added."""
-        out = out.to(like.dtype)
-        bound = contract.bind(args)
-        if bound.get("bias") is not None:
-            serve = getattr(contract.arg("bias"), "serve")  # noqa: B009 (Arg has no serve)
-            out = serve(bound, out)
-        return out
+    @staticmethod
+    def finish(out: Tensor, like: Tensor) -> Tensor:
+        """The scaled op's output (its bias added, in float32 where the kernel takes it) in the
+        inputs' dtype."""
+        return out.to(like.dtype)
 
 
 def _gmm(
@@ -192,10 +186,9 @@ def _gmm(
     bias: Tensor | None = None,
 ) -> Tensor:
     rows, matrices = scaled.rows(a), scaled.matrices(b, trans_b)
-    out = scaled.op(
-        "scaled_gmm", *rows, *matrices, batch_sizes, True, scaled.recipe.format, _out_name(a.dtype)
-    )
-    return scaled.finish(out, a, BY_NAME["gmm"], (a, b, batch_sizes, trans_b, bias))
+    fmt, out_name = scaled.recipe.format, _out_name(a.dtype)
+    out = scaled.op("scaled_gmm", *rows, *matrices, batch_sizes, True, fmt, out_name, bias)
+    return scaled.finish(out, a)
 
 
 def _gather_gmm(
@@ -223,9 +216,9 @@ def _gather_gmm(
         rows,
         scaled.recipe.format,
         _out_name(x.dtype),
+        bias,
     )
-    args = (x, b, indices, bin_ids, bins, top_k, trans_b, rows, bias)
-    return scaled.finish(out, x, BY_NAME["gather_gmm"], args)
+    return scaled.finish(out, x)
 
 
 def _gmm_scatter(
@@ -260,11 +253,9 @@ def _gmm_scatter(
         rows,
         scaled.recipe.format,
         _out_name(x.dtype),
+        bias,
     )
-    args = (
-        x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows, bias, alpha, limit
-    )  # fmt: skip
-    return scaled.finish(out, x, BY_NAME["gmm_scatter"], args)
+    return scaled.finish(out, x)
 
 
 _GEMMS: dict[str, Callable[..., Tensor]] = {

@@ -260,11 +260,13 @@ def scaled_gmm(
     trans_b: bool = False,
     format: str | None = None,
     out_dtype: str | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """:func:`gmm` of quantized operands (each as :func:`quantize` gives it, in ``format``),
-    accumulated in float32, rounded to ``out_dtype`` ("bfloat16" when None, "float16",
-    "float32"). Not differentiable: :mod:`megablocks_core.fp8` trains through it."""
-    return _scaled_gmm(a, a_scale, b, b_scale, batch_sizes, trans_b, format, out_dtype)
+    accumulated in float32, ``bias[e]`` added (if given), rounded to ``out_dtype`` ("bfloat16"
+    when None, "float16", "float32"). Not differentiable: :mod:`megablocks_core.fp8` trains
+    through it."""
+    return _scaled_gmm(a, a_scale, b, b_scale, batch_sizes, trans_b, format, out_dtype, bias)
 
 
 def scaled_gather_gmm(
@@ -280,12 +282,14 @@ def scaled_gather_gmm(
     rows: int | None = None,
     format: str | None = None,
     out_dtype: str | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """:func:`gather_gmm` of quantized operands: the 8-bit token rows (one quantization per
     token) read through the indices."""
     return _scaled_gather_gmm(
-        x, x_scale, b, b_scale, indices, bin_ids, bins, top_k, trans_b, rows, format, out_dtype
-    )
+        x, x_scale, b, b_scale, indices, bin_ids, bins, top_k, trans_b, rows, format, out_dtype,
+        bias,
+    )  # fmt: skip
 
 
 def scaled_gmm_scatter(
@@ -302,12 +306,14 @@ def scaled_gmm_scatter(
     rows: int | None = None,
     format: str | None = None,
     out_dtype: str | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """:func:`gmm_scatter` of quantized operands (no activation: quantize the activated rows):
-    each product row rounded to ``out_dtype``, then summed per token, weighted, in float32."""
+    each product row (with ``bias[e]`` if given) rounded to ``out_dtype``, then summed per
+    token, weighted, in float32."""
     return _scaled_gmm_scatter(
         x, x_scale, b, b_scale, indices, bin_ids, weights, bins, top_k, trans_b, rows, format,
-        out_dtype,
+        out_dtype, bias,
     )  # fmt: skip
 
 

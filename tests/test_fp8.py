@@ -537,7 +537,9 @@ def test_recipes_are_checked():
         MoEConfig(8, 8, 2, 1, fp8="fp16")
 
 
-def test_fp8_gmm_with_bias_adds_it_after_the_scaled_gemm(reference_backend):
+def test_fp8_gmm_with_bias_adds_it_to_each_group_s_rows(reference_backend):
+    # The bias goes to the scaled op (the reference leaves it to the core's addition); its
+    # gradient is each expert's column sum.
     gen = torch.Generator().manual_seed(4)
     a = torch.randn(10, 32, generator=gen, requires_grad=True)
     b = torch.randn(3, 32, 8, generator=gen, requires_grad=True)

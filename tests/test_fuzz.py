@@ -971,7 +971,10 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
         rows = r.T * r.K if op != "scaled_gmm" else int(r.counts.sum())
         a, a_scale = ops.quantize(torch.ones(r.T if op == "scaled_gather_gmm" else rows, 4), 1, fmt)
         b, b_scale = ops.quantize(torch.ones(r.E, 5, 4), 2, fmt)  # (experts, n, k): trans_b
-        common = {"b": b, "b_scale": b_scale, "trans_b": True, "format": fmt, "out_dtype": None}
+        common = {
+            "b": b, "b_scale": b_scale, "trans_b": True, "format": fmt, "out_dtype": None,
+            "bias": None,
+        }  # fmt: skip
         if op == "scaled_gmm":
             batch = tensor(r.counts, torch.int64)
             return {"a": a, "a_scale": a_scale, **common, "batch_sizes": batch}

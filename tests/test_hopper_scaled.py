@@ -636,3 +636,79 @@ def test_an_fp8_layer_step_is_the_same_with_rows_copied_first(
     assert len(got) == len(want) > 2
     for mine, theirs in zip(got, want, strict=True):
         assert torch.equal(mine, theirs)
+
+
+def _row_bias(bias: torch.Tensor, ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """bias[e] for each of ``rows`` sorted rows in group e (groups ending at ``ends``), 0 past
+    them, in float64 on the CPU."""
+    expert = torch.searchsorted(ends.long().cpu(), torch.arange(rows), right=True)
+    table = torch.cat([bias.double().cpu(), torch.zeros(1, bias.shape[1], dtype=torch.float64)])
+    return table[expert]
+
+
+@pytest.mark.skipif(not _RUNNABLE, reason=f"triton kernels on {TRITON_DEVICE} cannot run here")
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise"])
+@pytest.mark.parametrize("copied_first", [False, True])
+def test_a_bias_is_added_to_each_group_s_rows_before_the_rounding(
+    fmt: str, copied_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Float32 outputs: each grouped row (one naming no token too) gets its expert's bias, rows
+    # past the groups none, and the scatter's tokens their weighted experts' biases; the
+    # bias's bfloat16 values are exact in float32, so only the sum's one rounding separates
+    # the kernel from the float64 sum of its unbiased output and the bias.
+    monkeypatch.setattr(S, "GATHER_FIRST", copied_first)
+    monkeypatch.setattr(S, "_gathers_first", lambda *a: copied_first)
+    top_k = 2
+    qx, sx, qw, sw, ids, bins = _routed(40, top_k, 3, 256, 136, fmt, TRITON_DEVICE)
+    pairs = ids.numel()
+    gen = torch.Generator().manual_seed(9)
+    bias = (4 * torch.randn(3, 136, generator=gen)).bfloat16().to(TRITON_DEVICE)
+    for rows in (None, pairs + 5):
+        plain = (qx, sx, qw, sw, ids, ids, bins, top_k, True, rows, fmt, "float32")
+        want = S.scaled_gather_gmm(*plain).double().cpu()
+        got = S.scaled_gather_gmm(*plain, bias).double().cpu()
+        want += _row_bias(bias, bins, want.shape[0])
+        assert torch.allclose(got, want, rtol=2**-23, atol=0), rows
+        assert (got[pairs:] == 0).all()
+    # scaled_gmm on the gathered rows' copy, grouped by sizes; scaled_gmm_scatter on them.
+    rows_q = S.scaled_gather_gmm(qx, sx, qw, sw, ids, ids, bins, top_k, True, None, fmt, None)
+    qr, sr = S.quantize(rows_q[:, :128].float(), 1, fmt, "e4m3fn")
+    w2 = torch.randn(3, 96, 128, generator=gen).to(TRITON_DEVICE) / 128**0.5
+    qw2, sw2 = S.quantize(w2, 2, fmt, "e4m3fn")
+    sizes = torch.diff(bins, prepend=bins.new_zeros(1))
+    bias2 = (4 * torch.randn(3, 96, generator=gen)).bfloat16().to(TRITON_DEVICE)
+    plain_gmm = (qr, sr, qw2, sw2, sizes, True, fmt, "float32")
+    want = S.scaled_gmm(*plain_gmm).double().cpu() + _row_bias(bias2, bins, pairs)
+    got = S.scaled_gmm(*plain_gmm, bias2).double().cpu()
+    assert torch.allclose(got, want, rtol=2**-23, atol=0)
+    weights = torch.rand(pairs, generator=gen).to(TRITON_DEVICE)
+    named = ((ids >= 0) & (ids < pairs)).cpu()
+    scatter = (qr, sr, qw2, sw2, ids, ids, weights, bins, top_k, True, None, fmt, "float32")
+    want = S.scaled_gmm_scatter(*scatter).double().cpu()
+    per_row = (
+        _row_bias(bias2, bins, pairs)
+        * weights.double().cpu()[ids.long().cpu().clamp(0, pairs - 1)][:, None]
+    )
+    want.index_add_(0, ids.long().cpu()[named] // top_k, per_row[named])
+    got = S.scaled_gmm_scatter(*scatter, bias2).double().cpu()
+    assert torch.allclose(got, want, rtol=2**-20, atol=2**-20 * float(want.abs().max()))
+
+
+@on_hopper
+def test_the_gluon_kernel_s_served_bias_matches_the_triton_kernel_s_epilogue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At a shape whose plain rows take the Gluon kernel (which has no bias epilogue: the bias is
+    # added to its rounded output), float32 outputs equal the Triton kernel's within one
+    # rounding of the sum.
+    qx, sx, qw, sw, ids, bins = _routed(1024, 2, 8, 768, 512, "fp8_rowwise", torch.device("cuda"))
+    bias = torch.randn(8, 512, device="cuda").bfloat16()
+    args = (qx, sx, qw, sw, ids, ids, bins, 2, True, None, "fp8_rowwise", "float32", bias)
+    got = S.scaled_gather_gmm(*args)
+    plan = next(iter(S._SCALED_PLANS.values()))
+    assert isinstance(plan, S._GatherFirstPlan) and isinstance(plan.plain, S._WarpSpecializedPlan)
+    monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
+    monkeypatch.setattr(S, "GATHER_FIRST", False)
+    S._SCALED_PLANS.clear()
+    want = S.scaled_gather_gmm(*args)
+    assert torch.allclose(got, want, rtol=2**-22, atol=2**-22 * float(want.abs().max()))

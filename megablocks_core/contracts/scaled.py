@@ -11,6 +11,9 @@ them, calling them from the high-precision ops' backward rules.
 
 from __future__ import annotations
 
+from typing import Any
+
+from .. import bias as bias_ops
 from ..formats import ENCODINGS, FORMAT_NAMES, FORMATS, FP8_DTYPES, SCALE_DTYPE
 from ..schema import (
     FLOAT_DTYPES,
@@ -47,6 +50,7 @@ from .grouped_gemm import (
     GROUPS_WITHIN_A,
     INNER_B,
     ONE_MATRIX_PER_BIN,
+    OUT_WIDTH,
     ROUTED_RULES,
     ROWS_PAST_GROUPS,
     ROWS_SHORT,
@@ -174,6 +178,31 @@ MATRICES = TensorArg(
     "8-bit expert matrices, (experts, k, n) or (experts, n, k) with trans_b (the latter, k "
     "contiguous, is the fast layout on NVIDIA Hopper)",
 )
+
+
+def _bias_arg(serve: Any, doc: str = "added to each expert's output rows") -> TensorArg:
+    """The per-expert bias of a scaled GEMM: an option a kernel may leave to the core, as the
+    16-bit GEMMs' (any float dtype: it is added to the float32 product, not multiplied)."""
+    return TensorArg(
+        "bias",
+        FLOAT_DTYPES,
+        (2,),
+        f"per-expert bias (experts, n), {doc}; None: none",
+        optional=True,
+        serve=serve,
+    )
+
+
+BIAS_SHAPE = Rule(
+    f"bias is None or (bias.shape[0] == b.shape[0] and bias.shape[1] == {OUT_WIDTH})",
+    "bias holds one row per expert, as wide as the output, (experts, n)",
+)
+BIAS_ADDED = (
+    "With bias, bias[e] is added to each row of group e: to the float32 product, rounded once, "
+    "by a kernel that takes it; by the core to the rounded output of one that does not "
+    "(megablocks_core.bias), one more rounding."
+)
+
 SCALED_ARITHMETIC = (
     "Each product is taken from the dequantized operands (data * scale, megablocks_core.formats."
     "dequantize): exact in float32 for 8-bit data, summed in float32 with the running sum "
@@ -200,9 +229,11 @@ SCALED_GMM = OpContract(
         TRANS_B,
         FORMAT,
         OUT_DTYPE,
+        _bias_arg(bias_ops.serve_gmm),
     ),
     rules=(
         *_scale_rules("a", "b"),
+        BIAS_SHAPE,
         Rule("batch_sizes.shape[0] == b.shape[0]", "one group size per expert"),
         Rule("a.shape[1] == (b.shape[2] if trans_b else b.shape[1])", "inner dimensions agree"),
         GROUPS_WITHIN_A,
@@ -211,7 +242,13 @@ SCALED_GMM = OpContract(
     outputs=(Output("out", OUT, ("a.shape[0]", "b.shape[1] if trans_b else b.shape[2]")),),
     semantics=(
         "Rows bins[e-1]:bins[e] of the output are dequant(a)[those rows] @ dequant(b)[e] (or its "
-        "transpose). " + SCALED_ARITHMETIC + " " + ROWS_PAST_GROUPS + ": their output rows are 0."
+        "transpose). "
+        + SCALED_ARITHMETIC
+        + " "
+        + BIAS_ADDED
+        + " "
+        + ROWS_PAST_GROUPS
+        + ": their output rows are 0 (no bias)."
     ),
     edge_cases=("rows = 0: empty output", "empty experts: no rows", GMM_BAD_SIZES),
 )
@@ -239,9 +276,11 @@ SCALED_GATHER_GMM = OpContract(
         ),
         FORMAT,
         OUT_DTYPE,
+        _bias_arg(bias_ops.serve_gather_gmm),
     ),
     rules=(
         *_scale_rules("x", "b"),
+        BIAS_SHAPE,
         ONE_MATRIX_PER_BIN,
         INNER_B,
         GATHER_ROWS,
@@ -264,10 +303,12 @@ SCALED_GATHER_GMM = OpContract(
         + GROUPS_FROM_BINS
         + " "
         + PAST_BINS
-        + ": their output rows are 0. "
+        + ": their output rows are 0 (no bias). "
         + FIRST_ROWS
         + " "
         + SCALED_ARITHMETIC
+        + " "
+        + BIAS_ADDED
     ),
     edge_cases=(*EMPTY_AND_ZERO, GATHER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )
@@ -296,9 +337,11 @@ SCALED_GMM_SCATTER = OpContract(
         ),
         FORMAT,
         OUT_DTYPE,
+        _bias_arg(bias_ops.serve_gmm_scatter, "added to each (token, k) product row"),
     ),
     rules=(
         *_scale_rules("x", "b"),
+        BIAS_SHAPE,
         ONE_MATRIX_PER_BIN,
         INNER_B,
         Rule(
@@ -326,6 +369,10 @@ SCALED_GMM_SCATTER = OpContract(
         + PAST_BINS
         + ": they are skipped. "
         + SCALED_ARITHMETIC
+        + " With bias, bias[e] is added to each product row of group e before its rounding, so "
+        "token t also gets sum over k of weights[t*top_k + k] * bias[e]; a kernel that leaves "
+        "the bias to the core gets it added to its output (megablocks_core.bias), one more "
+        "rounding."
     ),
     edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )

@@ -430,26 +430,30 @@ def _scaled_args(op: str, args: Args, format: str) -> Args:
     a, b, *rest = args
     if op == "scaled_gmm":  # gmm(a, b, batch_sizes, trans_b[, bias])
         batch, trans_b = rest[0], rest[1]
-        return (*quantized(a, 1), *quantized(b, 2 if trans_b else 1), batch, trans_b, format, None)
+        bias = rest[2:3]
+        return (
+            *quantized(a, 1), *quantized(b, 2 if trans_b else 1), batch, trans_b, format, None,
+            *bias,
+        )  # fmt: skip
     if op == "scaled_gather_gmm":  # (x, b, indices, bin_ids, bins, top_k, trans_b, rows[, bias])
         indices, bin_ids, bins, top_k, trans_b, rows = rest[:6]
         return (
             *quantized(a, 1), *quantized(b, 2 if trans_b else 1),
-            indices, bin_ids, bins, top_k, trans_b, rows, format, "float32",
+            indices, bin_ids, bins, top_k, trans_b, rows, format, "float32", *rest[6:7],
         )  # fmt: skip
     # gmm_scatter(x, b, indices, bin_ids, weights, bins, top_k, trans_b, activation, rows[, bias])
     indices, bin_ids, weights, bins, top_k, trans_b, _, rows = rest[:8]
     return (
         *quantized(a, 1), *quantized(b, 2 if trans_b else 1),
-        indices, bin_ids, weights, bins, top_k, trans_b, rows, format, "float32",
+        indices, bin_ids, weights, bins, top_k, trans_b, rows, format, "float32", *rest[8:9],
     )  # fmt: skip
 
 
 def _scaled_cases() -> list[BadCase]:
-    """The scaled GEMMs on the bad data of their 16-bit forms (without a bias: they take none),
-    in each format in turn."""
+    """The scaled GEMMs on the bad data of their 16-bit forms (their bias cases too), in each
+    format in turn."""
     cases = []
-    plain = [c for c in (*_gmm_cases(), *_fused_cases()) if not c.name.endswith(", bias")]
+    plain = [*_gmm_cases(), *_fused_cases()]
     for op, base in _SCALED_OF.items():
         for i, case in enumerate(c for c in plain if c.op == base):
             format = formats.FORMAT_NAMES[i % len(formats.FORMAT_NAMES)]

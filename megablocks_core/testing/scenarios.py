@@ -74,11 +74,13 @@ def _row_input(r: Routing, plain: torch.Tensor, shift: int = 0) -> torch.Tensor:
     return r.gate_up if _row_activation(r, shift) in GATED else plain
 
 
-def _bias(r: Routing, width: int) -> torch.Tensor | None:
+def _bias(r: Routing, width: int, every_other_pair: bool = False) -> torch.Tensor | None:
     """The grouped GEMMs' per-expert bias (experts, width), for odd seeds (None for even ones),
-    from its own generator (the other tensors stay what they were before bias existed)."""
+    from its own generator (the other tensors stay what they were before bias existed).
+    ``every_other_pair``: for seeds 2-3, 6-7, ... instead (the scaled GEMMs, whose format
+    follows the seed's parity: each format gets seeds with and without a bias)."""
     s = r.scenario
-    if s.seed % 2 == 0:
+    if (s.seed // 2 if every_other_pair else s.seed) % 2 == 0:
         return None
     gen = torch.Generator().manual_seed(s.seed + 2)
     bias = torch.randn(s.experts, width, generator=gen)
@@ -319,6 +321,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.scenario.trans_b,
         _format(r),
         _out_dtype(r),
+        _bias(r, r.scenario.ffn_size, every_other_pair=True),
     ),
     "scaled_gather_gmm": lambda r: (
         *_quantized(r, r.x, 1),
@@ -331,6 +334,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.row_count,
         _format(r),
         _out_dtype(r),
+        _bias(r, r.scenario.ffn_size, every_other_pair=True),
     ),
     "scaled_gmm_scatter": lambda r: (
         *_quantized(r, r.first(r.gmm_grad), 1),
@@ -344,6 +348,7 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.row_count,
         _format(r),
         _out_dtype(r),
+        _bias(r, r.scenario.hidden, every_other_pair=True),
     ),
     # The gated unit, its activation (or none) taken in turn by seed.
     "glu": lambda r: (r.gate_up, _activation(r), *_clamp(r, _activation(r))),

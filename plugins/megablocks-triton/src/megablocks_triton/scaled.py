@@ -38,6 +38,7 @@ from megablocks_core.plugin import (
 )
 
 from .config import LaunchConfigs, arch_tuning, launch_configs
+from .gmm import _bias_layout, _served_bias
 from .gmm_configs import (
     _check_experts,
     _device_sizes,
@@ -327,8 +328,8 @@ class _WarpSpecializedPlan:
         self.num_sms = num_sms
         self.fallback = fallback
 
-    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
-        a, b, sizes, ids, a_scale, b_scale = tensors
+    def __call__(self, *tensors: Any) -> torch.Tensor:
+        a, b, sizes, ids, a_scale, b_scale, bias = tensors
         if (a.data_ptr() | b.data_ptr()) & 15:
             return self.fallback(*tensors)
         if recorded_device() is not None:  # the compile gate: the fallback's launch compiles too
@@ -339,7 +340,8 @@ class _WarpSpecializedPlan:
             zero_tail=self.zero_tail, block_e=self.block_e, num_sms=self.num_sms,
             gather=None if self.top_k is None else (ids, self.top_k), blockwise=self.blockwise,
         )  # fmt: skip
-        return out
+        # The Gluon kernel has no bias epilogue: the core's addition, rounded once more.
+        return out if bias is None else _add_bias(out, bias, sizes, self.from_ends)
 
 
 class _ScaledPlan:
@@ -361,7 +363,7 @@ class _ScaledPlan:
         self.tma = tma
         self.reads_a = reads_a
 
-    def misaligned(self, *tensors: torch.Tensor) -> torch.Tensor:
+    def misaligned(self, *tensors: Any) -> torch.Tensor:
         """The launch of operands whose bases TMA cannot take: what a Gluon plan falls back to
         for them (plain rows: no descriptor; gathered rows: b's alone, x being the one
         misaligned). Recorded for the compile gate, whose meta tensors look aligned, so it
@@ -369,16 +371,32 @@ class _ScaledPlan:
         a, b = tensors[0], tensors[1]
         out = torch.empty(self.shape, dtype=self.out_dtype, device=a.device)
         launch = self.tma if self.tma is not None and not self.reads_a else self.plain
-        launch(a, b, out, *tensors[2:])
+        launch(a, b, out, *_kernel_tensors(tensors))
         return out
 
-    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *tensors: Any) -> torch.Tensor:
         a, b = tensors[0], tensors[1]
         out = torch.empty(self.shape, dtype=self.out_dtype, device=a.device)
         aligned = not (b.data_ptr() | (a.data_ptr() if self.reads_a else 0)) & 15
         launch = self.tma if self.tma is not None and aligned else self.plain
-        launch(a, b, out, *tensors[2:])
+        launch(a, b, out, *_kernel_tensors(tensors))
         return out
+
+
+def _kernel_tensors(tensors: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """A plan's (a, b, sizes, ids, a_scale, b_scale, bias) as the kernel's tensors after c: the
+    bias pointer is the sizes' where there is none (HAS_BIAS is off, it is never read)."""
+    sizes, bias = tensors[2], tensors[6]
+    return (*tensors[2:6], sizes if bias is None else bias)
+
+
+def _add_bias(
+    out: torch.Tensor, bias: torch.Tensor, sizes: torch.Tensor, from_ends: bool
+) -> torch.Tensor:
+    """out with bias[e] added to each row of group e by the core's own addition (gather_gmm's
+    serve), for the launches without a bias epilogue."""
+    ends = sizes if from_ends else sizes.cumsum(0)
+    return _served_bias()({"bias": bias, "bins": ends}, out)
 
 
 def _scaled_plan(
@@ -394,6 +412,7 @@ def _scaled_plan(
     blockwise: bool,
     out_dtype: torch.dtype,
     zero_tail: bool,
+    bias_stride: int | None = None,
 ) -> Callable[..., torch.Tensor]:
     k = a.shape[1]
     num_experts = b.shape[0]
@@ -402,7 +421,7 @@ def _scaled_plan(
     if m == 0 or n == 0:
         return lambda *t: torch.empty(shape, dtype=out_dtype, device=a.device)
     if k == 0:
-        return lambda *t: torch.zeros(shape, dtype=out_dtype, device=a.device)
+        return functools.partial(_empty_k, shape, out_dtype, from_ends)
     block_e = _check_experts(num_experts)
     info = device_info(a.device)
     cfg = CONFIG_OVERRIDE or choose_config("gmm", m, n, k, num_experts, a.dtype, info)
@@ -422,7 +441,7 @@ def _scaled_plan(
         b.stride(0), stride_bk, stride_bn,
         n, 1,
         a_scale.stride(0), a_scale.stride(1),
-        *_scale_strides(b_scale, trans_b),
+        *_scale_strides(b_scale, trans_b), bias_stride or 0,
     )  # fmt: skip
     kw = {
         "BLOCK_M": cfg.block_m,
@@ -441,6 +460,7 @@ def _scaled_plan(
         "ZERO_TAIL": zero_tail,
         "INTERPRETED": info.kind == "cpu",
         "FLATTEN": cfg.flatten,
+        "HAS_BIAS": bias_stride is not None,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **configs.launch_options("gmm"),
@@ -463,7 +483,7 @@ def _scaled_plan(
     if gather_top_k is not None and GATHER_FIRST:
         first = _gather_first_plan(
             configs, info, a, a_scale, b, b_scale, trans_b, m, gather_top_k, blockwise,
-            out_dtype, zero_tail, block_e,
+            out_dtype, zero_tail, block_e, bias_stride,
         )  # fmt: skip
         if first is not None:
             return first
@@ -474,6 +494,15 @@ def _scaled_plan(
         hopper, from_ends, zero_tail, block_e, _num_sms(info), gather_top_k, blockwise,
         triton_plan,
     )  # fmt: skip
+
+
+def _empty_k(
+    shape: tuple[int, int], out_dtype: torch.dtype, from_ends: bool, *tensors: Any
+) -> torch.Tensor:
+    """The plan of an empty K: zero products, each grouped row its expert's bias if given."""
+    out = torch.zeros(shape, dtype=out_dtype, device=tensors[0].device)
+    bias = tensors[6]
+    return out if bias is None else _add_bias(out, bias, tensors[2], from_ends)
 
 
 class _GatherFirstPlan:
@@ -496,11 +525,11 @@ class _GatherFirstPlan:
         self.gather_scales = gather_scales
         self.plain = plain
 
-    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
-        x, b, bins, indices, x_scale, b_scale = tensors
+    def __call__(self, *tensors: Any) -> torch.Tensor:
+        x, b, bins, indices, x_scale, b_scale, bias = tensors
         words = self.gather_rows(_as_words(x), indices, None, bins)
         scales = self.gather_scales(x_scale.contiguous(), indices, None, bins)
-        return self.plain(words.view(x.dtype), b, bins, bins, scales, b_scale)
+        return self.plain(words.view(x.dtype), b, bins, bins, scales, b_scale, bias)
 
 
 def _as_words(x: torch.Tensor) -> torch.Tensor:
@@ -525,6 +554,7 @@ def _gather_first_plan(
     out_dtype: torch.dtype,
     zero_tail: bool,
     block_e: int,
+    bias_stride: int | None,
 ) -> _GatherFirstPlan | None:
     """The :class:`_GatherFirstPlan` of a gathered call shape where plain rows of its shape take
     the Gluon kernel (:func:`_gathers_first`), else None."""
@@ -537,7 +567,7 @@ def _gather_first_plan(
     # The plans read shapes, strides and the device (made once per call shape).
     rows, row_scales = x.new_empty((m, k)), x_scale.new_empty((m, x_scale.shape[1]))
     plain = _scaled_plan(configs, rows, row_scales, b, b_scale, trans_b, m, None, True, blockwise,
-                         out_dtype, zero_tail)  # fmt: skip
+                         out_dtype, zero_tail, bias_stride)  # fmt: skip
     n, experts = tokens * top_k, b.shape[0]
     words = x.new_empty((tokens, k // 4), dtype=torch.float32)
     return _GatherFirstPlan(
@@ -582,12 +612,15 @@ def _planned(
     zero_tail: bool = True,
     sizes_dtype: torch.dtype | None = None,
     indices_dtype: torch.dtype | None = None,
+    bias: torch.Tensor | None = None,
 ) -> Callable[..., torch.Tensor]:
     configs = launch_configs()
+    bias_stride = None if bias is None else bias.stride(0)
     key = (
         a.shape, a.stride(), a.dtype, a.device, a_scale.shape, a_scale.stride(),
         b.shape, b.stride(), b.dtype, b_scale.shape, b_scale.stride(), sizes_dtype,
         indices_dtype, m, trans_b, gather_top_k, from_ends, format, out_dtype, zero_tail, configs,
+        bias_stride, None if bias is None else bias.dtype,
         CONFIG_OVERRIDE, WARP_SPECIALIZED, PROMOTE_EVERY, GATHER_FIRST,  # measurement switches
     )  # fmt: skip
     plan = _SCALED_PLANS.get(key)
@@ -609,6 +642,7 @@ def _planned(
                 blockwise,
                 out_dtype,
                 zero_tail,
+                bias_stride,
             ),
         )
     return plan
@@ -634,14 +668,16 @@ def scaled_gmm(
     trans_b: bool,
     format: str,
     out_dtype: str | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     sizes = _device_sizes(batch_sizes, a.device)
     b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
+    bias, _ = _bias_layout(bias)
     plan = _planned(
         a, a_scale, b, b_scale, trans_b, a.shape[0], None, False, format,
-        out_dtype_of(out_dtype), sizes_dtype=sizes.dtype,
+        out_dtype_of(out_dtype), sizes_dtype=sizes.dtype, bias=bias,
     )  # fmt: skip
-    return plan(a, b, sizes, sizes, a_scale, b_scale)
+    return plan(a, b, sizes, sizes, a_scale, b_scale, bias)
 
 
 def scaled_gather_gmm(
@@ -657,14 +693,16 @@ def scaled_gather_gmm(
     rows: int | None,
     format: str,
     out_dtype: str | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
+    bias, _ = _bias_layout(bias)
     m = indices.shape[0] if rows is None else rows
     plan = _planned(
         x, x_scale, b, b_scale, trans_b, m, int(top_k), True, format, out_dtype_of(out_dtype),
-        sizes_dtype=bins.dtype, indices_dtype=indices.dtype,
+        sizes_dtype=bins.dtype, indices_dtype=indices.dtype, bias=bias,
     )  # fmt: skip
-    return plan(x, b, bins, indices, x_scale, b_scale)
+    return plan(x, b, bins, indices, x_scale, b_scale, bias)
 
 
 def scaled_gmm_scatter(
@@ -681,16 +719,19 @@ def scaled_gmm_scatter(
     rows: int | None,
     format: str,
     out_dtype: str | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from .permutation import _scatter_plan
 
     b, b_scale, trans_b = _k_major(b, b_scale, trans_b)
+    bias, _ = _bias_layout(bias)
     dtype = out_dtype_of(out_dtype)
+    # The bias goes into each product row before the weighted sum, as the contract says.
     gemm = _planned(
         x, x_scale, b, b_scale, trans_b, x.shape[0], None, True, format, dtype,
-        zero_tail=False, sizes_dtype=bins.dtype,
+        zero_tail=False, sizes_dtype=bins.dtype, bias=bias,
     )  # fmt: skip
-    products = gemm(x, b, bins, bins, x_scale, b_scale)
+    products = gemm(x, b, bins, bins, x_scale, b_scale, bias)
     configs = launch_configs()
     # Everything the pinned scatter launch depends on: shapes and dtypes of every operand (a
     # launch compiled for float32 weights must never read bfloat16 ones), device and policy.
@@ -742,8 +783,9 @@ scaled_gmm_scatter_supports = scaled_gmm_supports
 
 def compile_calls(shape: Any, device: DeviceInfo) -> Any:
     """(op, call) of the low-precision ops at a layer ``shape`` on ``device`` (meta tensors, for
-    the compile gate): every format, the transpose-quantize of both weights, both GEMM layouts;
-    none on a device without FP8 matrix instructions."""
+    the compile gate): every format, the transpose-quantize of both weights, both GEMM layouts,
+    the layer's two GEMMs with and without a bias; none on a device without FP8 matrix
+    instructions."""
     if fp8_capability(device) is not None:
         return
     t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
@@ -762,16 +804,17 @@ def compile_calls(shape: Any, device: DeviceInfo) -> Any:
         h8, sh = _quantized_meta(hidden, format, 1, enc.dtype)
         w1t, s1 = _quantized_meta(w1.transpose(1, 2), format, 2, enc.dtype)
         w2t, s2 = _quantized_meta(w2.transpose(1, 2), format, 2, enc.dtype)
-        yield (
-            "scaled_gather_gmm",
-            functools.partial(
-                scaled_gather_gmm, x8, sx, w1t, s1, ids, ids, counts, k, True, None, format, None
-            ),
-        )
-        yield "scaled_gmm_scatter", functools.partial(
-            scaled_gmm_scatter, h8, sh, w2t, s2, ids, ids, weights, counts, k, True, None,
-            format, None,
-        )  # fmt: skip
+        for biased in (False, True):
+            bias1 = _meta(e, f, dtype=bf16) if biased else None
+            bias2 = _meta(e, h, dtype=bf16) if biased else None
+            yield "scaled_gather_gmm", functools.partial(
+                scaled_gather_gmm, x8, sx, w1t, s1, ids, ids, counts, k, True, None, format,
+                None, bias1,
+            )  # fmt: skip
+            yield "scaled_gmm_scatter", functools.partial(
+                scaled_gmm_scatter, h8, sh, w2t, s2, ids, ids, weights, counts, k, True, None,
+                format, None, bias2,
+            )  # fmt: skip
         yield (
             "scaled_gmm",
             functools.partial(scaled_gmm, h8, sh, w2t, s2, counts, True, format, None),

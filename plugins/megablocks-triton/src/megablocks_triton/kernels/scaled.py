@@ -213,19 +213,20 @@ def _rounded(values, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _scaled_gmm_kernel(
-    a_ptr, b_ptr, c_ptr, sizes_ptr, idx_ptr, sa_ptr, sb_ptr,
+    a_ptr, b_ptr, c_ptr, sizes_ptr, idx_ptr, sa_ptr, sb_ptr, bias_ptr,
     M, N, K, E, top_k, num_ids,
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
     stride_cm, stride_cn,
     stride_sam, stride_sak,
-    stride_sbe, stride_sbk, stride_sbn,
+    stride_sbe, stride_sbk, stride_sbn, stride_bias,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCKWISE: tl.constexpr, SCALE_BLOCK: tl.constexpr, PROMOTE: tl.constexpr,
     B_TMA: tl.constexpr, TRANS_B: tl.constexpr, GATHER: tl.constexpr,
     FROM_ENDS: tl.constexpr, ZERO_TAIL: tl.constexpr, INTERPRETED: tl.constexpr = False,
     NO_PROMOTION: tl.constexpr = False, A_TMA: tl.constexpr = False, FLATTEN: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False,
 ):  # fmt: skip
     """The persistent grouped GEMM of 8-bit operands (as ``_gmm_kernel``: the same tile walk
     over every expert's tiles, group sizes read on the device, rows clamped to their group).
@@ -240,7 +241,9 @@ def _scaled_gmm_kernel(
     storage; A_TMA (not GATHER): a_ptr a (M, K) one (rows past the group, the next group's, reach
     only rows the store drops; its bounds zero-fill the K tail). FROM_ENDS: sizes_ptr holds bins.
     FLATTEN: the tile and K loops pipelined as one (a short K loop's epilogue overlaps the next
-    tile's loads)."""
+    tile's loads). HAS_BIAS: bias_ptr is the per-expert bias (E, N), rows stride_bias apart,
+    unit column stride, added in float32 to every row of a group (an unnamed one too) before
+    the one rounding; otherwise bias_ptr is unused."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     e_idx = tl.arange(0, BLOCK_E)
@@ -319,6 +322,9 @@ def _scaled_gmm_kernel(
             sb = tl.load(sb_col, mask=n_ok, other=0.0)
             acc = acc * sa[:, None] * sb[None, :]
         acc = tl.where(named[:, None], acc, 0.0)  # an unnamed row's NaN scale must not leak
+        if HAS_BIAS:
+            bias_row = bias_ptr + e.to(tl.int64) * stride_bias
+            acc += tl.load(bias_row + cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out_rows = (row_start + rows).to(tl.int64)
         c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :].to(tl.int64) * stride_cn
         c_mask = (rows < size_e)[:, None] & n_ok[None, :]
