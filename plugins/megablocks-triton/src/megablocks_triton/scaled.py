@@ -183,21 +183,47 @@ def _quantize_launch(
 def quantize(
     x: torch.Tensor, reduce_dim: int, format: str, encoding: str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # (The recorded device: meta tensors stand for another device per compile-gate target.)
+    key = (x.shape, x.stride(), x.dtype, x.device, reduce_dim, format, encoding, recorded_device())
+    plan = _QUANTIZE_PLANS.get(key)
+    if plan is None:
+        plan = remember(_QUANTIZE_PLANS, key, _quantize_plan(x, reduce_dim, format, encoding))
+    return plan(x)
+
+
+#: Per call shape: the prepared quantization (its launch bound once: at decode sizes the
+#: launch's own argument checks cost more than the kernel).
+_QUANTIZE_PLANS: dict[Any, Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _quantize_plan(
+    x: torch.Tensor, reduce_dim: int, format: str, encoding: str | None
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The quantization of tensors shaped and strided as ``x`` (read for its metadata only)."""
     fmt = SCALED_FORMATS[format]
     info = device_info(x.device)
     enc = FP8_ENCODINGS[encoding] if encoding is not None else native_encoding(info)
     block = fmt.block(x.dim(), reduce_dim)
-    view = x if x.dim() == 3 else x.unsqueeze(0)
+    shape = tuple(x.shape)
+    scale_shape = tuple(1 if b == 0 else cdiv(s, b) for s, b in zip(shape, block, strict=True))
+    three = x.dim() == 3
+
+    def outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data = torch.empty(shape, dtype=enc.dtype, device=x.device)
+        return data, torch.empty(scale_shape, dtype=torch.float32, device=x.device)
+
+    if x.numel() == 0:
+
+        def empty(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            data, scale = outputs(x)
+            if scale.numel():  # empty blocks (k = 0): amax 0, the smallest scale
+                scale.fill_(2.0**-126)
+            return data, scale
+
+        return empty
+    view = x if three else x.unsqueeze(0)
     experts, r, c = view.shape
-    block3 = block if x.dim() == 3 else (1, *block)
-    scale_shape = tuple(1 if b == 0 else cdiv(s, b) for s, b in zip(x.shape, block, strict=True))
-    data = torch.empty(x.shape, dtype=enc.dtype, device=x.device)
-    scale = torch.empty(scale_shape, dtype=torch.float32, device=x.device)
-    if data.numel() == 0:
-        if scale.numel():  # empty blocks (k = 0): amax 0, the smallest scale
-            scale.fill_(2.0**-126)
-        return data, scale
-    _, br, bc = block3
+    _, br, bc = block if three else (1, *block)
     if br == 0:
         mode = "column"
     elif bc == 0:
@@ -206,7 +232,8 @@ def quantize(
         mode = "row_tile"
     else:
         mode = "tile"
-    scale3 = scale if x.dim() == 3 else scale.unsqueeze(0)
+    scale3 = torch.empty(scale_shape, device="meta")
+    scale3 = scale3 if three else scale3.unsqueeze(0)
     transposed = mode in ("row", "tile") and view.stride(-1) != 1 and view.stride(-2) == 1
     if transposed:
         # A transposed view (a weight's transpose, the layout the GEMMs read): its transpose,
@@ -222,12 +249,9 @@ def quantize(
     import triton.language as tl  # type: ignore[import-untyped]
 
     fp8 = tl.float8e4b8 if enc.name == "e4m3fnuz" else tl.float8e4nv
-    from .launch import launch
-
-    launch(
+    bound = bind(
         _quantize_kernel,
         (experts * r_tiles * c_tiles,),
-        view, data.view(torch.uint8), scale3,
         r, c, r_tiles, c_tiles,
         *view.stride(), *scale3.stride(),
         BLOCK_R=block_r, BLOCK_C=block_c, MODE=mode,
@@ -236,7 +260,17 @@ def quantize(
         POW2=fmt.power_of_two, HARDWARE=hardware, FP8=fp8, TRANSPOSED=transposed,
         num_warps=num_warps,
     )  # fmt: skip
-    return data, scale
+
+    def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data, scale = outputs(x)
+        view = x if three else x.unsqueeze(0)
+        scale3 = scale if three else scale.unsqueeze(0)
+        if transposed:
+            view, scale3 = view.transpose(1, 2), scale3.transpose(1, 2)
+        bound(view, data.view(torch.uint8), scale3)
+        return data, scale
+
+    return run
 
 
 # --------------------------------------------------------------------------------------------
