@@ -218,6 +218,9 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
                 {
                     ("scatter", "fp32"): "a few bytes at ~40 registers: ptxas for sm_100 keeps "
                     "a value on the stack, not register pressure",
+                    ("gmm", "fp8"): "16 bytes at 128 registers in the blockwise gathered decode "
+                    "tile (4 warps) with a bias (int32 offsets did not help); not measured on "
+                    "Blackwell",
                 }
             ),
         ),
