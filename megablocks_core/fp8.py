@@ -170,12 +170,6 @@ class _ScaledCall:
             copies[key] = (b._version, data, scale)
         return data, scale
 
-    @staticmethod
-    def finish(out: Tensor, like: Tensor) -> Tensor:
-        """The scaled op's output (its bias added, in float32 where the kernel takes it) in the
-        inputs' dtype."""
-        return out.to(like.dtype)
-
 
 def _gmm(
     scaled: _ScaledCall,
@@ -188,7 +182,7 @@ def _gmm(
     rows, matrices = scaled.rows(a), scaled.matrices(b, trans_b)
     fmt, out_name = scaled.recipe.format, _out_name(a.dtype)
     out = scaled.op("scaled_gmm", *rows, *matrices, batch_sizes, True, fmt, out_name, bias)
-    return scaled.finish(out, a)
+    return out.to(a.dtype)  # the scaled op added the bias
 
 
 def _gather_gmm(
@@ -218,7 +212,7 @@ def _gather_gmm(
         _out_name(x.dtype),
         bias,
     )
-    return scaled.finish(out, x)
+    return out.to(x.dtype)
 
 
 def _gmm_scatter(
@@ -255,7 +249,7 @@ def _gmm_scatter(
         _out_name(x.dtype),
         bias,
     )
-    return scaled.finish(out, x)
+    return out.to(x.dtype)
 
 
 _GEMMS: dict[str, Callable[..., Tensor]] = {

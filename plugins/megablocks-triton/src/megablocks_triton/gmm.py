@@ -168,12 +168,22 @@ class _ForwardPlan:
 @functools.cache
 def _served_bias() -> Callable[..., torch.Tensor]:
     """The core's own addition of a bias to rows grouped by cumulative ends (gather_gmm's
-    ``serve(arguments by name, out)``): for the products of an empty K, which no launch makes.
-    Looked up once."""
+    ``serve(arguments by name, out)``): for products no bias epilogue made (an empty K's, which
+    no launch makes; the scaled GEMMs' Gluon kernel's). Looked up once."""
     serve: Callable[..., torch.Tensor] = getattr(  # noqa: B009 (Arg has no serve)
         contract("gather_gmm").arg("bias"), "serve"
     )
     return serve
+
+
+def add_grouped_bias(
+    out: torch.Tensor, bias: torch.Tensor, sizes: torch.Tensor, from_ends: bool
+) -> torch.Tensor:
+    """out with bias[e] added to each row of group e by the core's own addition, for the
+    products no bias epilogue made; ``sizes`` are the groups' sizes, or their ends
+    (``from_ends``)."""
+    ends = sizes if from_ends else sizes.cumsum(0)
+    return _served_bias()({"bias": bias, "bins": ends}, out)
 
 
 def _bias_only(
@@ -188,8 +198,7 @@ def _bias_only(
         indices: torch.Tensor,
         bias: torch.Tensor,
     ) -> torch.Tensor:
-        ends = sizes if from_ends else sizes.cumsum(0)
-        return _served_bias()({"bias": bias, "bins": ends}, a.new_zeros(shape))
+        return add_grouped_bias(a.new_zeros(shape), bias, sizes, from_ends)
 
     return run
 

@@ -38,7 +38,7 @@ from megablocks_core.plugin import (
 )
 
 from .config import LaunchConfigs, arch_tuning, launch_configs
-from .gmm import _bias_layout, _served_bias
+from .gmm import _bias_layout, add_grouped_bias
 from .gmm_configs import (
     _check_experts,
     _device_sizes,
@@ -375,7 +375,7 @@ class _WarpSpecializedPlan:
             gather=None if self.top_k is None else (ids, self.top_k), blockwise=self.blockwise,
         )  # fmt: skip
         # The Gluon kernel has no bias epilogue: the core's addition, rounded once more.
-        return out if bias is None else _add_bias(out, bias, sizes, self.from_ends)
+        return out if bias is None else add_grouped_bias(out, bias, sizes, self.from_ends)
 
 
 class _ScaledPlan:
@@ -422,15 +422,6 @@ def _kernel_tensors(tensors: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
     bias pointer is the sizes' where there is none (HAS_BIAS is off, it is never read)."""
     sizes, bias = tensors[2], tensors[6]
     return (*tensors[2:6], sizes if bias is None else bias)
-
-
-def _add_bias(
-    out: torch.Tensor, bias: torch.Tensor, sizes: torch.Tensor, from_ends: bool
-) -> torch.Tensor:
-    """out with bias[e] added to each row of group e by the core's own addition (gather_gmm's
-    serve), for the launches without a bias epilogue."""
-    ends = sizes if from_ends else sizes.cumsum(0)
-    return _served_bias()({"bias": bias, "bins": ends}, out)
 
 
 def _scaled_plan(
@@ -536,7 +527,7 @@ def _empty_k(
     """The plan of an empty K: zero products, each grouped row its expert's bias if given."""
     out = torch.zeros(shape, dtype=out_dtype, device=tensors[0].device)
     bias = tensors[6]
-    return out if bias is None else _add_bias(out, bias, tensors[2], from_ends)
+    return out if bias is None else add_grouped_bias(out, bias, tensors[2], from_ends)
 
 
 class _GatherFirstPlan:
