@@ -349,3 +349,20 @@ def test_decode_host_times_the_fp8_experts_beside_the_others(tmp_path, monkeypat
     ]
     assert all(r["block_host_ms"] > 0 and r["experts_host_ms"] > 0 for r in rows)
     assert {"quantize", "scaled_gather_gmm", "scaled_gmm_scatter"} <= set(served)
+
+
+def test_fp8_gemm_s_layer_rows_check_each_recipe_against_float32_or_skip_the_check(tmp_path):
+    script = _script("fp8_gemm")
+    checked, timed = tmp_path / "checked.jsonl", tmp_path / "timed.jsonl"
+    argv = ["--device", "cpu", "--tiny", "--layer", "--no-gemms", "--reps", "1"]
+    with megablocks_core.use_backend("reference"):
+        assert script.main([*argv, "--out", str(checked)]) == 0
+        assert script.main([*argv, "--no-layer-errors", "--out", str(timed)]) == 0
+    rows = [json.loads(line) for line in checked.read_text().splitlines()]
+    assert rows[0]["recipe"] == "bf16" and len(rows) == 5
+    for r in rows:  # bf16 rounds to 3 significant digits; e4m3 keeps 2
+        bound = 1e-2 if r["recipe"] == "bf16" else 1e-1
+        assert all(r[f"error_{k}"] < bound for k in ("out", "dx", "dw1", "dw2")), r
+    assert rows[1]["error_out"] > 3 * rows[0]["error_out"]  # the FP8 recipe did quantize
+    rows = [json.loads(line) for line in timed.read_text().splitlines()]
+    assert len(rows) == 5 and not any(k.startswith("error") for r in rows for k in r)
