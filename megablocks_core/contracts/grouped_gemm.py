@@ -95,6 +95,10 @@ BIAS_OPTION_GMM = TensorArg(
     "bias", FLOAT_DTYPES, (2,), BIAS_DOC, optional=True, serve=bias_ops.serve_gmm
 )
 OUT_WIDTH = "(b.shape[1] if trans_b else b.shape[2])"
+BIAS_SHAPE = Rule(
+    f"bias is None or (bias.shape[0] == b.shape[0] and bias.shape[1] == {OUT_WIDTH})",
+    "bias holds one row per expert, as wide as the output, (experts, n)",
+)
 
 
 def bias_rules(data: str) -> tuple[Rule, ...]:
@@ -104,10 +108,7 @@ def bias_rules(data: str) -> tuple[Rule, ...]:
             f"bias has {data}'s dtype",
             error=TypeError,
         ),
-        Rule(
-            f"bias is None or (bias.shape[0] == b.shape[0] and bias.shape[1] == {OUT_WIDTH})",
-            "bias holds one row per expert, as wide as the output, (experts, n)",
-        ),
+        BIAS_SHAPE,
     )
 
 

@@ -43,6 +43,7 @@ from .common import (
 )
 from .grouped_gemm import (
     BATCH_SIZES,
+    BIAS_SHAPE,
     FUSED_BAD_BINS,
     GMM_BAD_SIZES,
     GROUPS_FIT_A,
@@ -50,7 +51,6 @@ from .grouped_gemm import (
     GROUPS_WITHIN_A,
     INNER_B,
     ONE_MATRIX_PER_BIN,
-    OUT_WIDTH,
     ROUTED_RULES,
     ROWS_PAST_GROUPS,
     ROWS_SHORT,
@@ -193,10 +193,6 @@ def _bias_arg(serve: Any, doc: str = "added to each expert's output rows") -> Te
     )
 
 
-BIAS_SHAPE = Rule(
-    f"bias is None or (bias.shape[0] == b.shape[0] and bias.shape[1] == {OUT_WIDTH})",
-    "bias holds one row per expert, as wide as the output, (experts, n)",
-)
 BIAS_ADDED = (
     "With bias, bias[e] is added to each row of group e: to the float32 product, rounded once, "
     "by a kernel that takes it; by the core to the rounded output of one that does not "
