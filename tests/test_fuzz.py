@@ -1039,13 +1039,14 @@ def extend(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
 
 
-def _dtype(args: dict[str, Any], name: str) -> torch.dtype:
-    """The dtype of ``args[name]``; for an optional tensor left out (None), the call's first
-    floating-point tensor's (what an option such as ``bias`` must match)."""
-    if args[name] is not None:
-        return cast(torch.dtype, args[name].dtype)
+def _dtype(args: dict[str, Any], spec: TensorArg) -> torch.dtype:
+    """The dtype of ``args[spec.name]``; for an optional tensor left out (None), the call's first
+    tensor's that ``spec`` accepts (what an option such as ``bias`` must match; not the 8-bit
+    data of a scaled GEMM, which a bias never is)."""
+    if args[spec.name] is not None:
+        return cast(torch.dtype, args[spec.name].dtype)
     return next(
-        v.dtype for v in args.values() if isinstance(v, torch.Tensor) and v.is_floating_point()
+        v.dtype for v in args.values() if isinstance(v, torch.Tensor) and v.dtype in spec.dtypes
     )
 
 
@@ -1066,8 +1067,8 @@ def mutations(op: str, args: dict[str, Any]) -> Iterator[tuple[str, type[Excepti
             yield (
                 f"{name} of rank {rank}",
                 ContractError,
-                lambda a, n=name, k=rank: a.__setitem__(
-                    n, torch.zeros((2,) * k, dtype=_dtype(a, n))
+                lambda a, s=spec, k=rank: a.__setitem__(
+                    s.name, torch.zeros((2,) * k, dtype=_dtype(a, s))
                 ),
             )
         yield (f"{name} as a list", ContractTypeError, lambda a, n=name: a.__setitem__(n, [0, 1]))
