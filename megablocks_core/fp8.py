@@ -5,7 +5,7 @@ The functions here take and return what the ops of the same name take and return
 tensors, the same contracts, validated the same way), and differentiate through the same backward
 rules (:mod:`megablocks_core.autograd`). Only the GEMMs change: each one quantizes its operands
 (``quantize``: the row operand once per token, the expert weights once per call or once per
-weight version, see :attr:`Recipe.cache_weights`) and runs the scaled op (``scaled_gmm``,
+weight version, both layouts in one ``quantize_both_ways``, see :attr:`Recipe.cache_weights`) and runs the scaled op (``scaled_gmm``,
 ``scaled_gather_gmm``, ``scaled_gmm_scatter``) on whichever backend ranks first for it. The
 backward's data-gradient GEMMs run in the recipe's format too unless ``backward="input"``;
 the weight gradients always run in the inputs' dtype (no FP8 weight-gradient kernel yet), reading
@@ -57,7 +57,8 @@ class Recipe:
     inputs' dtype. ``cache_weights``: keep each weight's quantized copy while the weight tensor
     is unchanged (its version counter), across the forward, the backward and further
     micro-batches, for one byte a weight element per layout kept (two: the forward's and the
-    backward's). Off by default: an update the version counter does not see (through ``.data``)
+    backward's); a training forward quantizes a changed weight into both layouts from one read
+    (``quantize_both_ways``). Off by default: an update the version counter does not see (through ``.data``)
     would go unnoticed. Under ``torch.compile`` the cache is neither read nor filled: a compiled
     step quantizes the weights on every call, whatever this says."""
 
@@ -124,11 +125,16 @@ class _ScaledCall:
     entries take no fake tensors), and no weight cache is read (a graph replays its quantization
     on every step)."""
 
-    def __init__(self, recipe: Recipe, in_backward: bool, traced: bool = False) -> None:
+    def __init__(
+        self, recipe: Recipe, in_backward: bool, traced: bool = False, both_ways: bool = False
+    ) -> None:
         self.recipe = recipe
         self.scaled = not in_backward or recipe.backward == "fp8"
         self.in_backward = in_backward
         self.traced = traced
+        # A forward whose backward will want each weight's other layout too, kept in the cache:
+        # both quantized from one read (quantize_both_ways) when a weight has changed.
+        self.both_ways = both_ways and recipe.cache_weights and not traced
 
     def op(self, name: str, *args: Any) -> Any:
         """The op ``name`` itself, as this call runs it (eager or traced)."""
@@ -164,6 +170,14 @@ class _ScaledCall:
             kept = copies.get(key)
             if kept is not None and kept[0] == b._version:
                 return kept[1], kept[2]
+        if copies is not None and self.both_ways:
+            # (data, scale) summed over b's last dim: trans_b's layout; (data_t, scale_t) the other.
+            data, scale, data_t, scale_t = self.op(
+                "quantize_both_ways", b, recipe.format, recipe.encoding
+            )
+            copies[(recipe.format, recipe.encoding, True)] = (b._version, data, scale)
+            copies[(recipe.format, recipe.encoding, False)] = (b._version, data_t, scale_t)
+            return (data, scale) if trans_b else (data_t, scale_t)
         k_last = b if trans_b else b.transpose(1, 2)
         data, scale = self.op("quantize", k_last, 2, recipe.format, recipe.encoding)
         if copies is not None:
@@ -272,11 +286,13 @@ def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
         return compiled(resolved.format, resolved.encoding, resolved.backward, *args)
     contract = BY_NAME[name]
     args = _VALIDATORS[name](args)
-    forward = _ScaledCall(resolved, in_backward=False)
     bound = contract.bind(args)
     wants_grad = torch.is_grad_enabled() and any(
         isinstance(bound[n], Tensor) and bound[n].requires_grad for n in contract.differentiable
     )
+    rows = bound[contract.args[0].name]  # the row operand: its gradient reads the other layout
+    needs_rows_grad = wants_grad and rows.requires_grad and resolved.backward == "fp8"
+    forward = _ScaledCall(resolved, in_backward=False, both_ways=needs_rows_grad)
     if wants_grad:
         backward = _ScaledCall(resolved, in_backward=True)
         return autograd.apply(

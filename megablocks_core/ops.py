@@ -36,6 +36,7 @@ _gather_gmm = ENTRIES["gather_gmm"]
 _gmm_scatter = ENTRIES["gmm_scatter"]
 _glu = ENTRIES["glu"]
 _quantize = ENTRIES["quantize"]
+_quantize_both_ways = ENTRIES["quantize_both_ways"]
 _scaled_gmm = ENTRIES["scaled_gmm"]
 _scaled_gather_gmm = ENTRIES["scaled_gather_gmm"]
 _scaled_gmm_scatter = ENTRIES["scaled_gmm_scatter"]
@@ -251,6 +252,16 @@ def quantize(
     return _quantize(x, reduce_dim, format, encoding)
 
 
+def quantize_both_ways(
+    x: Tensor, format: str | None = None, encoding: str | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Expert matrices (experts, p, q) quantized for both GEMMs that read them: ``(data, scale,
+    data_t, scale_t)``, exactly :func:`quantize` ``(x, 2, ...)`` and ``(x.transpose(1, 2), 2,
+    ...)``, from one call (a kernel may read x once for both). For a weight (experts, k, n):
+    ``data`` serves the data gradient (summed over n), ``data_t`` the forward (summed over k)."""
+    return _quantize_both_ways(x, format, encoding)
+
+
 def scaled_gmm(
     a: Tensor,
     a_scale: Tensor,
@@ -371,6 +382,7 @@ __all__ = [
     "padded_gather",
     "padded_scatter",
     "quantize",
+    "quantize_both_ways",
     "repeat",
     "replicate",
     "round_up",

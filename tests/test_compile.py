@@ -70,6 +70,7 @@ def _scaled_samples(a, b, x, indices, bin_ids, w, bins, counts):
     qbt, sbt = ops.quantize(b.transpose(1, 2), 2, fmt)  # (experts, n, k)
     return {
         "quantize": (b.transpose(1, 2), 2, fmt, None),
+        "quantize_both_ways": (b, "fp8_rowwise", None),
         "scaled_gmm": (qa, sa, qb, sb, counts.long(), False, fmt, None),
         "scaled_gather_gmm": (qx, sx, qbt, sbt, indices, bin_ids, bins, 2, True, None, fmt, None),
         "scaled_gmm_scatter": (

@@ -467,28 +467,42 @@ def test_backward_input_runs_its_gemms_unquantized(monkeypatch, reference_backen
     assert seen.count("scaled_gather_gmm") == 2 and seen.count("scaled_gmm_scatter") == 2
 
 
-def test_weight_cache_follows_the_weight_version(monkeypatch, reference_backend):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weight_cache_follows_the_weight_version(fmt, monkeypatch, reference_backend):
     x, w1, w2, weights, *routing = _layer_case(2)
-    quantized: list[tuple] = []
+    quantized: list[str] = []
     real = fp8.call
 
     def spy(op, *args):
-        if op == "quantize" and args[0].dim() == 3:
-            quantized.append(tuple(args[0].shape))
+        if op.startswith("quantize") and args[0].dim() == 3:
+            quantized.append(op)
         return real(op, *args)
 
+    def step(recipe: fp8.Recipe) -> list[torch.Tensor]:
+        leaves = (x, w1, w2, weights)
+        out = _mlp(fp8, *leaves, *routing, recipe=recipe)
+        return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
     monkeypatch.setattr(fp8, "call", spy)
-    recipe = fp8.Recipe("fp8_blockwise", cache_weights=True)
+    cached = fp8.Recipe(fmt, cache_weights=True)
+    uncached = fp8.Recipe(fmt)
     for _ in range(3):
-        _mlp(fp8, x, w1, w2, weights, *routing, recipe=recipe).sum().backward()
-    assert len(quantized) == 4  # each weight in its two layouts, once
+        got = step(cached)
+    # each weight in its two layouts, from one call, once
+    assert quantized == ["quantize_both_ways"] * 2
     with torch.no_grad():
         w2.mul_(2)
-    _mlp(fp8, x, w1, w2, weights, *routing, recipe=recipe).sum().backward()
-    assert len(quantized) == 6  # w2 again, w1 still cached
+    got = step(cached)
+    assert quantized == ["quantize_both_ways"] * 3  # w2 again, w1 still cached
     del quantized[:]
-    _mlp(fp8, x, w1, w2, weights, *routing, recipe=fp8.Recipe()).sum().backward()
-    assert len(quantized) == 4  # without the cache: every call
+    want = step(uncached)
+    assert quantized == ["quantize"] * 4  # without the cache: every GEMM quantizes its weight
+    for g, w in zip(got, want, strict=True):  # the same copies: the same results, bit for bit
+        assert torch.equal(g, w)
+    del quantized[:]
+    with torch.no_grad():  # no backward to come: only the forward's layout
+        _mlp(fp8, x, w1.mul_(2), w2, weights, *routing, recipe=cached)
+    assert quantized == ["quantize"]
 
 
 def test_double_backward_through_fp8_is_refused(reference_backend):
@@ -594,21 +608,61 @@ def test_triton_quantize_of_any_layout_matches_the_definition(
     """Triton's quantize, bit for bit the definition's, over random shapes, both reduced dims of a
     matrix, row-major and transposed storage (the stored-layout passes), and NaN or infinities
     anywhere."""
-    gen = torch.Generator().manual_seed(seed)
-    shape = (2, rows, cols) if matrix else (rows, cols)
-    x = torch.randn(shape, generator=gen) * 3
-    flat = x.view(-1)
-    for i in torch.randint(0, flat.numel(), (non_finite,), generator=gen).tolist():
-        flat[i] = (math.nan, math.inf, -math.inf)[i % 3]
+    x = _gaussian_with_non_finite((2, rows, cols) if matrix else (rows, cols), non_finite, seed)
     reduce_dim = (x.dim() - 1) if (reduce_last or not matrix) else 1
     stored = x.transpose(-1, -2).contiguous().transpose(-1, -2) if stored_transposed else x
     f = formats.FORMATS[fmt]
     for enc in _encodings("triton"):
         want = formats.quantize(x, f.block(x.dim(), reduce_dim), enc, f.power_of_two)
         with use_backend("triton"):
-            data, scale = ops.quantize(stored.to(TRITON_DEVICE), reduce_dim, fmt, enc.name)
-        assert torch.equal(data.cpu().view(torch.uint8), want[0].view(torch.uint8))
-        torch.testing.assert_close(scale.cpu(), want[1], rtol=0, atol=0, equal_nan=True)
+            got = ops.quantize(stored.to(TRITON_DEVICE), reduce_dim, fmt, enc.name)
+        _assert_bit_equal(got, want)
+
+
+def _gaussian_with_non_finite(shape: tuple[int, ...], non_finite: int, seed: int) -> torch.Tensor:
+    """Gaussian values (std 3) with ``non_finite`` of them a NaN or an infinity, at random."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * 3
+    flat = x.view(-1)
+    if flat.numel():
+        for i in torch.randint(0, flat.numel(), (non_finite,), generator=gen).tolist():
+            flat[i] = (math.nan, math.inf, -math.inf)[i % 3]
+    return x
+
+
+def _assert_bit_equal(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """(data, scale) as the definition gives them: the codes' bits, the scales exactly."""
+    (data, scale), (want_data, want_scale) = got, want
+    assert data.shape == want_data.shape and data.is_contiguous()
+    assert torch.equal(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+    torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    backend=st.sampled_from(["reference", "triton"] if _TRITON_RUNNABLE else ["reference"]),
+    experts=st.integers(0, 3),
+    rows=st.integers(0, 300),
+    cols=st.integers(0, 300),
+    stored_transposed=st.booleans(),
+    fmt=st.sampled_from(FORMATS),
+    non_finite=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_both_ways_is_the_definition_along_each_dim(
+    backend, experts, rows, cols, stored_transposed, fmt, non_finite, seed
+):
+    """quantize_both_ways, bit for bit the definition summed over each of the matrices' two dims,
+    over random shapes (empty ones too), row-major and transposed storage, and NaN or
+    infinities anywhere."""
+    x = _gaussian_with_non_finite((experts, rows, cols), non_finite, seed)
+    stored = x.transpose(1, 2).contiguous().transpose(1, 2) if stored_transposed else x
+    f = formats.FORMATS[fmt]
+    for enc in _encodings(backend):
+        with use_backend(backend):
+            got = ops.quantize_both_ways(stored.to(_device(backend)), fmt, enc.name)
+        for summed, copy in ((x, got[:2]), (x.transpose(1, 2), got[2:])):
+            _assert_bit_equal(copy, formats.quantize(summed, f.block(3, 2), enc, f.power_of_two))
 
 
 def test_a_small_dmoe_trains_in_fp8_as_in_bf16(reference_backend):

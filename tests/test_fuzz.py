@@ -966,6 +966,12 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             }
     if op == "quantize":
         return {"x": x_tokens, "reduce_dim": 1, "format": "fp8_rowwise", "encoding": None}
+    if op == "quantize_both_ways":
+        return {
+            "x": torch.ones(r.E, 4, 5, dtype=dtype),
+            "format": "fp8_blockwise",
+            "encoding": None,
+        }
     if op.startswith("scaled_"):  # the operands quantized as their format says
         fmt = "fp8_rowwise"
         rows = r.T * r.K if op != "scaled_gmm" else int(r.counts.sum())
@@ -1011,6 +1017,7 @@ PUBLIC_DISPATCHED = (
     "gmm_scatter",
     "glu",
     "quantize",
+    "quantize_both_ways",
     "scaled_gmm",
     "scaled_gather_gmm",
     "scaled_gmm_scatter",

@@ -49,7 +49,13 @@ from .routing import (
     SORT,
     TOPOLOGY,
 )
-from .scaled import QUANTIZE, SCALED_GATHER_GMM, SCALED_GMM, SCALED_GMM_SCATTER
+from .scaled import (
+    QUANTIZE,
+    QUANTIZE_BOTH_WAYS,
+    SCALED_GATHER_GMM,
+    SCALED_GMM,
+    SCALED_GMM_SCATTER,
+)
 
 ALL: tuple[OpContract, ...] = (
     SORT,
@@ -77,6 +83,7 @@ ALL: tuple[OpContract, ...] = (
     GATHER_GMM,
     GMM_SCATTER,
     QUANTIZE,
+    QUANTIZE_BOTH_WAYS,
     SCALED_GMM,
     SCALED_GATHER_GMM,
     SCALED_GMM_SCATTER,
@@ -119,6 +126,7 @@ __all__ = [
     "PADDED_SCATTER",
     "PADDED_SCATTER_WGRAD",
     "QUANTIZE",
+    "QUANTIZE_BOTH_WAYS",
     "REPEAT",
     "REPLICATE",
     "REPLICATE_BACKWARD",

@@ -141,6 +141,64 @@ QUANTIZE = OpContract(
     ),
 )
 
+QUANTIZE_BOTH_WAYS = OpContract(
+    name="quantize_both_ways",
+    family="quantization",
+    summary="Quantize expert matrices for both GEMMs that read them, from one read of x.",
+    args=(
+        TensorArg(
+            "x",
+            FLOAT_DTYPES,
+            (3,),
+            "expert matrices (experts, p, q), any strides: a weight the forward sums over one "
+            "dim of and the data gradient over the other",
+        ),
+        FORMAT,
+        ENCODING,
+    ),
+    rules=(FORMAT_GIVEN,),
+    outputs=(
+        Output(
+            "data",
+            "encoding_of(encoding, x.device).dtype",
+            "tuple(x.shape)",
+            "quantize(x, 2, format, encoding)'s data: (experts, p, q), q contiguous",
+        ),
+        Output(
+            "scale",
+            "torch.float32",
+            "operand_scale_shape(format, x.shape, 2)",
+            "quantize(x, 2, format, encoding)'s scale",
+        ),
+        Output(
+            "data_t",
+            "encoding_of(encoding, x.device).dtype",
+            "(x.shape[0], x.shape[2], x.shape[1])",
+            "quantize(x.transpose(1, 2), 2, format, encoding)'s data: (experts, q, p), p "
+            "contiguous",
+        ),
+        Output(
+            "scale_t",
+            "torch.float32",
+            "operand_scale_shape(format, (x.shape[0], x.shape[2], x.shape[1]), 2)",
+            "quantize(x.transpose(1, 2), 2, format, encoding)'s scale",
+        ),
+    ),
+    semantics=(
+        "Exactly quantize(x, 2, format, encoding) and quantize(x.transpose(1, 2), 2, format, "
+        "encoding), bit for bit: x summed over q, and over p, each copy stored with its summed "
+        "dim contiguous (the layout NVIDIA Hopper's FP8 matrix instructions read). One "
+        "op, so that a kernel can read x once for both copies (the blockwise format's 128 x 128 "
+        "tiles are the same blocks either way)."
+    ),
+    edge_cases=(
+        "as quantize's, for each copy: an empty x gives empty data and the smallest scale "
+        "(2**-126) for any empty block",
+        "a NaN or an infinity in x makes NaN the scale and the data of every block holding it, "
+        "in each copy",
+    ),
+)
+
 SCALE_DOC = "float32 scales of {name}, the shape its format gives (quantize's scale)"
 
 
@@ -373,4 +431,4 @@ SCALED_GMM_SCATTER = OpContract(
     edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )
 
-SCALED_OPS = (QUANTIZE, SCALED_GMM, SCALED_GATHER_GMM, SCALED_GMM_SCATTER)
+SCALED_OPS = (QUANTIZE, QUANTIZE_BOTH_WAYS, SCALED_GMM, SCALED_GATHER_GMM, SCALED_GMM_SCATTER)

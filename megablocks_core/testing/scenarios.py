@@ -314,6 +314,12 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         *_clamp(r, _row_activation(r)),
     ),
     "quantize": _quantize_sample,
+    # A weight as the layer stores it (even seeds) or a transposed view of one (odd seeds).
+    "quantize_both_ways": lambda r: (
+        r.expert_weights if r.scenario.seed % 2 == 0 else r.expert_weights.transpose(1, 2),
+        _format(r),
+        None,
+    ),
     "scaled_gmm": lambda r: (
         *_quantized(r, r.rows, 1),
         *_quantized(r, r.expert_weights, _matrix_sum_dim(r)),

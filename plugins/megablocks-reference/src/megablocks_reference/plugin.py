@@ -59,11 +59,13 @@ OPS: dict[str, tuple[str, ...]] = {
         "scaled_gmm_scatter",
     ),
     "activation": ("glu", "glu_backward", "activation_backward"),
-    "quantization": ("quantize",),
+    "quantization": ("quantize", "quantize_both_ways"),
 }
 
 #: The low-precision ops (their module: scaled.py), in every format the core defines.
-SCALED_OPS = frozenset({"quantize", "scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter"})
+SCALED_OPS = frozenset(
+    {"quantize", "quantize_both_ways", "scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter"}
+)
 
 
 def _kernel(op: str) -> Kernel:

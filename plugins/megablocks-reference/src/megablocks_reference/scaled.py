@@ -26,6 +26,14 @@ def quantize(
     return quantize_definition(x, block, encoding_of(encoding, x.device), fmt.power_of_two)
 
 
+def quantize_both_ways(
+    x: Tensor, format: str, encoding: str | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    data, scale = quantize(x, 2, format, encoding)
+    data_t, scale_t = quantize(x.transpose(1, 2), 2, format, encoding)
+    return data, scale, data_t, scale_t
+
+
 def _dequantized(data: Tensor, scale: Tensor, format: str, reduce_dim: int) -> Tensor:
     return dequantize_definition(data, scale, SCALED_FORMATS[format].block(data.dim(), reduce_dim))
 

@@ -67,7 +67,7 @@ MOE_PERMUTATION = PERMUTATION[-6:]
 GROUPED_GEMM = ("gmm", "gmm_weight_grad", "gmm_weight_grad_accumulate", "gather_gmm", "gmm_scatter")
 #: The grouped GEMMs of quantized operands, and quantization (module scaled.py).
 SCALED_GEMM = ("scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter")
-QUANTIZATION = ("quantize",)
+QUANTIZATION = ("quantize", "quantize_both_ways")
 ACTIVATION = ("glu", "glu_backward", "activation_backward")
 
 _INTS = frozenset({torch.int16, torch.int32, torch.int64})
@@ -415,6 +415,7 @@ def _scaled_kernels(ops: tuple[str, ...]) -> list[_Declared]:
     eight = frozenset(FP8_DTYPES)
     dtypes = {
         "quantize": {"x": _computed(_FLOATS)},
+        "quantize_both_ways": {"x": _computed(_FLOATS)},
         "scaled_gmm": {"a": eight, "b": eight},
         "scaled_gather_gmm": {"x": eight, "b": eight},
         "scaled_gmm_scatter": {"x": eight, "b": eight, "weights": _ANY_FLOAT},
@@ -431,7 +432,7 @@ def _scaled_kernels(ops: tuple[str, ...]) -> list[_Declared]:
             tier=TIER,
             capability=scaled.fp8_capability,
             dtypes=_row(dtypes, op, "dtypes"),
-            contiguous=op != "quantize",
+            contiguous=op not in QUANTIZATION,
             supports=getattr(scaled, f"{op}_supports", None),
             formats=tuple(SCALED_FORMATS),
         )
