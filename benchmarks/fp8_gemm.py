@@ -17,8 +17,10 @@ layout, so these two cover forward and dgrad. Providers:
   ``torch._scaled_mm`` rowwise): the rate the GEMMs are measured against.
 
 Then each quantization pass alone against its ideal bytes at the copy bandwidth, and the layer
-(``--layer``): a dMoE (GLU, SiLU) forward + backward in bf16 and in each FP8 recipe, with its
-output's and gradients' error against a float32 copy of the layer.
+(``--layer``): a dMoE (GLU, SiLU) forward + backward in bf16 and in each FP8 recipe (uncached,
+``+cached`` weights, and ``+cached+updated``: cached, with the weights changed every step as an
+optimizer's update changes them), with its output's and gradients' error against a float32 copy
+of the layer.
 
 Usage (GPU): ``python benchmarks/fp8_gemm.py --out fp8.jsonl [--shapes qwen3,dsv3,mixtral]
 [--layer]``. One JSON object per line, printed as measured. ``--device cpu --tiny`` runs the same
@@ -218,7 +220,8 @@ def quantize_rows(
 ) -> list[dict[str, Any]]:
     """The quantization passes alone, in every format, against their ideal bytes at the copy
     bandwidth (a clone of a rows * hidden * 2-byte buffer, timed alike): the tokens x, the sorted
-    rows h, the up weights w1 as the FP8 path reads them (transposed) and the down weights w2."""
+    rows h, the up weights w1 as the FP8 path reads them (transposed) and the down weights w2;
+    then each weight in both layouts (quantize_both_ways against two quantize calls)."""
     big = torch.empty(h.shape[0] * x.shape[1] * 2, dtype=torch.uint8, device=x.device)
     bandwidth = 2 * big.numel() / time_us(big.clone)  # bytes per µs, read + write
     rows = []
@@ -233,6 +236,18 @@ def quantize_rows(
             ideal = tensor.numel() * 3 / bandwidth  # read 2 bytes, write 1 (scales: noise)
             rows.append({"quantize": what, "format": fmt, "us": us, "ideal_us": ideal,
                          "ratio": us / ideal})  # fmt: skip
+        # Each weight in both layouts, as a step that updates it pays with cache_weights: one
+        # quantize_both_ways against two quantize calls (ideal: read 2 bytes, write 1 + 1).
+        for name, w in (("w1", w1), ("w2", w2)):
+            ideal = w.numel() * 4 / bandwidth
+            for what, both in (
+                ("both-ways", lambda w=w, f=fmt: ops.quantize_both_ways(w, f)),
+                ("two-calls", lambda w=w, f=fmt: (
+                    ops.quantize(w, 2, f), ops.quantize(w.transpose(1, 2), 2, f))),
+            ):  # fmt: skip
+                us = time_us(both)
+                rows.append({"quantize": f"{name}-{what}", "format": fmt, "us": us,
+                             "ideal_us": ideal, "ratio": us / ideal})  # fmt: skip
     return rows
 
 
@@ -333,21 +348,44 @@ def _layer_rows(name: str, shape: tuple[int, ...], device: torch.device, args: A
         del reference, out, xr
     recipes: list[tuple[str, Any]] = [("bf16", None)]
     for fmt in FORMAT_NAMES:
-        recipes += [(fmt, Recipe(fmt)), (f"{fmt}+cached", Recipe(fmt, cache_weights=True))]
+        cached = Recipe(fmt, cache_weights=True)
+        recipes += [
+            (fmt, Recipe(fmt)),
+            (f"{fmt}+cached", cached),
+            (f"{fmt}+cached+updated", cached),
+        ]
+    if args.recipes is not None:
+        unknown = set(args.recipes) - {label for label, _ in recipes}
+        if unknown:
+            raise SystemExit(f"--recipes: no recipe {', '.join(sorted(unknown))}")
+        recipes = [(label, recipe) for label, recipe in recipes if label in args.recipes]
     rows = [
-        _layer_row(name, label, dMoE(config, fp8=recipe), x, want, time_us)
+        _layer_row(
+            name, label, dMoE(config, fp8=recipe), x, want, time_us, label.endswith("+updated")
+        )
         for label, recipe in recipes
     ]
     return rows
 
 
 def _layer_row(
-    name: str, label: str, layer: Any, x: torch.Tensor, want: dict[str, torch.Tensor], time_us: Any
+    name: str,
+    label: str,
+    layer: Any,
+    x: torch.Tensor,
+    want: dict[str, torch.Tensor],
+    time_us: Any,
+    updated: bool = False,
 ) -> dict:
-    """One recipe's training step, timed; the layer is freed on return (one on the GPU at a time)."""
+    """One recipe's training step, timed; the layer is freed on return (one on the GPU at a time).
+    ``updated``: each step marks the weights changed (their version counters, as an optimizer
+    step's in-place update does, without its time), so a cached recipe quantizes them again."""
     xb = x.bfloat16().requires_grad_()
 
     def step() -> None:
+        if updated:
+            for weight in (layer.w1, layer.w2):
+                torch.autograd.graph.increment_version(weight)
         layer.zero_grad(set_to_none=True)
         xb.grad = None
         out, aux = layer(xb)
@@ -376,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-layer-errors", dest="layer_errors", action="store_false",
         help="time the layer without its float32 copy (which DeepSeek-V3's memory cannot hold)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--recipes", type=lambda v: v.split(","), default=None,
+        help="the layer's recipes, a comma list (default: all): bf16, <format>, "
+        "<format>+cached, <format>+cached+updated (the weights changed every step)",
     )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3, help="repetitions on the CPU")
     parser.add_argument("--sweep", action="store_true", help="also the scaled GEMM's tile sweep")

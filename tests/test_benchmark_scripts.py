@@ -15,11 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 
 import megablocks_core
+from megablocks_core.formats import FORMAT_NAMES
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -359,10 +361,44 @@ def test_fp8_gemm_s_layer_rows_check_each_recipe_against_float32_or_skip_the_che
         assert script.main([*argv, "--out", str(checked)]) == 0
         assert script.main([*argv, "--no-layer-errors", "--out", str(timed)]) == 0
     rows = [json.loads(line) for line in checked.read_text().splitlines()]
-    assert rows[0]["recipe"] == "bf16" and len(rows) == 5
+    assert [r["recipe"] for r in rows] == [
+        "bf16",
+        *(f"{fmt}{kind}" for fmt in FORMAT_NAMES for kind in ("", "+cached", "+cached+updated")),
+    ]
     for r in rows:  # bf16 rounds to 3 significant digits; e4m3 keeps 2
         bound = 1e-2 if r["recipe"] == "bf16" else 1e-1
         assert all(r[f"error_{k}"] < bound for k in ("out", "dx", "dw1", "dw2")), r
     assert rows[1]["error_out"] > 3 * rows[0]["error_out"]  # the FP8 recipe did quantize
     rows = [json.loads(line) for line in timed.read_text().splitlines()]
-    assert len(rows) == 5 and not any(k.startswith("error") for r in rows for k in r)
+    assert len(rows) == 7 and not any(k.startswith("error") for r in rows for k in r)
+    picked = tmp_path / "picked.jsonl"
+    with megablocks_core.use_backend("reference"):
+        chosen = "bf16,fp8_rowwise+cached+updated"
+        assert (
+            script.main([*argv, "--no-layer-errors", "--recipes", chosen, "--out", str(picked)])
+            == 0
+        )
+        with pytest.raises(SystemExit, match="no recipe fp8"):
+            script.main([*argv, "--recipes", "fp8", "--out", str(picked)])
+    rows = [json.loads(line) for line in picked.read_text().splitlines()]
+    assert [r["recipe"] for r in rows] == chosen.split(",")
+
+
+def test_fp8_gemm_s_quantize_rows_time_each_weight_both_ways_beside_two_calls():
+    script = _script("fp8_gemm")
+    ran: list[Any] = []
+
+    def time_us(fn: Any) -> float:
+        ran.append(fn())
+        return 1.0
+
+    x, h = torch.randn(4, 8), torch.randn(8, 6)
+    w1, w2 = torch.randn(2, 8, 6), torch.randn(2, 6, 8)
+    with megablocks_core.use_backend("reference"):
+        rows = script.quantize_rows(x, h, w1, w2, time_us)
+    names = [(r["quantize"], r["format"]) for r in rows]
+    for fmt in FORMAT_NAMES:
+        for w in ("w1", "w2"):
+            assert (f"{w}-both-ways", fmt) in names and (f"{w}-two-calls", fmt) in names
+    both = [r for r in ran if isinstance(r, tuple) and len(r) == 4]
+    assert both and all(r[0].shape == (2, 8, 6) or r[0].shape == (2, 6, 8) for r in both)
