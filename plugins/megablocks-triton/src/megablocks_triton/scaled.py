@@ -49,8 +49,7 @@ from .gmm_configs import (
 )
 from .gmm_wgrad import tested_gluon_module
 from .kernels.scaled import (
-    _both_ways_codes_kernel,
-    _both_ways_peaks_kernel,
+    _both_ways_kernel,
     _quantize_kernel,
     _scaled_gmm_kernel,
 )
@@ -278,17 +277,24 @@ def _quantize_plan(
     return run
 
 
-#: (BLOCK_P, BLOCK_Q, num_warps) of quantize_both_ways' rowwise passes (the peaks, the codes).
-BOTH_WAYS_ROWWISE = (64, 128, 4)
-#: num_warps of its blockwise pass (one 128 x 128 tile a program), as quantize's "tile" mode.
-BOTH_WAYS_BLOCKWISE_WARPS = 16
-
+#: num_warps of quantize_both_ways' blockwise kernel (one 128 x 128 tile a program): on an H100
+#: 8 and 16 took 1.02-1.07x the ideal bytes (read 2, write 1 + 1), 4 took 1.7x
+#: (docs/performance.md).
+BOTH_WAYS_WARPS = 8
 
 #: quantize_both_ways' outputs: (data, scale, data_t, scale_t).
 BothWays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def quantize_both_ways(x: torch.Tensor, format: str, encoding: str | None) -> BothWays:
+    """The blockwise format: one read of each tile writes both copies. Rowwise: the two
+    quantize passes (a read of every row's and column's peak, then one of the codes for both
+    copies, was no faster on an H100: docs/performance.md)."""
+    if SCALED_FORMATS[format].block(3, 2)[2] == 0:  # rowwise: whole rows
+        return (
+            *quantize(x, 2, format, encoding),
+            *quantize(x.transpose(1, 2), 2, format, encoding),
+        )
     key = (x.shape, x.stride(), x.dtype, x.device, format, encoding, recorded_device())
     plan = _BOTH_WAYS_PLANS.get(key)
     if plan is None:
@@ -302,23 +308,19 @@ _BOTH_WAYS_PLANS: dict[Any, Callable[[torch.Tensor], BothWays]] = {}
 def _both_ways_plan(
     x: torch.Tensor, format: str, encoding: str | None
 ) -> Callable[[torch.Tensor], BothWays]:
-    """quantize_both_ways of tensors shaped and strided as ``x``: the blockwise format in one
-    read of each 128 x 128 tile; rowwise in two (every row's and column's peak, then the codes),
-    against the three or four reads of two quantize calls. x is read through its stored layout:
-    a transposed view is its transpose, with the two copies swapped."""
+    """quantize_both_ways of tensors shaped and strided as ``x`` in a format of square blocks.
+    x is read through its stored layout: a transposed view is its transpose, with the two copies
+    swapped."""
     fmt = SCALED_FORMATS[format]
     info = device_info(x.device)
     enc = FP8_ENCODINGS[encoding] if encoding is not None else native_encoding(info)
     swapped = x.stride(-1) != 1 and x.stride(-2) == 1
     view = x.transpose(1, 2) if swapped else x
     experts, p, q = view.shape
-    block = fmt.block(3, 2)
-    rowwise = block[2] == 0
+    _, block_p, block_q = fmt.block(3, 2)
+    p_tiles, q_tiles = cdiv(p, block_p), cdiv(q, block_q)
     shapes = ((experts, p, q), (experts, q, p))
-    scale_shapes = tuple(
-        tuple(1 if b == 0 else cdiv(s, b) for s, b in zip(shape, block, strict=True))
-        for shape in shapes
-    )
+    scale_shapes = ((experts, p_tiles, q_tiles), (experts, q_tiles, p_tiles))
 
     def outputs(x: torch.Tensor) -> BothWays:
         data, data_t = (torch.empty(s, dtype=enc.dtype, device=x.device) for s in shapes)
@@ -340,47 +342,24 @@ def _both_ways_plan(
             return ordered(copies)
 
         return empty
-    hardware = _hardware_conversion(info, enc.name)
     import triton.language as tl
 
     fp8 = tl.float8e4b8 if enc.name == "e4m3fnuz" else tl.float8e4nv
-    if rowwise:
-        block_p, block_q, num_warps = BOTH_WAYS_ROWWISE
-    else:
-        block_p, block_q, num_warps = block[1], block[2], BOTH_WAYS_BLOCKWISE_WARPS
-    p_tiles, q_tiles = cdiv(p, block_p), cdiv(q, block_q)
-    grid = (experts * p_tiles * q_tiles,)
-    tiles = (p, q, p_tiles, q_tiles, *view.stride())
-    peaks = None
-    if rowwise:
-        peaks = bind(
-            _both_ways_peaks_kernel, grid, *tiles, BLOCK_P=block_p, BLOCK_Q=block_q,
-            num_warps=num_warps,
-        )  # fmt: skip
-    codes = bind(
-        _both_ways_codes_kernel,
-        grid,
-        *tiles,
-        BLOCK_P=block_p, BLOCK_Q=block_q, ROWWISE=rowwise,
+    bound = bind(
+        _both_ways_kernel,
+        (experts * p_tiles * q_tiles,),
+        p, q, p_tiles, q_tiles, *view.stride(),
+        BLOCK_P=block_p, BLOCK_Q=block_q,
         MAX=enc.max, BIAS=enc.exponent_bias, NEG_ZERO=enc.negative_zero,
         NAN_BITS=0x7F if enc.negative_zero else 0x80,
-        POW2=fmt.power_of_two, HARDWARE=hardware, FP8=fp8,
-        num_warps=num_warps,
+        POW2=fmt.power_of_two, HARDWARE=_hardware_conversion(info, enc.name), FP8=fp8,
+        num_warps=BOTH_WAYS_WARPS,
     )  # fmt: skip
 
     def run(x: torch.Tensor) -> BothWays:
         data, scale, data_t, scale_t = copies = outputs(x)
         view = x.transpose(1, 2) if swapped else x
-        if peaks is None:
-            row_peak = col_peak = scale  # (unread)
-        else:
-            both = torch.zeros(experts * (p + q), dtype=torch.float32, device=x.device)
-            row_peak, col_peak = both[: experts * p], both[experts * p :]
-            peaks(view, row_peak, col_peak)
-        codes(
-            view, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_t, row_peak,
-            col_peak,
-        )  # fmt: skip
+        bound(view, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_t)
         return ordered(copies)
 
     return run

@@ -201,44 +201,18 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _both_ways_peaks_kernel(
-    x_ptr, row_peak_ptr, col_peak_ptr,
+def _both_ways_kernel(
+    x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_t_ptr,
     P, Q, p_tiles, q_tiles,
     stride_xe, stride_xp, stride_xq,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
-):  # fmt: skip
-    """The rowwise half of quantize_both_ways, first read: each (BLOCK_P, BLOCK_Q) tile of x
-    (E, P, Q) raises its rows' and columns' peaks (|x|, +inf where a NaN or an infinity is) in
-    float32 buffers (E, P) and (E, Q) that start at zero. Program (e, p-tile, q-tile)."""
-    pid = tl.program_id(0)
-    e = pid // (p_tiles * q_tiles)
-    rest = pid % (p_tiles * q_tiles)
-    ps = (rest // q_tiles) * BLOCK_P + tl.arange(0, BLOCK_P)
-    qs = (rest % q_tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    mask = (ps < P)[:, None] & (qs < Q)[None, :]
-    offsets = ps.to(tl.int64)[:, None] * stride_xp + qs.to(tl.int64)[None, :] * stride_xq
-    values = tl.load(x_ptr + e.to(tl.int64) * stride_xe + offsets, mask=mask, other=0.0)
-    values = values.to(tl.float32)
-    peaks = tl.where(_nonfinite(values), float("inf"), tl.abs(values))
-    tl.atomic_max(row_peak_ptr + e.to(tl.int64) * P + ps, tl.max(peaks, 1), mask=ps < P)
-    tl.atomic_max(col_peak_ptr + e.to(tl.int64) * Q + qs, tl.max(peaks, 0), mask=qs < Q)
-
-
-@triton.jit
-def _both_ways_codes_kernel(
-    x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_t_ptr, row_peak_ptr, col_peak_ptr,
-    P, Q, p_tiles, q_tiles,
-    stride_xe, stride_xp, stride_xq,
-    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, ROWWISE: tl.constexpr,
     MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
     POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
-    """quantize_both_ways of x (E, P, Q), one read of each tile: data (E, P, Q) summed over Q,
-    data_t (E, Q, P) summed over P, both contiguous, with their scales. ROWWISE: one scale per
-    row of each copy, from the peaks :func:`_both_ways_peaks_kernel` left (the programs of the
-    first q-tile write the rows' scales, those of the first p-tile the columns'); else one per
-    (BLOCK_P, BLOCK_Q) tile (the format's square block: the same block either way), scales
-    (E, p_tiles, q_tiles) and (E, q_tiles, p_tiles). Program (e, p-tile, q-tile)."""
+    """quantize_both_ways of x (E, P, Q) in square blocks (the blockwise format's tiles, the same
+    block either way), one read of each: data (E, P, Q) and data_t (E, Q, P), both contiguous,
+    and one scale per tile, (E, p_tiles, q_tiles) and (E, q_tiles, p_tiles). Program (e,
+    p-tile, q-tile)."""
     pid = tl.program_id(0)
     e = pid // (p_tiles * q_tiles)
     rest = pid % (p_tiles * q_tiles)
@@ -248,42 +222,21 @@ def _both_ways_codes_kernel(
     qs = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     p_ok = ps < P
     q_ok = qs < Q
-    mask = p_ok[:, None] & q_ok[None, :]
     e64 = e.to(tl.int64)
-    offsets = ps.to(tl.int64)[:, None] * stride_xp + qs.to(tl.int64)[None, :] * stride_xq
-    values = tl.load(x_ptr + e64 * stride_xe + offsets, mask=mask, other=0.0).to(tl.float32)
-    if ROWWISE:
-        row_peak = tl.load(row_peak_ptr + e64 * P + ps, mask=p_ok, other=0.0)
-        col_peak = tl.load(col_peak_ptr + e64 * Q + qs, mask=q_ok, other=0.0)
-        row_bad = row_peak == float("inf")
-        col_bad = col_peak == float("inf")
-        row_scale = _block_scale(tl.where(row_bad, 0.0, row_peak), row_bad, MAX, POW2)
-        col_scale = _block_scale(tl.where(col_bad, 0.0, col_peak), col_bad, MAX, POW2)
-        if q_tile == 0:
-            tl.store(scale_ptr + e64 * P + ps, row_scale, mask=p_ok)
-        if p_tile == 0:
-            tl.store(scale_t_ptr + e64 * Q + qs, col_scale, mask=q_ok)
-        codes = _quantized_codes(
-            values, row_scale[:, None], row_bad[:, None], MAX, BIAS, NEG_ZERO, NAN_BITS,
-            HARDWARE, FP8,
-        )  # fmt: skip
-        codes_t = _quantized_codes(
-            values, col_scale[None, :], col_bad[None, :], MAX, BIAS, NEG_ZERO, NAN_BITS,
-            HARDWARE, FP8,
-        )  # fmt: skip
-    else:
-        bad = tl.max(tl.max(_nonfinite(values).to(tl.int32), 1), 0) > 0
-        scale = _block_scale(tl.max(tl.max(tl.abs(values), 1), 0), bad, MAX, POW2)
-        tl.store(scale_ptr + (e * p_tiles + p_tile) * q_tiles + q_tile, scale)
-        tl.store(scale_t_ptr + (e * q_tiles + q_tile) * p_tiles + p_tile, scale)
-        codes = _quantized_codes(values, scale, bad, MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8)
-        codes_t = codes
     p64 = ps.to(tl.int64)
     q64 = qs.to(tl.int64)
+    mask = p_ok[:, None] & q_ok[None, :]
+    offsets = p64[:, None] * stride_xp + q64[None, :] * stride_xq
+    values = tl.load(x_ptr + e64 * stride_xe + offsets, mask=mask, other=0.0).to(tl.float32)
+    bad = tl.max(tl.max(_nonfinite(values).to(tl.int32), 1), 0) > 0
+    scale = _block_scale(tl.max(tl.max(tl.abs(values), 1), 0), bad, MAX, POW2)
+    tl.store(scale_ptr + (e * p_tiles + p_tile) * q_tiles + q_tile, scale)
+    tl.store(scale_t_ptr + (e * q_tiles + q_tile) * p_tiles + p_tile, scale)
+    codes = _quantized_codes(values, scale, bad, MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8)
     tl.store(data_ptr + e64 * P * Q + p64[:, None] * Q + q64[None, :], codes, mask=mask)
     tl.store(
         data_t_ptr + e64 * P * Q + q64[:, None] * P + p64[None, :],
-        tl.trans(codes_t),
+        tl.trans(codes),
         mask=q_ok[:, None] & p_ok[None, :],
     )
 
