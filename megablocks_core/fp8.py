@@ -5,8 +5,9 @@ The functions here take and return what the ops of the same name take and return
 tensors, the same contracts, validated the same way), and differentiate through the same backward
 rules (:mod:`megablocks_core.autograd`). Only the GEMMs change: each one quantizes its operands
 (``quantize``: the row operand once per token, the expert weights once per call or once per
-weight version, both layouts in one ``quantize_both_ways``, see :attr:`Recipe.cache_weights`) and runs the scaled op (``scaled_gmm``,
-``scaled_gather_gmm``, ``scaled_gmm_scatter``) on whichever backend ranks first for it. The
+weight version, then both layouts in one ``quantize_both_ways``, see
+:attr:`Recipe.cache_weights`) and runs the scaled op (``scaled_gmm``, ``scaled_gather_gmm``,
+``scaled_gmm_scatter``) on whichever backend ranks first for it. The
 backward's data-gradient GEMMs run in the recipe's format too unless ``backward="input"``;
 the weight gradients always run in the inputs' dtype (no FP8 weight-gradient kernel yet), reading
 the rows the backward has anyway.
@@ -58,8 +59,8 @@ class Recipe:
     is unchanged (its version counter), across the forward, the backward and further
     micro-batches, for one byte a weight element per layout kept (two: the forward's and the
     backward's); a training forward quantizes a changed weight into both layouts in one call
-    (``quantize_both_ways``: one read of it in the blockwise format). Off by default: an update the version counter does not see (through ``.data``)
-    would go unnoticed. Under ``torch.compile`` the cache is neither read nor filled: a compiled
+    (``quantize_both_ways``: one read of it in the blockwise format). Off by default: an update
+    the version counter does not see (through ``.data``) would go unnoticed. Under ``torch.compile`` the cache is neither read nor filled: a compiled
     step quantizes the weights on every call, whatever this says."""
 
     format: str = "fp8_rowwise"
@@ -132,9 +133,9 @@ class _ScaledCall:
         self.scaled = not in_backward or recipe.backward == "fp8"
         self.in_backward = in_backward
         self.traced = traced
-        # A forward whose backward will want each weight's other layout too, kept in the cache:
-        # both quantized from one read (quantize_both_ways) when a weight has changed.
-        self.both_ways = both_ways and recipe.cache_weights and not traced
+        # A forward whose backward will want each weight's other layout too: with the weight
+        # cache (matrices()), a changed weight is quantized both ways in one call.
+        self.both_ways = both_ways
 
     def op(self, name: str, *args: Any) -> Any:
         """The op ``name`` itself, as this call runs it (eager or traced)."""

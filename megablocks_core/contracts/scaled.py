@@ -144,7 +144,7 @@ QUANTIZE = OpContract(
 QUANTIZE_BOTH_WAYS = OpContract(
     name="quantize_both_ways",
     family="quantization",
-    summary="Quantize expert matrices for both GEMMs that read them, from one read of x.",
+    summary="Quantize expert matrices for both GEMMs that read them, in one call.",
     args=(
         TensorArg(
             "x",

@@ -133,6 +133,22 @@ def _hardware_conversion(device: DeviceInfo, encoding: str) -> bool:
     return native_encoding(device).name == encoding
 
 
+def _encoding_constexprs(
+    format: str, encoding: str | None, device: DeviceInfo
+) -> tuple[Any, dict[str, Any]]:
+    """(the encoding, the constexprs a quantizing kernel takes for it and the format's scales):
+    ``encoding`` None is the one the device's matrix units take."""
+    import triton.language as tl  # type: ignore[import-untyped]
+
+    enc = FP8_ENCODINGS[encoding] if encoding is not None else native_encoding(device)
+    return enc, dict(
+        MAX=enc.max, BIAS=enc.exponent_bias, NEG_ZERO=enc.negative_zero,
+        NAN_BITS=0x7F if enc.negative_zero else 0x80,
+        POW2=SCALED_FORMATS[format].power_of_two, HARDWARE=_hardware_conversion(device, enc.name),
+        FP8=tl.float8e4b8 if enc.name == "e4m3fnuz" else tl.float8e4nv,
+    )  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------------
 # quantize
 # --------------------------------------------------------------------------------------------
@@ -205,8 +221,7 @@ def _quantize_plan(
 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """The quantization of tensors shaped and strided as ``x`` (read for its metadata only)."""
     fmt = SCALED_FORMATS[format]
-    info = device_info(x.device)
-    enc = FP8_ENCODINGS[encoding] if encoding is not None else native_encoding(info)
+    enc, encode = _encoding_constexprs(format, encoding, device_info(x.device))
     block = fmt.block(x.dim(), reduce_dim)
     shape = tuple(x.shape)
     scale_shape = tuple(1 if b == 0 else cdiv(s, b) for s, b in zip(shape, block, strict=True))
@@ -249,20 +264,13 @@ def _quantize_plan(
     mode, block_r, block_c, num_warps = _quantize_launch(mode, (br, bc), c, view.stride(-1) == 1)
     r_tiles = 1 if mode == "column" else cdiv(r, block_r)
     c_tiles = 1 if mode == "row" else cdiv(c, block_c)
-    hardware = _hardware_conversion(info, enc.name)
-    import triton.language as tl  # type: ignore[import-untyped]
-
-    fp8 = tl.float8e4b8 if enc.name == "e4m3fnuz" else tl.float8e4nv
     bound = bind(
         _quantize_kernel,
         (experts * r_tiles * c_tiles,),
         r, c, r_tiles, c_tiles,
         *view.stride(), *scale3.stride(),
-        BLOCK_R=block_r, BLOCK_C=block_c, MODE=mode,
-        MAX=enc.max, BIAS=enc.exponent_bias, NEG_ZERO=enc.negative_zero,
-        NAN_BITS=0x7F if enc.negative_zero else 0x80,
-        POW2=fmt.power_of_two, HARDWARE=hardware, FP8=fp8, TRANSPOSED=transposed,
-        num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_C=block_c, MODE=mode, TRANSPOSED=transposed,
+        num_warps=num_warps, **encode,
     )  # fmt: skip
 
     def run(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,8 +320,7 @@ def _both_ways_plan(
     x is read through its stored layout: a transposed view is its transpose, with the two copies
     swapped."""
     fmt = SCALED_FORMATS[format]
-    info = device_info(x.device)
-    enc = FP8_ENCODINGS[encoding] if encoding is not None else native_encoding(info)
+    enc, encode = _encoding_constexprs(format, encoding, device_info(x.device))
     swapped = x.stride(-1) != 1 and x.stride(-2) == 1
     view = x.transpose(1, 2) if swapped else x
     experts, p, q = view.shape
@@ -342,18 +349,11 @@ def _both_ways_plan(
             return ordered(copies)
 
         return empty
-    import triton.language as tl
-
-    fp8 = tl.float8e4b8 if enc.name == "e4m3fnuz" else tl.float8e4nv
     bound = bind(
         _both_ways_kernel,
         (experts * p_tiles * q_tiles,),
         p, q, p_tiles, q_tiles, *view.stride(),
-        BLOCK_P=block_p, BLOCK_Q=block_q,
-        MAX=enc.max, BIAS=enc.exponent_bias, NEG_ZERO=enc.negative_zero,
-        NAN_BITS=0x7F if enc.negative_zero else 0x80,
-        POW2=fmt.power_of_two, HARDWARE=_hardware_conversion(info, enc.name), FP8=fp8,
-        num_warps=BOTH_WAYS_WARPS,
+        BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=BOTH_WAYS_WARPS, **encode,
     )  # fmt: skip
 
     def run(x: torch.Tensor) -> BothWays:
