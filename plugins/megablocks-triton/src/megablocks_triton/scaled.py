@@ -50,7 +50,9 @@ from .gmm_configs import (
 from .gmm_wgrad import tested_gluon_module
 from .kernels.scaled import (
     _both_ways_kernel,
+    _column_codes_kernel,
     _quantize_kernel,
+    _rows_and_column_peaks_kernel,
     _scaled_gmm_kernel,
 )
 from .launch import (
@@ -290,15 +292,28 @@ def _quantize_plan(
 #: (docs/performance.md).
 BOTH_WAYS_WARPS = 8
 
+#: Rowwise quantize_both_ways: rows a program of its first read quantizes (whole rows, one read
+#: each, as quantize's one-read rows) before raising its column peaks once; the second read's
+#: (BLOCK_P, BLOCK_Q) tile and num_warps. Rows longer than BOTH_WAYS_MAX_ROW take the two
+#: quantize calls: on an H100 rows of 4096 took 0.91x their time, rows of 7168 1.26x (the
+#: peaks of 8192 columns beside a row in registers; docs/performance.md).
+BOTH_WAYS_ROWS_PER_PROGRAM = 64
+BOTH_WAYS_MAX_ROW = 4096
+BOTH_WAYS_COLUMN_TILE = (128, 64)
+BOTH_WAYS_COLUMN_WARPS = 4
+
 #: quantize_both_ways' outputs: (data, scale, data_t, scale_t).
 BothWays = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def quantize_both_ways(x: torch.Tensor, format: str, encoding: str | None) -> BothWays:
-    """The blockwise format: one read of each tile writes both copies. Rowwise: the two
-    quantize passes (a read of every row's and column's peak, then one of the codes for both
-    copies, was no faster on an H100: docs/performance.md)."""
-    if SCALED_FORMATS[format].block(3, 2)[2] == 0:  # rowwise: whole rows
+    """The blockwise format: one read of each tile writes both copies. Rowwise: one read of
+    whole rows writes the rows' copy and raises every column's peak, a second the columns' copy;
+    rows longer than BOTH_WAYS_MAX_ROW, or too long for one read, take the two quantize calls."""
+    swapped = x.stride(-1) != 1 and x.stride(-2) == 1
+    row = x.shape[1 if swapped else 2]
+    whole_rows = SCALED_FORMATS[format].block(3, 2)[2] == 0
+    if whole_rows and (row > BOTH_WAYS_MAX_ROW or _one_read_row(row) is None):
         return (
             *quantize(x, 2, format, encoding),
             *quantize(x.transpose(1, 2), 2, format, encoding),
@@ -316,18 +331,25 @@ _BOTH_WAYS_PLANS: dict[Any, Callable[[torch.Tensor], BothWays]] = {}
 def _both_ways_plan(
     x: torch.Tensor, format: str, encoding: str | None
 ) -> Callable[[torch.Tensor], BothWays]:
-    """quantize_both_ways of tensors shaped and strided as ``x`` in a format of square blocks.
-    x is read through its stored layout: a transposed view is its transpose, with the two copies
-    swapped."""
+    """quantize_both_ways of tensors shaped and strided as ``x``: square blocks in one read,
+    whole rows in two (:func:`quantize_both_ways`). x is read through its stored layout: a
+    transposed view is its transpose, with the two copies swapped."""
     fmt = SCALED_FORMATS[format]
     enc, encode = _encoding_constexprs(format, encoding, device_info(x.device))
     swapped = x.stride(-1) != 1 and x.stride(-2) == 1
     view = x.transpose(1, 2) if swapped else x
     experts, p, q = view.shape
     _, block_p, block_q = fmt.block(3, 2)
+    rowwise = block_q == 0
+    if rowwise:  # the second read's tiles
+        block_p, block_q = BOTH_WAYS_COLUMN_TILE
     p_tiles, q_tiles = cdiv(p, block_p), cdiv(q, block_q)
     shapes = ((experts, p, q), (experts, q, p))
-    scale_shapes = ((experts, p_tiles, q_tiles), (experts, q_tiles, p_tiles))
+    scale_shapes = (
+        ((experts, p, 1), (experts, q, 1))
+        if rowwise
+        else ((experts, p_tiles, q_tiles), (experts, q_tiles, p_tiles))
+    )
 
     def outputs(x: torch.Tensor) -> BothWays:
         data, data_t = (torch.empty(s, dtype=enc.dtype, device=x.device) for s in shapes)
@@ -349,20 +371,44 @@ def _both_ways_plan(
             return ordered(copies)
 
         return empty
-    bound = bind(
-        _both_ways_kernel,
-        (experts * p_tiles * q_tiles,),
-        p, q, p_tiles, q_tiles, *view.stride(),
-        BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=BOTH_WAYS_WARPS, **encode,
+    grid = (experts * p_tiles * q_tiles,)
+    if not rowwise:
+        bound = bind(
+            _both_ways_kernel, grid, p, q, p_tiles, q_tiles, *view.stride(),
+            BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=BOTH_WAYS_WARPS, **encode,
+        )  # fmt: skip
+
+        def run(x: torch.Tensor) -> BothWays:
+            data, scale, data_t, scale_t = copies = outputs(x)
+            view = x.transpose(1, 2) if swapped else x
+            bound(view, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_t)
+            return ordered(copies)
+
+        return run
+    q_pad = _one_read_row(q)
+    assert q_pad is not None
+    elements, warps = ONE_PASS_ROWS
+    block_r = max(elements // q_pad, 1)
+    steps = max(min(BOTH_WAYS_ROWS_PER_PROGRAM // block_r, cdiv(p, block_r)), 1)
+    p_chunks = cdiv(p, steps * block_r)
+    rows = bind(
+        _rows_and_column_peaks_kernel, (experts * p_chunks,), p, q, p_chunks, *view.stride(),
+        BLOCK_R=block_r, Q_PAD=q_pad, STEPS=steps, num_warps=warps, **encode,
+    )  # fmt: skip
+    columns = bind(
+        _column_codes_kernel, grid, p, q, p_tiles, q_tiles, *view.stride(),
+        BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=BOTH_WAYS_COLUMN_WARPS, **encode,
     )  # fmt: skip
 
-    def run(x: torch.Tensor) -> BothWays:
+    def run_rowwise(x: torch.Tensor) -> BothWays:
         data, scale, data_t, scale_t = copies = outputs(x)
         view = x.transpose(1, 2) if swapped else x
-        bound(view, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_t)
+        col_peak = torch.zeros((experts, q), dtype=torch.float32, device=x.device)
+        rows(view, data.view(torch.uint8), scale, col_peak)
+        columns(view, data_t.view(torch.uint8), scale_t, col_peak)
         return ordered(copies)
 
-    return run
+    return run_rowwise
 
 
 # --------------------------------------------------------------------------------------------
@@ -917,7 +963,8 @@ def compile_calls(shape: Any, device: DeviceInfo) -> Any:
         yield "quantize", functools.partial(quantize, x, 1, format, None)
         yield "quantize", functools.partial(quantize, w1.transpose(1, 2), 2, format, None)
         yield "quantize", functools.partial(quantize, w2, 2, format, None)  # (experts, n, k) as is
-        yield "quantize_both_ways", functools.partial(quantize_both_ways, w1, format, None)
+        for w in (w1, w2):  # rowwise: whole rows in one read where they fit, else two passes
+            yield "quantize_both_ways", functools.partial(quantize_both_ways, w, format, None)
         x8, sx = _quantized_meta(x, format, 1, enc.dtype)
         h8, sh = _quantized_meta(hidden, format, 1, enc.dtype)
         w1t, s1 = _quantized_meta(w1.transpose(1, 2), format, 2, enc.dtype)

@@ -242,6 +242,90 @@ def _both_ways_kernel(
 
 
 @triton.jit
+def _rows_and_column_peaks_kernel(
+    x_ptr, data_ptr, scale_ptr, col_peak_ptr,
+    P, Q, p_chunks,
+    stride_xe, stride_xp, stride_xq,
+    BLOCK_R: tl.constexpr, Q_PAD: tl.constexpr, STEPS: tl.constexpr,
+    MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
+    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Rowwise quantize_both_ways, first read: x (E, P, Q)'s rows quantized whole (data (E, P, Q)
+    and its row scales, as quantize(x, 2)), and each column's peak (|x|, +inf where a NaN or an
+    infinity is) raised in float32 (E, Q) that starts at zero. Program (e, chunk of STEPS *
+    BLOCK_R rows): its column peaks kept in registers, raised once at the end."""
+    pid = tl.program_id(0)
+    e = pid // p_chunks
+    chunk = pid % p_chunks
+    e64 = e.to(tl.int64)
+    qs = tl.arange(0, Q_PAD)
+    q_ok = qs < Q
+    q64 = qs.to(tl.int64)
+    col_peak = tl.zeros((Q_PAD,), tl.float32)
+    for step in range(STEPS):
+        ps = (chunk * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)
+        p_ok = ps < P
+        p64 = ps.to(tl.int64)
+        mask = p_ok[:, None] & q_ok[None, :]
+        offsets = p64[:, None] * stride_xp + q64[None, :] * stride_xq
+        values = tl.load(x_ptr + e64 * stride_xe + offsets, mask=mask, other=0.0).to(tl.float32)
+        magnitude = tl.abs(values)
+        bad_elements = _nonfinite(values)
+        bad = tl.max(bad_elements.to(tl.int32), 1) > 0
+        scale = _block_scale(tl.max(magnitude, 1), bad, MAX, POW2)
+        tl.store(scale_ptr + e64 * P + p64, scale, mask=p_ok)
+        codes = _quantized_codes(
+            values, scale[:, None], bad[:, None], MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8
+        )
+        tl.store(data_ptr + e64 * P * Q + p64[:, None] * Q + q64[None, :], codes, mask=mask)
+        peaks = tl.where(bad_elements, float("inf"), magnitude)
+        col_peak = tl.maximum(col_peak, tl.max(peaks, 0))
+    tl.atomic_max(col_peak_ptr + e64 * Q + qs, col_peak, mask=q_ok)
+
+
+@triton.jit
+def _column_codes_kernel(
+    x_ptr, data_t_ptr, scale_t_ptr, col_peak_ptr,
+    P, Q, p_tiles, q_tiles,
+    stride_xe, stride_xp, stride_xq,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
+    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Rowwise quantize_both_ways, second read: x (E, P, Q) quantized per whole column from the
+    peaks :func:`_rows_and_column_peaks_kernel` left, stored transposed, data_t (E, Q, P)
+    contiguous (as quantize(x.transpose(1, 2), 2)); the programs of the first p-tile write the
+    column scales. Program (e, p-tile, q-tile)."""
+    pid = tl.program_id(0)
+    e = pid // (p_tiles * q_tiles)
+    rest = pid % (p_tiles * q_tiles)
+    p_tile = rest // q_tiles
+    ps = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = (rest % q_tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    p_ok = ps < P
+    q_ok = qs < Q
+    e64 = e.to(tl.int64)
+    p64 = ps.to(tl.int64)
+    q64 = qs.to(tl.int64)
+    mask = p_ok[:, None] & q_ok[None, :]
+    offsets = p64[:, None] * stride_xp + q64[None, :] * stride_xq
+    values = tl.load(x_ptr + e64 * stride_xe + offsets, mask=mask, other=0.0).to(tl.float32)
+    peak = tl.load(col_peak_ptr + e64 * Q + q64, mask=q_ok, other=0.0)
+    bad = peak == float("inf")
+    scale = _block_scale(tl.where(bad, 0.0, peak), bad, MAX, POW2)
+    if p_tile == 0:
+        tl.store(scale_t_ptr + e64 * Q + q64, scale, mask=q_ok)
+    codes = _quantized_codes(
+        values, scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8
+    )
+    tl.store(
+        data_t_ptr + e64 * P * Q + q64[:, None] * P + p64[None, :],
+        tl.trans(codes),
+        mask=q_ok[:, None] & p_ok[None, :],
+    )
+
+
+@triton.jit
 def _rounded(values, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """float32 ``values`` in ``dtype``, rounded to nearest even. Triton's CPU interpreter
     truncates float32 to bfloat16: there the rounding is done on the bits."""
