@@ -665,6 +665,25 @@ def test_quantize_both_ways_is_the_definition_along_each_dim(
             _assert_bit_equal(copy, formats.quantize(summed, f.block(3, 2), enc, f.power_of_two))
 
 
+@pytest.mark.parametrize(
+    ("shape", "stored_transposed"),
+    [((2, 130, 256), False), ((3, 128, 77), True), ((1, 300, 64), False), ((2, 4096, 5), True)],
+)
+def test_rowwise_quantize_both_ways_in_two_reads_is_the_definition(shape, stored_transposed):
+    """Rows short enough for Triton's two-read form (whole rows, then whole columns), row-major
+    and transposed storage, with NaN and infinities: bit for bit the definition both ways."""
+    if not _TRITON_RUNNABLE:
+        pytest.skip("the Triton backend cannot run here")
+    x = _gaussian_with_non_finite(shape, 3, seed=sum(shape))
+    stored = x.transpose(1, 2).contiguous().transpose(1, 2) if stored_transposed else x
+    f = formats.FORMATS["fp8_rowwise"]
+    for enc in _encodings("triton"):
+        with use_backend("triton"):
+            got = ops.quantize_both_ways(stored.to(_device("triton")), "fp8_rowwise", enc.name)
+        for summed, copy in ((x, got[:2]), (x.transpose(1, 2), got[2:])):
+            _assert_bit_equal(copy, formats.quantize(summed, f.block(3, 2), enc, f.power_of_two))
+
+
 def test_a_small_dmoe_trains_in_fp8_as_in_bf16(reference_backend):
     """200 steps of a small GLU dMoE (bf16 weights) fitting a fixed random teacher: in FP8 the
     final loss stays within 3 % of the bf16 run's, each format. (benchmarks/fp8_loss_gap.py
