@@ -217,13 +217,15 @@ def quantize_rows(
     w1: torch.Tensor,
     w2: torch.Tensor,
     time_us: Callable[[Callable[[], Any]], float],
+    copy_us: Callable[[Callable[[], Any]], float] | None = None,
 ) -> list[dict[str, Any]]:
     """The quantization passes alone, in every format, against their ideal bytes at the copy
-    bandwidth (a clone of a rows * hidden * 2-byte buffer, timed alike): the tokens x, the sorted
-    rows h, the up weights w1 as the FP8 path reads them (transposed) and the down weights w2;
-    then each weight in both layouts (quantize_both_ways against two quantize calls)."""
+    bandwidth (a clone of a rows * hidden * 2-byte buffer, timed by ``copy_us``, else alike):
+    the tokens x, the sorted rows h, the up weights w1 as the FP8 path reads them (transposed)
+    and the down weights w2; then each weight in both layouts (quantize_both_ways against two
+    quantize calls)."""
     big = torch.empty(h.shape[0] * x.shape[1] * 2, dtype=torch.uint8, device=x.device)
-    bandwidth = 2 * big.numel() / time_us(big.clone)  # bytes per µs, read + write
+    bandwidth = 2 * big.numel() / (copy_us or time_us)(big.clone)  # bytes per µs, read + write
     rows = []
     for fmt in FORMAT_NAMES:
         for what, tensor, dim in (
