@@ -211,10 +211,13 @@ def _module(name: str, recipe: fp8.Recipe) -> torch.nn.Module:
     return block
 
 
-def _module_step(module: torch.nn.Module, seed: int) -> list[torch.Tensor]:
+def _module_step(
+    module: torch.nn.Module, seed: int, device: torch.device | str = "cpu"
+) -> list[torch.Tensor]:
     """The loss, the input's gradient and every parameter's, of one step."""
     module.zero_grad(set_to_none=True)
-    x = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+    x = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(seed))
+    x = x.to(device).requires_grad_()
     result = module(x)
     out = result[0] if isinstance(result, tuple) else result
     loss = out.square().mean()
@@ -231,10 +234,10 @@ def _update(modules: tuple[torch.nn.Module, ...], seed: int, through_data: bool)
         noise = 0.2 * torch.randn(params[0].shape, generator=torch.Generator().manual_seed(seed))
         for p in params:
             if through_data:
-                p.data.add_(noise)
+                p.data.add_(noise.to(p.device))
             else:
                 with torch.no_grad():
-                    p.add_(noise)
+                    p.add_(noise.to(p.device))
 
 
 @pytest.mark.parametrize(
@@ -270,3 +273,28 @@ def test_dmoe_in_fp8_compiles_with_inductor() -> None:
     compiled = torch.compile(module, fullgraph=True)
     for seed in range(2):
         _assert_matches_eager(_module_step(compiled, seed), _module_step(eager, seed))
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 matrix units",
+)
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise"])
+def test_dmoe_in_fp8_runs_in_cuda_graphs_on_the_gpu(fmt: str) -> None:
+    """``mode="reduce-overhead"`` on the GPU's own kernels: the FP8 step recorded in CUDA graphs
+    (inductor skipped none), each replay with a new input and updated weights equal to eager's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    module = _module("dmoe", fp8.Recipe(fmt)).cuda()
+    eager = copy.deepcopy(module)
+    compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    with megablocks_core.use_backend("triton"):
+        for seed in range(4):  # the first calls compile and record; the later ones replay
+            if seed:
+                _update((module, eager), seed, through_data=False)
+            want = _module_step(eager, seed, "cuda")
+            torch.compiler.cudagraph_mark_step_begin()
+            _assert_matches_eager(_module_step(compiled, seed, "cuda"), want)
+    assert counters["inductor"]["cudagraph_skips"] == 0
