@@ -295,8 +295,8 @@ BOTH_WAYS_WARPS = 8
 #: Rowwise quantize_both_ways: rows a program of its first read quantizes (whole rows, one read
 #: each, as quantize's one-read rows) before raising its column peaks once; the second read's
 #: (BLOCK_P, BLOCK_Q) tile and num_warps. Rows longer than BOTH_WAYS_MAX_ROW take the two
-#: quantize calls: on an H100 rows of 4096 took 0.91x their time, rows of 7168 1.26x (the
-#: peaks of 8192 columns beside a row in registers; docs/performance.md).
+#: quantize calls: on an H100 rows of 2048 and 4096 took 0.88-0.93x their time, rows of 7168
+#: 1.26x (the peaks of 8192 columns beside a row in registers; docs/performance.md).
 BOTH_WAYS_ROWS_PER_PROGRAM = 64
 BOTH_WAYS_MAX_ROW = 4096
 BOTH_WAYS_COLUMN_TILE = (128, 64)
