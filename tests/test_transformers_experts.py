@@ -219,6 +219,47 @@ def test_experts_step_makes_no_host_sync_on_the_gpu(family: str) -> None:
         torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a GPU with FP8 matrix units",
+)
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_use_fp8_on_the_gpu_matches_the_reference_without_host_syncs(family: str, fmt: str) -> None:
+    """use_fp8 on the GPU's own kernels: output and every gradient as the reference backend's
+    FP8 computes them (the same quantization; the sums' order differs), within FP8's error of
+    transformers' eager experts in float32, and a bf16 step that never waits for the GPU."""
+    experts = _experts(family, torch.float32).cuda()
+    top_k = experts.config.num_experts_per_tok
+    args = [t.cuda() for t in _routing(experts, 256, top_k, torch.float32)]
+    eager = _run(experts, "eager", *args)
+    assert hf.use_fp8(experts, fmt) == 1
+    with megablocks_core.use_backend("reference"):
+        reference = _run(experts, hf.IMPLEMENTATION, *args)
+    with megablocks_core.use_backend("triton"):
+        got = _run(experts, hf.IMPLEMENTATION, *args)
+
+        def rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[float]:
+            return [float((x - y).norm() / y.norm()) for x, y in zip(a, b, strict=True)]
+
+        # A code rounded the other way after a reordered sum moves one element by an FP8 step.
+        assert max(rel(got, reference)) < 1e-2, rel(got, reference)
+        # GPT-OSS's clamps (inputs of std 2 reach them) turn FP8's error into a flipped clamp.
+        assert max(rel(got, eager)) < (0.25 if family == "gpt_oss" else 0.15), rel(got, eager)
+        experts.to(torch.bfloat16)
+        x, ids, weights = (t.to(torch.bfloat16) if t.is_floating_point() else t for t in args)
+        x.requires_grad_()
+        weights.requires_grad_()
+        grad = torch.randn(x.shape, device="cuda", dtype=x.dtype)
+        experts(x, ids, weights).backward(grad)  # warm up: kernel choice and compilation
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            experts(x, ids, weights).backward(grad)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh", "relu"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_gated_gelu_and_relu_experts(hidden_act: str, backend: str) -> None:
