@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from fp8_gemm import quantize_rows  # benchmarks/fp8_gemm.py (this script's directory)
+from token_gmm_scatter import device_us  # 20 calls in one CUDA graph, the median replay
 
 from megablocks_core.shapes import SHAPES
 
@@ -43,33 +44,6 @@ def gpu_us(fn: Callable[[], Any], calls: int = 20) -> float:
     return statistics.median(times)
 
 
-def graph_us(fn: Callable[[], Any], calls: int = 20) -> float:
-    """µs per call of ``fn``, ``calls`` calls captured in one CUDA graph and replayed: no host
-    time between them. (Each call's outputs are dropped, so the graph's pool reuses them.)"""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the capture stream, as capture asks
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
-
-
 def rows_of(name: str, label: str, graphs: bool = False) -> list[dict[str, Any]]:
     tokens, hidden, ffn, experts, top_k = SHAPES[name]
     device = torch.device("cuda")
@@ -80,7 +54,7 @@ def rows_of(name: str, label: str, graphs: bool = False) -> list[dict[str, Any]]
     w2 = torch.randn(experts, ffn, hidden, device=device).bfloat16()
     out = []
     timing = "graph" if graphs else "events"
-    for row in quantize_rows(x, h, w1, w2, graph_us if graphs else gpu_us, copy_us=gpu_us):
+    for row in quantize_rows(x, h, w1, w2, device_us if graphs else gpu_us, copy_us=gpu_us):
         out.append({"variant": label, "shape": name, "timing": timing, **row})
         print(label, timing, name, row["quantize"], row["format"], round(row["us"], 1),
               round(row["ratio"], 2), flush=True)  # fmt: skip
