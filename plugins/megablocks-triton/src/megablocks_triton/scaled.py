@@ -372,43 +372,44 @@ def _both_ways_plan(
 
         return empty
     grid = (experts * p_tiles * q_tiles,)
+    launch: Callable[..., None]
     if not rowwise:
-        bound = bind(
+        tiles = bind(
             _both_ways_kernel, grid, p, q, p_tiles, q_tiles, *view.stride(),
             BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=BOTH_WAYS_WARPS, **encode,
         )  # fmt: skip
 
-        def run(x: torch.Tensor) -> BothWays:
-            data, scale, data_t, scale_t = copies = outputs(x)
-            view = x.transpose(1, 2) if swapped else x
-            bound(view, data.view(torch.uint8), data_t.view(torch.uint8), scale, scale_t)
-            return ordered(copies)
+        def launch(view: torch.Tensor, data: Any, scale: Any, data_t: Any, scale_t: Any) -> None:
+            tiles(view, data, data_t, scale, scale_t)
 
-        return run
-    q_pad = _one_read_row(q)
-    assert q_pad is not None
-    elements, warps = ONE_PASS_ROWS
-    block_r = max(elements // q_pad, 1)
-    steps = max(min(BOTH_WAYS_ROWS_PER_PROGRAM // block_r, cdiv(p, block_r)), 1)
-    p_chunks = cdiv(p, steps * block_r)
-    rows = bind(
-        _rows_and_column_peaks_kernel, (experts * p_chunks,), p, q, p_chunks, *view.stride(),
-        BLOCK_R=block_r, Q_PAD=q_pad, STEPS=steps, num_warps=warps, **encode,
-    )  # fmt: skip
-    columns = bind(
-        _column_codes_kernel, grid, p, q, p_tiles, q_tiles, *view.stride(),
-        BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=BOTH_WAYS_COLUMN_WARPS, **encode,
-    )  # fmt: skip
+    else:
+        q_pad = _one_read_row(q)
+        assert q_pad is not None
+        elements, warps = ONE_PASS_ROWS
+        block_r = max(elements // q_pad, 1)
+        steps = max(min(BOTH_WAYS_ROWS_PER_PROGRAM // block_r, cdiv(p, block_r)), 1)
+        p_chunks = cdiv(p, steps * block_r)
+        rows = bind(
+            _rows_and_column_peaks_kernel, (experts * p_chunks,), p, q, p_chunks, *view.stride(),
+            BLOCK_R=block_r, Q_PAD=q_pad, STEPS=steps, num_warps=warps, **encode,
+        )  # fmt: skip
+        columns = bind(
+            _column_codes_kernel, grid, p, q, p_tiles, q_tiles, *view.stride(),
+            BLOCK_P=block_p, BLOCK_Q=block_q, num_warps=BOTH_WAYS_COLUMN_WARPS, **encode,
+        )  # fmt: skip
 
-    def run_rowwise(x: torch.Tensor) -> BothWays:
+        def launch(view: torch.Tensor, data: Any, scale: Any, data_t: Any, scale_t: Any) -> None:
+            col_peak = torch.zeros((experts, q), dtype=torch.float32, device=view.device)
+            rows(view, data, scale, col_peak)
+            columns(view, data_t, scale_t, col_peak)
+
+    def run(x: torch.Tensor) -> BothWays:
         data, scale, data_t, scale_t = copies = outputs(x)
         view = x.transpose(1, 2) if swapped else x
-        col_peak = torch.zeros((experts, q), dtype=torch.float32, device=x.device)
-        rows(view, data.view(torch.uint8), scale, col_peak)
-        columns(view, data_t.view(torch.uint8), scale_t, col_peak)
+        launch(view, data.view(torch.uint8), scale, data_t.view(torch.uint8), scale_t)
         return ordered(copies)
 
-    return run_rowwise
+    return run
 
 
 # --------------------------------------------------------------------------------------------

@@ -201,6 +201,36 @@ def _quantize_kernel(
 
 
 @triton.jit
+def _pq_tile(x_ptr, pid, P, Q, p_tiles, q_tiles, stride_xe, stride_xp, stride_xq,
+             BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):  # fmt: skip
+    """Program ``pid``'s (e, p-tile, q-tile) of x (E, P, Q), read in float32 (zeros outside),
+    with its indices: (values, e64, p_tile, q_tile, ps, qs, p_ok, q_ok)."""
+    e = pid // (p_tiles * q_tiles)
+    rest = pid % (p_tiles * q_tiles)
+    p_tile = rest // q_tiles
+    q_tile = rest % q_tiles
+    ps = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    qs = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    p_ok = ps < P
+    q_ok = qs < Q
+    e64 = e.to(tl.int64)
+    mask = p_ok[:, None] & q_ok[None, :]
+    offsets = ps.to(tl.int64)[:, None] * stride_xp + qs.to(tl.int64)[None, :] * stride_xq
+    values = tl.load(x_ptr + e64 * stride_xe + offsets, mask=mask, other=0.0).to(tl.float32)
+    return values, e64, p_tile, q_tile, ps, qs, p_ok, q_ok
+
+
+@triton.jit
+def _store_transposed(data_t_ptr, codes, e64, ps, qs, p_ok, q_ok, P, Q):
+    """A (p, q) tile of codes stored as its transpose into data_t (E, Q, P), contiguous."""
+    tl.store(
+        data_t_ptr + e64 * P * Q + qs.to(tl.int64)[:, None] * P + ps.to(tl.int64)[None, :],
+        tl.trans(codes),
+        mask=q_ok[:, None] & p_ok[None, :],
+    )
+
+
+@triton.jit
 def _both_ways_kernel(
     x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_t_ptr,
     P, Q, p_tiles, q_tiles,
@@ -213,32 +243,18 @@ def _both_ways_kernel(
     block either way), one read of each: data (E, P, Q) and data_t (E, Q, P), both contiguous,
     and one scale per tile, (E, p_tiles, q_tiles) and (E, q_tiles, p_tiles). Program (e,
     p-tile, q-tile)."""
-    pid = tl.program_id(0)
-    e = pid // (p_tiles * q_tiles)
-    rest = pid % (p_tiles * q_tiles)
-    p_tile = rest // q_tiles
-    q_tile = rest % q_tiles
-    ps = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    qs = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    p_ok = ps < P
-    q_ok = qs < Q
-    e64 = e.to(tl.int64)
-    p64 = ps.to(tl.int64)
-    q64 = qs.to(tl.int64)
-    mask = p_ok[:, None] & q_ok[None, :]
-    offsets = p64[:, None] * stride_xp + q64[None, :] * stride_xq
-    values = tl.load(x_ptr + e64 * stride_xe + offsets, mask=mask, other=0.0).to(tl.float32)
+    values, e64, p_tile, q_tile, ps, qs, p_ok, q_ok = _pq_tile(
+        x_ptr, tl.program_id(0), P, Q, p_tiles, q_tiles, stride_xe, stride_xp, stride_xq,
+        BLOCK_P, BLOCK_Q,
+    )  # fmt: skip
     bad = tl.max(tl.max(_nonfinite(values).to(tl.int32), 1), 0) > 0
     scale = _block_scale(tl.max(tl.max(tl.abs(values), 1), 0), bad, MAX, POW2)
-    tl.store(scale_ptr + (e * p_tiles + p_tile) * q_tiles + q_tile, scale)
-    tl.store(scale_t_ptr + (e * q_tiles + q_tile) * p_tiles + p_tile, scale)
+    tl.store(scale_ptr + (e64 * p_tiles + p_tile) * q_tiles + q_tile, scale)
+    tl.store(scale_t_ptr + (e64 * q_tiles + q_tile) * p_tiles + p_tile, scale)
     codes = _quantized_codes(values, scale, bad, MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8)
-    tl.store(data_ptr + e64 * P * Q + p64[:, None] * Q + q64[None, :], codes, mask=mask)
-    tl.store(
-        data_t_ptr + e64 * P * Q + q64[:, None] * P + p64[None, :],
-        tl.trans(codes),
-        mask=q_ok[:, None] & p_ok[None, :],
-    )
+    data_off = ps.to(tl.int64)[:, None] * Q + qs.to(tl.int64)[None, :]
+    tl.store(data_ptr + e64 * P * Q + data_off, codes, mask=p_ok[:, None] & q_ok[None, :])
+    _store_transposed(data_t_ptr, codes, e64, ps, qs, p_ok, q_ok, P, Q)
 
 
 @triton.jit
@@ -296,33 +312,19 @@ def _column_codes_kernel(
     peaks :func:`_rows_and_column_peaks_kernel` left, stored transposed, data_t (E, Q, P)
     contiguous (as quantize(x.transpose(1, 2), 2)); the programs of the first p-tile write the
     column scales. Program (e, p-tile, q-tile)."""
-    pid = tl.program_id(0)
-    e = pid // (p_tiles * q_tiles)
-    rest = pid % (p_tiles * q_tiles)
-    p_tile = rest // q_tiles
-    ps = p_tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    qs = (rest % q_tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    p_ok = ps < P
-    q_ok = qs < Q
-    e64 = e.to(tl.int64)
-    p64 = ps.to(tl.int64)
-    q64 = qs.to(tl.int64)
-    mask = p_ok[:, None] & q_ok[None, :]
-    offsets = p64[:, None] * stride_xp + q64[None, :] * stride_xq
-    values = tl.load(x_ptr + e64 * stride_xe + offsets, mask=mask, other=0.0).to(tl.float32)
-    peak = tl.load(col_peak_ptr + e64 * Q + q64, mask=q_ok, other=0.0)
+    values, e64, p_tile, _, ps, qs, p_ok, q_ok = _pq_tile(
+        x_ptr, tl.program_id(0), P, Q, p_tiles, q_tiles, stride_xe, stride_xp, stride_xq,
+        BLOCK_P, BLOCK_Q,
+    )  # fmt: skip
+    peak = tl.load(col_peak_ptr + e64 * Q + qs, mask=q_ok, other=0.0)
     bad = peak == float("inf")
     scale = _block_scale(tl.where(bad, 0.0, peak), bad, MAX, POW2)
     if p_tile == 0:
-        tl.store(scale_t_ptr + e64 * Q + q64, scale, mask=q_ok)
+        tl.store(scale_t_ptr + e64 * Q + qs, scale, mask=q_ok)
     codes = _quantized_codes(
         values, scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8
     )
-    tl.store(
-        data_t_ptr + e64 * P * Q + q64[:, None] * P + p64[None, :],
-        tl.trans(codes),
-        mask=q_ok[:, None] & p_ok[None, :],
-    )
+    _store_transposed(data_t_ptr, codes, e64, ps, qs, p_ok, q_ok, P, Q)
 
 
 @triton.jit
