@@ -638,6 +638,16 @@ def _assert_bit_equal(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, .
     torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
 
 
+def _assert_both_ways_bit_equal(
+    got: tuple[torch.Tensor, ...], x: torch.Tensor, fmt: str, enc: formats.Encoding
+) -> None:
+    """quantize_both_ways(x)'s four outputs, the definition summed over x's last dim, then over
+    its middle one."""
+    f = formats.FORMATS[fmt]
+    for summed, copy in ((x, got[:2]), (x.transpose(1, 2), got[2:])):
+        _assert_bit_equal(copy, formats.quantize(summed, f.block(3, 2), enc, f.power_of_two))
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     backend=st.sampled_from(["reference", "triton"] if _TRITON_RUNNABLE else ["reference"]),
@@ -657,12 +667,10 @@ def test_quantize_both_ways_is_the_definition_along_each_dim(
     infinities anywhere."""
     x = _gaussian_with_non_finite((experts, rows, cols), non_finite, seed)
     stored = x.transpose(1, 2).contiguous().transpose(1, 2) if stored_transposed else x
-    f = formats.FORMATS[fmt]
     for enc in _encodings(backend):
         with use_backend(backend):
             got = ops.quantize_both_ways(stored.to(_device(backend)), fmt, enc.name)
-        for summed, copy in ((x, got[:2]), (x.transpose(1, 2), got[2:])):
-            _assert_bit_equal(copy, formats.quantize(summed, f.block(3, 2), enc, f.power_of_two))
+        _assert_both_ways_bit_equal(got, x, fmt, enc)
 
 
 @pytest.mark.parametrize(
@@ -676,12 +684,10 @@ def test_rowwise_quantize_both_ways_in_two_reads_is_the_definition(shape, stored
         pytest.skip("the Triton backend cannot run here")
     x = _gaussian_with_non_finite(shape, 3, seed=sum(shape))
     stored = x.transpose(1, 2).contiguous().transpose(1, 2) if stored_transposed else x
-    f = formats.FORMATS["fp8_rowwise"]
     for enc in _encodings("triton"):
         with use_backend("triton"):
             got = ops.quantize_both_ways(stored.to(_device("triton")), "fp8_rowwise", enc.name)
-        for summed, copy in ((x, got[:2]), (x.transpose(1, 2), got[2:])):
-            _assert_bit_equal(copy, formats.quantize(summed, f.block(3, 2), enc, f.power_of_two))
+        _assert_both_ways_bit_equal(got, x, "fp8_rowwise", enc)
 
 
 def test_a_small_dmoe_trains_in_fp8_as_in_bf16(reference_backend):
