@@ -60,8 +60,9 @@ class Recipe:
     micro-batches, for one byte a weight element per layout kept (two: the forward's and the
     backward's); a training forward quantizes a changed weight into both layouts in one call
     (``quantize_both_ways``: one read of it in the blockwise format). Off by default: an update
-    the version counter does not see (through ``.data``) would go unnoticed. Under ``torch.compile`` the cache is neither read nor filled: a compiled
-    step quantizes the weights on every call, whatever this says."""
+    the version counter does not see (through ``.data``) would go unnoticed. Under
+    ``torch.compile`` the cache is neither read nor filled: a compiled step quantizes the weights
+    on every call, whatever this says."""
 
     format: str = "fp8_rowwise"
     encoding: str | None = None
