@@ -20,6 +20,10 @@ time included).
 
 ``--format fp8_blockwise``: the blockwise format instead (no torch peer).
 
+``--gluon-max-k K``: the arch table's ``gluon_scaled_max_k`` replaced by K for this run, to
+measure the Gluon kernel beside the Triton one at depths the table keeps from it (the
+``*-dgrad`` GEMMs are the data gradients' shapes: k and n of the forward swapped).
+
 Usage (H200): ``python benchmarks/scaled_gmm_providers.py [--gemms qwen3-up,...] [--gather]
 [--format F] [--json PATH]``.
 ``--device cpu --tiny`` is a smoke run of the same code (triton's kernel under the interpreter
@@ -29,9 +33,11 @@ when TRITON_INTERPRET=1; torch's has no CPU kernel, so its columns are empty the
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,6 +98,10 @@ GEMMS: dict[str, tuple[int, int, int, int]] = {
     "dsv3-down": (256, 2048, 7168, 512),
     "mixtral-up": (8, 4096, 28672, 4096),
     "mixtral-down": (8, 14336, 4096, 4096),
+    "dsv3-up-dgrad": (256, 4096, 7168, 512),
+    "dsv3-down-dgrad": (256, 7168, 2048, 512),
+    "mixtral-up-dgrad": (8, 28672, 4096, 4096),
+    "mixtral-down-dgrad": (8, 4096, 14336, 4096),
     "gpt_oss-up": (32, 2880, 5760, 2048),
     "gpt_oss-down": (32, 2880, 2880, 2048),
 }
@@ -225,6 +235,25 @@ def time_gather_first(
     row["gather_first_speedup"] = row["triton_us"] / row["gather_first_us"]
 
 
+@contextlib.contextmanager
+def gluon_max_k(max_k: int | None) -> Iterator[None]:
+    """The Gluon kernel's k bound replaced inside the block (None: the arch table's); the plans
+    made with either bound are dropped on the way in and out."""
+    table_row = scaled.arch_tuning
+
+    def patched(info: Any) -> Any:
+        return dataclasses.replace(table_row(info), gluon_scaled_max_k=max_k)
+
+    if max_k is not None:
+        scaled.arch_tuning = patched
+    scaled._SCALED_PLANS.clear()
+    try:
+        yield
+    finally:
+        scaled.arch_tuning = table_row
+        scaled._SCALED_PLANS.clear()
+
+
 #: The batch the GEMMS' rows per expert are of.
 TOKENS = 16384
 
@@ -236,16 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="one tiny GEMM (a smoke run)")
     parser.add_argument("--gather", action="store_true", help="rows gathered from the tokens")
     parser.add_argument("--format", default=FORMAT, choices=("fp8_rowwise", "fp8_blockwise"))
+    parser.add_argument("--gluon-max-k", type=int, metavar="K")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     table = TINY if args.tiny else {g: GEMMS[g] for g in args.gemms.split(",")}
     rows = []
-    for name, shape in table.items():
-        for divisor in (1, 8):
-            run = run_gathered if args.gather else run_gemm
-            rows.append(run(name, shape, divisor, device, args.format))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    with gluon_max_k(args.gluon_max_k):
+        for name, shape in table.items():
+            for divisor in (1, 8):
+                run = run_gathered if args.gather else run_gemm
+                rows.append(run(name, shape, divisor, device, args.format))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for r in rows:
         if args.gather:
             print(
@@ -267,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         meta = {
+            "gluon_max_k": args.gluon_max_k,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__,
         }

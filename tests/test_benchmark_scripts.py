@@ -254,6 +254,21 @@ def test_scaled_gmm_providers_reports_the_ranked_provider(tmp_path):
         assert r["ranked"] is not None and r["ranked"].startswith("triton")
 
 
+def test_scaled_gmm_providers_replaces_the_gluon_bound_only_for_its_run(tmp_path):
+    script = _script("scaled_gmm_providers")
+    scaled = script.scaled
+    table_row = scaled.arch_tuning
+    seen = []
+    with script.gluon_max_k(5):
+        seen.append(scaled.arch_tuning(scaled.device_info(torch.device("cpu"))))
+    assert seen[0].gluon_scaled_max_k == 5 and scaled.arch_tuning is table_row
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--tiny", "--gluon-max-k", "7", "--json", str(path)]
+    assert script.main(argv) == 0
+    assert json.loads(path.read_text())["meta"]["gluon_max_k"] == 7
+    assert scaled.arch_tuning is table_row
+
+
 def test_scaled_gmm_providers_times_gathered_rows(tmp_path, monkeypatch):
     script = _script("scaled_gmm_providers")
     path = tmp_path / "out.json"
