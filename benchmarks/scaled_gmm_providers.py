@@ -20,6 +20,9 @@ time included).
 
 ``--format fp8_blockwise``: the blockwise format instead (no torch peer).
 
+``--bias``: plain rows also timed with a per-expert bias (``triton_bias_us``, the triton
+backend's choice): what the bias adds to the GEMM.
+
 ``--gluon-max-k K``: the arch table's ``gluon_scaled_max_k`` replaced by K for this run, to
 measure the Gluon kernel beside the Triton one at depths the table keeps from it (the
 ``*-dgrad`` GEMMs are the data gradients' shapes: k and n of the forward swapped).
@@ -145,6 +148,7 @@ def run_gemm(
     divisor: int,
     device: torch.device,
     fmt: str = FORMAT,
+    bias: bool = False,
 ) -> dict[str, Any]:
     experts, k, n, per_expert = shape
     rows_per_expert = max(per_expert // divisor, 1)
@@ -158,6 +162,11 @@ def run_gemm(
     reference = time_triton_kernels(
         name, lambda: ops.scaled_gmm(*args), "scaled_gmm", row, flops, timer
     )
+    if bias:
+        per_expert_bias = torch.randn(experts, n, device=device).bfloat16()
+        with megablocks_core.use_backend(scaled_gmm="triton"):
+            row["triton_bias_us"] = timer(lambda: ops.scaled_gmm(*args, per_expert_bias))
+        row["bias_cost"] = row["triton_bias_us"] / row["triton_us"]
     scaled_grouped_mm = getattr(torch, "_scaled_grouped_mm", None)
     if device.type == "cuda" and scaled_grouped_mm is not None and fmt == "fp8_rowwise":
         offs = torch.cumsum(sizes, 0, dtype=torch.int32)
@@ -265,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="one tiny GEMM (a smoke run)")
     parser.add_argument("--gather", action="store_true", help="rows gathered from the tokens")
     parser.add_argument("--format", default=FORMAT, choices=("fp8_rowwise", "fp8_blockwise"))
+    parser.add_argument("--bias", action="store_true", help="plain rows timed with a bias too")
     parser.add_argument("--gluon-max-k", type=int, metavar="K")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
@@ -274,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     with gluon_max_k(args.gluon_max_k):
         for name, shape in table.items():
             for divisor in (1, 8):
-                run = run_gathered if args.gather else run_gemm
-                rows.append(run(name, shape, divisor, device, args.format))
+                if args.gather:
+                    rows.append(run_gathered(name, shape, divisor, device, args.format))
+                else:
+                    rows.append(run_gemm(name, shape, divisor, device, args.format, args.bias))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     for r in rows:
         if args.gather:
@@ -295,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['gemm']:<14}{r['rows_per_expert']:>6} rows/expert  triton "
             f"{r['triton_tflops']:>6.0f} TFLOP/s ({r['triton_kernel']}; Triton kernel "
             f"{r['triton_plain_tflops']:.0f})  {torch_part:<24} ranked {r['ranked']}"
+            + (f"  with a bias {r['bias_cost']:.3f}x" if "bias_cost" in r else "")
         )
     if args.json:
         meta = {

@@ -254,7 +254,7 @@ def test_scaled_gmm_providers_reports_the_ranked_provider(tmp_path):
         assert r["ranked"] is not None and r["ranked"].startswith("triton")
 
 
-def test_scaled_gmm_providers_replaces_the_gluon_bound_only_for_its_run(tmp_path):
+def test_scaled_gmm_providers_replaces_the_gluon_bound_only_for_its_run_and_times_a_bias(tmp_path):
     script = _script("scaled_gmm_providers")
     scaled = script.scaled
     table_row = scaled.arch_tuning
@@ -263,9 +263,11 @@ def test_scaled_gmm_providers_replaces_the_gluon_bound_only_for_its_run(tmp_path
         seen.append(scaled.arch_tuning(scaled.device_info(torch.device("cpu"))))
     assert seen[0].gluon_scaled_max_k == 5 and scaled.arch_tuning is table_row
     path = tmp_path / "out.json"
-    argv = ["--device", "cpu", "--tiny", "--gluon-max-k", "7", "--json", str(path)]
+    argv = ["--device", "cpu", "--tiny", "--gluon-max-k", "7", "--bias", "--json", str(path)]
     assert script.main(argv) == 0
-    assert json.loads(path.read_text())["meta"]["gluon_max_k"] == 7
+    result = json.loads(path.read_text())
+    assert result["meta"]["gluon_max_k"] == 7
+    assert all(r["triton_bias_us"] > 0 and r["bias_cost"] > 0 for r in result["rows"])
     assert scaled.arch_tuning is table_row
 
 
