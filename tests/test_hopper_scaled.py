@@ -23,6 +23,7 @@ triton = pytest.importorskip("triton")
 hopper_scaled = pytest.importorskip("megablocks_triton.hopper_scaled")
 
 from megablocks_triton import scaled as S  # noqa: E402
+from megablocks_triton.arch_table import ARCHS  # noqa: E402
 from megablocks_triton.launch import record_launches  # noqa: E402
 from megablocks_triton.launch_types import GmmConfig  # noqa: E402
 
@@ -83,6 +84,7 @@ def _launches(device: object, call: str = "gmm", **shape: int) -> list[Any]:
 GLUON = "megablocks_triton.hopper_scaled._scaled_gmm_kernel"
 TRITON = "megablocks_triton.kernels.scaled._scaled_gmm_kernel"
 QWEN3_DOWN = {"rows": 128 * 1024, "k": 768, "n": 2048, "experts": 128}
+HOPPER_MAX_K = ARCHS["hopper"].gluon_scaled_max_k
 
 
 def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel(
@@ -103,8 +105,9 @@ def test_hopper_plain_and_gathered_rows_take_the_gluon_kernel(
     # The blockwise format on plain rows: each 128-deep product scaled by its blocks' scales.
     _, launch = _launches(H200, **QWEN3_DOWN, blockwise=1)
     assert launch.kwargs["BLOCKWISE"] and not launch.kwargs["GATHER"]
-    # Plain rowwise rows of 256 experts (DeepSeek-V3's count).
+    # Plain rowwise rows of 256 experts (DeepSeek-V3's count), and DeepSeek-V3's deepest k.
     assert _kernels(H200, **{**QWEN3_DOWN, "experts": 256})[1] == GLUON
+    assert _kernels(H200, **{**QWEN3_DOWN, "experts": 256, "k": 7168})[1] == GLUON
 
 
 def test_its_launches_take_the_cached_launch_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +129,7 @@ def test_its_launches_take_the_cached_launch_path(monkeypatch: pytest.MonkeyPatc
     [
         ("another arch", B200, "gmm", QWEN3_DOWN),
         ("blockwise gathered rows", H200, "gather", {**QWEN3_DOWN, "blockwise": 1}),
-        ("k at the table's bound", H200, "gmm", {**QWEN3_DOWN, "k": 3072}),
+        ("k at the table's bound", H200, "gmm", {**QWEN3_DOWN, "k": HOPPER_MAX_K}),
         ("512 experts", H200, "gmm", {**QWEN3_DOWN, "experts": 512, "rows": 512 * 256}),
         ("256 experts, gathered", H200, "gather", {**QWEN3_DOWN, "experts": 256}),
         ("256 experts, blockwise", H200, "gmm", {**QWEN3_DOWN, "experts": 256, "blockwise": 1}),

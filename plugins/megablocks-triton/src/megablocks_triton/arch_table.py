@@ -147,13 +147,12 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
             ),
             tma=True,
             gluon_wgrad=True,
-            # H200, model GEMMs at two sizes (docs/performance.md, 2026-12-04): the Gluon kernel
-            # 1.08-1.34x the Triton one on plain rows and 1.07-1.35x on gathered ones for k up
-            # to 2880 (Qwen3, OLMoE, GPT-OSS, DeepSeek-V3's down projection); 0.89-1.01x at
-            # DeepSeek-V3's k = 7168, 0.84-0.93x at Mixtral's k = 4096 and 14336. Between 2880
-            # and 4096 not measured: the bound is the next multiple of 1024 past the last k seen
-            # faster.
-            gluon_scaled_max_k=3072,
+            # H100, 2026-12-07 (docs/performance.md), the kernel with its paired products:
+            # 1.25-1.36x the Triton kernel at DeepSeek-V3's k = 4096 and 7168 (512 rows per
+            # expert), 0.99-1.26x at Mixtral's k = 4096 to 28672. (Before the pairing, on the
+            # H200 on 2026-12-04, it was 0.84-1.01x from k = 4096, and the bound was 3072.) The
+            # bound is past the deepest k measured.
+            gluon_scaled_max_k=32768,
             # One more K step in flight with few output columns (e.g. many small experts): 0.91
             # vs 0.87 of dense at the qwen3 shape on the H200.
             gmm_small_n_stages=4,
