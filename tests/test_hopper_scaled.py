@@ -213,6 +213,7 @@ out_dtype = getattr(torch, sys.argv[1])
 gather = sys.argv[2] == "1"
 blockwise = sys.argv[3] == "1"
 block_e = int(sys.argv[4])
+has_bias = sys.argv[5] == "1"
 rows, k, n, experts = 512, 256, 384, 3
 a = torch.zeros(rows, k, dtype=torch.float8_e4m3fn)
 b = torch.zeros(experts * n, k, dtype=torch.float8_e4m3fn)
@@ -225,9 +226,9 @@ descs = [  # with the launch's own (cached) layouts
 compiled = H._scaled_gmm_kernel.warmup(
     *descs, out, torch.zeros(rows, 1), torch.zeros(experts, n, 1),
     torch.zeros(experts, dtype=torch.int32), experts, rows, n, k, 1, 1, n, 1, 1,
-    a, k, torch.zeros(rows, dtype=torch.int32), 2, rows,
+    a, k, torch.zeros(rows, dtype=torch.int32), 2, rows, torch.zeros(experts, n), n,
     FROM_ENDS=gather, ZERO_TAIL=True, BLOCK_E=block_e, GROUP_M=8, GATHER=gather,
-    BLOCKWISE=blockwise,
+    BLOCKWISE=blockwise, HAS_BIAS=has_bias,
     STAGES=H.stages(out_dtype),
     LOADER_WARPS=H.GATHER_LOADER_WARPS if gather else 1,
     LOADER_REGS=H.GATHER_LOADER_REGISTERS if gather else H.LOADER_REGISTERS,
@@ -238,17 +239,26 @@ report(compiled)
 
 
 @pytest.mark.parametrize(
-    "out_dtype, gather, blockwise",
-    [("bfloat16", 0, 0), ("float32", 0, 0), ("bfloat16", 1, 0), ("bfloat16", 0, 1)],
+    "out_dtype, gather, blockwise, bias",
+    [
+        ("bfloat16", 0, 0, 0),
+        ("float32", 0, 0, 0),
+        ("bfloat16", 1, 0, 0),
+        ("bfloat16", 0, 1, 0),
+        ("bfloat16", 0, 0, 1),
+        ("float32", 0, 0, 1),
+        ("bfloat16", 1, 0, 1),
+    ],
 )
-def test_compiles_for_sm90(out_dtype: str, gather: int, blockwise: int) -> None:
-    # With as many experts as the launch path gives it: nothing spills (the gate's rule).
+def test_compiles_for_sm90(out_dtype: str, gather: int, blockwise: int, bias: int) -> None:
+    # With as many experts as the launch path gives it, a bias or not (rowwise: the launch
+    # refuses a blockwise one): nothing spills (the gate's rule).
     most = (
         S.WARP_SPECIALIZED_MAX_BLOCK_E_GATHERED_OR_BLOCKWISE
         if gather or blockwise
         else S.WARP_SPECIALIZED_MAX_BLOCK_E
     )
-    built = compile_sm90(_COMPILE, out_dtype, str(gather), str(blockwise), str(most))
+    built = compile_sm90(_COMPILE, out_dtype, str(gather), str(blockwise), str(most), str(bias))
     assert built["spills"] == 0
     ptx = built["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
@@ -294,13 +304,15 @@ def _case(name: str, fmt: str = "fp8_rowwise") -> tuple[torch.Tensor, ...]:
     return qa, sa, qb, sb, torch.tensor(sizes, dtype=torch.int32, device="cuda")
 
 
-def _gluon(*operands: torch.Tensor, out: torch.Tensor, **how: bool) -> torch.Tensor:
+def _gluon(
+    *operands: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None, **how: bool
+) -> torch.Tensor:
     qa, sa, qb, sb, sizes = operands
     hopper_scaled.launch(
         qa, sa, qb, sb, sizes, out, from_ends=how.get("from_ends", False),
         zero_tail=how.get("zero_tail", True), block_e=_block_e(sizes.numel()),
         num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
-        blockwise=how.get("blockwise", False),
+        blockwise=how.get("blockwise", False), bias=bias,
     )  # fmt: skip
     return out
 
@@ -333,14 +345,21 @@ def _loop(
 
 
 @on_hopper
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_equals_the_triton_kernel_and_a_float64_loop(
-    name: str, out_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    name: str, out_dtype: torch.dtype, with_bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # With a bias, the epilogue adds it as the Triton kernel's does (bit for bit): to each
+    # grouped row, before the rounding; rows past the groups stay zero.
     qa, sa, qb, sb, sizes = _case(name)
     rows, n = qa.shape[0], qb.shape[1]
     covered = int(sizes.sum())
+    bias = None
+    if with_bias:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        bias = torch.randn(sizes.numel(), n, device="cuda", generator=gen).bfloat16()
     got = _gluon(
         qa,
         sa,
@@ -348,20 +367,23 @@ def test_equals_the_triton_kernel_and_a_float64_loop(
         sb,
         sizes,
         out=torch.full((rows, n), float("nan"), device="cuda", dtype=out_dtype),
+        bias=bias,
     )
     monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
     want = S.scaled_gmm(
-        qa, sa, qb, sb, sizes, True, "fp8_rowwise", str(out_dtype).removeprefix("torch.")
+        qa, sa, qb, sb, sizes, True, "fp8_rowwise", str(out_dtype).removeprefix("torch."), bias
     )
     assert torch.equal(got, want)
     ref = _loop(qa, sa, qb, sb, CASES[name][0])
+    if bias is not None:
+        ref += _row_bias(bias, torch.cumsum(sizes, 0), rows).to(ref.device)
     err = (got.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err < (4e-3 if out_dtype == torch.bfloat16 else 1e-3)
     assert (got[covered:] == 0).all() and not torch.signbit(got[covered:]).any()
     # Running ends (bins) give the same; without the zero tail the rows past are left as they were.
     ends = torch.cumsum(sizes, 0, dtype=torch.int32)
     kept = torch.full((rows, n), 7.0, device="cuda", dtype=out_dtype)
-    _gluon(qa, sa, qb, sb, ends, out=kept, from_ends=True, zero_tail=False)
+    _gluon(qa, sa, qb, sb, ends, out=kept, from_ends=True, zero_tail=False, bias=bias)
     assert torch.equal(kept[:covered], got[:covered]) and (kept[covered:] == 7).all()
 
 
@@ -698,20 +720,39 @@ def test_a_bias_is_added_to_each_group_s_rows_before_the_rounding(
 
 
 @on_hopper
-def test_the_gluon_kernel_s_served_bias_matches_the_triton_kernel_s_epilogue(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_the_gluon_kernel_s_bias_epilogue_equals_the_triton_kernel_s(
+    out_dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # At a shape whose plain rows take the Gluon kernel (which has no bias epilogue: the bias is
-    # added to its rounded output), float32 outputs equal the Triton kernel's within one
-    # rounding of the sum.
+    # Gathered rows copied first, then the plain rows' Gluon kernel: its epilogue adds the bias
+    # as the Triton kernel's does, so the outputs are equal bit for bit.
     qx, sx, qw, sw, ids, bins = _routed(1024, 2, 8, 768, 512, "fp8_rowwise", torch.device("cuda"))
     bias = torch.randn(8, 512, device="cuda").bfloat16()
-    args = (qx, sx, qw, sw, ids, ids, bins, 2, True, None, "fp8_rowwise", "float32", bias)
+    args = (qx, sx, qw, sw, ids, ids, bins, 2, True, None, "fp8_rowwise", out_dtype, bias)
+    S._SCALED_PLANS.clear()
     got = S.scaled_gather_gmm(*args)
     plan = next(iter(S._SCALED_PLANS.values()))
     assert isinstance(plan, S._GatherFirstPlan) and isinstance(plan.plain, S._WarpSpecializedPlan)
     monkeypatch.setattr(S, "CONFIG_OVERRIDE", TRITON_TILES)
     monkeypatch.setattr(S, "GATHER_FIRST", False)
     S._SCALED_PLANS.clear()
-    want = S.scaled_gather_gmm(*args)
-    assert torch.allclose(got, want, rtol=2**-22, atol=2**-22 * float(want.abs().max()))
+    assert torch.equal(got, S.scaled_gather_gmm(*args))
+
+
+@on_hopper
+def test_the_blockwise_gluon_kernel_s_bias_is_added_after_its_rounding() -> None:
+    # Blockwise, the Gluon kernel takes no bias (its launch refuses one): the plan adds the bias
+    # to its rounded output, one more rounding.
+    qa, sa, qb, sb, sizes = _case("several tiles a program", "fp8_blockwise")
+    rows, n = qa.shape[0], qb.shape[1]
+    bias = torch.randn(sizes.numel(), n, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="no bias"):
+        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        _gluon(qa, sa, qb, sb, sizes, out=out, blockwise=True, bias=bias)
+    args = (qa, sa, qb, sb, sizes, True, "fp8_blockwise", "bfloat16")
+    S._SCALED_PLANS.clear()
+    got = S.scaled_gmm(*args, bias)
+    assert isinstance(next(iter(S._SCALED_PLANS.values())), S._WarpSpecializedPlan)
+    unbiased = S.scaled_gmm(*args)
+    row_bias = _row_bias(bias, torch.cumsum(sizes, 0), rows).to("cuda")
+    assert torch.equal(got, (unbiased.double() + row_bias).bfloat16())

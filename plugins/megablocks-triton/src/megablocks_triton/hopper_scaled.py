@@ -16,7 +16,7 @@ asynchronously, and the previous one is added while the matrix unit computes it:
   flight (plain rowwise rows; gathered and blockwise rows one: their loop holds one register set
   for the products, see _mma_and_epilogue), add the older to the tile's float32 sum and free its
   stage; a tile's epilogue (both scales, which the loader stages in shared memory for plain
-  rows, the rounding, a TMA store inside the group or masked
+  rows, the expert's bias where given, the rounding, a TMA store inside the group or masked
   stores for a group's last, partial tile; zeros for the rows past every group when asked) runs
   while the next tile's first product computes.
 
@@ -174,9 +174,11 @@ def _row_scales(tile, idx, sizes, tiles, tile_end, n_tiles, stride_sa, stride_sb
 def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr, sa_ptr,
               sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
               GROUP_M: gl.constexpr, GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
-              store_layout: gl.constexpr, staged=None):  # fmt: skip
+              store_layout: gl.constexpr, bias_ptr, stride_bias, HAS_BIAS: gl.constexpr,
+              staged=None):  # fmt: skip
     # The tile's sum times both scales (rows clamped into the group: rows past it are not
-    # stored; blockwise sums are scaled already), rounded, staged in shared memory and stored.
+    # stored; blockwise sums are scaled already), plus its expert's bias (HAS_BIAS), rounded,
+    # staged in shared memory and stored.
     # staged: (ring, its barriers, the tile's index t in the program) where the loader copied
     # the plain rows' scales (_copy_scales).
     block_m: gl.constexpr = c_smem.type.shape[0]
@@ -190,6 +192,10 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
     if GATHER:  # a gathered row's scale is its token's; an unnamed row's (NaN) must not leak
         ids = gl.load(ids_ptr + a_rows).to(gl.int64)
         named = (ids >= 0) & (ids < num_ids)
+    bias_cols = tile_n * block_n + acc_cols
+    if HAS_BIAS and staged is not None:  # first: its latency under the wait for the scales
+        bias_row = gl.load(bias_ptr + e.to(gl.int64) * stride_bias + bias_cols,
+                           mask=bias_cols < n, other=0.0)  # fmt: skip
     if BLOCKWISE:
         scaled = acc
     elif staged is not None:
@@ -210,6 +216,15 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
         scaled = acc * sa[:, None] * sb[None, :]
     if GATHER:
         scaled = gl.where(named[:, None], scaled, 0.0)
+    if HAS_BIAS:  # after the masking, as the Triton kernel: an unnamed row gets it too
+        if staged is None:  # (gathered rows: loaded here, kept from their loads' registers)
+            bias_row = gl.load(bias_ptr + e.to(gl.int64) * stride_bias + bias_cols,
+                               mask=bias_cols < n, other=0.0)  # fmt: skip
+        # Added after the scaled sum's rounding, not fused into its last product (an FMA): the
+        # Triton kernel's two roundings, so that both give the same bits.
+        bias_tile, scaled = gl.broadcast(bias_row.to(gl.float32)[None, :], scaled)
+        scaled = gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [scaled, bias_tile],
+                                           dtype=gl.float32, is_pure=True, pack=1)  # fmt: skip
     result = scaled.to(c_smem.dtype)
     tma.store_wait(0)  # the previous tile's store has read c_smem
     gl.thread_barrier()  # and every warp's loads of it (and of the staged scales) are done
@@ -261,13 +276,13 @@ def _issue(a_bufs, b_bufs, ready, step, zero):
 
 @gluon.jit
 def _retire(acc, done, step, empty, tiling, out, scales, GROUP_M: gl.constexpr,
-            store_layout: gl.constexpr):  # fmt: skip
+            HAS_BIAS: gl.constexpr, store_layout: gl.constexpr):  # fmt: skip
     # Plain rowwise rows: a finished step's product added into acc, its stage freed for the
     # loader and, after its tile's last step, the tile's epilogue (its scales staged by the
     # loader). tiling: the program's (pid, programs, chunks) and _groups' tiles; out and
     # scales: the epilogue's operands.
     pid, programs, chunks, idx, sizes, tiles, tile_end, n_tiles = tiling
-    c_smem, scale_smem, scale_ready, scale_empty, c_desc, c_ptr, n = out
+    c_smem, scale_smem, scale_ready, scale_empty, c_desc, c_ptr, n, bias_ptr, stride_bias = out
     sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids = scales
     acc = acc + done
     mbarrier.arrive(empty.index(step % empty.type.shape[0]), count=1)
@@ -275,7 +290,7 @@ def _retire(acc, done, step, empty, tiling, out, scales, GROUP_M: gl.constexpr,
         t = step // chunks
         _epilogue(acc, pid + t * programs, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc,
                   c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k,
-                  num_ids, GROUP_M, False, False, store_layout,
+                  num_ids, GROUP_M, False, False, store_layout, bias_ptr, stride_bias, HAS_BIAS,
                   (scale_smem, scale_ready, scale_empty, t))  # fmt: skip
         acc = gl.zeros_like(acc)
     return acc
@@ -284,10 +299,10 @@ def _retire(acc, done, step, empty, tiling, out, scales, GROUP_M: gl.constexpr,
 @gluon.jit
 def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, staging, c_desc, c_ptr, sa_ptr,
                       sb_ptr, sizes_ptr, num_experts, rows, n, k, stride_sa, stride_sak, stride_sbe,
-                      stride_sbn, stride_sbk, ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr,
-                      ZERO_TAIL: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
-                      GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
-                      num_warps: gl.constexpr):  # fmt: skip
+                      stride_sbn, stride_sbk, ids_ptr, top_k, num_ids, bias_ptr, stride_bias,
+                      FROM_ENDS: gl.constexpr, ZERO_TAIL: gl.constexpr, BLOCK_E: gl.constexpr,
+                      GROUP_M: gl.constexpr, GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     block_m: gl.constexpr = c_smem.type.shape[0]
     block_n: gl.constexpr = c_smem.type.shape[1]
     block_k: gl.constexpr = a_bufs.type.shape[2]
@@ -325,7 +340,8 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, staging, c_desc, c_p
             # one product is in flight. Gathered and blockwise rows keep the one set (paired,
             # they spill; measured slower or no faster: docs/performance.md).
             tiling = (pid, programs, chunks, idx, sizes, tiles, tile_end, n_tiles)
-            out = (c_smem, staging[0], staging[1], staging[2], c_desc, c_ptr, n)
+            out = (c_smem, staging[0], staging[1], staging[2], c_desc, c_ptr, n, bias_ptr,
+                   stride_bias)  # fmt: skip
             scales = (sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids)
             acc = zero
             prev = _issue(a_bufs, b_bufs, ready, 0, zero)
@@ -333,21 +349,23 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, staging, c_desc, c_p
                 part = _issue(a_bufs, b_bufs, ready, step, zero)
                 done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
                 acc = _retire(acc, done, step - 1, empty, tiling, out, scales, GROUP_M,
-                              store_layout)  # fmt: skip
+                              HAS_BIAS, store_layout)  # fmt: skip
                 prev = _issue(a_bufs, b_bufs, ready, step + 1, zero)
                 done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))
                 acc = _retire(acc, done, step, empty, tiling, out, scales, GROUP_M,
-                              store_layout)  # fmt: skip
+                              HAS_BIAS, store_layout)  # fmt: skip
             if (steps - 1) % 2 == 1:  # one step left past the pairs
                 part = _issue(a_bufs, b_bufs, ready, steps - 1, zero)
                 done = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
                 acc = _retire(acc, done, steps - 2, empty, tiling, out, scales, GROUP_M,
-                              store_layout)  # fmt: skip
+                              HAS_BIAS, store_layout)  # fmt: skip
                 done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
-                _retire(acc, done, steps - 1, empty, tiling, out, scales, GROUP_M, store_layout)
+                _retire(acc, done, steps - 1, empty, tiling, out, scales, GROUP_M, HAS_BIAS,
+                        store_layout)  # fmt: skip
             else:
                 done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
-                _retire(acc, done, steps - 1, empty, tiling, out, scales, GROUP_M, store_layout)
+                _retire(acc, done, steps - 1, empty, tiling, out, scales, GROUP_M, HAS_BIAS,
+                        store_layout)  # fmt: skip
         else:
             mbarrier.wait(ready.index(0), 0)
             if GATHER:  # rows copied by cp.async (the generic proxy), read by the MMA (async proxy)
@@ -390,8 +408,8 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, staging, c_desc, c_p
                     tile = pid + (step // chunks - 1) * programs
                     _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc,
                               c_ptr, sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr,
-                              top_k, num_ids, GROUP_M, GATHER, BLOCKWISE,
-                              store_layout)  # fmt: skip
+                              top_k, num_ids, GROUP_M, GATHER, BLOCKWISE, store_layout,
+                              bias_ptr, stride_bias, HAS_BIAS)  # fmt: skip
                     acc = zero
             done = warpgroup_mma_wait(num_outstanding=0, deps=(prev,))
             if BLOCKWISE:  # noqa: SIM108 (a constexpr branch: sa_prev exists only blockwise)
@@ -402,7 +420,8 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, staging, c_desc, c_p
             tile = pid + (steps // chunks - 1) * programs
             _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr,
                       sa_ptr, sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
-                      GROUP_M, GATHER, BLOCKWISE, store_layout)  # fmt: skip
+                      GROUP_M, GATHER, BLOCKWISE, store_layout, bias_ptr, stride_bias,
+                      HAS_BIAS)  # fmt: skip
     tma.store_wait(0)
     if ZERO_TAIL:  # rows past every group: zeros
         tail_tiles = gl.cdiv(rows - covered, block_m) * n_tiles
@@ -420,10 +439,10 @@ def _mma_and_epilogue(a_bufs, b_bufs, empty, ready, c_smem, staging, c_desc, c_p
 @gluon.jit
 def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr, num_experts,
                        rows, n, k, stride_sa, stride_sak, stride_sbe, stride_sbn, stride_sbk,
-                       x_ptr, stride_x, ids_ptr, top_k, num_ids, FROM_ENDS: gl.constexpr,
-                       ZERO_TAIL: gl.constexpr, BLOCK_E: gl.constexpr, GROUP_M: gl.constexpr,
-                       GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
-                       STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
+                       x_ptr, stride_x, ids_ptr, top_k, num_ids, bias_ptr, stride_bias,
+                       FROM_ENDS: gl.constexpr, ZERO_TAIL: gl.constexpr, BLOCK_E: gl.constexpr,
+                       GROUP_M: gl.constexpr, GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
+                       HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, LOADER_WARPS: gl.constexpr,
                        LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
     """The grouped GEMM (module docstring). a_desc: a (rows, k), or with GATHER x (tokens, k)
     (only its block and layout are used: the loader copies row ids[i] // top_k of x for sorted
@@ -431,7 +450,9 @@ def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr,
     the output (rows, n), contiguous. Scales: rowwise, sa per row (stride_sa) and sb per output
     column (stride_sbe, stride_sbn); BLOCKWISE (1 x 128 blocks of a, 128 x 128 of b, one block
     a K step and an n tile), sa per row and k block (stride_sak), sb per expert, n block and k
-    block (stride_sbk)."""
+    block (stride_sbk). HAS_BIAS: bias_ptr is the per-expert bias (E, n), rows stride_bias
+    apart, unit column stride, added in float32 to each grouped row before the one rounding
+    (rows past every group get none); otherwise bias_ptr is unused."""
     block_m: gl.constexpr = a_desc.block_type.shape[0]
     block_k: gl.constexpr = a_desc.block_type.shape[1]
     block_n: gl.constexpr = b_desc.block_type.shape[0]
@@ -464,8 +485,9 @@ def _scaled_gmm_kernel(a_desc, b_desc, c_desc, c_ptr, sa_ptr, sb_ptr, sizes_ptr,
                                  (scale_smem, scale_ready, scale_empty), c_desc,
                                  c_ptr, sa_ptr, sb_ptr, sizes_ptr, num_experts, rows, n, k,
                                  stride_sa, stride_sak, stride_sbe, stride_sbn, stride_sbk,
-                                 ids_ptr, top_k, num_ids, FROM_ENDS, ZERO_TAIL, BLOCK_E, GROUP_M,
-                                 GATHER, BLOCKWISE, num_warps)),
+                                 ids_ptr, top_k, num_ids, bias_ptr, stride_bias, FROM_ENDS,
+                                 ZERO_TAIL, BLOCK_E, GROUP_M, GATHER, BLOCKWISE, HAS_BIAS,
+                                 num_warps)),
             (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, sizes_ptr, num_experts,
                        rows, n, k, x_ptr, stride_x, ids_ptr, top_k, num_ids,
                        (sa_ptr, sb_ptr, stride_sa, stride_sbe, stride_sbn, scale_smem, scale_ready,
@@ -527,13 +549,17 @@ def launch(
     gather: tuple[torch.Tensor, int] | None = None,
     blockwise: bool = False,
     group_m: int = 8,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """``out = a @ b[e].T`` per group of rows, scaled: a (rows, k) and its (rows, 1) scales, b
     (E, n, k) and its (E, n, 1) scales, ``sizes`` the per-expert row counts on the device (or
     their running ends, ``from_ends``), out (rows, n) (:func:`serves` holds). ``gather`` (ids,
     top_k): a is the tokens (tokens, k) and sorted row i reads token ids[i] // top_k.
     ``blockwise``: format ``fp8_blockwise``'s scales instead, a (rows, k / 128) and b
-    (E, n / 128, k / 128)."""
+    (E, n / 128, k / 128). ``bias`` (E, n), unit column stride, rowwise only: added to each
+    group's rows before the rounding."""
+    if bias is not None and blockwise:
+        raise ValueError("the blockwise kernel takes no bias: its epilogue would spill")
     k = a.shape[1]
     rows = out.shape[0]
     num_experts, n, _ = b.shape
@@ -555,8 +581,10 @@ def launch(
         a_desc, b_desc, c_desc, out, a_scale, b_scale, sizes, num_experts, rows, n, k,
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         b_scale.stride(2), a, a.stride(0), ids, top_k, a.shape[0] * top_k,
+        sizes if bias is None else bias, 0 if bias is None else bias.stride(0),
         FROM_ENDS=from_ends, ZERO_TAIL=zero_tail, BLOCK_E=block_e, GROUP_M=group_m,
-        GATHER=gather is not None, BLOCKWISE=blockwise, STAGES=stages(out.dtype),
+        GATHER=gather is not None, BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
+        STAGES=stages(out.dtype),
         LOADER_WARPS=GATHER_LOADER_WARPS if gather is not None else 1,
         LOADER_REGS=GATHER_LOADER_REGISTERS if gather is not None else LOADER_REGISTERS,
         num_warps=MMA_WARPS,

@@ -512,9 +512,13 @@ class _WarpSpecializedPlan:
             a, a_scale, b, b_scale, sizes, out, from_ends=self.from_ends,
             zero_tail=self.zero_tail, block_e=self.block_e, num_sms=self.num_sms,
             gather=None if self.top_k is None else (ids, self.top_k), blockwise=self.blockwise,
+            bias=None if self.blockwise else bias,
         )  # fmt: skip
-        # The Gluon kernel has no bias epilogue: the core's addition, rounded once more.
-        return out if bias is None else add_grouped_bias(out, bias, sizes, self.from_ends)
+        if bias is None or not self.blockwise:
+            return out
+        # Blockwise, its epilogue has no registers for a bias (24 bytes spilled on sm_90a): the
+        # core's addition, rounded once more.
+        return add_grouped_bias(out, bias, sizes, self.from_ends)
 
 
 class _ScaledPlan:
