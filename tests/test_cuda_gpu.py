@@ -457,7 +457,7 @@ _SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 def test_scaled_grouped_mm_against_a_float64_loop(sizes):
     """The provider's scaled_gmm against the dequantized operands multiplied in float64: uneven
     and empty groups, rows past the groups (zero), device-side sizes; and ranking sends it this
-    call (k, n >= 2048, 512 rows per expert)."""
+    call (4 experts, k, n >= 2048, 512 rows per expert)."""
     from megablocks_cuda import gmm
 
     import megablocks_core.ops as ops

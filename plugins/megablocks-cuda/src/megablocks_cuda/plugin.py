@@ -166,7 +166,8 @@ def grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | No
 
 def scaled_grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> str | None:
     """torch._scaled_grouped_mm takes b stored (E, n, k), bf16 output, 16-byte rows; and only
-    the calls where it was measured faster than triton's scaled_gmm (:mod:`megablocks_cuda.tuning`)."""
+    the calls where it was measured faster than triton's scaled_gmm: few experts, wide rows and
+    enough of them (:mod:`megablocks_cuda.tuning`)."""
     if not call["trans_b"]:
         return "torch._scaled_grouped_mm takes b stored (E, n, k) (trans_b=True)"
     if call["out_dtype"] not in (None, "bfloat16"):
@@ -176,6 +177,11 @@ def scaled_grouped_mm_supports(device: DeviceInfo, call: Mapping[str, Any]) -> s
     rows, k, n, experts = gmm_problem(call)
     if k % 16 or n % 16:
         return f"torch._scaled_grouped_mm needs k and n multiples of 16 (k = {k}, n = {n})"
+    if experts > tuning.SCALED_GROUPED_MM_MOST_EXPERTS:
+        return (
+            f"{experts} experts: torch._scaled_grouped_mm was faster than triton's only with at "
+            f"most {tuning.SCALED_GROUPED_MM_MOST_EXPERTS}"
+        )
     if k < tuning.SCALED_GROUPED_MM_FEWEST_K or n < tuning.SCALED_GROUPED_MM_FEWEST_N:
         return (
             f"k = {k}, n = {n}: torch._scaled_grouped_mm was faster than triton's only from "

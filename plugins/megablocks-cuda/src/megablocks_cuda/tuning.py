@@ -117,12 +117,14 @@ SCAN_SCATTER_MOST_TOKENS = 512
 SCAN_SCATTER_MOST_ROW_BYTES = 4096
 
 #: The scaled_gmm calls torch._scaled_grouped_mm takes (variant ``scaled_grouped_mm``), measured
-#: on the H200 against triton's scaled_gmm in the same process (fp8_rowwise, b (E, n, k), uniform
-#: groups, docs/performance.md): 1.12-1.51x faster with k and n of at least 2048 and 256 rows or
-#: more per expert on average (OLMoE, DeepSeek-V3, Mixtral and GPT-OSS widths); 0.48-0.60x at
-#: Qwen3-30B-A3B's (n 1536, k 768) with 1024 rows per expert (0.96x and 1.07x with 128),
-#: 0.78-0.87x at 64 rows per expert (DeepSeek-V3), 0.55x at
-#: k = 1024 with 256 rows (OLMoE's down projection; 1.23x with 2048 rows, not taken).
+#: against triton's scaled_gmm in the same process on an H100 and an H200 (fp8_rowwise, b stored
+#: (E, n, k), uniform groups, docs/performance.md, 2026-12-07): 0.98-1.21x triton's speed at
+#: Mixtral's 8 experts (k and n from 4096, 512 and 4096 rows per expert), and 0.75-0.95x at
+#: GPT-OSS's 32, OLMoE's 64 and DeepSeek-V3's 256 experts (k and n from 2048, 256 rows per
+#: expert or more), where triton's warp-specialized kernel runs. Between 8 and 32 experts: not
+#: measured. Fewer rows per expert, or k or n below 2048: triton's was faster on the H200
+#: before (2026-12-04).
 SCALED_GROUPED_MM_FEWEST_K = 2048
 SCALED_GROUPED_MM_FEWEST_N = 2048
 SCALED_GROUPED_MM_FEWEST_ROWS_PER_EXPERT = 256
+SCALED_GROUPED_MM_MOST_EXPERTS = 8
