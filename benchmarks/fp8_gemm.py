@@ -20,7 +20,8 @@ Then each quantization pass alone against its ideal bytes at the copy bandwidth,
 (``--layer``): a dMoE (GLU, SiLU) forward + backward in bf16 and in each FP8 recipe (uncached,
 ``+cached`` weights, and ``+cached+updated``: cached, with the weights changed every step as an
 optimizer's update changes them), with its output's and gradients' error against a float32 copy
-of the layer.
+of the layer, and on a GPU the peak memory allocated while the recipe's steps ran (``peak_gib``,
+the layer, its input and the error check's float32 results included).
 
 Usage (GPU): ``python benchmarks/fp8_gemm.py --out fp8.jsonl [--shapes qwen3,dsv3,mixtral]
 [--layer]``. One JSON object per line, printed as measured. ``--device cpu --tiny`` runs the same
@@ -383,6 +384,9 @@ def _layer_row(
     ``updated``: each step marks the weights changed (their version counters, as an optimizer
     step's in-place update does, without its time), so a cached recipe quantizes them again."""
     xb = x.bfloat16().requires_grad_()
+    on_gpu = x.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(x.device)
 
     def step() -> None:
         if updated:
@@ -400,6 +404,8 @@ def _layer_row(
         got = {"out": out, "dx": xb.grad, "dw1": layer.w1.grad, "dw2": layer.w2.grad}
         errors = {f"error_{key}": _rel(got[key], want[key]) for key in want}
     row = {"shape": name, "layer": "glu-silu", "recipe": label, "us": time_us(step), **errors}
+    if on_gpu:
+        row["peak_gib"] = torch.cuda.max_memory_allocated(x.device) / 2**30
     _emit(row)
     return row
 
