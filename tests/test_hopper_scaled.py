@@ -746,8 +746,8 @@ def test_the_blockwise_gluon_kernel_s_bias_is_added_after_its_rounding() -> None
     qa, sa, qb, sb, sizes = _case("several tiles a program", "fp8_blockwise")
     rows, n = qa.shape[0], qb.shape[1]
     bias = torch.randn(sizes.numel(), n, device="cuda").bfloat16()
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="no bias"):
-        out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
         _gluon(qa, sa, qb, sb, sizes, out=out, blockwise=True, bias=bias)
     args = (qa, sa, qb, sb, sizes, True, "fp8_blockwise", "bfloat16")
     S._SCALED_PLANS.clear()

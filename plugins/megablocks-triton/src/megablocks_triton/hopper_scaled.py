@@ -171,6 +171,12 @@ def _row_scales(tile, idx, sizes, tiles, tile_end, n_tiles, stride_sa, stride_sb
 
 
 @gluon.jit
+def _bias_row(bias_ptr, e, stride_bias, cols, n):
+    # Expert e's bias at the tile's columns (0 past n).
+    return gl.load(bias_ptr + e.to(gl.int64) * stride_bias + cols, mask=cols < n, other=0.0)
+
+
+@gluon.jit
 def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c_ptr, sa_ptr,
               sb_ptr, n, stride_sa, stride_sbe, stride_sbn, ids_ptr, top_k, num_ids,
               GROUP_M: gl.constexpr, GATHER: gl.constexpr, BLOCKWISE: gl.constexpr,
@@ -194,8 +200,7 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
         named = (ids >= 0) & (ids < num_ids)
     bias_cols = tile_n * block_n + acc_cols
     if HAS_BIAS and staged is not None:  # first: its latency under the wait for the scales
-        bias_row = gl.load(bias_ptr + e.to(gl.int64) * stride_bias + bias_cols,
-                           mask=bias_cols < n, other=0.0)  # fmt: skip
+        bias_row = _bias_row(bias_ptr, e, stride_bias, bias_cols, n)
     if BLOCKWISE:
         scaled = acc
     elif staged is not None:
@@ -218,8 +223,7 @@ def _epilogue(acc, tile, idx, sizes, tiles, tile_end, n_tiles, c_smem, c_desc, c
         scaled = gl.where(named[:, None], scaled, 0.0)
     if HAS_BIAS:  # after the masking, as the Triton kernel: an unnamed row gets it too
         if staged is None:  # (gathered rows: loaded here, kept from their loads' registers)
-            bias_row = gl.load(bias_ptr + e.to(gl.int64) * stride_bias + bias_cols,
-                               mask=bias_cols < n, other=0.0)  # fmt: skip
+            bias_row = _bias_row(bias_ptr, e, stride_bias, bias_cols, n)
         # Added after the scaled sum's rounding, not fused into its last product (an FMA): the
         # Triton kernel's two roundings, so that both give the same bits.
         bias_tile, scaled = gl.broadcast(bias_row.to(gl.float32)[None, :], scaled)
