@@ -19,7 +19,7 @@ layout, so these two cover forward and dgrad. Providers:
 Then each quantization pass alone against its ideal bytes at the copy bandwidth, and the layer
 (``--layer``): a dMoE (GLU, SiLU) forward + backward in bf16 and in each FP8 recipe (uncached,
 ``+cached`` weights, and ``+cached+updated``: cached, with the weights changed every step as an
-optimizer's update changes them), with its output's and gradients' error against a float32 copy
+optimizer's update changes them; ``+wgrad``: the weight gradients in FP8 too, rowwise), with its output's and gradients' error against a float32 copy
 of the layer, and on a GPU the peak memory allocated while the recipe's steps ran (``peak_gib``,
 the layer, its input and the error check's float32 results included).
 
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 import megablocks_core.ops as ops
-from megablocks_core.formats import FORMAT_NAMES
+from megablocks_core.formats import FORMAT_NAMES, FORMATS
 from megablocks_core.shapes import SHAPES
 
 FP8_MAX = 448.0
@@ -357,15 +357,20 @@ def _layer_rows(name: str, shape: tuple[int, ...], device: torch.device, args: A
             (f"{fmt}+cached", cached),
             (f"{fmt}+cached+updated", cached),
         ]
+        if FORMATS[fmt].grouped_columns:  # the weight gradients in FP8 too
+            cached = Recipe(fmt, cache_weights=True, weight_grad="fp8")
+            recipes += [
+                (f"{fmt}+wgrad", Recipe(fmt, weight_grad="fp8")),
+                (f"{fmt}+cached+wgrad", cached),
+                (f"{fmt}+cached+updated+wgrad", cached),
+            ]
     if args.recipes is not None:
         unknown = set(args.recipes) - {label for label, _ in recipes}
         if unknown:
             raise SystemExit(f"--recipes: no recipe {', '.join(sorted(unknown))}")
         recipes = [(label, recipe) for label, recipe in recipes if label in args.recipes]
     rows = [
-        _layer_row(
-            name, label, dMoE(config, fp8=recipe), x, want, time_us, label.endswith("+updated")
-        )
+        _layer_row(name, label, dMoE(config, fp8=recipe), x, want, time_us, "+updated" in label)
         for label, recipe in recipes
     ]
     return rows
@@ -426,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--recipes", type=lambda v: v.split(","), default=None,
         help="the layer's recipes, a comma list (default: all): bf16, <format>, "
-        "<format>+cached, <format>+cached+updated (the weights changed every step)",
+        "<format>+cached, <format>+cached+updated (the weights changed every step), each "
+        "rowwise one +wgrad (the weight gradients in FP8)",
     )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3, help="repetitions on the CPU")
     parser.add_argument("--sweep", action="store_true", help="also the scaled GEMM's tile sweep")

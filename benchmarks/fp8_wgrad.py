@@ -1,20 +1,19 @@
-"""Would FP8 weight gradients pay? The expert weights' gradient GEMMs in bf16 (ours, and torch's
-``_grouped_mm``) beside ``torch._scaled_grouped_mm`` on rowwise FP8 operands, with the
-quantization those operands need (JSON out).
+"""Do FP8 weight gradients pay? The expert weights' gradient GEMMs in bf16 (ours, and torch's
+``_grouped_mm``) beside ours in FP8 and ``torch._scaled_grouped_mm``, with the quantization
+the FP8 operands need (JSON out).
 
 A weight gradient reduces over the routed rows: out[e] = a[rows of e].T @ grad[rows of e]. In
-FP8 both operands must be quantized along the rows (one scale per column per expert) and stored
-with the rows contiguous: a transposing quantization of a (rows, m) and grad (rows, n), which
-reads 2 bytes and writes 1 per element, once per step. Per GEMM (each shape's w1 and w2
-gradients, uniform routing of T tokens): µs and TFLOP/s of our bf16 ``gmm_weight_grad``,
-torch's bf16 ``_grouped_mm`` and its FP8 ``_scaled_grouped_mm`` (the GEMM alone, on operands
-quantized beforehand), the time of our quantize ops over the same bytes with the same scales
-(``ops.quantize`` of each expert's block of rows, transposed: torch wants every expert's rows in
-one matrix, a layout no op of ours writes yet), and the FP8 path's total against ours in bf16;
+FP8 both operands are quantized along the rows (one scale per column per expert) and stored with
+the rows contiguous: ``ops.quantize_transposed`` of a (rows, m) and grad (rows, n), which reads 2
+bytes and writes 1 per element. Per GEMM (each shape's w1 and w2 gradients, uniform routing of T
+tokens): µs and TFLOP/s of our bf16 ``gmm_weight_grad``, our ``scaled_gmm_weight_grad`` (the
+kernel the ranking takes, and the Triton kernel beside it, with whether their outputs are equal),
+torch's bf16 ``_grouped_mm`` and its FP8 ``_scaled_grouped_mm`` on the same FP8 operands (the
+GEMMs alone), the two quantize calls' time and bandwidth, and our FP8 total against ours in bf16;
 with each result's relative error against float32 (Frobenius norm).
 
 Usage (H200): ``python benchmarks/fp8_wgrad.py [--shapes qwen3,dsv3] [--json PATH]``.
-``--device cpu --tokens 64`` is a smoke run (no torch FP8 kernel there: its columns are empty).
+``--device cpu --tokens 64`` is a smoke run (no torch kernels there: their columns are empty).
 """
 
 from __future__ import annotations
@@ -30,21 +29,12 @@ from scaled_gmm_providers import _timer  # benchmarks/ (this script's directory)
 
 import megablocks_core.ops as ops
 from megablocks_core.calls import call
+
+try:  # the Triton backend's switch between its two FP8 weight-gradient kernels
+    from megablocks_triton import scaled as scaled_module
+except ImportError:  # pragma: no cover - the Triton plugin is part of every benchmark setup
+    scaled_module = None
 from megablocks_core.shapes import SHAPES
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-
-
-def per_expert_rowwise(t: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, c) -> its transpose (c, rows) in E4M3, rows contiguous, and float32 scales (c *
-    experts,) in torch's order for 2-D operands (expert-major): each column's amax over each
-    expert's rows (uniform groups)."""
-    rows, cols = t.shape
-    blocks = t.float().view(experts, rows // experts, cols)
-    scale = (blocks.abs().amax(1) / E4M3_MAX).clamp_min(2.0**-126)  # (experts, cols)
-    data = (blocks / scale[:, None, :]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return data.view(rows, cols).t().contiguous(), scale.reshape(-1).contiguous()
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -85,17 +75,38 @@ def one_gemm(
 
     row["bf16_us"] = timer(ours)
     row["bf16_error"] = _error(ours(), want)
+    # Ours in FP8: both operands quantized per expert column, then the scaled weight gradient
+    # (on Hopper the Gluon kernel where it serves; the Triton kernel beside it).
+    qa, sa = ops.quantize_transposed(a, counts, "fp8_rowwise")
+    qg, sg = ops.quantize_transposed(grad, counts, "fp8_rowwise")
+    row["quantize_us"] = sum(
+        timer(lambda v=v: ops.quantize_transposed(v, counts, "fp8_rowwise")) for v in (a, grad)
+    )
+    row["quantize_gbps"] = rows * (m + n) * 3 / row["quantize_us"] / 1e3  # read 2, write 1
+
+    def ours_fp8() -> torch.Tensor:
+        return ops.scaled_gmm_weight_grad(qa, sa, qg, sg, counts, "fp8_rowwise")
+
+    row["fp8_error"] = _error(ours_fp8(), want)
+    row["fp8_us"] = timer(ours_fp8)
+    gluon_out = ours_fp8()
+    scaled_module.WGRAD_WARP_SPECIALIZED = False
+    try:
+        row["fp8_triton_us"] = timer(ours_fp8)
+        row["fp8_triton_equals"] = bool(torch.equal(ours_fp8(), gluon_out))
+    finally:
+        scaled_module.WGRAD_WARP_SPECIALIZED = True
+    row["fp8_total_us"] = row["fp8_us"] + row["quantize_us"]
+    row["fp8_total_vs_bf16"] = row["bf16_us"] / row["fp8_total_us"]
     if a.is_cuda:
         grouped = getattr(torch, "_grouped_mm", None)
         scaled = getattr(torch, "_scaled_grouped_mm", None)
-        qa, sa = per_expert_rowwise(a, experts)
-        qg, sg = per_expert_rowwise(grad, experts)
         peers: dict[str, Callable[[], torch.Tensor]] = {}
         if grouped is not None:
             peers["torch_bf16"] = lambda: grouped(a.t(), grad, offs=offs, out_dtype=torch.bfloat16)
-        if scaled is not None:
+        if scaled is not None:  # the same FP8 operands: torch's scales are expert-major rows
             peers["torch_fp8"] = lambda: scaled(
-                qa, qg.t(), sa, sg, offs=offs, out_dtype=torch.bfloat16
+                qa, qg.t(), sa.reshape(-1), sg.reshape(-1), offs=offs, out_dtype=torch.bfloat16
             )
         for key, fn in peers.items():
             try:
@@ -103,20 +114,9 @@ def one_gemm(
                 row[f"{key}_us"] = timer(fn)
             except RuntimeError as exc:
                 row[f"{key}_refused"] = str(exc).splitlines()[0]
-    # Our quantize over the same bytes with the same scales: each expert's block of rows
-    # reduced, the codes written with the rows contiguous, (experts, columns, rows) per block
-    # (torch takes the rows of every expert in one (columns, rows) matrix instead).
-    row["quantize_us"] = sum(
-        timer(lambda v=v: ops.quantize(v.view(experts, rows // experts, -1).transpose(1, 2), 2,
-                                       "fp8_rowwise"))
-        for v in (a, grad)
-    )  # fmt: skip
-    for key in ("bf16", "torch_bf16", "torch_fp8"):
+    for key in ("bf16", "torch_bf16", "torch_fp8", "fp8", "fp8_triton"):
         if f"{key}_us" in row:
             row[f"{key}_tflops"] = flops / row[f"{key}_us"] / 1e6
-    if "torch_fp8_us" in row:
-        row["fp8_total_us"] = row["torch_fp8_us"] + row["quantize_us"]
-        row["fp8_total_vs_bf16"] = row["bf16_us"] / row["fp8_total_us"]
     return row
 
 

@@ -110,6 +110,10 @@ class Format:
     matrix_block: int
     power_of_two: bool
     doc: str
+    grouped_columns: bool = False
+    """Whether the format defines the weight gradient's operands: a row operand's columns, each
+    scaled over each expert's rows (the weight gradient sums over rows), stored transposed
+    (:func:`grouped_column_scale_shape`)."""
 
     def block(self, ndim: int, reduce_dim: int) -> tuple[int, ...]:
         """Per dimension of the stored operand, the length of a scale block (0: the whole
@@ -132,6 +136,7 @@ FORMATS: Mapping[str, Format] = MappingProxyType(
                 power_of_two=False,
                 doc="one scale per row of the row operand and per output column of each expert "
                 "matrix (torch._scaled_grouped_mm's rowwise scaling)",
+                grouped_columns=True,
             ),
             Format(
                 "fp8_blockwise",
@@ -155,6 +160,19 @@ def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
 def operand_scale_shape(fmt: str, shape: Sequence[int], reduce_dim: int) -> tuple[int, ...]:
     """The scale shape of an operand of ``shape`` in format ``fmt`` summed over ``reduce_dim``."""
     return scale_shape(shape, FORMATS[fmt].block(len(shape), reduce_dim))
+
+
+def has_grouped_columns(fmt: str) -> bool:
+    """Whether format ``fmt`` defines the weight gradient's operands (Format.grouped_columns)."""
+    return FORMATS[fmt].grouped_columns
+
+
+def grouped_column_scale_shape(fmt: str, experts: int, columns: int) -> tuple[int, ...]:
+    """The scale shape of a weight-gradient operand in format ``fmt``: one scale per column per
+    expert, (experts, columns)."""
+    if not has_grouped_columns(fmt):
+        raise ValueError(f"format {fmt!r} defines no weight-gradient operands")
+    return (experts, columns)
 
 
 def out_dtype_of(name: str | None) -> torch.dtype:
@@ -233,3 +251,24 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, block: Sequence[int]) ->
     blocked = _blocked(data.to(torch.float32), block)
     expanded = scale.reshape([s for d in range(scale.dim()) for s in (scale.shape[d], 1)])
     return _unblocked(blocked * expanded, data.shape)
+
+
+def quantize_transposed(
+    x: torch.Tensor, group_sizes: Sequence[int], encoding: Encoding, power_of_two: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition of a weight gradient's operand (``quantize_transposed``): x (rows, c) in
+    groups of ``group_sizes`` rows from row 0 (each in [0, rows left]), each column of each
+    group one block of :func:`quantize`. Returns data (c, rows) contiguous (the rows past the
+    groups 0) and float32 scales (groups, c)."""
+    rows, columns = x.shape
+    data = torch.zeros(columns, rows, dtype=encoding.dtype, device=x.device)
+    scale = torch.empty(len(group_sizes), columns, dtype=SCALE_DTYPE, device=x.device)
+    start = 0
+    for group, size in enumerate(group_sizes):
+        block_data, block_scale = quantize(
+            x[start : start + size].t(), (1, 0), encoding, power_of_two
+        )
+        data[:, start : start + size] = block_data
+        scale[group] = block_scale[:, 0]
+        start += size
+    return data, scale

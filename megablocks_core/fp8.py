@@ -9,8 +9,9 @@ weight version, then both layouts in one ``quantize_both_ways``, see
 :attr:`Recipe.cache_weights`) and runs the scaled op (``scaled_gmm``, ``scaled_gather_gmm``,
 ``scaled_gmm_scatter``) on whichever backend ranks first for it. The
 backward's data-gradient GEMMs run in the recipe's format too unless ``backward="input"``;
-the weight gradients always run in the inputs' dtype (no FP8 weight-gradient kernel yet), reading
-the rows the backward has anyway.
+the weight gradients run in the inputs' dtype, reading the rows the backward has anyway, unless
+``weight_grad="fp8"`` (rowwise only): then both of their operands are quantized per expert
+column (``quantize_transposed``) and ``scaled_gmm_weight_grad`` sums over the rows.
 
 Expert weights are quantized with their reduced dimension stored contiguous (the transpose of a
 ``(experts, k, n)`` weight for the forward, the weight as it is for the gradient of the rows):
@@ -40,7 +41,7 @@ from .activations import activate_with
 from .calls import call
 from .contracts import BY_NAME
 from .entries import validator
-from .formats import ENCODINGS, FORMAT_NAMES
+from .formats import ENCODINGS, FORMAT_NAMES, FORMATS
 from .policy import current_policy
 
 #: A 16/32-bit dtype -> the scaled ops' out_dtype name (float64 data: computed in float32).
@@ -54,11 +55,14 @@ class Recipe:
     ``format``: the operands' format (:data:`megablocks_core.formats.FORMATS`). ``encoding``: the
     8-bit encoding, None for the one the device's matrix units take (FNUZ on gfx942, OCP
     elsewhere). ``backward``: ``"fp8"`` runs the data-gradient GEMMs (the gradient of the rows and
-    tokens) quantized too, ``"input"`` in the inputs' dtype. Weight gradients always run in the
-    inputs' dtype. ``cache_weights``: keep each weight's quantized copy while the weight tensor
-    is unchanged (its version counter), across the forward, the backward and further
-    micro-batches, for one byte a weight element per layout kept (two: the forward's and the
-    backward's); a training forward quantizes a changed weight into both layouts in one call
+    tokens) quantized too, ``"input"`` in the inputs' dtype. ``weight_grad``: ``"input"`` (the
+    default) runs the weight gradients in the inputs' dtype, ``"fp8"`` on operands quantized
+    with one scale per expert and column (``quantize_transposed``, then
+    ``scaled_gmm_weight_grad``): formats that define those operands only (``fp8_rowwise``).
+    ``cache_weights``: keep each weight's quantized copy while the weight tensor is unchanged
+    (its version counter), across the forward, the backward and further micro-batches, for one
+    byte a weight element per layout kept (two: the forward's and the backward's); a training
+    forward quantizes a changed weight into both layouts in one call
     (``quantize_both_ways``: one read of it in the blockwise format). Off by default: an update
     the version counter does not see (through ``.data``) would go unnoticed. Under
     ``torch.compile`` the cache is neither read nor filled: a compiled step quantizes the weights
@@ -68,6 +72,7 @@ class Recipe:
     encoding: str | None = None
     backward: Literal["fp8", "input"] = "fp8"
     cache_weights: bool = False
+    weight_grad: Literal["fp8", "input"] = "input"
 
     def __post_init__(self) -> None:
         if self.format not in FORMAT_NAMES:
@@ -81,6 +86,16 @@ class Recipe:
             )
         if self.backward not in ("fp8", "input"):
             raise ValueError(f"Recipe: backward must be 'fp8' or 'input'; got {self.backward!r}")
+        if self.weight_grad not in ("fp8", "input"):
+            raise ValueError(
+                f"Recipe: weight_grad must be 'fp8' or 'input'; got {self.weight_grad!r}"
+            )
+        if self.weight_grad == "fp8" and not FORMATS[self.format].grouped_columns:
+            grouped = ", ".join(f.name for f in FORMATS.values() if f.grouped_columns)
+            raise ValueError(
+                f"Recipe: weight_grad='fp8' needs a format that defines the weight gradient's "
+                f"operands ({grouped}); {self.format!r} does not"
+            )
         if not isinstance(self.cache_weights, bool):
             raise TypeError(f"Recipe: cache_weights must be a bool; got {self.cache_weights!r}")
 
@@ -145,7 +160,11 @@ class _ScaledCall:
         return call(name, *args)
 
     def __call__(self, op: str, *args: Any) -> Any:
-        gemm = _GEMMS.get(op) if self.scaled else None
+        if op in _WEIGHT_GRADS:
+            in_fp8 = self.in_backward and self.recipe.weight_grad == "fp8"
+            gemm = _WEIGHT_GRADS[op] if in_fp8 else None
+        else:
+            gemm = _GEMMS.get(op) if self.scaled else None
         if gemm is None:
             return self.op(op, *args)
         # (A compiled backward is traced without gradients: torch itself refuses a double
@@ -273,6 +292,39 @@ _GEMMS: dict[str, Callable[..., Tensor]] = {
     "gather_gmm": _gather_gmm,
     "gmm_scatter": _gmm_scatter,
 }
+
+
+def _transposed_operands(
+    scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor
+) -> tuple[Tensor, ...]:
+    recipe = scaled.recipe
+    quantized = (
+        scaled.op("quantize_transposed", t, batch_sizes, recipe.format, recipe.encoding)
+        for t in (a, grad)
+    )
+    return tuple(part for pair in quantized for part in pair)
+
+
+def _gmm_weight_grad(scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
+    operands = _transposed_operands(scaled, a, grad, batch_sizes)
+    fmt, out_name = scaled.recipe.format, _out_name(a.dtype)
+    return scaled.op("scaled_gmm_weight_grad", *operands, batch_sizes, fmt, out_name).to(a.dtype)
+
+
+def _gmm_weight_grad_accumulate(
+    scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor, out: Tensor
+) -> None:
+    # The scaled gradient in out's dtype (a float32 main_grad gets it unrounded), then added.
+    operands = _transposed_operands(scaled, a, grad, batch_sizes)
+    fmt, out_name = scaled.recipe.format, _out_name(out.dtype)
+    out.add_(scaled.op("scaled_gmm_weight_grad", *operands, batch_sizes, fmt, out_name))
+
+
+#: The weight gradients the backward rules call, as they run with Recipe(weight_grad="fp8").
+_WEIGHT_GRADS: dict[str, Callable[..., Any]] = {
+    "gmm_weight_grad": _gmm_weight_grad,
+    "gmm_weight_grad_accumulate": _gmm_weight_grad_accumulate,
+}
 #: Each function's validation as its op's entry does it: a call shape accepted once is checked
 #: again only for what its key cannot vouch for.
 _VALIDATORS = {name: validator(BY_NAME[name]) for name in _GEMMS}
@@ -285,7 +337,9 @@ def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
     assert resolved is not None
     if torch.compiler.is_compiling():  # one custom op: its fake validates, its real runs eagerly
         compiled = getattr(torch.ops.megablocks, _COMPILED_PREFIX + name)
-        return compiled(resolved.format, resolved.encoding, resolved.backward, *args)
+        return compiled(
+            resolved.format, resolved.encoding, resolved.backward, resolved.weight_grad, *args
+        )
     contract = BY_NAME[name]
     args = _VALIDATORS[name](args)
     bound = contract.bind(args)
@@ -304,7 +358,8 @@ def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Under torch.compile: torch.ops.megablocks.fp8_<op>(format, encoding, backward, *op's args)
+# Under torch.compile: torch.ops.megablocks.fp8_<op>(format, encoding, backward, weight_grad,
+# *op's args)
 #
 # Tracing never enters the eager path above (its validation, autograd node and weight cache are
 # Python that dynamo cannot follow): each function is one custom op with the op's own fake
@@ -314,8 +369,18 @@ def _run(name: str, args: tuple[Any, ...], recipe: Recipe | str) -> Tensor:
 
 _COMPILED_PREFIX = "fp8_"
 _COMPILED_LIBRARY = torch.library.Library(library.NAMESPACE, "FRAGMENT")
-#: The leading arguments of a compiled op that carry the recipe.
-_RECIPE_ARGS = 3
+#: The leading arguments of a compiled op that carry the recipe: Recipe's first three fields
+#: and weight_grad.
+_RECIPE_ARGS = 4
+
+
+def _compiled_recipe(
+    fmt: str,
+    encoding: str | None,
+    backward: Literal["fp8", "input"],
+    weight_grad: Literal["fp8", "input"],
+) -> Recipe:
+    return Recipe(fmt, encoding, backward, weight_grad=weight_grad)
 
 
 def _register_compiled(name: str) -> None:
@@ -323,15 +388,20 @@ def _register_compiled(name: str) -> None:
     op_schema = library.schema(contract)
     _COMPILED_LIBRARY.define(
         f"{_COMPILED_PREFIX}{name}(str recipe_format, str? recipe_encoding, str recipe_backward, "
-        + op_schema[op_schema.index("(") + 1 :]
+        "str recipe_weight_grad, " + op_schema[op_schema.index("(") + 1 :]
     )
     fake = library._fake(contract)
 
     def real(
-        fmt: str, encoding: str | None, backward: Literal["fp8", "input"], *args: Any
+        fmt: str,
+        encoding: str | None,
+        backward: Literal["fp8", "input"],
+        weight_grad: Literal["fp8", "input"],
+        *args: Any,
     ) -> Tensor:
+        recipe = _compiled_recipe(fmt, encoding, backward, weight_grad)
         with torch.no_grad():  # the autograd formula below records the graph
-            return _run(name, library._complete(contract, args), Recipe(fmt, encoding, backward))
+            return _run(name, library._complete(contract, args), recipe)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
         args = library._complete(contract, inputs[_RECIPE_ARGS:])
@@ -341,7 +411,7 @@ def _register_compiled(name: str) -> None:
         }
         tensors, consts = autograd.pack_for_backward(contract, args, needs)
         ctx.save_for_backward(*tensors)
-        ctx.meta = (consts, needs, len(inputs), Recipe(*inputs[:_RECIPE_ARGS]))
+        ctx.meta = (consts, needs, len(inputs), _compiled_recipe(*inputs[:_RECIPE_ARGS]))
 
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
         consts, needs, given, recipe = ctx.meta

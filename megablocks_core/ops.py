@@ -37,9 +37,11 @@ _gmm_scatter = ENTRIES["gmm_scatter"]
 _glu = ENTRIES["glu"]
 _quantize = ENTRIES["quantize"]
 _quantize_both_ways = ENTRIES["quantize_both_ways"]
+_quantize_transposed = ENTRIES["quantize_transposed"]
 _scaled_gmm = ENTRIES["scaled_gmm"]
 _scaled_gather_gmm = ENTRIES["scaled_gather_gmm"]
 _scaled_gmm_scatter = ENTRIES["scaled_gmm_scatter"]
+_scaled_gmm_weight_grad = ENTRIES["scaled_gmm_weight_grad"]
 
 # --- routing ---------------------------------------------------------------
 
@@ -262,6 +264,15 @@ def quantize_both_ways(
     return _quantize_both_ways(x, format, encoding)
 
 
+def quantize_transposed(
+    x: Tensor, batch_sizes: Tensor, format: str | None = None, encoding: str | None = None
+) -> tuple[Tensor, Tensor]:
+    """A weight gradient's row operand (rows, c), grouped by expert, quantized for the sum over
+    its rows: ``(data, scale)``, data (c, rows) with rows contiguous, one scale per column per
+    expert (experts, c). The operands of :func:`scaled_gmm_weight_grad`."""
+    return _quantize_transposed(x, batch_sizes, format, encoding)
+
+
 def scaled_gmm(
     a: Tensor,
     a_scale: Tensor,
@@ -328,6 +339,21 @@ def scaled_gmm_scatter(
     )  # fmt: skip
 
 
+def scaled_gmm_weight_grad(
+    a: Tensor,
+    a_scale: Tensor,
+    grad: Tensor,
+    grad_scale: Tensor,
+    batch_sizes: Tensor,
+    format: str | None = None,
+    out_dtype: str | None = None,
+) -> Tensor:
+    """The weight gradient of quantized operands: ``out[e] = x[rows of e].T @ dy[rows of e]``
+    from ``quantize_transposed(x)`` (a, a_scale) and ``quantize_transposed(dy)`` (grad,
+    grad_scale), (experts, k, n) in ``out_dtype``, summed in float32."""
+    return _scaled_gmm_weight_grad(a, a_scale, grad, grad_scale, batch_sizes, format, out_dtype)
+
+
 # --- composite ops: plain torch on every device ------------------------------------
 
 
@@ -383,6 +409,7 @@ __all__ = [
     "padded_scatter",
     "quantize",
     "quantize_both_ways",
+    "quantize_transposed",
     "repeat",
     "replicate",
     "round_up",
@@ -391,6 +418,7 @@ __all__ = [
     "scaled_gather_gmm",
     "scaled_gmm",
     "scaled_gmm_scatter",
+    "scaled_gmm_weight_grad",
     "scatter",
     "sort",
     "sum",

@@ -32,7 +32,8 @@ backends in this repository use nothing else, like any third-party plugin.
   (:data:`SWIGLU_OAI_ALPHA` and :data:`SWIGLU_OAI_LIMIT` are GPT-OSS's unit's default constants;
   :func:`clamp_constants` gives a call's ``alpha`` and ``limit``, its defaults for None);
 - :data:`SCALED_FORMATS` (:class:`Format`) and :data:`FP8_ENCODINGS` (:class:`Encoding`) are the
-  low-precision formats of the scaled ops, :func:`quantize_definition` and
+  low-precision formats of the scaled ops, :func:`quantize_definition`,
+  :func:`quantize_transposed_definition` (a weight gradient's operands) and
   :func:`dequantize_definition` their arithmetic in plain torch, which a quantizing kernel matches
   bit for bit; :func:`encoding_of` / :func:`native_encoding` say which encoding a device takes.
 """
@@ -71,6 +72,7 @@ from .formats import FORMATS as SCALED_FORMATS
 from .formats import FP8_DTYPES, Encoding, Format, encoding_of, native_encoding, out_dtype_of
 from .formats import dequantize as dequantize_definition
 from .formats import quantize as quantize_definition
+from .formats import quantize_transposed as quantize_transposed_definition
 from .hookspecs import ENTRY_POINT_GROUP, BackendHooks, hookimpl
 from .schema import OpContract
 from .validation import ContractError, ContractTypeError
@@ -149,4 +151,5 @@ __all__ = [
     "native_encoding",
     "out_dtype_of",
     "quantize_definition",
+    "quantize_transposed_definition",
 ]

@@ -468,6 +468,8 @@ def _cumsum_fits(x: torch.Tensor, dim: int) -> bool:
 RULE_HELPERS: Mapping[str, Any] = {
     "torch": torch,
     "operand_scale_shape": formats.operand_scale_shape,
+    "has_grouped_columns": formats.has_grouped_columns,
+    "grouped_column_scale_shape": formats.grouped_column_scale_shape,
     "encoding_of": formats.encoding_of,
     "out_dtype_of": formats.out_dtype_of,
     "nondecreasing": _nondecreasing,

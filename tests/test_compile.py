@@ -71,6 +71,14 @@ def _scaled_samples(a, b, x, indices, bin_ids, w, bins, counts):
     return {
         "quantize": (b.transpose(1, 2), 2, fmt, None),
         "quantize_both_ways": (b, "fp8_rowwise", None),
+        "quantize_transposed": (a, counts.long(), "fp8_rowwise", None),
+        "scaled_gmm_weight_grad": (
+            *ops.quantize_transposed(a, counts.long(), "fp8_rowwise"),
+            *ops.quantize_transposed(torch.randn(a.shape[0], 5), counts.long(), "fp8_rowwise"),
+            counts.long(),
+            "fp8_rowwise",
+            "float32",
+        ),
         "scaled_gmm": (qa, sa, qb, sb, counts.long(), False, fmt, None),
         "scaled_gather_gmm": (qx, sx, qbt, sbt, indices, bin_ids, bins, 2, True, None, fmt, None),
         "scaled_gmm_scatter": (
@@ -211,7 +219,7 @@ def test_opcheck(name):
         if name in ("padded_gather", "padded_scatter")
         else ()
     )
-    if name in ("scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter"):
+    if name in ("scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter", "scaled_gmm_weight_grad"):
         # test_schema compares the inputs with arithmetic torch lacks for 8-bit floats on the CPU
         # (the conformance kit checks every sample's inputs are unmodified instead).
         skip = (*skip, "test_schema")

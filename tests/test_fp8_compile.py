@@ -137,8 +137,28 @@ def test_the_fp8_functions_compile_in_one_graph_and_match_eager(fmt: str, backwa
     assert float((got[0] - full).norm() / full.norm()) > 1e-3
 
 
+def test_fp8_weight_gradients_compile_and_match_eager() -> None:
+    """Recipe(weight_grad="fp8") through the compiled ops: the recipe reaches the traced
+    backward, whose weight gradients run on the scaled ops, as eager's do."""
+    torch._dynamo.reset()
+    recipe = fp8.Recipe("fp8_rowwise", weight_grad="fp8")
+    case = _mlp_case()
+    graphs: list[set[str]] = []
+    compiled = torch.compile(_eager_mlp, fullgraph=True, backend=_recording_backend(graphs))
+    got = _mlp_step(compiled, case, recipe=recipe)
+    want = _mlp_step(_eager_mlp, case, recipe=recipe)
+    _assert_matches_eager(got, want)
+    backward_ops = graphs[1]
+    assert {
+        "megablocks.quantize_transposed.default",
+        "megablocks.scaled_gmm_weight_grad.default",
+    } <= backward_ops
+    assert "megablocks.gmm_weight_grad.default" not in backward_ops
+
+
 @pytest.mark.parametrize("name", ["gmm", "gather_gmm", "gmm_scatter"])
-def test_opcheck_of_the_fp8_custom_ops(name: str) -> None:
+@pytest.mark.parametrize("fmt, weight_grad", [("fp8_blockwise", "input"), ("fp8_rowwise", "fp8")])
+def test_opcheck_of_the_fp8_custom_ops(name: str, fmt: str, weight_grad: str) -> None:
     """torch.library.opcheck: schema, fake against real, the autograd formula against itself under
     AOT dispatch (static and dynamic shapes)."""
     case = _mlp_case()
@@ -152,7 +172,7 @@ def test_opcheck_of_the_fp8_custom_ops(name: str) -> None:
         "gmm_scatter": (rows, w2, *routed, weights, bins, TOP_K, False, "swiglu", None, b2),
     }[name]
     op = getattr(torch.ops.megablocks, f"fp8_{name}")
-    torch.library.opcheck(op, ("fp8_blockwise", None, "fp8", *args))
+    torch.library.opcheck(op, (fmt, None, "fp8", weight_grad, *args))
 
 
 def test_fp8_gmm_compiles_with_dynamic_shapes_and_a_recipe_by_name() -> None:

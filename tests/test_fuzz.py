@@ -972,6 +972,29 @@ def valid_call(op: str, r: Routing, index_dtype: torch.dtype, dtype: torch.dtype
             "format": "fp8_blockwise",
             "encoding": None,
         }
+    if op == "quantize_transposed":
+        rows = int(r.counts.sum())
+        batch = tensor(r.counts, torch.int64)
+        return {
+            "x": torch.ones(rows, 4, dtype=dtype),
+            "batch_sizes": batch,
+            "format": "fp8_rowwise",
+            "encoding": None,
+        }
+    if op == "scaled_gmm_weight_grad":
+        rows = int(r.counts.sum())
+        batch = tensor(r.counts, torch.int64)
+        a, a_scale = ops.quantize_transposed(torch.ones(rows, 4), batch, "fp8_rowwise")
+        g, g_scale = ops.quantize_transposed(torch.ones(rows, 5), batch, "fp8_rowwise")
+        return {
+            "a": a,
+            "a_scale": a_scale,
+            "grad": g,
+            "grad_scale": g_scale,
+            "batch_sizes": batch,
+            "format": "fp8_rowwise",
+            "out_dtype": None,
+        }
     if op.startswith("scaled_"):  # the operands quantized as their format says
         fmt = "fp8_rowwise"
         rows = r.T * r.K if op != "scaled_gmm" else int(r.counts.sum())
@@ -1018,9 +1041,11 @@ PUBLIC_DISPATCHED = (
     "glu",
     "quantize",
     "quantize_both_ways",
+    "quantize_transposed",
     "scaled_gmm",
     "scaled_gather_gmm",
     "scaled_gmm_scatter",
+    "scaled_gmm_weight_grad",
     "moe_permute_map",
     "moe_permute",
     "moe_permute_probs",

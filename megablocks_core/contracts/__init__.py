@@ -52,9 +52,11 @@ from .routing import (
 from .scaled import (
     QUANTIZE,
     QUANTIZE_BOTH_WAYS,
+    QUANTIZE_TRANSPOSED,
     SCALED_GATHER_GMM,
     SCALED_GMM,
     SCALED_GMM_SCATTER,
+    SCALED_GMM_WEIGHT_GRAD,
 )
 
 ALL: tuple[OpContract, ...] = (
@@ -84,9 +86,11 @@ ALL: tuple[OpContract, ...] = (
     GMM_SCATTER,
     QUANTIZE,
     QUANTIZE_BOTH_WAYS,
+    QUANTIZE_TRANSPOSED,
     SCALED_GMM,
     SCALED_GATHER_GMM,
     SCALED_GMM_SCATTER,
+    SCALED_GMM_WEIGHT_GRAD,
     GLU,
     GLU_BACKWARD,
     ACTIVATION_BACKWARD,
@@ -127,6 +131,7 @@ __all__ = [
     "PADDED_SCATTER_WGRAD",
     "QUANTIZE",
     "QUANTIZE_BOTH_WAYS",
+    "QUANTIZE_TRANSPOSED",
     "REPEAT",
     "REPLICATE",
     "REPLICATE_BACKWARD",
@@ -137,6 +142,7 @@ __all__ = [
     "SCALED_GATHER_GMM",
     "SCALED_GMM",
     "SCALED_GMM_SCATTER",
+    "SCALED_GMM_WEIGHT_GRAD",
     "SCATTER",
     "SCATTER_WGRAD",
     "SORT",

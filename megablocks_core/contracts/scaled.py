@@ -38,6 +38,7 @@ from .common import (
     ROWS_WITHIN,
     SCATTER_BAD_INDICES,
     TOP_K,
+    UNCHECKED,
     UNROUTED_PERMUTATION_RULES,
     WEIGHTS,
 )
@@ -196,6 +197,85 @@ QUANTIZE_BOTH_WAYS = OpContract(
         "(2**-126) for any empty block",
         "a NaN or an infinity in x makes NaN the scale and the data of every block holding it, "
         "in each copy",
+    ),
+)
+
+GROUP_SIZES = TensorArg(
+    "batch_sizes",
+    BATCH_SIZES.dtypes,
+    (1,),
+    "rows per expert, the groups in order from the first row; on the CPU or on the data's device",
+    any_device=True,
+)
+GROUPED_COLUMNS = Rule(
+    "has_grouped_columns(format)",
+    "the format defines weight-gradient operands (fp8_rowwise; fp8_blockwise's would need "
+    "groups aligned to its 128-row blocks)",
+)
+
+
+def _groups_within(rows: str) -> tuple[Rule, ...]:
+    return (
+        Rule(
+            f"sizes_within(batch_sizes, {rows})",
+            "group sizes are not negative and none exceeds the rows",
+            checked="batch_sizes",
+        ),
+        Rule(
+            f"total(batch_sizes, {rows}) <= {rows}",
+            "the groups fit in the rows",
+            checked="batch_sizes",
+        ),
+    )
+
+
+QUANTIZE_TRANSPOSED = OpContract(
+    name="quantize_transposed",
+    family="quantization",
+    summary=(
+        "Quantize a weight gradient's row operand: each column scaled over each expert's rows, "
+        "stored transposed."
+    ),
+    args=(
+        TensorArg(
+            "x",
+            FLOAT_DTYPES,
+            (2,),
+            "rows grouped by expert, (rows, c), any strides: the rows or the output gradient a "
+            "weight gradient sums over",
+        ),
+        GROUP_SIZES,
+        FORMAT,
+        ENCODING,
+    ),
+    rules=(FORMAT_GIVEN, GROUPED_COLUMNS, *_groups_within("x.shape[0]")),
+    outputs=(
+        Output(
+            "data",
+            "encoding_of(encoding, x.device).dtype",
+            "(x.shape[1], x.shape[0])",
+            "x transposed, (c, rows), rows contiguous: the layout NVIDIA Hopper's FP8 matrix "
+            "instructions read for a sum over rows",
+        ),
+        Output(
+            "scale",
+            "torch.float32",
+            "grouped_column_scale_shape(format, batch_sizes.shape[0], x.shape[1])",
+            "(experts, c): scale[e, j] serves column j of expert e's rows",
+        ),
+    ),
+    semantics=(
+        "Expert e's rows x[rows of e] (the groups in order from row 0) are quantized as quantize "
+        "defines it (megablocks_core.formats.quantize, bit for bit) with one block per column: "
+        "scale[e, j] from the largest |x| of column j over those rows, data[j, rows of e] = "
+        "those values over that scale. " + ROWS_PAST_GROUPS + ": their data is 0."
+    ),
+    edge_cases=(
+        "an empty expert's scales are 2**-126 (amax 0); rows = 0 or c = 0: empty data",
+        "a NaN or an infinity in column j of expert e's rows: scale[e, j] NaN and that column's "
+        "data NaN over those rows",
+        UNCHECKED + "device-side batch_sizes that are negative or sum past the rows: a negative "
+        "size counts as 0 and groups are cut at the last row",
     ),
 )
 
@@ -431,4 +511,71 @@ SCALED_GMM_SCATTER = OpContract(
     edge_cases=(*EMPTY_AND_ZERO, SCATTER_BAD_INDICES, FUSED_BAD_BINS, ROWS_SHORT),
 )
 
-SCALED_OPS = (QUANTIZE, QUANTIZE_BOTH_WAYS, SCALED_GMM, SCALED_GATHER_GMM, SCALED_GMM_SCATTER)
+SCALED_GMM_WEIGHT_GRAD = OpContract(
+    tolerance=SCALED_TOLERANCE,
+    name="scaled_gmm_weight_grad",
+    family="grouped_gemm",
+    summary=(
+        "gmm_weight_grad of quantized operands: per expert, the transposed rows times the "
+        "transposed gradient, summed over the expert's rows."
+    ),
+    args=(
+        TensorArg(
+            "a", FP8_DTYPES, (2,), "8-bit rows transposed, (k, rows) (quantize_transposed's data)"
+        ),
+        TensorArg("a_scale", frozenset({SCALE_DTYPE}), (2,), "float32 scales of a, (experts, k)"),
+        TensorArg(
+            "grad",
+            FP8_DTYPES,
+            (2,),
+            "8-bit output gradient transposed, (n, rows) (quantize_transposed's data)",
+        ),
+        TensorArg(
+            "grad_scale", frozenset({SCALE_DTYPE}), (2,), "float32 scales of grad, (experts, n)"
+        ),
+        GROUP_SIZES,
+        FORMAT,
+        OUT_DTYPE,
+    ),
+    rules=(
+        FORMAT_GIVEN,
+        GROUPED_COLUMNS,
+        Rule("grad.dtype == a.dtype", "a and grad share one encoding", error=TypeError),
+        Rule("grad.shape[1] == a.shape[1]", "a and grad have the same rows"),
+        Rule(
+            "a_scale.shape == grouped_column_scale_shape(format, batch_sizes.shape[0], a.shape[0])",
+            "a_scale has one scale per expert and row of a",
+        ),
+        Rule(
+            "grad_scale.shape == grouped_column_scale_shape(format, batch_sizes.shape[0], "
+            "grad.shape[0])",
+            "grad_scale has one scale per expert and row of grad",
+        ),
+        *_groups_within("a.shape[1]"),
+    ),
+    outputs=(Output("out", OUT, ("batch_sizes.shape[0]", "a.shape[0]", "grad.shape[0]")),),
+    semantics=(
+        "out[e] = dequant(a)[:, rows of e] @ dequant(grad)[:, rows of e].T, each column of a "
+        "and grad dequantized with expert e's scale (the weight gradient out[e] = x[rows of "
+        "e].T @ dy[rows of e] of gmm, from quantize_transposed(x) and quantize_transposed(dy)). "
+        + SCALED_ARITHMETIC.replace("every 128 k", "every 128 rows")
+        + " "
+        + ROWS_PAST_GROUPS
+        + ": they are ignored."
+    ),
+    edge_cases=(
+        "an empty expert gets exactly 0 (whatever its scales)",
+        UNCHECKED + "device-side batch_sizes that are negative or sum past the rows: a negative "
+        "size counts as 0 and groups are cut at the last row",
+    ),
+)
+
+SCALED_OPS = (
+    QUANTIZE,
+    QUANTIZE_BOTH_WAYS,
+    QUANTIZE_TRANSPOSED,
+    SCALED_GMM,
+    SCALED_GATHER_GMM,
+    SCALED_GMM_SCATTER,
+    SCALED_GMM_WEIGHT_GRAD,
+)

@@ -288,7 +288,7 @@ class MoEConfig:
     ``torch.compile``, where every call quantizes them); the tokens
     are quantized once each, the activated rows once per (token, expert) pair, and the
     backward's data gradients run in FP8 too unless ``Recipe(backward="input")``. Weight
-    gradients stay in the weights' dtype."""
+    gradients stay in the weights' dtype unless ``Recipe(weight_grad="fp8")`` (rowwise)."""
 
     expert_parallel_dispatch: str = "alltoall"
     """How tokens reach the experts' ranks, one of ``("alltoall", "allgather")``. ``"alltoall"``

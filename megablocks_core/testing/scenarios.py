@@ -189,6 +189,17 @@ def _quantize_sample(r: Routing) -> tuple[Any, ...]:
     return (r.expert_weights.transpose(1, 2), 2 if not r.scenario.trans_b else 1, _format(r), None)
 
 
+def _transposed(r: Routing, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized as a weight gradient's operand (rowwise, the one format that defines it), by
+    the core's definition."""
+    sizes = r.batch_sizes.tolist()
+    encoding = formats.encoding_of(None, x.device)
+    return formats.quantize_transposed(x, sizes, encoding, formats.FORMATS[ROWWISE].power_of_two)
+
+
+ROWWISE = "fp8_rowwise"
+
+
 def _matrix_sum_dim(r: Routing) -> int:
     return 2 if r.scenario.trans_b else 1
 
@@ -319,6 +330,20 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         r.expert_weights if r.scenario.seed % 2 == 0 else r.expert_weights.transpose(1, 2),
         _format(r),
         None,
+    ),
+    # The rows (even seeds) or the output gradient (odd seeds) of a weight gradient.
+    "quantize_transposed": lambda r: (
+        r.rows if r.scenario.seed % 2 == 0 else r.gmm_grad,
+        r.batch_sizes,
+        ROWWISE,
+        None,
+    ),
+    "scaled_gmm_weight_grad": lambda r: (
+        *_transposed(r, r.rows),
+        *_transposed(r, r.gmm_grad),
+        r.batch_sizes,
+        ROWWISE,
+        _out_dtype(r),
     ),
     "scaled_gmm": lambda r: (
         *_quantized(r, r.rows, 1),

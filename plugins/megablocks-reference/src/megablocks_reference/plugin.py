@@ -57,14 +57,23 @@ OPS: dict[str, tuple[str, ...]] = {
         "scaled_gmm",
         "scaled_gather_gmm",
         "scaled_gmm_scatter",
+        "scaled_gmm_weight_grad",
     ),
     "activation": ("glu", "glu_backward", "activation_backward"),
-    "quantization": ("quantize", "quantize_both_ways"),
+    "quantization": ("quantize", "quantize_both_ways", "quantize_transposed"),
 }
 
 #: The low-precision ops (their module: scaled.py), in every format the core defines.
 SCALED_OPS = frozenset(
-    {"quantize", "quantize_both_ways", "scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter"}
+    {
+        "quantize",
+        "quantize_both_ways",
+        "quantize_transposed",
+        "scaled_gmm",
+        "scaled_gather_gmm",
+        "scaled_gmm_scatter",
+        "scaled_gmm_weight_grad",
+    }
 )
 
 

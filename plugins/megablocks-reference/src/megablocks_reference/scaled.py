@@ -13,9 +13,10 @@ from megablocks_core.plugin import (
     encoding_of,
     out_dtype_of,
     quantize_definition,
+    quantize_transposed_definition,
 )
 
-from .kernels import _gather_rows, _sizes_from_bins, _token_major, gmm
+from .kernels import _gather_rows, _groups, _sizes_from_bins, _token_major, gmm
 
 
 def quantize(
@@ -32,6 +33,35 @@ def quantize_both_ways(
     data, scale = quantize(x, 2, format, encoding)
     data_t, scale_t = quantize(x.transpose(1, 2), 2, format, encoding)
     return data, scale, data_t, scale_t
+
+
+def quantize_transposed(
+    x: Tensor, batch_sizes: Tensor, format: str, encoding: str | None
+) -> tuple[Tensor, Tensor]:
+    sizes = [size for _, size in _groups(batch_sizes, x.shape[0])]
+    code = encoding_of(encoding, x.device)
+    return quantize_transposed_definition(x, sizes, code, SCALED_FORMATS[format].power_of_two)
+
+
+def scaled_gmm_weight_grad(
+    a: Tensor,
+    a_scale: Tensor,
+    grad: Tensor,
+    grad_scale: Tensor,
+    batch_sizes: Tensor,
+    format: str,
+    out_dtype: str | None,
+) -> Tensor:
+    out = torch.zeros(
+        batch_sizes.shape[0], a.shape[0], grad.shape[0], dtype=torch.float32, device=a.device
+    )
+    for expert, (start, size) in enumerate(_groups(batch_sizes, a.shape[1])):
+        if size:  # an empty expert keeps its exact zeros, whatever its scales
+            rows = slice(start, start + size)
+            x = a[:, rows].float() * a_scale[expert, :, None]
+            dy = grad[:, rows].float() * grad_scale[expert, :, None]
+            out[expert] = x @ dy.t()
+    return _out(out, out_dtype)
 
 
 def _dequantized(data: Tensor, scale: Tensor, format: str, reduce_dim: int) -> Tensor:

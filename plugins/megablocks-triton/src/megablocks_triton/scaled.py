@@ -52,8 +52,10 @@ from .kernels.scaled import (
     _both_ways_kernel,
     _column_codes_kernel,
     _quantize_kernel,
+    _quantize_transposed_kernel,
     _rows_and_column_peaks_kernel,
     _scaled_gmm_kernel,
+    _scaled_wgrad_kernel,
 )
 from .launch import (
     BoundLaunch,
@@ -929,6 +931,152 @@ def scaled_gmm_scatter(
 _SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
 
 
+# --------------------------------------------------------------------------------------------
+# the weight gradient: quantize_transposed and scaled_gmm_weight_grad
+# --------------------------------------------------------------------------------------------
+
+#: quantize_transposed's (BLOCK_R, BLOCK_C) tile and num_warps: quantize's column pass's.
+TRANSPOSED_TILE = (64, 128)
+TRANSPOSED_WARPS = 4
+#: The Triton weight gradient's tile (M, N, K: 128 rows a product, the promotion's depth),
+#: warps and stages.
+WGRAD_TILE = (128, 128, 128)
+WGRAD_WARPS = 8
+WGRAD_STAGES = 4
+#: Whether scaled_gmm_weight_grad takes :mod:`.hopper_scaled_wgrad` where it serves (a switch
+#: for measurements: the Triton kernel otherwise).
+WGRAD_WARP_SPECIALIZED = True
+
+_TRANSPOSED_PLANS: dict[Any, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+_WGRAD_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
+
+
+def quantize_transposed(
+    x: torch.Tensor, batch_sizes: torch.Tensor, format: str, encoding: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sizes = _device_sizes(batch_sizes, x.device)
+    key = (
+        x.shape, x.stride(), x.dtype, x.device, sizes.shape, sizes.dtype, format, encoding,
+        recorded_device(),
+    )  # fmt: skip
+    plan = _TRANSPOSED_PLANS.get(key)
+    if plan is None:
+        plan = remember(
+            _TRANSPOSED_PLANS, key, _transposed_plan(x, sizes.shape[0], format, encoding)
+        )
+    return plan(x, sizes)
+
+
+def _transposed_plan(
+    x: torch.Tensor, experts: int, format: str, encoding: str | None
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    enc, encode = _encoding_constexprs(format, encoding, device_info(x.device))
+    rows, columns = x.shape
+
+    def outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data = torch.empty(columns, rows, dtype=enc.dtype, device=x.device)
+        return data, torch.empty(experts, columns, dtype=torch.float32, device=x.device)
+
+    if columns == 0 or experts == 0:
+        return lambda x, sizes: outputs(x)
+    block_r, block_c = TRANSPOSED_TILE
+    c_tiles = cdiv(columns, block_c)
+    bound = bind(
+        _quantize_transposed_kernel,
+        ((experts + 1) * c_tiles,),  # and the rows past every group
+        rows, columns, experts, c_tiles, *x.stride(),
+        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_E=_check_experts(experts),
+        num_warps=TRANSPOSED_WARPS, **encode,
+    )  # fmt: skip
+
+    def run(x: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        data, scale = outputs(x)
+        bound(x, data.view(torch.uint8), scale, sizes)
+        return data, scale
+
+    return run
+
+
+def _hopper_scaled_wgrad() -> Any:
+    """:mod:`.hopper_scaled_wgrad`, or None (as :func:`_hopper_scaled`)."""
+    return tested_gluon_module("hopper_scaled_wgrad")
+
+
+def scaled_gmm_weight_grad(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor,
+    batch_sizes: torch.Tensor,
+    format: str,
+    out_dtype: str | None,
+) -> torch.Tensor:
+    sizes = _device_sizes(batch_sizes, a.device)
+    dtype = out_dtype_of(out_dtype)
+    key = (
+        a.shape, a.stride(), a.dtype, a.device, grad.shape, grad.stride(), sizes.shape,
+        sizes.dtype, dtype, WGRAD_WARP_SPECIALIZED, recorded_device(),
+    )  # fmt: skip
+    plan = _WGRAD_PLANS.get(key)
+    if plan is None:
+        plan = remember(_WGRAD_PLANS, key, _wgrad_plan(a, grad, sizes.shape[0], dtype))
+    return plan(a, a_scale, grad, grad_scale, sizes)
+
+
+def _wgrad_plan(
+    a: torch.Tensor, grad: torch.Tensor, experts: int, out_dtype: torch.dtype
+) -> Callable[..., torch.Tensor]:
+    (m, rows), n = a.shape, grad.shape[0]
+    shape = (experts, m, n)
+    if experts == 0 or m == 0 or n == 0 or rows == 0:
+        return lambda *t: torch.zeros(shape, dtype=out_dtype, device=a.device)
+    info = device_info(a.device)
+    block_e = _check_experts(experts)
+    block_m, block_n, block_k = WGRAD_TILE
+    tiles = experts * cdiv(m, block_m) * cdiv(n, block_n)
+    bound = bind(
+        _scaled_wgrad_kernel,
+        (max(1, min(_num_sms(info), tiles)),),
+        m, n, rows, experts, *a.stride(), *grad.stride(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_E=block_e, PROMOTE=block_k,
+        INTERPRETED=info.kind == "cpu", num_warps=WGRAD_WARPS, num_stages=WGRAD_STAGES,
+    )  # fmt: skip
+    hopper = _hopper_scaled_wgrad() if _warp_specialized_wgrad(info, a, grad, out_dtype) else None
+
+    def run(
+        a: torch.Tensor,
+        a_scale: torch.Tensor,
+        grad: torch.Tensor,
+        grad_scale: torch.Tensor,
+        sizes: torch.Tensor,
+    ) -> torch.Tensor:
+        out = torch.empty(shape, dtype=out_dtype, device=a.device)
+        if hopper is not None and hopper.serves(a, grad, out):  # the bases' alignment, per call
+            hopper.launch(
+                a, a_scale, grad, grad_scale, sizes, out, block_e=block_e, num_sms=_num_sms(info)
+            )
+        else:
+            bound(a, grad, out, sizes, a_scale, grad_scale)
+        return out
+
+    return run
+
+
+def _warp_specialized_wgrad(
+    info: DeviceInfo, a: torch.Tensor, grad: torch.Tensor, out_dtype: torch.dtype
+) -> bool:
+    """Whether the Gluon weight gradient may take this call shape: a Hopper GPU and OCP data
+    (:func:`hopper_scaled_wgrad.serves` checks the layouts)."""
+    return (
+        WGRAD_WARP_SPECIALIZED
+        and info.kind == "cuda"
+        and info.capability is not None
+        and info.capability[0] == 9
+        and a.dtype == torch.float8_e4m3fn
+        and _hopper_scaled_wgrad() is not None
+    )
+
+
 def scaled_gmm_supports(device: DeviceInfo, call: Any) -> str | None:
     """The data's encoding must be the one the device's matrix units take (the interpreter
     takes both, but rounds bfloat16 products wrongly on their way into the scatter kernel)."""
@@ -947,13 +1095,14 @@ def scaled_gmm_supports(device: DeviceInfo, call: Any) -> str | None:
 
 scaled_gather_gmm_supports = scaled_gmm_supports
 scaled_gmm_scatter_supports = scaled_gmm_supports
+scaled_gmm_weight_grad_supports = scaled_gmm_supports
 
 
 def compile_calls(shape: Any, device: DeviceInfo) -> Any:
     """(op, call) of the low-precision ops at a layer ``shape`` on ``device`` (meta tensors, for
     the compile gate): every format, the transpose-quantize of both weights, both GEMM layouts,
-    the layer's two GEMMs with and without a bias; none on a device without FP8 matrix
-    instructions."""
+    the layer's two GEMMs with and without a bias, and (rowwise) the weight gradients' operands
+    and GEMMs; none on a device without FP8 matrix instructions."""
     if fp8_capability(device) is not None:
         return
     t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.experts, shape.top_k
@@ -989,6 +1138,22 @@ def compile_calls(shape: Any, device: DeviceInfo) -> Any:
             "scaled_gmm",
             functools.partial(scaled_gmm, h8, sh, w2t, s2, counts, True, format, None),
         )
+        if SCALED_FORMATS[format].grouped_columns:  # the weight gradients' operands and GEMMs
+            up, down = _meta(rows, 2 * f, dtype=bf16), _meta(rows, h, dtype=bf16)
+            for operand in (hidden, up, down):
+                yield (
+                    "quantize_transposed",
+                    functools.partial(quantize_transposed, operand, counts, format, None),
+                )
+            for m, n in ((h, 2 * f), (f, h)):
+                a8, a_scale = _meta(m, rows, dtype=enc.dtype), _meta(e, m, dtype=torch.float32)
+                g8, g_scale = _meta(n, rows, dtype=enc.dtype), _meta(e, n, dtype=torch.float32)
+                yield (
+                    "scaled_gmm_weight_grad",
+                    functools.partial(
+                        scaled_gmm_weight_grad, a8, a_scale, g8, g_scale, counts, format, None
+                    ),
+                )
 
 
 def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:

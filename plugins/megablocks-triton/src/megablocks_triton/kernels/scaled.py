@@ -467,3 +467,108 @@ def _scaled_gmm_kernel(
         )
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
         tl.store(c_ptrs, zeros, mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _group_extent(sizes_ptr, e, E, R, BLOCK_E: tl.constexpr):
+    """(first row, rows) of group ``e``, its sizes made safe as ``_group_sizes`` makes them;
+    ``e == E`` is the rows past every group."""
+    sizes, covered = _group_sizes(sizes_ptr, E, R, BLOCK_E)
+    e_idx = tl.arange(0, BLOCK_E)
+    start = tl.sum(tl.where(e_idx < e, sizes, 0), 0)
+    size = tl.where(e == E, R - covered, tl.sum(tl.where(e_idx == e, sizes, 0), 0))
+    return start.to(tl.int64), size
+
+
+@triton.jit
+def _quantize_transposed_kernel(
+    x_ptr, data_ptr, scale_ptr, sizes_ptr,
+    R, C, E, c_tiles, stride_xr, stride_xc,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
+    MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
+    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """x (R, C), any strides, grouped by expert along R -> data (C, R) contiguous (uint8 codes)
+    and scale (E, C): one scale per column of each group, two passes over the group's rows (the
+    peak, then the codes, written transposed). Program (e, c-tile); e == E writes zeros into
+    the rows past every group."""
+    pid = tl.program_id(0)
+    e = pid // c_tiles
+    cols = (pid % c_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    start, size = _group_extent(sizes_ptr, e, E, R, BLOCK_E)
+    steps = tl.arange(0, BLOCK_R)
+    x_cols = x_ptr + cols.to(tl.int64)[None, :] * stride_xc
+    # The codes go out transposed, (BLOCK_C, BLOCK_R) with rows contiguous in memory.
+    d_cols = data_ptr + cols.to(tl.int64)[:, None] * R
+    if e == E:
+        for r in range(0, size, BLOCK_R):
+            r_at = start + r + steps
+            mask = c_ok[:, None] & (r + steps < size)[None, :]
+            zeros = tl.zeros((BLOCK_C, BLOCK_R), tl.uint8)
+            tl.store(d_cols + r_at[None, :], zeros, mask=mask)
+    else:
+        peak = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        for r in range(0, size, BLOCK_R):
+            r_at = start + r + steps
+            mask = (r + steps < size)[:, None] & c_ok[None, :]
+            values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
+            peak = _running_peak(peak, values.to(tl.float32))
+        amax, bad = _peak_amax(peak, 0)
+        scale = _block_scale(amax, bad, MAX, POW2)
+        tl.store(scale_ptr + e.to(tl.int64) * C + cols, scale, mask=c_ok)
+        for r in range(0, size, BLOCK_R):
+            r_at = start + r + steps
+            mask = (r + steps < size)[:, None] & c_ok[None, :]
+            values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
+            codes = _quantized_codes(
+                values.to(tl.float32), scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO,
+                NAN_BITS, HARDWARE, FP8,
+            )  # fmt: skip
+            tl.store(d_cols + r_at[None, :], tl.trans(codes), mask=tl.trans(mask))
+
+
+@triton.jit
+def _scaled_wgrad_kernel(
+    a_ptr, g_ptr, c_ptr, sizes_ptr, sa_ptr, sg_ptr,
+    M, N, R, E,
+    stride_am, stride_ar, stride_gn, stride_gr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, PROMOTE: tl.constexpr, INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """out[e] (M, N) = (a[:, rows of e] @ g[:, rows of e].T) * sa[e][:, None] * sg[e][None, :]:
+    the weight gradient of transposed 8-bit operands, a (M, R) and g (N, R) with rows
+    contiguous, their scales (E, M) and (E, N); out (E, M, N) contiguous. Persistent over every
+    expert's (m, n) tiles; each 128-deep product promoted into the float32 sum, the rows past
+    the group's end masked to zero in both operands; an empty expert's tiles are exact zeros."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    per_expert = m_tiles * n_tiles
+    steps = tl.arange(0, BLOCK_K)
+    for tile in tl.range(pid, E * per_expert, num_programs):
+        e = tile // per_expert
+        local = tile - e * per_expert
+        rows_m = (local // n_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols_n = (local % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rows_m < M
+        n_ok = cols_n < N
+        start, size = _group_extent(sizes_ptr, e, E, R, BLOCK_E)
+        a_rows = a_ptr + rows_m.to(tl.int64)[:, None] * stride_am
+        g_rows = g_ptr + cols_n.to(tl.int64)[:, None] * stride_gn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, size, BLOCK_K):
+            in_group = (k + steps < size)[None, :]
+            r_at = (start + k + steps)[None, :]
+            a = tl.load(a_rows + r_at * stride_ar, mask=m_ok[:, None] & in_group, other=0.0)
+            g = tl.load(g_rows + r_at * stride_gr, mask=n_ok[:, None] & in_group, other=0.0)
+            acc = tl.dot(a, tl.trans(g), acc, max_num_imprecise_acc=PROMOTE)
+        sa = tl.load(sa_ptr + e.to(tl.int64) * M + rows_m, mask=m_ok, other=0.0)
+        sg = tl.load(sg_ptr + e.to(tl.int64) * N + cols_n, mask=n_ok, other=0.0)
+        acc = acc * sa[:, None] * sg[None, :]
+        acc = tl.where(size > 0, acc, 0.0)  # an empty expert's NaN scales must not leak
+        c_ptrs = (c_ptr + e.to(tl.int64) * M * N + rows_m.to(tl.int64)[:, None] * N
+                  + cols_n.to(tl.int64)[None, :])  # fmt: skip
+        tl.store(c_ptrs, _rounded(acc, c_ptr.dtype.element_ty, INTERPRETED),
+                 mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip

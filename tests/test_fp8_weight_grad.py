@@ -1,0 +1,279 @@
+"""FP8 weight gradients: ``quantize_transposed``, ``scaled_gmm_weight_grad`` and
+``Recipe(weight_grad="fp8")``.
+
+Independent references (test_fp8.py's): quantization as a nearest-value search over the
+encoding's decoded table, per column of each expert's rows, in numpy; the weight gradient as a
+float64 loop over experts of the operands decoded that way. The Triton kernels run under the CPU
+interpreter here and on the GPU test device when it is set."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fp8 import (
+    _TRITON_RUNNABLE,
+    BACKENDS,
+    _check_close,
+    _decode_table,
+    _device,
+    _encodings,
+    _gaussian_with_non_finite,
+    _layer_case,
+    _mlp,
+    _reference_quantize,
+)
+
+import megablocks_core.ops as ops
+from megablocks_core import formats, fp8, fuse_grad_accumulation, use_backend
+from megablocks_core.validation import ContractError
+
+ROWWISE = "fp8_rowwise"
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:e]) for e in range(len(sizes))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_quantize_transposed_rounds_each_expert_column_to_the_nearest_code(backend):
+    gen = torch.Generator().manual_seed(0)
+    sizes = [70, 0, 1, 129]
+    rows = sum(sizes) + 5  # 5 rows past every group
+    x = torch.randn(rows, 33, generator=gen) * torch.logspace(-3, 3, 33)
+    for enc in _encodings(backend):
+        with use_backend(backend):
+            data, scale = ops.quantize_transposed(
+                x.to(_device(backend)), torch.tensor(sizes), ROWWISE, enc.name
+            )
+        assert data.shape == (33, rows) and data.dtype == enc.dtype and data.is_contiguous()
+        assert scale.shape == (4, 33) and scale.dtype == torch.float32
+        codes = data.cpu().view(torch.uint8).numpy()
+        for e, (start, size) in enumerate(zip(_starts(sizes), sizes, strict=True)):
+            if not size:  # an empty block: amax 0, the smallest scale
+                assert (scale[e] == 2.0**-126).all()
+                continue
+            # One block per column of the expert's rows: the transposed group, one per row.
+            want_codes, want_scale = _reference_quantize(
+                x[start : start + size].t().numpy(), enc, False, 1
+            )
+            np.testing.assert_array_equal(scale[e].cpu().numpy(), want_scale.reshape(-1))
+            np.testing.assert_array_equal(codes[:, start : start + size], want_codes)
+        assert not codes[:, sum(sizes) :].any()  # the rows past the groups are 0
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    backend=st.sampled_from(["reference", "triton"] if _TRITON_RUNNABLE else ["reference"]),
+    sizes=st.lists(st.integers(0, 150), min_size=1, max_size=5),
+    past=st.integers(0, 70),
+    cols=st.integers(0, 200),
+    stored_transposed=st.booleans(),
+    non_finite=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_quantize_transposed_is_the_definition(
+    backend, sizes, past, cols, stored_transposed, non_finite, seed
+):
+    """Bit for bit the core's definition over random groups (empty ones too), rows past the
+    groups, both storage orders, and NaN or infinities anywhere."""
+    x = _gaussian_with_non_finite((sum(sizes) + past, cols), non_finite, seed)
+    stored = x.t().contiguous().t() if stored_transposed else x
+    for enc in _encodings(backend):
+        with use_backend(backend):
+            data, scale = ops.quantize_transposed(
+                stored.to(_device(backend)), torch.tensor(sizes), ROWWISE, enc.name
+            )
+        want_data, want_scale = formats.quantize_transposed(x, sizes, enc, False)
+        assert data.is_contiguous()
+        assert torch.equal(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+        torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_non_finite_value_spoils_only_its_expert_column():
+    x = torch.ones(6, 3)
+    x[1, 2] = math.inf
+    data, scale = ops.quantize_transposed(x, torch.tensor([2, 4]), ROWWISE)
+    assert scale[0, 2].isnan() and not scale[1].isnan().any() and not scale[0, :2].isnan().any()
+    assert data[2, :2].float().isnan().all() and not data[2, 2:].float().isnan().any()
+
+
+@pytest.mark.skipif(not _TRITON_RUNNABLE, reason="the triton kernels cannot run here")
+def test_device_side_bad_sizes_are_cut_as_the_reference_cuts_them():
+    """Sizes the contract checks only in checked mode (device-side): a negative one counts as
+    0, the groups are cut at the last row; both backends' functions alike (called directly: the
+    entry would refuse these sizes on the CPU)."""
+    from megablocks_reference import scaled as reference
+    from megablocks_triton import scaled as triton_scaled
+
+    x = torch.randn(50, 20, generator=torch.Generator().manual_seed(3))
+    device = _device("triton")
+    for sizes in ([-4, 30, 40], [10, -1, 60, 5]):
+        want = reference.quantize_transposed(x, torch.tensor(sizes), ROWWISE, None)
+        got = triton_scaled.quantize_transposed(
+            x.to(device), torch.tensor(sizes, device=device), ROWWISE, None
+        )
+        assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+        torch.testing.assert_close(got[1].cpu(), want[1], rtol=0, atol=0)
+        a, sa = want
+        grad = reference.scaled_gmm_weight_grad(a, sa, a, sa, torch.tensor(sizes), ROWWISE, None)
+        got_grad = triton_scaled.scaled_gmm_weight_grad(
+            a.to(device), sa.to(device), a.to(device), sa.to(device),
+            torch.tensor(sizes, device=device), ROWWISE, None,
+        )  # fmt: skip
+        torch.testing.assert_close(got_grad.cpu().float(), grad.float(), rtol=2e-2, atol=1e-2)
+
+
+def _decoded_columns(data: torch.Tensor, scale: torch.Tensor, sizes: list[int]) -> np.ndarray:
+    """Each expert's rows of (c, rows) data times its column scales, float64 from the decode
+    table."""
+    values = _decode_table(formats.BY_DTYPE[data.dtype])[
+        data.cpu().view(torch.uint8).numpy().astype(np.int64)
+    ]
+    out = np.zeros_like(values)
+    for e, (start, size) in enumerate(zip(_starts(sizes), sizes, strict=True)):
+        columns = scale[e].cpu().double().numpy()[:, None]
+        out[:, start : start + size] = values[:, start : start + size] * columns
+    return out
+
+
+CASES = [  # (group sizes, rows past them, k, n)
+    ([40, 0, 130, 3], 7, 48, 160),
+    ([9], 0, 32, 16),
+    ([0, 0, 0], 4, 24, 8),
+    ([300, 1, 257], 0, 136, 40),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{len(c[0])}e{c[2]}k{c[3]}n")
+@pytest.mark.parametrize("out_dtype", [None, "float32"])
+def test_scaled_gmm_weight_grad_against_a_float64_loop(backend, case, out_dtype):
+    sizes, past, k, n = case
+    rows = sum(sizes) + past
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    dy = torch.randn(rows, n, generator=gen) * 1e-3  # gradients are small
+    enc = _encodings(backend)[0]
+    a, sa = formats.quantize_transposed(x, sizes, enc, False)
+    g, sg = formats.quantize_transposed(dy, sizes, enc, False)
+    a_values, g_values = _decoded_columns(a, sa, sizes), _decoded_columns(g, sg, sizes)
+    want = np.zeros((len(sizes), k, n))
+    for e, (start, size) in enumerate(zip(_starts(sizes), sizes, strict=True)):
+        want[e] = a_values[:, start : start + size] @ g_values[:, start : start + size].T
+    device = _device(backend)
+    with use_backend(backend):
+        got = ops.scaled_gmm_weight_grad(
+            a.to(device), sa.to(device), g.to(device), sg.to(device), torch.tensor(sizes),
+            ROWWISE, out_dtype,
+        )  # fmt: skip
+    _check_close(got, want, out_dtype)
+    for e, size in enumerate(sizes):
+        if not size:
+            assert not got[e].any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_experts_and_rows_past_the_groups_add_nothing(backend):
+    """An empty expert's gradient is exactly 0 even with NaN scales, and NaN codes in the rows
+    past every group never reach the output."""
+    sizes, k, n = [5, 0, 7], 16, 24
+    gen = torch.Generator().manual_seed(1)
+    enc = _encodings(backend)[0]
+    a, sa = formats.quantize_transposed(torch.randn(15, k, generator=gen), sizes, enc, False)
+    g, sg = formats.quantize_transposed(torch.randn(15, n, generator=gen), sizes, enc, False)
+    nan = 0x7F if enc.negative_zero else 0x80
+    a.view(torch.uint8)[:, 12:] = nan
+    g.view(torch.uint8)[:, 12:] = nan
+    sa[1], sg[1] = math.nan, math.nan
+    device = _device(backend)
+    with use_backend(backend):
+        got = ops.scaled_gmm_weight_grad(
+            a.to(device), sa.to(device), g.to(device), sg.to(device), torch.tensor(sizes),
+            ROWWISE, "float32",
+        )  # fmt: skip
+    assert got.isfinite().all()
+    assert not got[1].any()
+
+
+def test_the_weight_gradient_ops_refuse_formats_without_those_operands():
+    x = torch.randn(8, 4)
+    with pytest.raises(ContractError, match="weight-gradient operands"):
+        ops.quantize_transposed(x, torch.tensor([8]), "fp8_blockwise")
+    a, sa = ops.quantize_transposed(x, torch.tensor([8]), ROWWISE)
+    with pytest.raises(ContractError, match="weight-gradient operands"):
+        ops.scaled_gmm_weight_grad(a, sa, a, sa, torch.tensor([8]), "fp8_blockwise")
+    with pytest.raises(ContractError, match="one scale per expert"):
+        ops.scaled_gmm_weight_grad(a, sa[:, :3], a, sa, torch.tensor([8]), ROWWISE)
+    with pytest.raises(ContractError, match="the groups fit"):
+        ops.quantize_transposed(x, torch.tensor([5, 4]), ROWWISE)
+    with pytest.raises(ValueError, match="fp8_rowwise"):
+        fp8.Recipe("fp8_blockwise", weight_grad="fp8")
+    with pytest.raises(ValueError, match="weight_grad"):
+        fp8.Recipe(weight_grad="bf16")  # type: ignore[arg-type]
+
+
+def _grads(recipe, fuse: bool = False):
+    x, w1, w2, weights, *routing = _layer_case()
+    leaves = (x, w1, w2, weights)
+    if fuse:  # a micro-batch after the first: the gradients exist and are added into
+        fuse_grad_accumulation(w1, w2)
+        for w in (w1, w2):
+            w.grad = torch.ones_like(w)
+    out = _mlp(fp8 if recipe else ops, *leaves, *routing, **({"recipe": recipe} if recipe else {}))
+    grad = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
+    out.backward(grad)
+    return [t.grad for t in leaves]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_weight_gradients_track_the_full_precision_ones(backend):
+    """Recipe(weight_grad="fp8"): the weights' gradients come through the scaled weight
+    gradient (both backends on the CPU), within FP8's error of the full-precision ones, and
+    differ from the recipe's gradients in the inputs' dtype (quantized indeed)."""
+    if backend == "triton" and _device(backend).type != "cpu":
+        pytest.skip("the layer case runs on the CPU")
+    with use_backend(backend):
+        exact = _grads(None)
+        bf16_wgrad = _grads(fp8.Recipe(ROWWISE))
+        fp8_wgrad = _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"))
+    for got, want in zip(fp8_wgrad, exact, strict=True):
+        assert _rel(got, want) < 0.12
+    # The rows' and routing weights' gradients do not read the weight gradients: unchanged.
+    assert torch.equal(fp8_wgrad[0], bf16_wgrad[0]) and torch.equal(fp8_wgrad[3], bf16_wgrad[3])
+    for got, ref in zip(fp8_wgrad[1:3], bf16_wgrad[1:3], strict=True):
+        assert 1e-3 < _rel(got, ref) < 0.1
+
+
+def test_fp8_weight_gradients_add_into_a_fused_accumulation(reference_backend):
+    recipe = fp8.Recipe(ROWWISE, weight_grad="fp8")
+    fresh = _grads(recipe)
+    fused = _grads(recipe, fuse=True)
+    for got, want in zip(fused[1:3], fresh[1:3], strict=True):
+        torch.testing.assert_close(got, want + 1, rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_weight_gradients_run_the_scaled_ops(monkeypatch, reference_backend):
+    calls: list[str] = []
+    real = fp8.call
+
+    def recording(op, *args):
+        calls.append(op)
+        return real(op, *args)
+
+    monkeypatch.setattr(fp8, "call", recording)
+    _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"))
+    assert calls.count("scaled_gmm_weight_grad") == 2  # w1's and w2's
+    assert calls.count("quantize_transposed") == 4
+    assert "gmm_weight_grad" not in calls
+    calls.clear()
+    _grads(fp8.Recipe(ROWWISE))
+    assert "scaled_gmm_weight_grad" not in calls and calls.count("gmm_weight_grad") == 2
