@@ -83,16 +83,6 @@ def one_gemm(
         timer(lambda v=v: ops.quantize_transposed(v, counts, "fp8_rowwise")) for v in (a, grad)
     )
     row["quantize_gbps"] = rows * (m + n) * 3 / row["quantize_us"] / 1e3  # read 2, write 1
-    if scaled_module is not None:  # the Triton kernel's two-pass form beside its one read
-        before = scaled_module.TRANSPOSED_ONE_READ
-        scaled_module.TRANSPOSED_ONE_READ = 0
-        try:
-            row["quantize_two_pass_us"] = sum(
-                timer(lambda v=v: ops.quantize_transposed(v, counts, "fp8_rowwise"))
-                for v in (a, grad)
-            )
-        finally:
-            scaled_module.TRANSPOSED_ONE_READ = before
 
     def ours_fp8() -> torch.Tensor:
         return ops.scaled_gmm_weight_grad(qa, sa, qg, sg, counts, "fp8_rowwise")

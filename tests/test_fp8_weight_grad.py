@@ -41,7 +41,7 @@ def _starts(sizes: list[int]) -> list[int]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantize_transposed_rounds_each_expert_column_to_the_nearest_code(backend):
     gen = torch.Generator().manual_seed(0)
-    sizes = [70, 0, 1, 1100]  # Triton: one read of a group, and two passes over a long one
+    sizes = [70, 0, 1, 1100]
     rows = sum(sizes) + 5  # 5 rows past every group
     x = torch.randn(rows, 33, generator=gen) * torch.logspace(-3, 3, 33)
     for enc in _encodings(backend):
@@ -91,21 +91,6 @@ def test_quantize_transposed_is_the_definition(
         assert data.is_contiguous()
         assert torch.equal(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
         torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
-
-
-@pytest.mark.skipif(not _TRITON_RUNNABLE, reason="the triton kernels cannot run here")
-def test_triton_s_two_pass_form_is_its_one_read_form(monkeypatch):
-    """The Triton kernel's two forms (a group read once, or in two passes), bit for bit."""
-    from megablocks_triton import scaled as triton_scaled
-
-    x = _gaussian_with_non_finite((300, 40), 2, seed=5).to(_device("triton"))
-    sizes = torch.tensor([100, 0, 7, 190])
-    with use_backend("triton"):
-        one_read = ops.quantize_transposed(x, sizes, ROWWISE)
-        monkeypatch.setattr(triton_scaled, "TRANSPOSED_ONE_READ", 0)
-        two_passes = ops.quantize_transposed(x, sizes, ROWWISE)
-    assert torch.equal(one_read[0].view(torch.uint8), two_passes[0].view(torch.uint8))
-    torch.testing.assert_close(one_read[1], two_passes[1], rtol=0, atol=0, equal_nan=True)
 
 
 def test_a_non_finite_value_spoils_only_its_expert_column():

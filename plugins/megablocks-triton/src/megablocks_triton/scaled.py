@@ -935,14 +935,11 @@ _SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
 # the weight gradient: quantize_transposed and scaled_gmm_weight_grad
 # --------------------------------------------------------------------------------------------
 
-#: quantize_transposed: groups of up to TRANSPOSED_ONE_READ rows are read once, a strip of
-#: TRANSPOSED_ONE_READ_COLUMNS columns in registers; longer groups take two passes over
-#: TRANSPOSED_TILE (rows, columns) tiles. TRANSPOSED_ONE_READ = 0: two passes always (the
-#: form measured against it in benchmarks/fp8_wgrad.py).
-TRANSPOSED_ONE_READ = 1024
-TRANSPOSED_ONE_READ_COLUMNS = 16
+#: quantize_transposed's (BLOCK_R, BLOCK_C) tile and num_warps: quantize's column pass's. (A
+#: group read once, 16 columns of up to 1024 rows in registers, took 1.2-2.3x the time of
+#: these two passes on an H100; 8 warps for them 1.17x: docs/performance.md.)
 TRANSPOSED_TILE = (64, 128)
-TRANSPOSED_WARPS = 8
+TRANSPOSED_WARPS = 4
 #: The Triton weight gradient's tile (M, N, K: 128 rows a product, the promotion's depth),
 #: warps and stages.
 WGRAD_TILE = (128, 128, 128)
@@ -962,7 +959,7 @@ def quantize_transposed(
     sizes = _device_sizes(batch_sizes, x.device)
     key = (
         x.shape, x.stride(), x.dtype, x.device, sizes.shape, sizes.dtype, format, encoding,
-        recorded_device(), TRANSPOSED_ONE_READ,
+        recorded_device(),
     )  # fmt: skip
     plan = _TRANSPOSED_PLANS.get(key)
     if plan is None:
@@ -985,18 +982,12 @@ def _transposed_plan(
     if columns == 0 or experts == 0:
         return lambda x, sizes: outputs(x)
     block_r, block_c = TRANSPOSED_TILE
-    one_read = TRANSPOSED_ONE_READ
-    if one_read:  # one strip width for both forms
-        block_r, block_c = (
-            block_r * block_c // TRANSPOSED_ONE_READ_COLUMNS,
-            TRANSPOSED_ONE_READ_COLUMNS,
-        )
     c_tiles = cdiv(columns, block_c)
     bound = bind(
         _quantize_transposed_kernel,
         ((experts + 1) * c_tiles,),  # and the rows past every group
         rows, columns, experts, c_tiles, *x.stride(),
-        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_E=_check_experts(experts), ONE_READ=one_read,
+        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_E=_check_experts(experts),
         num_warps=TRANSPOSED_WARPS, **encode,
     )  # fmt: skip
 

@@ -481,55 +481,17 @@ def _group_extent(sizes_ptr, e, E, R, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _transposed_codes(values, mask, d_cols, r_at, scale, bad, MAX: tl.constexpr,
-                      BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
-                      HARDWARE: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
-    """A (rows, columns) tile's codes stored transposed: (columns, rows), rows contiguous."""
-    codes = _quantized_codes(
-        values.to(tl.float32), scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO, NAN_BITS,
-        HARDWARE, FP8,
-    )  # fmt: skip
-    tl.store(d_cols + r_at[None, :], tl.trans(codes), mask=tl.trans(mask))
-
-
-@triton.jit
-def _transposed_two_passes(x_cols, d_cols, scale_row, start, size, c_ok, stride_xr,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, MAX: tl.constexpr,
-                           BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
-                           POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
-    """A group's strip of columns in two passes of BLOCK_R rows: the peak, then the codes."""
-    steps = tl.arange(0, BLOCK_R)
-    peak = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-    for r in range(0, size, BLOCK_R):
-        r_at = start + r + steps
-        mask = (r + steps < size)[:, None] & c_ok[None, :]
-        values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
-        peak = _running_peak(peak, values.to(tl.float32))
-    amax, bad = _peak_amax(peak, 0)
-    scale = _block_scale(amax, bad, MAX, POW2)
-    tl.store(scale_row, scale, mask=c_ok)
-    for r in range(0, size, BLOCK_R):
-        r_at = start + r + steps
-        mask = (r + steps < size)[:, None] & c_ok[None, :]
-        values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
-        _transposed_codes(values, mask, d_cols, r_at, scale, bad, MAX, BIAS, NEG_ZERO,
-                          NAN_BITS, HARDWARE, FP8)  # fmt: skip
-
-
-@triton.jit
 def _quantize_transposed_kernel(
     x_ptr, data_ptr, scale_ptr, sizes_ptr,
     R, C, E, c_tiles, stride_xr, stride_xc,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
-    ONE_READ: tl.constexpr,
     MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
     POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """x (R, C), any strides, grouped by expert along R -> data (C, R) contiguous (uint8 codes)
-    and scale (E, C): one scale per column of each group. A group of at most ONE_READ rows is
-    read once (its whole strip of BLOCK_C columns in registers), a longer one in two passes of
-    BLOCK_R rows (the peak, then the codes). Program (e, c-tile); e == E writes zeros into the
-    rows past every group."""
+    and scale (E, C): one scale per column of each group, two passes over the group's rows (the
+    peak, then the codes, written transposed). Program (e, c-tile); e == E writes zeros into
+    the rows past every group."""
     pid = tl.program_id(0)
     e = pid // c_tiles
     cols = (pid % c_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -537,34 +499,33 @@ def _quantize_transposed_kernel(
     start, size = _group_extent(sizes_ptr, e, E, R, BLOCK_E)
     steps = tl.arange(0, BLOCK_R)
     x_cols = x_ptr + cols.to(tl.int64)[None, :] * stride_xc
-    # The codes go out transposed, (BLOCK_C, rows) with rows contiguous in memory.
+    # The codes go out transposed, (BLOCK_C, BLOCK_R) with rows contiguous in memory.
     d_cols = data_ptr + cols.to(tl.int64)[:, None] * R
-    scale_row = scale_ptr + e.to(tl.int64) * C + cols
-    # (Each branch names its own tensors: Triton unifies a name's type across branches.)
     if e == E:
         for r in range(0, size, BLOCK_R):
-            tail_mask = c_ok[:, None] & (r + steps < size)[None, :]
+            r_at = start + r + steps
+            mask = c_ok[:, None] & (r + steps < size)[None, :]
             zeros = tl.zeros((BLOCK_C, BLOCK_R), tl.uint8)
-            tl.store(d_cols + (start + r + steps)[None, :], zeros, mask=tail_mask)
-    elif ONE_READ == 0:
-        _transposed_two_passes(x_cols, d_cols, scale_row, start, size, c_ok, stride_xr, BLOCK_R,
-                               BLOCK_C, MAX, BIAS, NEG_ZERO, NAN_BITS, POW2, HARDWARE,
-                               FP8)  # fmt: skip
-    elif size <= ONE_READ:
-        whole = tl.arange(0, ONE_READ)
-        whole_at = start + whole
-        whole_mask = (whole < size)[:, None] & c_ok[None, :]
-        strip = tl.load(x_cols + whole_at[:, None] * stride_xr, mask=whole_mask, other=0.0)
-        strip_peak = _running_peak(tl.zeros((ONE_READ, BLOCK_C), tl.float32), strip.to(tl.float32))
-        strip_amax, strip_bad = _peak_amax(strip_peak, 0)
-        strip_scale = _block_scale(strip_amax, strip_bad, MAX, POW2)
-        tl.store(scale_row, strip_scale, mask=c_ok)
-        _transposed_codes(strip, whole_mask, d_cols, whole_at, strip_scale, strip_bad, MAX, BIAS,
-                          NEG_ZERO, NAN_BITS, HARDWARE, FP8)  # fmt: skip
+            tl.store(d_cols + r_at[None, :], zeros, mask=mask)
     else:
-        _transposed_two_passes(x_cols, d_cols, scale_row, start, size, c_ok, stride_xr, BLOCK_R,
-                               BLOCK_C, MAX, BIAS, NEG_ZERO, NAN_BITS, POW2, HARDWARE,
-                               FP8)  # fmt: skip
+        peak = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
+        for r in range(0, size, BLOCK_R):
+            r_at = start + r + steps
+            mask = (r + steps < size)[:, None] & c_ok[None, :]
+            values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
+            peak = _running_peak(peak, values.to(tl.float32))
+        amax, bad = _peak_amax(peak, 0)
+        scale = _block_scale(amax, bad, MAX, POW2)
+        tl.store(scale_ptr + e.to(tl.int64) * C + cols, scale, mask=c_ok)
+        for r in range(0, size, BLOCK_R):
+            r_at = start + r + steps
+            mask = (r + steps < size)[:, None] & c_ok[None, :]
+            values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
+            codes = _quantized_codes(
+                values.to(tl.float32), scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO,
+                NAN_BITS, HARDWARE, FP8,
+            )  # fmt: skip
+            tl.store(d_cols + r_at[None, :], tl.trans(codes), mask=tl.trans(mask))
 
 
 @triton.jit
