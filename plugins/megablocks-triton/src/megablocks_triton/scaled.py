@@ -1,4 +1,6 @@
-"""The low-precision ops' host side: ``quantize`` and the scaled grouped GEMMs.
+"""The low-precision ops' host side: ``quantize`` and the scaled grouped GEMMs, and the weight
+gradient's pair (``quantize_transposed``, ``scaled_gmm_weight_grad``: one launch each; on Hopper
+the GEMM takes the Gluon kernel of :mod:`.hopper_scaled_wgrad` where its layouts serve).
 
 ``quantize`` is one launch of :func:`~megablocks_triton.kernels.scaled._quantize_kernel` over x
 seen as (E, R, C) (a row operand is E = 1), in any strides: an expert matrix's transposed view
