@@ -21,9 +21,12 @@ and the epilogue would dominate a kernel that does one tile at a time. Here:
   TMA store clipped at m and n) runs while the next tile's first product computes; an empty
   expert's tiles get zeros (its scales are not read).
 
-The sums are those of a plain Triton kernel with 128-deep chunks, masked loads and
-``tl.dot(a, b, acc, max_num_imprecise_acc=128)``: the same 128-deep products from zero, added in
-the same order, so outputs equal bit for bit. Hopper only: the caller checks the device (sm_90)
+A TMA box must start on a 16-byte boundary along the rows (an unaligned start faults), so an
+expert's chunks start at its first row rounded down to 16, the rows before it zeroed like those
+past its end. The sums are those of the triton backend's Triton kernel
+(``kernels.scaled._scaled_wgrad_kernel``: the same chunks, masked loads,
+``max_num_imprecise_acc=128``): the same 128-deep products from zero, added in the same order, so
+outputs equal bit for bit. Hopper only: the caller checks the device (sm_90)
 and the layouts (:func:`serves`); on the CPU its tests compile it for sm_90.
 """
 
