@@ -296,13 +296,12 @@ _GEMMS: dict[str, Callable[..., Tensor]] = {
 
 def _transposed_operands(
     scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor
-) -> tuple[Tensor, ...]:
-    recipe = scaled.recipe
-    quantized = (
-        scaled.op("quantize_transposed", t, batch_sizes, recipe.format, recipe.encoding)
-        for t in (a, grad)
-    )
-    return tuple(part for pair in quantized for part in pair)
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(a, a_scale, grad, grad_scale) of scaled_gmm_weight_grad."""
+    fmt, encoding = scaled.recipe.format, scaled.recipe.encoding
+    a8, a_scale = scaled.op("quantize_transposed", a, batch_sizes, fmt, encoding)
+    grad8, grad_scale = scaled.op("quantize_transposed", grad, batch_sizes, fmt, encoding)
+    return a8, a_scale, grad8, grad_scale
 
 
 def _gmm_weight_grad(scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from device_infos import H200
+from device_infos import B200, H200
 from sm90_compile import compile_sm90
 from triton_interpreter import interpreting
 
@@ -84,6 +84,22 @@ def test_no_rows_gives_zeros_without_a_launch() -> None:
     H.launch(_fp8(8, 0), scales[0], _fp8(16, 0), scales[1], torch.zeros(3, dtype=torch.int32),
              out, block_e=4, num_sms=132)  # fmt: skip
     assert (out == 0).all() and not torch.signbit(out).any()
+
+
+def test_the_arch_table_row_decides_where_it_runs() -> None:
+    """Hopper's row runs it (gluon_scaled_wgrad); other archs, FNUZ data and the measurement
+    switch take the Triton kernel."""
+    a, out = _fp8(256, 64), torch.bfloat16
+    assert scaled._warp_specialized_wgrad(H200, a, a, out)
+    assert not scaled._warp_specialized_wgrad(B200, a, a, out)
+    fnuz = a.view(torch.uint8).view(torch.float8_e4m3fnuz)
+    assert not scaled._warp_specialized_wgrad(H200, fnuz, fnuz, out)
+    before = scaled.WGRAD_WARP_SPECIALIZED
+    scaled.WGRAD_WARP_SPECIALIZED = False
+    try:
+        assert not scaled._warp_specialized_wgrad(H200, a, a, out)
+    finally:
+        scaled.WGRAD_WARP_SPECIALIZED = before
 
 
 def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

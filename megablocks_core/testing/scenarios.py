@@ -189,15 +189,16 @@ def _quantize_sample(r: Routing) -> tuple[Any, ...]:
     return (r.expert_weights.transpose(1, 2), 2 if not r.scenario.trans_b else 1, _format(r), None)
 
 
+#: The one format that defines a weight gradient's operands (Format.grouped_columns).
+ROWWISE = "fp8_rowwise"
+
+
 def _transposed(r: Routing, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x quantized as a weight gradient's operand (rowwise, the one format that defines it), by
     the core's definition."""
     sizes = r.batch_sizes.tolist()
     encoding = formats.encoding_of(None, x.device)
     return formats.quantize_transposed(x, sizes, encoding, formats.FORMATS[ROWWISE].power_of_two)
-
-
-ROWWISE = "fp8_rowwise"
 
 
 def _matrix_sum_dim(r: Routing) -> int:

@@ -56,6 +56,8 @@ class ArchTuning:
     """TMA tensor descriptors (sm90+)."""
     gluon_wgrad: bool = False
     """The warp-specialized Gluon weight gradient (:mod:`.hopper_wgrad`) runs here."""
+    gluon_scaled_wgrad: bool = False
+    """The FP8 rowwise weight gradient's Gluon kernel (:mod:`.hopper_scaled_wgrad`) runs here."""
     gluon_scaled_max_k: int | None = None
     """FP8 rowwise scaled GEMMs of plain rows reducing over fewer than this many k: the Gluon
     kernel (:mod:`.hopper_scaled`); None: never."""
@@ -147,6 +149,8 @@ ARCHS: Mapping[str, ArchTuning] = MappingProxyType(
             ),
             tma=True,
             gluon_wgrad=True,
+            # H100, 2026-12-07 (docs/performance.md): 817-1003 TFLOP/s, 4.4-5.5x the Triton kernel.
+            gluon_scaled_wgrad=True,
             # H100, 2026-12-07 (docs/performance.md), the kernel with its paired products:
             # 1.25-1.36x the Triton kernel at DeepSeek-V3's k = 4096 and 7168 (512 rows per
             # expert), 0.99-1.26x at Mixtral's k = 4096 to 28672. (Before the pairing, on the

@@ -981,8 +981,13 @@ def _transposed_plan(
         data = torch.empty(columns, rows, dtype=enc.dtype, device=x.device)
         return data, torch.empty(experts, columns, dtype=torch.float32, device=x.device)
 
-    if columns == 0 or experts == 0:
-        return lambda x, sizes: outputs(x)
+    if columns == 0 or experts == 0:  # no groups: every row is past them, its data 0
+
+        def degenerate(x: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            data, scale = outputs(x)
+            return data.zero_(), scale
+
+        return degenerate
     block_r, block_c = TRANSPOSED_TILE
     c_tiles = cdiv(columns, block_c)
     bound = bind(
@@ -1069,13 +1074,13 @@ def _wgrad_plan(
 def _warp_specialized_wgrad(
     info: DeviceInfo, a: torch.Tensor, grad: torch.Tensor, out_dtype: torch.dtype
 ) -> bool:
-    """Whether the Gluon weight gradient may take this call shape: a Hopper GPU and OCP data
-    (:func:`hopper_scaled_wgrad.serves` checks the layouts)."""
+    """Whether the Gluon weight gradient may take this call shape: an arch whose table row runs
+    it (``gluon_scaled_wgrad``: Hopper) and OCP data (:func:`hopper_scaled_wgrad.serves` checks
+    the layouts)."""
     return (
         WGRAD_WARP_SPECIALIZED
         and info.kind == "cuda"
-        and info.capability is not None
-        and info.capability[0] == 9
+        and arch_tuning(info).gluon_scaled_wgrad
         and a.dtype == torch.float8_e4m3fn
         and _hopper_scaled_wgrad() is not None
     )
