@@ -93,7 +93,8 @@ def serve_gmm_scatter(args: Mapping[str, Any], out: Tensor) -> Tensor:
 
 def group_sums(call: Any, grad: Tensor, counts: Tensor) -> Tensor:
     """Each group's column sums of grad (experts, n), the gradient of a per-group bias, by the
-    dispatched gmm_weight_grad of a column of ones (deterministic, no host sync)."""
+    dispatched gmm_weight_grad of a column of ones (deterministic, no host sync). An FP8
+    recipe's call runs it unquantized: quantizing grad would only make the sums less exact."""
     ones = grad.new_ones((grad.shape[0], 1))
-    out: Tensor = call("gmm_weight_grad", ones, grad, counts)
+    out: Tensor = getattr(call, "unquantized", call)("gmm_weight_grad", ones, grad, counts)
     return out[:, 0]

@@ -159,6 +159,10 @@ class _ScaledCall:
             return getattr(torch.ops.megablocks, name)(*args)
         return call(name, *args)
 
+    #: The backward rules' call for a sum the recipe leaves unquantized (a bias's gradient:
+    #: ``weight_grad="fp8"`` is for the weights' GEMMs only).
+    unquantized = op
+
     def __call__(self, op: str, *args: Any) -> Any:
         if op in _WEIGHT_GRADS:
             in_fp8 = self.in_backward and self.recipe.weight_grad == "fp8"

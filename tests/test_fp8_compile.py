@@ -153,7 +153,8 @@ def test_fp8_weight_gradients_compile_and_match_eager() -> None:
         "megablocks.quantize_transposed.default",
         "megablocks.scaled_gmm_weight_grad.default",
     } <= backward_ops
-    assert "megablocks.gmm_weight_grad.default" not in backward_ops
+    # The biases' gradients, column sums, stay unquantized (the eager tests count the calls).
+    assert "megablocks.gmm_weight_grad.default" in backward_ops
 
 
 @pytest.mark.parametrize("name", ["gmm", "gather_gmm", "gmm_scatter"])

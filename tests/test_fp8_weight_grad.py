@@ -226,14 +226,26 @@ def test_the_weight_gradient_ops_refuse_formats_without_those_operands():
         fp8.Recipe(weight_grad="bf16")  # type: ignore[arg-type]
 
 
-def _grads(recipe, fuse: bool = False):
+def _grads(recipe, fuse: bool = False, bias: bool = False):
     x, w1, w2, weights, *routing = _layer_case()
-    leaves = (x, w1, w2, weights)
+    leaves: tuple[torch.Tensor, ...] = (x, w1, w2, weights)
     if fuse:  # a micro-batch after the first: the gradients exist and are added into
         fuse_grad_accumulation(w1, w2)
         for w in (w1, w2):
             w.grad = torch.ones_like(w)
-    out = _mlp(fp8 if recipe else ops, *leaves, *routing, **({"recipe": recipe} if recipe else {}))
+    module = fp8 if recipe else ops
+    kw = {"recipe": recipe} if recipe else {}
+    if bias:  # each GEMM's per-expert bias, the last two leaves
+        gen = torch.Generator().manual_seed(5)
+        b1, b2 = (torch.randn(w.shape[0], w.shape[2], generator=gen) for w in (w1, w2))
+        leaves += (b1.requires_grad_(), b2.requires_grad_())
+        indices, bin_ids, bins, top_k = routing
+        h = module.gather_gmm(x, w1, indices, bin_ids, bins, top_k, bias=b1, **kw)
+        out = module.gmm_scatter(
+            h, w2, indices, bin_ids, weights, bins, top_k, False, "swiglu", bias=b2, **kw
+        )
+    else:
+        out = _mlp(module, *leaves, *routing, **kw)
     grad = torch.linspace(-1, 1, out.numel()).reshape(out.shape)
     out.backward(grad)
     return [t.grad for t in leaves]
@@ -270,15 +282,21 @@ def test_fp8_weight_gradients_add_into_a_fused_accumulation(reference_backend):
         torch.testing.assert_close(got, want + 1, rtol=1e-6, atol=1e-6)
 
 
-def test_fp8_weight_gradients_run_the_scaled_ops(monkeypatch, reference_backend):
-    calls: list[str] = []
+@pytest.fixture
+def calls(monkeypatch) -> list[str]:
+    """The names of the ops the FP8 functions call, in order."""
+    names: list[str] = []
     real = fp8.call
 
     def recording(op, *args):
-        calls.append(op)
+        names.append(op)
         return real(op, *args)
 
     monkeypatch.setattr(fp8, "call", recording)
+    return names
+
+
+def test_fp8_weight_gradients_run_the_scaled_ops(calls, reference_backend):
     _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"))
     assert calls.count("scaled_gmm_weight_grad") == 2  # w1's and w2's
     assert calls.count("quantize_transposed") == 4
@@ -286,3 +304,15 @@ def test_fp8_weight_gradients_run_the_scaled_ops(monkeypatch, reference_backend)
     calls.clear()
     _grads(fp8.Recipe(ROWWISE))
     assert "scaled_gmm_weight_grad" not in calls and calls.count("gmm_weight_grad") == 2
+
+
+def test_fp8_weight_gradients_leave_the_bias_gradients_unquantized(calls, reference_backend):
+    """A bias's gradient is each expert's column sums of the output's gradient: the same bits
+    with weight_grad="fp8" as without, not a sum over quantized rows."""
+    fp8_wgrad = _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"), bias=True)
+    assert calls.count("scaled_gmm_weight_grad") == 2 and calls.count("quantize_transposed") == 4
+    assert calls.count("gmm_weight_grad") == 2  # the two biases' sums
+    bf16_wgrad = _grads(fp8.Recipe(ROWWISE), bias=True)
+    for got, want in zip(fp8_wgrad[4:], bf16_wgrad[4:], strict=True):
+        assert torch.equal(got, want)
+    assert 1e-3 < _rel(fp8_wgrad[1], bf16_wgrad[1]) < 0.1  # the weights' own are quantized
