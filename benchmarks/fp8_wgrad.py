@@ -13,6 +13,9 @@ GEMMs alone), the two quantize calls' time and bandwidth, and our FP8 total agai
 with each result's relative error against float32 (Frobenius norm).
 
 Usage (H200): ``python benchmarks/fp8_wgrad.py [--shapes qwen3,dsv3] [--json PATH]``.
+``--quantize-tiles 64x128x4x1,64x32x2x3`` also times the Triton ``quantize_transposed`` of both
+operands at each (rows, columns) tile, warps and loop stages given, each checked bit for bit
+against the ranked kernel's outputs.
 ``--device cpu --tokens 64`` is a smoke run (no torch kernels there: their columns are empty).
 """
 
@@ -21,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from scaled_gmm_providers import _timer  # benchmarks/ (this script's directory)
 
 import megablocks_core.ops as ops
+from megablocks_core import use_backend
 from megablocks_core.calls import call
 
 try:  # the Triton backend's switch between its two FP8 weight-gradient kernels
@@ -41,16 +45,27 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def run(name: str, device: torch.device, tokens: int | None) -> list[dict[str, Any]]:
+Tile = tuple[int, int, int, int]
+
+
+def run(
+    name: str,
+    device: torch.device,
+    tokens: int | None,
+    tiles: Sequence[Tile] = (),
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[dict[str, Any]]:
     t, hidden, ffn, experts, top_k = SHAPES[name]
     tokens = tokens or t
     rows = tokens * top_k // experts * experts  # uniform groups
     gen = torch.Generator(device=device).manual_seed(0)
     out = []
     for which, (m, n) in (("w1", (hidden, ffn)), ("w2", (ffn, hidden))):
-        a = torch.randn(rows, m, device=device, generator=gen).bfloat16()
-        grad = torch.randn(rows, n, device=device, generator=gen).bfloat16()
+        a = torch.randn(rows, m, device=device, generator=gen).to(dtype)
+        grad = torch.randn(rows, n, device=device, generator=gen).to(dtype)
         row = one_gemm(a, grad, experts, _timer(device))
+        if tiles:
+            row["quantize_tiles"] = _tile_sweep(a, grad, experts, tiles, _timer(device))
         row = {"shape": name, "gemm": f"{which} wgrad", **row}
         print(json.dumps(row), flush=True)
         out.append(row)
@@ -120,15 +135,75 @@ def one_gemm(
     return row
 
 
+def _tile_sweep(
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    experts: int,
+    tiles: Sequence[Tile],
+    timer: Callable[[Callable[[], Any]], float],
+) -> dict[str, dict[str, Any]]:
+    """Both operands' Triton quantize_transposed at each tile: µs, and outputs equal to the
+    ranked kernel's."""
+    counts = torch.full((experts,), a.shape[0] // experts, dtype=torch.int64)
+    want = [ops.quantize_transposed(v, counts, "fp8_rowwise") for v in (a, grad)]
+    module = scaled_module
+    saved = (module.TRANSPOSED_TILE, module.TRANSPOSED_WARPS, module.TRANSPOSED_STAGES)
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for rows, columns, warps, stages in tiles:
+            module.TRANSPOSED_TILE, module.TRANSPOSED_WARPS = (rows, columns), warps
+            module.TRANSPOSED_STAGES = stages
+            module._TRANSPOSED_PLANS.clear()
+            with use_backend("triton"):
+                got = [ops.quantize_transposed(v, counts, "fp8_rowwise") for v in (a, grad)]
+                us = sum(
+                    timer(lambda v=v: ops.quantize_transposed(v, counts, "fp8_rowwise"))
+                    for v in (a, grad)
+                )
+            equal = all(
+                torch.equal(g.view(torch.uint8), w.view(torch.uint8)) and torch.equal(gs, ws)
+                for (g, gs), (w, ws) in zip(got, want, strict=True)
+            )
+            out[f"{rows}x{columns}x{warps}x{stages}"] = {"us": us, "equals": equal}
+    finally:
+        module.TRANSPOSED_TILE, module.TRANSPOSED_WARPS, module.TRANSPOSED_STAGES = saved
+        module._TRANSPOSED_PLANS.clear()
+    return out
+
+
+def _tiles(value: str) -> list[Tile]:
+    tiles = []
+    for item in value.split(","):
+        parts = [int(p) for p in item.split("x")]
+        if len(parts) != 4:
+            raise argparse.ArgumentTypeError(f"a tile is ROWSxCOLUMNSxWARPSxSTAGES; got {item!r}")
+        tiles.append((parts[0], parts[1], parts[2], parts[3]))
+    return tiles
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="qwen3,dsv3")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, help="tokens per batch (default: each shape's)")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--quantize-tiles", type=_tiles, default=[], metavar="RxCxWxS,...",
+        help="also time the Triton quantize_transposed at these tiles (rows x columns x warps x "
+        "loop stages)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+        help="the operands' dtype (the CPU interpreter's Triton kernels take float16)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    rows = [r for name in args.shapes.split(",") for r in run(name, device, args.tokens)]
+    dtype = getattr(torch, args.dtype)
+    rows = [
+        r
+        for name in args.shapes.split(",")
+        for r in run(name, device, args.tokens, args.quantize_tiles, dtype)
+    ]
     meta = {"torch": torch.__version__, "argv": sys.argv[1:]}
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from triton_interpreter import interpreting
 
 import megablocks_core
 from megablocks_core.formats import FORMAT_NAMES
@@ -311,6 +312,22 @@ def test_fp8_wgrad_reports_ours_in_bf16_and_fp8_with_their_errors(tmp_path, monk
         assert r["bf16_error"] < 1e-2 and 1e-3 < r["fp8_error"] < 0.1
         assert r["quantize_us"] > 0 and r["fp8_total_us"] > r["fp8_us"] > 0
         assert "torch_fp8_us" not in r
+
+
+@pytest.mark.skipif(not interpreting(), reason="the Triton kernels on the CPU: the interpreter")
+def test_fp8_wgrad_times_quantize_tiles_checked_against_the_ranked_kernel(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = _script("fp8_wgrad")
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--shapes", "tiny", "--dtype", "float16"]
+    argv += ["--json", str(path)]
+    with megablocks_core.use_backend("reference"):  # the outputs the tiles must equal
+        assert script.main([*argv, "--quantize-tiles", "16x128x4x1,32x64x2x3"]) == 0
+    for row in json.loads(path.read_text())["rows"]:
+        assert list(row["quantize_tiles"]) == ["16x128x4x1", "32x64x2x3"]
+        assert all(t["equals"] and t["us"] > 0 for t in row["quantize_tiles"].values())
+    with pytest.raises(SystemExit):
+        script.main([*argv, "--quantize-tiles", "16x128x4"])
 
 
 def test_fp8_loss_gap_reports_each_run_against_the_same_seeds_bf16(tmp_path):

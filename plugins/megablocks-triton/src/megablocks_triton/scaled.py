@@ -937,11 +937,12 @@ _SCATTER_PLANS: dict[Any, Callable[..., torch.Tensor]] = {}
 # the weight gradient: quantize_transposed and scaled_gmm_weight_grad
 # --------------------------------------------------------------------------------------------
 
-#: quantize_transposed's (BLOCK_R, BLOCK_C) tile and num_warps: quantize's column pass's. (A
-#: group read once, 16 columns of up to 1024 rows in registers, took 1.2-2.3x the time of
-#: these two passes on an H100; 8 warps for them 1.17x: docs/performance.md.)
-TRANSPOSED_TILE = (64, 128)
-TRANSPOSED_WARPS = 4
+#: quantize_transposed's (BLOCK_R, BLOCK_C) tile, num_warps and its loops' stages: the fastest
+#: of a sweep on an H100 (docs/performance.md). Groups held whole in registers, read once, were
+#: 1.2-20x slower (they spill).
+TRANSPOSED_TILE = (64, 32)
+TRANSPOSED_WARPS = 2
+TRANSPOSED_STAGES = 3
 #: The Triton weight gradient's tile (M, N, K: 128 rows a product, the promotion's depth),
 #: warps and stages.
 WGRAD_TILE = (128, 128, 128)
@@ -995,7 +996,7 @@ def _transposed_plan(
         ((experts + 1) * c_tiles,),  # and the rows past every group
         rows, columns, experts, c_tiles, *x.stride(),
         BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_E=_check_experts(experts),
-        num_warps=TRANSPOSED_WARPS, **encode,
+        STAGES=TRANSPOSED_STAGES, num_warps=TRANSPOSED_WARPS, **encode,
     )  # fmt: skip
 
     def run(x: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -486,7 +486,7 @@ def _quantize_transposed_kernel(
     R, C, E, c_tiles, stride_xr, stride_xc,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
     MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
-    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr,
+    POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """x (R, C), any strides, grouped by expert along R -> data (C, R) contiguous (uint8 codes)
     and scale (E, C): one scale per column of each group, two passes over the group's rows (the
@@ -509,7 +509,7 @@ def _quantize_transposed_kernel(
             tl.store(d_cols + r_at[None, :], zeros, mask=mask)
     else:
         peak = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
-        for r in range(0, size, BLOCK_R):
+        for r in tl.range(0, size, BLOCK_R, num_stages=STAGES):
             r_at = start + r + steps
             mask = (r + steps < size)[:, None] & c_ok[None, :]
             values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
@@ -517,7 +517,7 @@ def _quantize_transposed_kernel(
         amax, bad = _peak_amax(peak, 0)
         scale = _block_scale(amax, bad, MAX, POW2)
         tl.store(scale_ptr + e.to(tl.int64) * C + cols, scale, mask=c_ok)
-        for r in range(0, size, BLOCK_R):
+        for r in tl.range(0, size, BLOCK_R, num_stages=STAGES):
             r_at = start + r + steps
             mask = (r + steps < size)[:, None] & c_ok[None, :]
             values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
