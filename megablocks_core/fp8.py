@@ -159,8 +159,8 @@ class _ScaledCall:
             return getattr(torch.ops.megablocks, name)(*args)
         return call(name, *args)
 
-    #: The backward rules' call for a sum the recipe leaves unquantized (a bias's gradient:
-    #: ``weight_grad="fp8"`` is for the weights' GEMMs only).
+    #: The backward rules' call for the bias terms, which the recipe leaves unquantized (a bias's
+    #: own gradient, and its share of the routing weights'): the recipe is for the weights' GEMMs.
     unquantized = op
 
     def __call__(self, op: str, *args: Any) -> Any:

@@ -467,6 +467,27 @@ def test_backward_input_runs_its_gemms_unquantized(monkeypatch, reference_backen
     assert seen.count("scaled_gather_gmm") == 2 and seen.count("scaled_gmm_scatter") == 2
 
 
+def test_the_bias_share_of_the_weights_gradient_stays_unquantized(reference_backend):
+    """gmm_scatter's bias adds <grad[t], bias[e]> to each routing weight's gradient. In an FP8
+    backward that grouped GEMV is not one of the recipe's GEMMs: it matches a float64 loop."""
+    x, w1, w2, weights, indices, bin_ids, bins, top_k = _layer_case(3)
+    bias = torch.randn(w2.shape[0], w2.shape[2], generator=torch.Generator().manual_seed(4)) * 3
+    h = fp8.gather_gmm(x, w1, indices, bin_ids, bins, top_k).detach()
+    grad = torch.randn(x.shape[0], w2.shape[2], generator=torch.Generator().manual_seed(5))
+
+    def weights_grad(b: torch.Tensor | None) -> torch.Tensor:
+        out = fp8.gmm_scatter(
+            h, w2, indices, bin_ids, weights, bins, top_k, False, "swiglu", bias=b
+        )
+        return torch.autograd.grad(out, weights, grad)[0]
+
+    share = (weights_grad(bias) - weights_grad(None)).double()
+    want = torch.zeros_like(share)
+    for row, flat in enumerate(indices.tolist()):
+        want[flat] = grad[flat // top_k].double() @ bias[int(bin_ids[row])].double()
+    torch.testing.assert_close(share, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weight_cache_follows_the_weight_version(fmt, monkeypatch, reference_backend):
     x, w1, w2, weights, *routing = _layer_case(2)

@@ -197,8 +197,11 @@ def _with_bias_dots(
     """``dots[i] + <grad[t], bias[e]>`` for each sorted row i of token t and expert e: the
     bias's share of its weight's gradient, one grouped GEMV of the token rows by bias[e] (a
     gather_gmm with bias as (experts, n, 1) matrices; rows of no expert get 0), summed in
-    float32 and rounded once."""
-    bias_dots = call("gather_gmm", grad, bias.unsqueeze(-1), *routing, bins, top_k, False, first)
+    float32 and rounded once. An FP8 recipe's call runs it unquantized, as the bias's own sums."""
+    bias_gemv = getattr(call, "unquantized", call)
+    bias_dots = bias_gemv(
+        "gather_gmm", grad, bias.unsqueeze(-1), *routing, bins, top_k, False, first
+    )
     wide = torch.promote_types(dots.dtype, torch.float32)
     return (dots.to(wide) + bias_dots[:, 0].to(wide)).to(dots.dtype)
 
