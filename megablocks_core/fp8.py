@@ -59,7 +59,8 @@ class Recipe:
     default) runs the weight gradients in the inputs' dtype, ``"fp8"`` on operands quantized
     with one scale per expert and column (``quantize_transposed``, then
     ``scaled_gmm_weight_grad``): formats that define those operands only (``fp8_rowwise``).
-    ``cache_weights``: keep each weight's quantized copy while the weight tensor is unchanged
+    Bias terms (a bias's gradient, its share of the routing weights') stay unquantized under
+    either switch. ``cache_weights``: keep each weight's quantized copy while the weight tensor is unchanged
     (its version counter), across the forward, the backward and further micro-batches, for one
     byte a weight element per layout kept (two: the forward's and the backward's); a training
     forward quantizes a changed weight into both layouts in one call
