@@ -488,6 +488,43 @@ def test_the_bias_share_of_the_weights_gradient_stays_unquantized(reference_back
     torch.testing.assert_close(share, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+_SWITCHES = [("fp8", "input"), ("input", "input"), ("fp8", "fp8")]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("backward, weight_grad", _SWITCHES)
+def test_bias_gradients_under_every_fp8_recipe_match_a_float64_loop(
+    fmt, backward, weight_grad, reference_backend
+):
+    """Whatever the recipe quantizes, each bias's gradient is an exact sum of its expert's rows of
+    the output's gradient (weighted per row for gmm_scatter): a float64 loop, to float32's
+    rounding."""
+    if weight_grad == "fp8" and not formats.FORMATS[fmt].grouped_columns:
+        pytest.skip("this format has no FP8 weight gradient")
+    recipe = fp8.Recipe(fmt, backward=backward, weight_grad=weight_grad)
+    x, w1, w2, weights, indices, bin_ids, bins, top_k = _layer_case(6)
+    gen = torch.Generator().manual_seed(7)
+    b1 = torch.randn(w1.shape[0], w1.shape[2], generator=gen, requires_grad=True)
+    b2 = torch.randn(w2.shape[0], w2.shape[2], generator=gen, requires_grad=True)
+    h = fp8.gather_gmm(x, w1, indices, bin_ids, bins, top_k, bias=b1, recipe=recipe)
+    h_grad = torch.randn(h.shape, generator=gen)
+    (got1,) = torch.autograd.grad(h, b1, h_grad)
+    out = fp8.gmm_scatter(
+        h.detach(), w2, indices, bin_ids, weights, bins, top_k, False, "swiglu", bias=b2,
+        recipe=recipe,
+    )  # fmt: skip
+    out_grad = torch.randn(out.shape, generator=gen)
+    (got2,) = torch.autograd.grad(out, b2, out_grad)
+    want1 = torch.zeros(b1.shape, dtype=torch.float64)
+    want2 = torch.zeros(b2.shape, dtype=torch.float64)
+    for row, flat in enumerate(indices.tolist()):
+        e = int(bin_ids[row])
+        want1[e] += h_grad[row].double()
+        want2[e] += float(weights[flat]) * out_grad[flat // top_k].double()
+    for got, want in ((got1, want1), (got2, want2)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weight_cache_follows_the_weight_version(fmt, monkeypatch, reference_backend):
     x, w1, w2, weights, *routing = _layer_case(2)
