@@ -60,10 +60,10 @@ class Recipe:
     with one scale per expert and column (``quantize_transposed``, then
     ``scaled_gmm_weight_grad``): formats that define those operands only (``fp8_rowwise``).
     Bias terms (a bias's gradient, its share of the routing weights') stay unquantized under
-    either switch. ``cache_weights``: keep each weight's quantized copy while the weight tensor is unchanged
-    (its version counter), across the forward, the backward and further micro-batches, for one
-    byte a weight element per layout kept (two: the forward's and the backward's); a training
-    forward quantizes a changed weight into both layouts in one call
+    either switch. ``cache_weights``: keep each weight's quantized copy while the weight tensor
+    is unchanged (its version counter), across the forward, the backward and further
+    micro-batches, for one byte a weight element per layout kept (two: the forward's and the
+    backward's); a training forward quantizes a changed weight into both layouts in one call
     (``quantize_both_ways``: one read of it in the blockwise format). Off by default: an update
     the version counter does not see (through ``.data``) would go unnoticed. Under
     ``torch.compile`` the cache is neither read nor filled: a compiled step quantizes the weights

@@ -47,6 +47,22 @@ triton_interpreter.apply_shims()
 
 
 @pytest.fixture
+def fp8_calls(monkeypatch) -> list[str]:
+    """The names of the ops megablocks_core.fp8 calls, in order, from here on."""
+    from megablocks_core import fp8
+
+    names: list[str] = []
+    real = fp8.call
+
+    def recording(op, *args):
+        names.append(op)
+        return real(op, *args)
+
+    monkeypatch.setattr(fp8, "call", recording)
+    return names
+
+
+@pytest.fixture
 def reference_backend():
     """Run the test on the reference backend, whatever else is installed (the oracle's own tests)."""
     with megablocks_core.use_backend("reference"):

@@ -445,26 +445,18 @@ def test_fp8_mlp_tracks_the_full_precision_one(fmt, backward, reference_backend)
         assert rel(g, w) < 0.12
 
 
-def test_backward_input_runs_its_gemms_unquantized(monkeypatch, reference_backend):
+def test_backward_input_runs_its_gemms_unquantized(fp8_calls, reference_backend):
     x, w1, w2, weights, *routing = _layer_case(1)
-    seen: list[str] = []
-    real = fp8.call
-
-    def spy(op, *args):
-        seen.append(op)
-        return real(op, *args)
-
-    monkeypatch.setattr(fp8, "call", spy)
     out = _mlp(fp8, x, w1, w2, weights, *routing, recipe=fp8.Recipe(backward="input"))
-    forward = list(seen)
+    forward = list(fp8_calls)
     out.sum().backward()
-    backward = seen[len(forward) :]
+    backward = fp8_calls[len(forward) :]
     assert "scaled_gather_gmm" in forward and "scaled_gmm_scatter" in forward
     assert not any(op.startswith("scaled_") or op == "quantize" for op in backward), backward
-    seen.clear()
+    fp8_calls.clear()
     out = _mlp(fp8, x, w1, w2, weights, *routing, recipe=fp8.Recipe())
     out.sum().backward()
-    assert seen.count("scaled_gather_gmm") == 2 and seen.count("scaled_gmm_scatter") == 2
+    assert fp8_calls.count("scaled_gather_gmm") == 2 and fp8_calls.count("scaled_gmm_scatter") == 2
 
 
 def test_the_bias_share_of_the_weights_gradient_stays_unquantized(reference_backend):

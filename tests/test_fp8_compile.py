@@ -108,18 +108,22 @@ def _eager_mlp(leaves: dict[str, torch.Tensor], routing: tuple, **kw: Any) -> to
     return _mlp(fp8, leaves, routing, **kw)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise"])
-@pytest.mark.parametrize("backward", ["fp8", "input"])
-def test_the_fp8_functions_compile_in_one_graph_and_match_eager(fmt: str, backward: str) -> None:
+def _compiled_step_matching_eager(recipe: fp8.Recipe) -> tuple[list, list[set[str]]]:
+    """The MLP step compiled in one graph, asserted equal to eager's: its outputs and gradients,
+    and the op names of its forward and backward graphs."""
     torch._dynamo.reset()
-    recipe = fp8.Recipe(fmt, backward=backward)  # type: ignore[arg-type]
     case = _mlp_case()
     graphs: list[set[str]] = []
     compiled = torch.compile(_eager_mlp, fullgraph=True, backend=_recording_backend(graphs))
     got = _mlp_step(compiled, case, recipe=recipe)
-    want = _mlp_step(_eager_mlp, case, recipe=recipe)
-    _assert_matches_eager(got, want)
+    _assert_matches_eager(got, _mlp_step(_eager_mlp, case, recipe=recipe))
+    return got, graphs
 
+
+@pytest.mark.parametrize("fmt", ["fp8_rowwise", "fp8_blockwise"])
+@pytest.mark.parametrize("backward", ["fp8", "input"])
+def test_the_fp8_functions_compile_in_one_graph_and_match_eager(fmt: str, backward: str) -> None:
+    got, graphs = _compiled_step_matching_eager(fp8.Recipe(fmt, backward=backward))  # type: ignore[arg-type]
     forward_ops, backward_ops = graphs
     assert {f"megablocks.fp8_{name}.default" for name in fp8._GEMMS} <= forward_ops
     scaled = {op for op in backward_ops if "scaled_" in op or "quantize" in op}
@@ -133,21 +137,14 @@ def test_the_fp8_functions_compile_in_one_graph_and_match_eager(fmt: str, backwa
     else:
         assert not scaled
     # Quantized indeed: an FP8 GEMM is off the full-precision one by ~3e-2 of its norm.
-    full = _mlp_step(lambda leaves, routing: _mlp(ops, leaves, routing), case)[0]
+    full = _mlp_step(lambda leaves, routing: _mlp(ops, leaves, routing), _mlp_case())[0]
     assert float((got[0] - full).norm() / full.norm()) > 1e-3
 
 
 def test_fp8_weight_gradients_compile_and_match_eager() -> None:
     """Recipe(weight_grad="fp8") through the compiled ops: the recipe reaches the traced
     backward, whose weight gradients run on the scaled ops, as eager's do."""
-    torch._dynamo.reset()
-    recipe = fp8.Recipe("fp8_rowwise", weight_grad="fp8")
-    case = _mlp_case()
-    graphs: list[set[str]] = []
-    compiled = torch.compile(_eager_mlp, fullgraph=True, backend=_recording_backend(graphs))
-    got = _mlp_step(compiled, case, recipe=recipe)
-    want = _mlp_step(_eager_mlp, case, recipe=recipe)
-    _assert_matches_eager(got, want)
+    _, graphs = _compiled_step_matching_eager(fp8.Recipe("fp8_rowwise", weight_grad="fp8"))
     backward_ops = graphs[1]
     assert {
         "megablocks.quantize_transposed.default",

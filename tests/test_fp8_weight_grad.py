@@ -282,36 +282,25 @@ def test_fp8_weight_gradients_add_into_a_fused_accumulation(reference_backend):
         torch.testing.assert_close(got, want + 1, rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture
-def calls(monkeypatch) -> list[str]:
-    """The names of the ops the FP8 functions call, in order."""
-    names: list[str] = []
-    real = fp8.call
-
-    def recording(op, *args):
-        names.append(op)
-        return real(op, *args)
-
-    monkeypatch.setattr(fp8, "call", recording)
-    return names
-
-
-def test_fp8_weight_gradients_run_the_scaled_ops(calls, reference_backend):
+def test_fp8_weight_gradients_run_the_scaled_ops(fp8_calls, reference_backend):
     _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"))
-    assert calls.count("scaled_gmm_weight_grad") == 2  # w1's and w2's
-    assert calls.count("quantize_transposed") == 4
-    assert "gmm_weight_grad" not in calls
-    calls.clear()
+    assert fp8_calls.count("scaled_gmm_weight_grad") == 2  # w1's and w2's
+    assert fp8_calls.count("quantize_transposed") == 4
+    assert "gmm_weight_grad" not in fp8_calls
+    fp8_calls.clear()
     _grads(fp8.Recipe(ROWWISE))
-    assert "scaled_gmm_weight_grad" not in calls and calls.count("gmm_weight_grad") == 2
+    assert "scaled_gmm_weight_grad" not in fp8_calls and fp8_calls.count("gmm_weight_grad") == 2
 
 
-def test_fp8_weight_gradients_leave_the_bias_gradients_unquantized(calls, reference_backend):
+def test_fp8_weight_gradients_leave_the_bias_gradients_unquantized(fp8_calls, reference_backend):
     """A bias's gradient is each expert's column sums of the output's gradient: the same bits
     with weight_grad="fp8" as without, not a sum over quantized rows."""
     fp8_wgrad = _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"), bias=True)
-    assert calls.count("scaled_gmm_weight_grad") == 2 and calls.count("quantize_transposed") == 4
-    assert calls.count("gmm_weight_grad") == 2  # the two biases' sums
+    assert (
+        fp8_calls.count("scaled_gmm_weight_grad") == 2
+        and fp8_calls.count("quantize_transposed") == 4
+    )
+    assert fp8_calls.count("gmm_weight_grad") == 2  # the two biases' sums
     bf16_wgrad = _grads(fp8.Recipe(ROWWISE), bias=True)
     for got, want in zip(fp8_wgrad[4:], bf16_wgrad[4:], strict=True):
         assert torch.equal(got, want)
