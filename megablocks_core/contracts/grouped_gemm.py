@@ -60,21 +60,30 @@ BATCH_SIZES = TensorArg(
     "rows of a per expert; on the CPU (MegaBlocks' convention) or on a's device",
     any_device=True,
 )
-# Checked always when batch_sizes is on the CPU (no device sync), otherwise only in checked mode.
-# Each size is bounded first, so that the sum below cannot wrap around (int64 sizes
-# [2**63 - 1, 2**63 - 1, 6] must not pass for 4 rows).
-GROUPS_WITHIN_A = Rule(
-    "sizes_within(batch_sizes, a.shape[0])",
-    "group sizes are not negative and none exceeds the rows of a",
-    checked="batch_sizes",
-)
-# The groups may end before a's last row: the rows past them belong to no group (expert
-# parallelism's rows of other ranks' experts, seen through the fused ops' backward).
-GROUPS_FIT_A = Rule(
-    "total(batch_sizes, a.shape[0]) <= a.shape[0]",
-    "the groups fit in the rows of a",
-    checked="batch_sizes",
-)
+
+
+def groups_within(rows: str, rows_doc: str) -> tuple[Rule, Rule]:
+    """batch_sizes' two rules against ``rows`` (an expression; ``rows_doc`` names it). Checked
+    always when batch_sizes is on the CPU (no device sync), otherwise only in checked mode. Each
+    size is bounded first, so that the sum cannot wrap around (int64 sizes [2**63 - 1,
+    2**63 - 1, 6] must not pass for 4 rows). The groups may end before the last row: the rows
+    past them belong to no group (expert parallelism's rows of other ranks' experts, seen
+    through the fused ops' backward)."""
+    return (
+        Rule(
+            f"sizes_within(batch_sizes, {rows})",
+            f"group sizes are not negative and none exceeds {rows_doc}",
+            checked="batch_sizes",
+        ),
+        Rule(
+            f"total(batch_sizes, {rows}) <= {rows}",
+            f"the groups fit in {rows_doc}",
+            checked="batch_sizes",
+        ),
+    )
+
+
+GROUPS_WITHIN_A, GROUPS_FIT_A = groups_within("a.shape[0]", "the rows of a")
 ROWS_PAST_GROUPS = (
     "batch_sizes may sum to less than the rows of a, and the rows past the last group belong to "
     "no group"

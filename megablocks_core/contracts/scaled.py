@@ -56,6 +56,7 @@ from .grouped_gemm import (
     ROWS_PAST_GROUPS,
     ROWS_SHORT,
     TRANS_B,
+    groups_within,
 )
 
 FORMATS_DOC = "; ".join(f"'{f.name}': {f.doc}" for f in FORMATS.values())
@@ -212,21 +213,10 @@ GROUPED_COLUMNS = Rule(
     "the format defines weight-gradient operands (fp8_rowwise; fp8_blockwise's would need "
     "groups aligned to its 128-row blocks)",
 )
-
-
-def _groups_within(rows: str) -> tuple[Rule, ...]:
-    return (
-        Rule(
-            f"sizes_within(batch_sizes, {rows})",
-            "group sizes are not negative and none exceeds the rows",
-            checked="batch_sizes",
-        ),
-        Rule(
-            f"total(batch_sizes, {rows}) <= {rows}",
-            "the groups fit in the rows",
-            checked="batch_sizes",
-        ),
-    )
+GROUPED_COLUMNS_BAD_SIZES = (
+    UNCHECKED + "device-side batch_sizes that are negative or sum past the rows: a negative "
+    "size counts as 0 and groups are cut at the last row"
+)
 
 
 QUANTIZE_TRANSPOSED = OpContract(
@@ -248,7 +238,7 @@ QUANTIZE_TRANSPOSED = OpContract(
         FORMAT,
         ENCODING,
     ),
-    rules=(FORMAT_GIVEN, GROUPED_COLUMNS, *_groups_within("x.shape[0]")),
+    rules=(FORMAT_GIVEN, GROUPED_COLUMNS, *groups_within("x.shape[0]", "the rows of x")),
     outputs=(
         Output(
             "data",
@@ -274,8 +264,7 @@ QUANTIZE_TRANSPOSED = OpContract(
         "an empty expert's scales are 2**-126 (amax 0); rows = 0 or c = 0: empty data",
         "a NaN or an infinity in column j of expert e's rows: scale[e, j] NaN and that column's "
         "data NaN over those rows",
-        UNCHECKED + "device-side batch_sizes that are negative or sum past the rows: a negative "
-        "size counts as 0 and groups are cut at the last row",
+        GROUPED_COLUMNS_BAD_SIZES,
     ),
 )
 
@@ -551,7 +540,7 @@ SCALED_GMM_WEIGHT_GRAD = OpContract(
             "grad.shape[0])",
             "grad_scale has one scale per expert and row of grad",
         ),
-        *_groups_within("a.shape[1]"),
+        *groups_within("a.shape[1]", "the rows (a's columns)"),
     ),
     outputs=(Output("out", OUT, ("batch_sizes.shape[0]", "a.shape[0]", "grad.shape[0]")),),
     semantics=(
@@ -565,8 +554,7 @@ SCALED_GMM_WEIGHT_GRAD = OpContract(
     ),
     edge_cases=(
         "an empty expert gets exactly 0 (whatever its scales)",
-        UNCHECKED + "device-side batch_sizes that are negative or sum past the rows: a negative "
-        "size counts as 0 and groups are cut at the last row",
+        GROUPED_COLUMNS_BAD_SIZES,
     ),
 )
 
