@@ -72,6 +72,16 @@ def _scaled_samples(a, b, x, indices, bin_ids, w, bins, counts):
         "quantize": (b.transpose(1, 2), 2, fmt, None),
         "quantize_both_ways": (b, "fp8_rowwise", None),
         "quantize_transposed": (a, counts.long(), "fp8_rowwise", None),
+        "gather_quantize_transposed": (
+            x.detach(),
+            indices,
+            w.detach(),
+            2,
+            counts.long(),
+            None,
+            "fp8_rowwise",
+            None,
+        ),
         "scaled_gmm_weight_grad": (
             *ops.quantize_transposed(a, counts.long(), "fp8_rowwise"),
             *ops.quantize_transposed(torch.randn(a.shape[0], 5), counts.long(), "fp8_rowwise"),

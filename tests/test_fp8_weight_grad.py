@@ -29,6 +29,7 @@ from test_fp8 import (
 
 import megablocks_core.ops as ops
 from megablocks_core import formats, fp8, fuse_grad_accumulation, use_backend
+from megablocks_core.calls import call
 from megablocks_core.validation import ContractError
 
 ROWWISE = "fp8_rowwise"
@@ -92,6 +93,76 @@ def test_quantize_transposed_is_the_definition(
             )
         want_data, want_scale = formats.quantize_transposed(x, sizes, enc, False)
         assert data.is_contiguous()
+        assert torch.equal(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+        torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
+
+
+def _gathered_rows_loop(x, indices, weights, top_k, rows):
+    """gather's sorted rows by a loop: x[id // top_k] (weighted in float32, rounded to x's
+    dtype) for ids in [0, len(indices)), a zero row for any other id."""
+    n = indices.shape[0] if rows is None else rows
+    out = torch.zeros(n, x.shape[1], dtype=x.dtype)
+    for i in range(n):
+        flat = int(indices[i])
+        if 0 <= flat < indices.shape[0]:
+            row = x[flat // top_k]
+            if weights is not None:
+                row = (row.float() * weights[flat].float()).to(x.dtype)
+            out[i] = row
+    return out
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    backend=st.sampled_from(["reference", "triton"] if _TRITON_RUNNABLE else ["reference"]),
+    tokens=st.integers(0, 40),
+    top_k=st.integers(1, 4),
+    experts=st.integers(1, 5),
+    cols=st.integers(1, 70),
+    weighted=st.booleans(),
+    first_rows=st.booleans(),
+    bad_ids=st.integers(0, 3),
+    index_dtype=st.sampled_from([torch.int16, torch.int32, torch.int64]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    stored_transposed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gather_quantize_transposed_is_quantize_transposed_of_the_gathered_rows(
+    backend, tokens, top_k, experts, cols, weighted, first_rows, bad_ids, index_dtype, dtype,
+    stored_transposed, seed,
+):  # fmt: skip
+    """Bit for bit the definition of the rows a loop gathers: weighted or not, the first rows
+    only, ids out of range or repeated (unchecked bad data: zero rows), empty experts, groups
+    that end before the last row, any index dtype and either storage order of x."""
+    gen = torch.Generator().manual_seed(seed)
+    n = tokens * top_k
+    x = _gaussian_with_non_finite((tokens, cols), 0, seed).to(dtype)
+    indices = torch.randperm(n, generator=gen)
+    for _ in range(bad_ids if n else 0):  # out of range either way, or a duplicate id
+        slot = int(torch.randint(n, (1,), generator=gen))
+        indices[slot] = (-3, n, int(indices[0]))[slot % 3]
+    indices = indices.to(index_dtype)
+    weights = torch.rand(n, generator=gen) if weighted else None
+    rows = int(torch.randint(n + 1, (1,), generator=gen)) if first_rows else None
+    count = n if rows is None else rows
+    cuts = torch.randint(count + 1, (experts - 1,), generator=gen).sort().values.tolist()
+    ends = [*cuts, int(torch.randint(max(cuts, default=0), count + 1, (1,), generator=gen))]
+    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    gathered = _gathered_rows_loop(x, indices, weights, top_k, rows)
+    stored = x.t().contiguous().t() if stored_transposed else x
+    device = _device(backend)
+
+    def on(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    for enc in _encodings(backend):
+        want_data, want_scale = formats.quantize_transposed(gathered, sizes, enc, False)
+        with use_backend(backend):
+            data, scale = call(
+                "gather_quantize_transposed", on(stored), on(indices), on(weights), top_k,
+                torch.tensor(sizes), rows, ROWWISE, enc.name,
+            )  # fmt: skip
+        assert data.shape == (cols, count) and data.is_contiguous()
         assert torch.equal(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
         torch.testing.assert_close(scale.cpu(), want_scale, rtol=0, atol=0, equal_nan=True)
 

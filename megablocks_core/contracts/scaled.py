@@ -31,9 +31,13 @@ from .common import (
     FIRST_ROWS,
     GATHER_BAD_INDICES,
     GATHER_ROWS,
+    GATHER_WEIGHTS,
     INDICES,
+    INDICES_FIT,
+    IS_PERMUTATION,
     PAST_BINS,
     ROWS_COVER_BINS,
+    ROWS_OUT,
     ROWS_OUT_DIM,
     ROWS_WITHIN,
     SCATTER_BAD_INDICES,
@@ -41,6 +45,8 @@ from .common import (
     UNCHECKED,
     UNROUTED_PERMUTATION_RULES,
     WEIGHTS,
+    WEIGHTS_LENGTH,
+    WHOLE_TOKENS,
 )
 from .grouped_gemm import (
     BATCH_SIZES,
@@ -219,6 +225,14 @@ GROUPED_COLUMNS_BAD_SIZES = (
 )
 
 
+#: The weight gradient's operands' scales: one per column of each expert's rows.
+GROUPED_COLUMN_SCALE = Output(
+    "scale",
+    "torch.float32",
+    "grouped_column_scale_shape(format, batch_sizes.shape[0], x.shape[1])",
+    "(experts, c): scale[e, j] serves column j of expert e's rows",
+)
+
 QUANTIZE_TRANSPOSED = OpContract(
     name="quantize_transposed",
     family="quantization",
@@ -247,12 +261,7 @@ QUANTIZE_TRANSPOSED = OpContract(
             "x transposed, (c, rows), rows contiguous: the layout NVIDIA Hopper's FP8 matrix "
             "instructions read for a sum over rows",
         ),
-        Output(
-            "scale",
-            "torch.float32",
-            "grouped_column_scale_shape(format, batch_sizes.shape[0], x.shape[1])",
-            "(experts, c): scale[e, j] serves column j of expert e's rows",
-        ),
+        GROUPED_COLUMN_SCALE,
     ),
     semantics=(
         "Expert e's rows x[rows of e] (the groups in order from row 0) are quantized as quantize "
@@ -264,6 +273,62 @@ QUANTIZE_TRANSPOSED = OpContract(
         "an empty expert's scales are 2**-126 (amax 0); rows = 0 or c = 0: empty data",
         "a NaN or an infinity in column j of expert e's rows: scale[e, j] NaN and that column's "
         "data NaN over those rows",
+        GROUPED_COLUMNS_BAD_SIZES,
+    ),
+)
+
+GATHERED_ROWS = f"({ROWS_OUT_DIM})"
+
+GATHER_QUANTIZE_TRANSPOSED = OpContract(
+    name="gather_quantize_transposed",
+    family="quantization",
+    public=False,
+    summary=(
+        "quantize_transposed of gather's expert-sorted rows, read from the token rows (the "
+        "gathered rows are never written)."
+    ),
+    args=(
+        TensorArg("x", FLOAT_DTYPES, (2,), "token rows, (tokens, c), any strides"),
+        INDICES,
+        GATHER_WEIGHTS,
+        TOP_K,
+        GROUP_SIZES,
+        ROWS_OUT,
+        FORMAT,
+        ENCODING,
+    ),
+    rules=(
+        FORMAT_GIVEN,
+        GROUPED_COLUMNS,
+        GATHER_ROWS,
+        WHOLE_TOKENS,
+        WEIGHTS_LENGTH,
+        INDICES_FIT,
+        IS_PERMUTATION,
+        ROWS_WITHIN,
+        *groups_within(GATHERED_ROWS, "the gathered rows"),
+    ),
+    outputs=(
+        Output(
+            "data",
+            "encoding_of(encoding, x.device).dtype",
+            f"(x.shape[1], {GATHERED_ROWS})",
+            "the gathered rows transposed, (c, rows), rows contiguous (quantize_transposed's data)",
+        ),
+        GROUPED_COLUMN_SCALE,
+    ),
+    semantics=(
+        "Bit for bit quantize_transposed(gather(x, indices, bin_ids, weights, bins, top_k, "
+        "rows), batch_sizes, format, encoding): sorted row i is x[indices[i] // top_k], times "
+        "weights[indices[i]] in float32 rounded to x's dtype, for i < rows (all sorted rows "
+        "without rows), grouped by batch_sizes from row 0. The weight gradient of gather_gmm "
+        "(and of gmm_scatter, with the top-k weights) reads its row operand this way."
+    ),
+    edge_cases=(
+        "an empty expert's scales are 2**-126 (amax 0); no rows or c = 0: empty data",
+        "a NaN or an infinity in column j of expert e's gathered rows: scale[e, j] NaN and that "
+        "column's data NaN over those rows",
+        GATHER_BAD_INDICES,
         GROUPED_COLUMNS_BAD_SIZES,
     ),
 )
@@ -562,6 +627,7 @@ SCALED_OPS = (
     QUANTIZE,
     QUANTIZE_BOTH_WAYS,
     QUANTIZE_TRANSPOSED,
+    GATHER_QUANTIZE_TRANSPOSED,
     SCALED_GMM,
     SCALED_GATHER_GMM,
     SCALED_GMM_SCATTER,

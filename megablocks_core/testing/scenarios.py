@@ -339,6 +339,18 @@ SAMPLES: dict[str, Callable[[Routing], tuple[Any, ...]]] = {
         ROWWISE,
         None,
     ),
+    # gather_gmm's rows (x), or gmm_scatter's weighted output-gradient rows (grad and the
+    # weights of a weighted scenario), read through the indices.
+    "gather_quantize_transposed": lambda r: (
+        r.x if r.scenario.seed % 2 == 0 else r.grad,
+        r.indices,
+        r.weights,
+        r.scenario.top_k,
+        r.batch_sizes,
+        r.row_count,
+        ROWWISE,
+        None,
+    ),
     "scaled_gmm_weight_grad": lambda r: (
         *_transposed(r, r.rows),
         *_transposed(r, r.gmm_grad),

@@ -60,7 +60,12 @@ OPS: dict[str, tuple[str, ...]] = {
         "scaled_gmm_weight_grad",
     ),
     "activation": ("glu", "glu_backward", "activation_backward"),
-    "quantization": ("quantize", "quantize_both_ways", "quantize_transposed"),
+    "quantization": (
+        "quantize",
+        "quantize_both_ways",
+        "quantize_transposed",
+        "gather_quantize_transposed",
+    ),
 }
 
 #: The low-precision ops (their module: scaled.py), in every format the core defines.
@@ -69,6 +74,7 @@ SCALED_OPS = frozenset(
         "quantize",
         "quantize_both_ways",
         "quantize_transposed",
+        "gather_quantize_transposed",
         "scaled_gmm",
         "scaled_gather_gmm",
         "scaled_gmm_scatter",

@@ -43,6 +43,21 @@ def quantize_transposed(
     return quantize_transposed_definition(x, sizes, code, SCALED_FORMATS[format].power_of_two)
 
 
+def gather_quantize_transposed(
+    x: Tensor,
+    indices: Tensor,
+    weights: Tensor | None,
+    top_k: int,
+    batch_sizes: Tensor,
+    rows: int | None,
+    format: str,
+    encoding: str | None,
+) -> tuple[Tensor, Tensor]:
+    return quantize_transposed(
+        _gather_rows(x, indices, weights, top_k, rows), batch_sizes, format, encoding
+    )
+
+
 def scaled_gmm_weight_grad(
     a: Tensor,
     a_scale: Tensor,

@@ -67,7 +67,12 @@ MOE_PERMUTATION = PERMUTATION[-6:]
 GROUPED_GEMM = ("gmm", "gmm_weight_grad", "gmm_weight_grad_accumulate", "gather_gmm", "gmm_scatter")
 #: The grouped GEMMs of quantized operands, and quantization (module scaled.py).
 SCALED_GEMM = ("scaled_gmm", "scaled_gather_gmm", "scaled_gmm_scatter", "scaled_gmm_weight_grad")
-QUANTIZATION = ("quantize", "quantize_both_ways", "quantize_transposed")
+QUANTIZATION = (
+    "quantize",
+    "quantize_both_ways",
+    "quantize_transposed",
+    "gather_quantize_transposed",
+)
 ACTIVATION = ("glu", "glu_backward", "activation_backward")
 
 _INTS = frozenset({torch.int16, torch.int32, torch.int64})
@@ -417,6 +422,11 @@ def _scaled_kernels(ops: tuple[str, ...]) -> list[_Declared]:
         "quantize": {"x": _computed(_FLOATS)},
         "quantize_both_ways": {"x": _computed(_FLOATS)},
         "quantize_transposed": {"x": _computed(_FLOATS)},
+        "gather_quantize_transposed": {
+            "x": _computed(_FLOATS),
+            "indices": _INTS,
+            "weights": _ANY_FLOAT,
+        },
         "scaled_gmm": {"a": eight, "b": eight},
         "scaled_gather_gmm": {"x": eight, "b": eight},
         "scaled_gmm_scatter": {"x": eight, "b": eight, "weights": _ANY_FLOAT},
@@ -424,7 +434,11 @@ def _scaled_kernels(ops: tuple[str, ...]) -> list[_Declared]:
     }
     # The weight gradient's operands exist only in the formats that define them.
     grouped = tuple(f for f, spec in SCALED_FORMATS.items() if spec.grouped_columns)
-    weight_grad_ops = ("quantize_transposed", "scaled_gmm_weight_grad")
+    weight_grad_ops = (
+        "quantize_transposed",
+        "gather_quantize_transposed",
+        "scaled_gmm_weight_grad",
+    )
 
     def declare(op: str) -> Kernel:
         fn = getattr(scaled, op, None)

@@ -26,7 +26,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -966,17 +966,61 @@ def quantize_transposed(
     )  # fmt: skip
     plan = _TRANSPOSED_PLANS.get(key)
     if plan is None:
-        plan = remember(
-            _TRANSPOSED_PLANS, key, _transposed_plan(x, sizes.shape[0], format, encoding)
-        )
-    return plan(x, sizes)
+        plan = _transposed_plan(x, x.shape[0], sizes.shape[0], format, encoding)
+        remember(_TRANSPOSED_PLANS, key, plan)
+    return plan(x, sizes, x, x)
+
+
+def gather_quantize_transposed(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor | None,
+    top_k: int,
+    batch_sizes: torch.Tensor,
+    rows: int | None,
+    format: str,
+    encoding: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sizes = _device_sizes(batch_sizes, x.device)
+    # The kernel reads the ids and weights at unit stride.
+    indices = indices.contiguous()
+    weights = None if weights is None else weights.contiguous()
+    key = (
+        "gathered", x.shape, x.stride(), x.dtype, x.device, indices.shape, indices.dtype,
+        None if weights is None else weights.dtype, top_k, rows, sizes.shape, sizes.dtype,
+        format, encoding, recorded_device(),
+    )  # fmt: skip
+    plan = _TRANSPOSED_PLANS.get(key)
+    if plan is None:
+        gathered = indices.shape[0] if rows is None else rows
+        through = _Gathered(indices.shape[0], top_k, weights is not None)
+        plan = _transposed_plan(x, gathered, sizes.shape[0], format, encoding, through)
+        remember(_TRANSPOSED_PLANS, key, plan)
+    return plan(x, sizes, indices, x if weights is None else weights)
+
+
+class _Gathered(NamedTuple):
+    """How quantize_transposed's rows are read from token rows: gather's flat ids (ids of
+    [0, ids) name rows), its top_k, whether the rows are weighted."""
+
+    ids: int
+    top_k: int
+    weighted: bool
 
 
 def _transposed_plan(
-    x: torch.Tensor, experts: int, format: str, encoding: str | None
+    x: torch.Tensor,
+    rows: int,
+    experts: int,
+    format: str,
+    encoding: str | None,
+    gathered: _Gathered | None = None,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """quantize_transposed's launch for ``rows`` rows of x's width: x's own rows, or the rows
+    that ``gathered`` reads through the ids. The plan takes (x, sizes, ids, weights), the ids
+    and weights tensors ignored (any tensor) for x's own rows."""
     enc, encode = _encoding_constexprs(format, encoding, device_info(x.device))
-    rows, columns = x.shape
+    columns = x.shape[1]
 
     def outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         data = torch.empty(columns, rows, dtype=enc.dtype, device=x.device)
@@ -984,24 +1028,31 @@ def _transposed_plan(
 
     if columns == 0 or experts == 0:  # no groups: every row is past them, its data 0
 
-        def degenerate(x: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def degenerate(
+            x: torch.Tensor, sizes: torch.Tensor, *_: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             data, scale = outputs(x)
             return data.zero_(), scale
 
         return degenerate
     block_r, block_c = TRANSPOSED_TILE
     c_tiles = cdiv(columns, block_c)
+    through = {} if gathered is None else {
+        "TOP_K": gathered.top_k, "GATHERED": True, "WEIGHTED": gathered.weighted,
+    }  # fmt: skip
     bound = bind(
         _quantize_transposed_kernel,
         ((experts + 1) * c_tiles,),  # and the rows past every group
-        rows, columns, experts, c_tiles, *x.stride(),
+        rows, columns, experts, c_tiles, *x.stride(), 0 if gathered is None else gathered.ids,
         BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_E=_check_experts(experts),
-        STAGES=TRANSPOSED_STAGES, num_warps=TRANSPOSED_WARPS, **encode,
+        STAGES=TRANSPOSED_STAGES, num_warps=TRANSPOSED_WARPS, **encode, **through,
     )  # fmt: skip
 
-    def run(x: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(
+        x: torch.Tensor, sizes: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         data, scale = outputs(x)
-        bound(x, data.view(torch.uint8), scale, sizes)
+        bound(x, data.view(torch.uint8), scale, sizes, ids, weights)
         return data, scale
 
     return run
@@ -1154,6 +1205,13 @@ def compile_calls(shape: Any, device: DeviceInfo) -> Any:
                 yield (
                     "quantize_transposed",
                     functools.partial(quantize_transposed, operand, counts, format, None),
+                )
+            for scale in (None, weights):  # gather_gmm's rows; gmm_scatter's output gradient
+                yield (
+                    "gather_quantize_transposed",
+                    functools.partial(
+                        gather_quantize_transposed, x, ids, scale, k, counts, None, format, None
+                    ),
                 )
             for m, n in ((h, 2 * f), (f, h)):
                 a8, a_scale = _meta(m, rows, dtype=enc.dtype), _meta(e, m, dtype=torch.float32)

@@ -481,17 +481,43 @@ def _group_extent(sizes_ptr, e, E, R, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _operand_rows(
+    x_cols, idx_ptr, w_ptr, r_at, row_ok, c_ok, stride_xr, n_ids,
+    TOP_K: tl.constexpr, GATHERED: tl.constexpr, WEIGHTED: tl.constexpr,
+):  # fmt: skip
+    """Rows ``r_at`` of a weight gradient's operand, (BLOCK_R, BLOCK_C) in float32: x's own rows,
+    or (GATHERED) gather's sorted rows read through the flat ids: x[ids // TOP_K], weighted in
+    float32 and rounded to x's dtype as gather's kernel rounds them; 0 for an id outside
+    [0, n_ids)."""
+    if GATHERED:
+        ids = tl.load(idx_ptr + r_at, mask=row_ok, other=-1).to(tl.int64)
+        named = row_ok & (ids >= 0) & (ids < n_ids)
+        ids = tl.where(named, ids, 0)
+        mask = named[:, None] & c_ok[None, :]
+        values = tl.load(x_cols + (ids // TOP_K)[:, None] * stride_xr, mask=mask, other=0.0)
+        if WEIGHTED:
+            w = tl.load(w_ptr + ids, mask=named, other=0).to(tl.float32)
+            values = (values.to(tl.float32) * w[:, None]).to(x_cols.dtype.element_ty)
+    else:
+        mask = row_ok[:, None] & c_ok[None, :]
+        values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
+    return values.to(tl.float32)
+
+
+@triton.jit
 def _quantize_transposed_kernel(
-    x_ptr, data_ptr, scale_ptr, sizes_ptr,
-    R, C, E, c_tiles, stride_xr, stride_xc,
+    x_ptr, data_ptr, scale_ptr, sizes_ptr, idx_ptr, w_ptr,
+    R, C, E, c_tiles, stride_xr, stride_xc, n_ids,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
     MAX: tl.constexpr, BIAS: tl.constexpr, NEG_ZERO: tl.constexpr, NAN_BITS: tl.constexpr,
     POW2: tl.constexpr, HARDWARE: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+    TOP_K: tl.constexpr = 1, GATHERED: tl.constexpr = False, WEIGHTED: tl.constexpr = False,
 ):  # fmt: skip
     """x (R, C), any strides, grouped by expert along R -> data (C, R) contiguous (uint8 codes)
     and scale (E, C): one scale per column of each group, two passes over the group's rows (the
     peak, then the codes, written transposed). Program (e, c-tile); e == E writes zeros into
-    the rows past every group."""
+    the rows past every group. GATHERED: the R rows are gather's, read from token rows x through
+    the flat ids at idx_ptr (and weighted by w_ptr's, WEIGHTED), never written."""
     pid = tl.program_id(0)
     e = pid // c_tiles
     cols = (pid % c_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -511,21 +537,26 @@ def _quantize_transposed_kernel(
         peak = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
         for r in tl.range(0, size, BLOCK_R, num_stages=STAGES):
             r_at = start + r + steps
-            mask = (r + steps < size)[:, None] & c_ok[None, :]
-            values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
-            peak = _running_peak(peak, values.to(tl.float32))
+            values = _operand_rows(
+                x_cols, idx_ptr, w_ptr, r_at, r + steps < size, c_ok, stride_xr, n_ids,
+                TOP_K, GATHERED, WEIGHTED,
+            )  # fmt: skip
+            peak = _running_peak(peak, values)
         amax, bad = _peak_amax(peak, 0)
         scale = _block_scale(amax, bad, MAX, POW2)
         tl.store(scale_ptr + e.to(tl.int64) * C + cols, scale, mask=c_ok)
         for r in tl.range(0, size, BLOCK_R, num_stages=STAGES):
             r_at = start + r + steps
-            mask = (r + steps < size)[:, None] & c_ok[None, :]
-            values = tl.load(x_cols + r_at[:, None] * stride_xr, mask=mask, other=0.0)
-            codes = _quantized_codes(
-                values.to(tl.float32), scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO,
-                NAN_BITS, HARDWARE, FP8,
+            row_ok = r + steps < size
+            values = _operand_rows(
+                x_cols, idx_ptr, w_ptr, r_at, row_ok, c_ok, stride_xr, n_ids,
+                TOP_K, GATHERED, WEIGHTED,
             )  # fmt: skip
-            tl.store(d_cols + r_at[None, :], tl.trans(codes), mask=tl.trans(mask))
+            codes = _quantized_codes(
+                values, scale[None, :], bad[None, :], MAX, BIAS, NEG_ZERO, NAN_BITS, HARDWARE, FP8,
+            )  # fmt: skip
+            mask = c_ok[:, None] & row_ok[None, :]
+            tl.store(d_cols + r_at[None, :], tl.trans(codes), mask=mask)
 
 
 @triton.jit
