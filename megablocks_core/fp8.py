@@ -11,7 +11,8 @@ weight version, then both layouts in one ``quantize_both_ways``, see
 backward's data-gradient GEMMs run in the recipe's format too unless ``backward="input"``;
 the weight gradients run in the inputs' dtype, reading the rows the backward has anyway, unless
 ``weight_grad="fp8"`` (rowwise only): then both of their operands are quantized per expert
-column (``quantize_transposed``) and ``scaled_gmm_weight_grad`` sums over the rows.
+column (``quantize_transposed``; a gathered one as it is read through the indices,
+``gather_quantize_transposed``) and ``scaled_gmm_weight_grad`` sums over the rows.
 
 Expert weights are quantized with their reduced dimension stored contiguous (the transpose of a
 ``(experts, k, n)`` weight for the forward, the weight as it is for the gradient of the rows):
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from . import autograd, library
 from .activations import activate_with
+from .autograd.base import GatheredRows
 from .calls import call
 from .contracts import BY_NAME
 from .entries import validator
@@ -58,7 +60,10 @@ class Recipe:
     tokens) quantized too, ``"input"`` in the inputs' dtype. ``weight_grad``: ``"input"`` (the
     default) runs the weight gradients in the inputs' dtype, ``"fp8"`` on operands quantized
     with one scale per expert and column (``quantize_transposed``, then
-    ``scaled_gmm_weight_grad``): formats that define those operands only (``fp8_rowwise``).
+    ``scaled_gmm_weight_grad``; a gathered operand, the rows of gather_gmm's x or of
+    gmm_scatter's output gradient, is read through the indices as it is quantized,
+    ``gather_quantize_transposed``, with no 16-bit gathered copy): formats that define those
+    operands only (``fp8_rowwise``).
     Bias terms (a bias's gradient, its share of the routing weights') stay unquantized under
     either switch. ``cache_weights``: keep each weight's quantized copy while the weight tensor
     is unchanged (its version counter), across the forward, the backward and further
@@ -164,10 +169,16 @@ class _ScaledCall:
     #: own gradient, and its share of the routing weights'): the recipe is for the weights' GEMMs.
     unquantized = op
 
+    @property
+    def reads_gathered_rows(self) -> bool:
+        """Whether the weight gradients run in FP8, and so take a gathered row operand as
+        :class:`~megablocks_core.autograd.base.GatheredRows` (quantized as it is read:
+        ``gather_quantize_transposed``)."""
+        return self.in_backward and self.recipe.weight_grad == "fp8"
+
     def __call__(self, op: str, *args: Any) -> Any:
         if op in _WEIGHT_GRADS:
-            in_fp8 = self.in_backward and self.recipe.weight_grad == "fp8"
-            gemm = _WEIGHT_GRADS[op] if in_fp8 else None
+            gemm = _WEIGHT_GRADS[op] if self.reads_gathered_rows else None
         else:
             gemm = _GEMMS.get(op) if self.scaled else None
         if gemm is None:
@@ -299,24 +310,48 @@ _GEMMS: dict[str, Callable[..., Tensor]] = {
 }
 
 
+def _transposed(
+    scaled: _ScaledCall, rows: Tensor | GatheredRows, batch_sizes: Tensor
+) -> tuple[Tensor, Tensor]:
+    """A weight gradient's row operand quantized per expert column, transposed; gathered rows
+    are read through their indices (never gathered into a 16-bit copy)."""
+    fmt, encoding = scaled.recipe.format, scaled.recipe.encoding
+    if isinstance(rows, GatheredRows):
+        x, indices, _, weights, _, top_k, first = rows
+        return scaled.op(
+            "gather_quantize_transposed",
+            x, indices, weights, top_k, batch_sizes, first, fmt, encoding,
+        )  # fmt: skip
+    return scaled.op("quantize_transposed", rows, batch_sizes, fmt, encoding)
+
+
 def _transposed_operands(
-    scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor
+    scaled: _ScaledCall, a: Tensor | GatheredRows, grad: Tensor | GatheredRows, batch_sizes: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(a, a_scale, grad, grad_scale) of scaled_gmm_weight_grad."""
-    fmt, encoding = scaled.recipe.format, scaled.recipe.encoding
-    a8, a_scale = scaled.op("quantize_transposed", a, batch_sizes, fmt, encoding)
-    grad8, grad_scale = scaled.op("quantize_transposed", grad, batch_sizes, fmt, encoding)
-    return a8, a_scale, grad8, grad_scale
+    return (*_transposed(scaled, a, batch_sizes), *_transposed(scaled, grad, batch_sizes))
 
 
-def _gmm_weight_grad(scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor) -> Tensor:
+def _dtype(rows: Tensor | GatheredRows) -> torch.dtype:
+    return rows.x.dtype if isinstance(rows, GatheredRows) else rows.dtype
+
+
+def _gmm_weight_grad(
+    scaled: _ScaledCall, a: Tensor | GatheredRows, grad: Tensor | GatheredRows, batch_sizes: Tensor
+) -> Tensor:
     operands = _transposed_operands(scaled, a, grad, batch_sizes)
-    fmt, out_name = scaled.recipe.format, _out_name(a.dtype)
-    return scaled.op("scaled_gmm_weight_grad", *operands, batch_sizes, fmt, out_name).to(a.dtype)
+    fmt, dtype = scaled.recipe.format, _dtype(a)
+    return scaled.op("scaled_gmm_weight_grad", *operands, batch_sizes, fmt, _out_name(dtype)).to(
+        dtype
+    )
 
 
 def _gmm_weight_grad_accumulate(
-    scaled: _ScaledCall, a: Tensor, grad: Tensor, batch_sizes: Tensor, out: Tensor
+    scaled: _ScaledCall,
+    a: Tensor | GatheredRows,
+    grad: Tensor | GatheredRows,
+    batch_sizes: Tensor,
+    out: Tensor,
 ) -> None:
     # The scaled gradient in out's dtype (a float32 main_grad gets it unrounded), then added.
     operands = _transposed_operands(scaled, a, grad, batch_sizes)

@@ -356,20 +356,45 @@ def test_fp8_weight_gradients_add_into_a_fused_accumulation(reference_backend):
 def test_fp8_weight_gradients_run_the_scaled_ops(fp8_calls, reference_backend):
     _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"))
     assert fp8_calls.count("scaled_gmm_weight_grad") == 2  # w1's and w2's
-    assert fp8_calls.count("quantize_transposed") == 4
-    assert "gmm_weight_grad" not in fp8_calls
+    # Each GEMM's gathered operand (x's rows for w1, the output gradient's weighted rows for
+    # w2) is quantized as it is read through the indices: no 16-bit copy is gathered.
+    assert fp8_calls.count("gather_quantize_transposed") == 2
+    assert fp8_calls.count("quantize_transposed") == 2
+    assert "gmm_weight_grad" not in fp8_calls and "gather" not in fp8_calls
     fp8_calls.clear()
     _grads(fp8.Recipe(ROWWISE))
     assert "scaled_gmm_weight_grad" not in fp8_calls and fp8_calls.count("gmm_weight_grad") == 2
+    assert fp8_calls.count("gather") == 2 and "gather_quantize_transposed" not in fp8_calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_weight_gradients_read_through_the_indices_are_the_bits_of_a_gathered_copy(
+    backend, monkeypatch
+):
+    """The weight gradients' gathered operands quantized as they are read: every gradient the
+    same bits as when the backward gathers the rows into a copy first (the path before)."""
+    if backend == "triton" and _device(backend).type != "cpu":
+        pytest.skip("the layer case runs on the CPU")
+    from megablocks_core.autograd import gmm as rules
+
+    recipe = fp8.Recipe(ROWWISE, weight_grad="fp8")
+    with use_backend(backend):
+        read_through = _grads(recipe)
+        monkeypatch.setattr(rules, "reads_gathered_rows", lambda call: False)
+        gathered_first = _grads(recipe)
+    for got, want in zip(read_through, gathered_first, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_fp8_weight_gradients_leave_the_bias_gradients_unquantized(fp8_calls, reference_backend):
     """A bias's gradient is each expert's column sums of the output's gradient: the same bits
     with weight_grad="fp8" as without, not a sum over quantized rows."""
     fp8_wgrad = _grads(fp8.Recipe(ROWWISE, weight_grad="fp8"), bias=True)
+    # w2's operand, the output gradient's weighted rows, is gathered for its bias's sums too.
     assert (
         fp8_calls.count("scaled_gmm_weight_grad") == 2
-        and fp8_calls.count("quantize_transposed") == 4
+        and fp8_calls.count("quantize_transposed") == 3
+        and fp8_calls.count("gather_quantize_transposed") == 1
     )
     assert fp8_calls.count("gmm_weight_grad") == 2  # the two biases' sums
     bf16_wgrad = _grads(fp8.Recipe(ROWWISE), bias=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -13,6 +13,32 @@ from ..schema import OpContract
 
 Call = Callable[..., torch.Tensor]
 Grads = dict[str, "torch.Tensor | None"]
+
+
+class GatheredRows(NamedTuple):
+    """A weight gradient's row operand left ungathered: gather's arguments for it (the sorted
+    rows ``x[indices[i] // top_k]``, weighted by ``weights[indices[i]]``, the first ``rows``).
+    The backward rules pass one instead of the gathered tensor only to a call that reads its
+    rows through the indices itself (:func:`reads_gathered_rows`: an FP8 weight gradient's
+    ``gather_quantize_transposed``)."""
+
+    x: torch.Tensor
+    indices: torch.Tensor
+    bin_ids: torch.Tensor
+    weights: torch.Tensor | None
+    bins: torch.Tensor
+    top_k: int
+    rows: int | None
+
+    @property
+    def sorted_rows(self) -> int:
+        """How many sorted rows it holds."""
+        return self.indices.shape[0] if self.rows is None else self.rows
+
+
+def reads_gathered_rows(call: Call) -> bool:
+    """Whether ``call`` takes a :class:`GatheredRows` operand in its weight gradients."""
+    return bool(getattr(call, "reads_gathered_rows", False))
 
 
 @dataclass(frozen=True)

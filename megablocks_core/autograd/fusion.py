@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..schema import OpContract
-from .base import BackwardRule, Call
+from .base import BackwardRule, Call, GatheredRows
 
 #: Set (True) on a parameter opted in to gradient-accumulation fusion.
 FUSION_ATTRIBUTE = "megablocks_grad_accumulation_fusion"
@@ -143,12 +143,13 @@ def _weight_grad(
     call: Call,
     bound: Mapping[str, Any],
     name: str,
-    a: torch.Tensor,
-    grad: torch.Tensor,
+    a: torch.Tensor | GatheredRows,
+    grad: torch.Tensor | GatheredRows,
     counts: torch.Tensor,
 ) -> torch.Tensor | None:
     """The gradient of weight argument ``name``: ``gmm_weight_grad(a, grad, counts)``, or None
-    once it has been added into an opted-in weight's gradient buffer."""
+    once it has been added into an opted-in weight's gradient buffer. An operand may be
+    :class:`GatheredRows` only for a call that reads them (:func:`reads_gathered_rows`)."""
     param = bound.get(f"{name}.fused")
     buffer = _accumulation_buffer(param)
     if param is None or buffer is None:

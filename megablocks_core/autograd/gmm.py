@@ -11,7 +11,7 @@ import torch
 
 from .. import bias as bias_ops
 from ..activations import activate_backward, activate_with, glu_backward
-from .base import Call, Grads
+from .base import Call, GatheredRows, Grads, reads_gathered_rows
 from .fusion import _weight_grad
 from .permutation import _first_rows, _identity, _row_scales, _scale_rows, _weighted_rows
 
@@ -32,7 +32,10 @@ def _gmm(call: Call, a: Mapping[str, Any], grad: torch.Tensor, needs: Mapping[st
 
 
 def _weight_grad_by_bins(
-    call: Call, bound: Mapping[str, Any], x: torch.Tensor, grad: torch.Tensor
+    call: Call,
+    bound: Mapping[str, Any],
+    x: torch.Tensor | GatheredRows,
+    grad: torch.Tensor | GatheredRows,
 ) -> torch.Tensor | None:
     """b's gradient over the groups that cumulative bins give (sorted rows of x and grad).
 
@@ -41,7 +44,26 @@ def _weight_grad_by_bins(
     negative group counts as 0 and the groups are cut at the last row of x. So the weight
     gradient sees valid counts wherever they live, and the backward neither raises about an
     argument the caller never passed nor behaves differently for CPU and device-side bins."""
-    return _weight_grad(call, bound, "b", x, grad, _counts_from_bins(bound["bins"], x.shape[0]))
+    rows = x.sorted_rows if isinstance(x, GatheredRows) else x.shape[0]
+    return _weight_grad(call, bound, "b", x, grad, _counts_from_bins(bound["bins"], rows))
+
+
+def _sorted_rows(
+    call: Call,
+    x: torch.Tensor,
+    routing: tuple[torch.Tensor, torch.Tensor],
+    weights: torch.Tensor | None,
+    bins: torch.Tensor,
+    top_k: int,
+    rows: int | None,
+) -> torch.Tensor | GatheredRows:
+    """gather's (weighted) sorted rows of x as a weight gradient's operand: gathered again (a
+    transient copy; a gather kernel and the best weight-gradient GEMM beat a GEMM reading rows
+    through the indices), or left ungathered for a call whose weight gradient reads them through
+    the indices itself (an FP8 one quantizes them as it reads: no 16-bit copy)."""
+    if reads_gathered_rows(call) and not torch.is_grad_enabled():
+        return GatheredRows(x, *routing, weights, bins, top_k, rows)
+    return _weighted_rows(call, x, routing, weights, bins, top_k, rows)
 
 
 #: The last :func:`_counts_from_bins` result: (bins, weakly; its version; rows; counts). One
@@ -91,10 +113,8 @@ def _gather_gmm(
         out["x"] = call(
             "gmm_scatter", grad, a["b"], *routing, None, bins, top_k, not trans_b, None, first
         )
-    if needs["b"]:
-        # The gathered rows were not kept: gather them again, a transient copy (a gather kernel
-        # and the best weight-gradient GEMM beat a GEMM reading rows through the indices).
-        rows = call("gather", a["x"], *routing, None, bins, top_k, first)
+    if needs["b"]:  # the gathered rows were not kept
+        rows = _sorted_rows(call, a["x"], routing, None, bins, top_k, first)
         if trans_b:  # b[e] is (n, k): grad_e^T @ rows_e
             out["b"] = _weight_grad_by_bins(call, a, grad, rows)
         else:
@@ -171,15 +191,21 @@ def _gmm_scatter(
                 dots = _with_bias_dots(call, dots, grad, a["bias"], routing, bins, top_k, first)
             n = a["indices"].shape[0]
             out["weights"] = _by_flat_id(dots, row_routing[0], n).to(weights.dtype)
-    if needs["b"] or needs["bias"]:
-        # The weighted rows of grad, gathered again (transient): the GEMM's operand for b, and
-        # per expert summed, bias's gradient.
-        rows = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
-        if needs["bias"]:
-            out["bias"] = bias_ops.group_sums(call, rows, _counts_from_bins(bins, rows.shape[0]))
-        if needs["b"] and trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
+    # The weighted rows of grad, gathered again (transient): per expert summed, bias's gradient,
+    # and the GEMM's operand for b (left ungathered where only b's gradient reads them).
+    rows: torch.Tensor | GatheredRows | None = None
+    if needs["bias"]:
+        weighted = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
+        out["bias"] = bias_ops.group_sums(
+            call, weighted, _counts_from_bins(bins, weighted.shape[0])
+        )
+        rows = weighted
+    if needs["b"]:
+        if rows is None:
+            rows = _sorted_rows(call, grad, routing, weights, bins, top_k, first)
+        if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
             out["b"] = _weight_grad_by_bins(call, a, rows, x_in)
-        elif needs["b"]:
+        else:
             out["b"] = _weight_grad_by_bins(call, a, x_in, rows)
     return out
 
