@@ -16,6 +16,9 @@ Usage (H200): ``python benchmarks/fp8_wgrad.py [--shapes qwen3,dsv3] [--json PAT
 ``--quantize-tiles 64x128x4x1,64x32x2x3`` also times the Triton ``quantize_transposed`` of both
 operands at each (rows, columns) tile, warps and loop stages given, each checked bit for bit
 against the ranked kernel's outputs.
+Each row also times the GEMM's gathered operand (w1's rows of x; w2's output gradient, weighted)
+as gather then ``quantize_transposed`` beside ``gather_quantize_transposed``, which reads the
+token rows through the indices, and the FP8 total against bf16 with the gather each pays.
 ``--device cpu --tokens 64`` is a smoke run (no torch kernels there: their columns are empty).
 """
 
@@ -64,6 +67,14 @@ def run(
         a = torch.randn(rows, m, device=device, generator=gen).to(dtype)
         grad = torch.randn(rows, n, device=device, generator=gen).to(dtype)
         row = one_gemm(a, grad, experts, _timer(device))
+        # In the layer, w1's row operand is x's rows gathered, w2's the output gradient's rows
+        # gathered and weighted: the FP8 recipe quantizes them as it reads them.
+        gathered = (a, "a", False) if which == "w1" else (grad, "grad", True)
+        row.update(gathered_operand(*gathered, top_k, experts, _timer(device)))
+        row["fp8_gathered_total_vs_bf16"] = (row["bf16_us"] + row["gather_us"]) / (
+            row["fp8_us"] + row[f"quantize_{'grad' if which == 'w1' else 'a'}_us"]
+            + row["gathered_quantize_us"]
+        )  # fmt: skip
         if tiles:
             row["quantize_tiles"] = _tile_sweep(a, grad, experts, tiles, _timer(device))
         row = {"shape": name, "gemm": f"{which} wgrad", **row}
@@ -94,9 +105,11 @@ def one_gemm(
     # (on Hopper the Gluon kernel where it serves; the Triton kernel beside it).
     qa, sa = ops.quantize_transposed(a, counts, "fp8_rowwise")
     qg, sg = ops.quantize_transposed(grad, counts, "fp8_rowwise")
-    row["quantize_us"] = sum(
-        timer(lambda v=v: ops.quantize_transposed(v, counts, "fp8_rowwise")) for v in (a, grad)
-    )
+    for key, v in (("a", a), ("grad", grad)):
+        row[f"quantize_{key}_us"] = timer(
+            lambda v=v: ops.quantize_transposed(v, counts, "fp8_rowwise")
+        )
+    row["quantize_us"] = row["quantize_a_us"] + row["quantize_grad_us"]
     row["quantize_gbps"] = rows * (m + n) * 3 / row["quantize_us"] / 1e3  # read 2, write 1
 
     def ours_fp8() -> torch.Tensor:
@@ -133,6 +146,53 @@ def one_gemm(
         if f"{key}_us" in row:
             row[f"{key}_tflops"] = flops / row[f"{key}_us"] / 1e6
     return row
+
+
+def gathered_operand(
+    sorted_rows: torch.Tensor,
+    which: str,
+    weighted: bool,
+    top_k: int,
+    experts: int,
+    timer: Callable[[Callable[[], Any]], float],
+) -> dict[str, Any]:
+    """An operand of ``sorted_rows``' shape read from token rows through a random permutation
+    (uniform groups): µs of gather, of gather then quantize_transposed (what the weight gradient
+    in bf16 gathers, and FP8 quantizes, before this op) and of gather_quantize_transposed, with
+    whether the last two's outputs are equal."""
+    rows, width = sorted_rows.shape
+    gen = torch.Generator(device=sorted_rows.device).manual_seed(1)
+    tokens = rows // top_k
+    x = torch.randn(tokens, width, device=sorted_rows.device, generator=gen).to(sorted_rows.dtype)
+    indices = torch.randperm(rows, device=x.device, generator=gen).int()
+    weights = torch.rand(rows, device=x.device, generator=gen) if weighted else None
+    counts = torch.full((experts,), rows // experts, dtype=torch.int64)
+    bins = torch.cumsum(counts, 0).int().to(x.device)
+    bin_ids = torch.repeat_interleave(torch.arange(experts, device=x.device), rows // experts)
+    gather = (x, indices, bin_ids.int(), weights, bins, top_k, None)
+
+    def composed() -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.quantize_transposed(call("gather", *gather), counts, "fp8_rowwise")
+
+    def fused() -> tuple[torch.Tensor, torch.Tensor]:
+        return call(
+            "gather_quantize_transposed", x, indices, weights, top_k, counts, None, "fp8_rowwise",
+            None,
+        )  # fmt: skip
+
+    (want, want_scale), (got, got_scale) = composed(), fused()
+    return {
+        "gathered_operand": which,
+        "gathered_weighted": weighted,
+        "gather_us": timer(lambda: call("gather", *gather)),
+        "gather_then_quantize_us": timer(composed),
+        "gathered_quantize_us": timer(fused),
+        "gathered_quantize_equals": bool(
+            torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+            and torch.equal(want_scale, got_scale)
+        ),
+        "gathered_quantize_gbps": rows * width * 3 / timer(fused) / 1e3,
+    }
 
 
 def _tile_sweep(

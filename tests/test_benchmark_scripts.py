@@ -312,6 +312,9 @@ def test_fp8_wgrad_reports_ours_in_bf16_and_fp8_with_their_errors(tmp_path, monk
         assert r["bf16_error"] < 1e-2 and 1e-3 < r["fp8_error"] < 0.1
         assert r["quantize_us"] > 0 and r["fp8_total_us"] > r["fp8_us"] > 0
         assert "torch_fp8_us" not in r
+        # The gathered operand: read through the indices, the same bits as gather then quantize.
+        assert r["gathered_quantize_equals"] and r["gathered_quantize_us"] > 0
+        assert r["gathered_weighted"] == (r["gemm"] == "w2 wgrad")
 
 
 @pytest.mark.skipif(not interpreting(), reason="the Triton kernels on the CPU: the interpreter")
