@@ -386,6 +386,40 @@ def test_fp8_weight_gradients_read_through_the_indices_are_the_bits_of_a_gathere
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_weight_gradients_of_the_first_rows_only_read_through_the_indices(backend, monkeypatch):
+    """With ``rows`` (the sorted rows past the last expert's belong to no expert, as expert
+    parallelism leaves them): the gathered operands hold the first rows only, and every
+    gradient is the same bits as when the backward gathers them into a copy first."""
+    if backend == "triton" and _device(backend).type != "cpu":
+        pytest.skip("the layer case runs on the CPU")
+    from megablocks_core.autograd import gmm as rules
+
+    x, w1, w2, weights, indices, bin_ids, bins, top_k = _layer_case(2)
+    # The last expert lives elsewhere: its rows (sorted last, bin id 3) are past the bins.
+    w1, w2 = w1[:-1].detach().requires_grad_(), w2[:-1].detach().requires_grad_()
+    bins, rows = bins[:-1], int(bins[-2])
+    assert 0 < rows < indices.shape[0]
+    recipe = fp8.Recipe(ROWWISE, weight_grad="fp8")
+
+    def grads() -> list[torch.Tensor]:
+        leaves = (x, w1, w2, weights)
+        h = fp8.gather_gmm(x, w1, indices, bin_ids, bins, top_k, False, rows, recipe=recipe)
+        out = fp8.gmm_scatter(
+            h, w2, indices, bin_ids, weights, bins, top_k, False, "swiglu", rows, recipe=recipe
+        )
+        return list(
+            torch.autograd.grad(out, leaves, torch.linspace(-1, 1, out.numel()).view_as(out))
+        )
+
+    with use_backend(backend):
+        read_through = grads()
+        monkeypatch.setattr(rules, "reads_gathered_rows", lambda call: False)
+        gathered_first = grads()
+    for got, want in zip(read_through, gathered_first, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_fp8_weight_gradients_leave_the_bias_gradients_unquantized(fp8_calls, reference_backend):
     """A bias's gradient is each expert's column sums of the output's gradient: the same bits
     with weight_grad="fp8" as without, not a sum over quantized rows."""
