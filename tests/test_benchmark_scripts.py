@@ -339,7 +339,7 @@ def test_fp8_loss_gap_reports_each_run_against_the_same_seeds_bf16(tmp_path):
     assert script.main(["--seeds", "5,6", "--steps", "2", "--json", str(path)]) == 0
     result = json.loads(path.read_text())
     assert [r["seed"] for r in result["rows"]] == [5, 6]
-    runs = ["bf16+ulp", "float32", "fp8_rowwise", "fp8_blockwise"]
+    runs = ["bf16+ulp", "float32", "fp8_rowwise", "fp8_blockwise", "fp8_rowwise+wgrad"]
     with megablocks_core.use_backend("reference"):
         for row in result["rows"]:
             assert list(row["gap_pct"]) == runs
@@ -348,8 +348,10 @@ def test_fp8_loss_gap_reports_each_run_against_the_same_seeds_bf16(tmp_path):
             assert row["gap_pct"]["fp8_rowwise"] == pytest.approx(
                 100 * (rowwise / row["bf16_loss"] - 1)
             )
-            # the perturbed start is another start, and FP8 is not bf16
+            # the perturbed start is another start, FP8 is not bf16, and FP8 weight gradients
+            # move the weights otherwise
             assert row["gap_pct"]["bf16+ulp"] != 0 and row["gap_pct"]["fp8_rowwise"] != 0
+            assert row["gap_pct"]["fp8_rowwise+wgrad"] != row["gap_pct"]["fp8_rowwise"]
     for run in runs:
         gaps = [r["gap_pct"][run] for r in result["rows"]]
         stats = result["summary"][run]
