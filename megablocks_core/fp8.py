@@ -170,15 +170,20 @@ class _ScaledCall:
     unquantized = op
 
     @property
-    def reads_gathered_rows(self) -> bool:
-        """Whether the weight gradients run in FP8, and so take a gathered row operand as
-        :class:`~megablocks_core.autograd.base.GatheredRows` (quantized as it is read:
-        ``gather_quantize_transposed``)."""
+    def fp8_weight_grads(self) -> bool:
+        """Whether the weight gradients run on quantized operands (a backward whose recipe asks)."""
         return self.in_backward and self.recipe.weight_grad == "fp8"
+
+    @property
+    def reads_gathered_rows(self) -> bool:
+        """Whether a weight gradient takes a gathered row operand as
+        :class:`~megablocks_core.autograd.base.GatheredRows`: an FP8 one quantizes it as it
+        reads it (``gather_quantize_transposed``)."""
+        return self.fp8_weight_grads
 
     def __call__(self, op: str, *args: Any) -> Any:
         if op in _WEIGHT_GRADS:
-            gemm = _WEIGHT_GRADS[op] if self.reads_gathered_rows else None
+            gemm = _WEIGHT_GRADS[op] if self.fp8_weight_grads else None
         else:
             gemm = _GEMMS.get(op) if self.scaled else None
         if gemm is None:

@@ -193,16 +193,15 @@ def _gmm_scatter(
             out["weights"] = _by_flat_id(dots, row_routing[0], n).to(weights.dtype)
     # The weighted rows of grad, gathered again (transient): per expert summed, bias's gradient,
     # and the GEMM's operand for b (left ungathered where only b's gradient reads them).
-    rows: torch.Tensor | GatheredRows | None = None
+    rows: torch.Tensor | GatheredRows
     if needs["bias"]:
-        weighted = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
+        rows = weighted = _weighted_rows(call, grad, routing, weights, bins, top_k, first)
         out["bias"] = bias_ops.group_sums(
             call, weighted, _counts_from_bins(bins, weighted.shape[0])
         )
-        rows = weighted
+    elif needs["b"]:
+        rows = _sorted_rows(call, grad, routing, weights, bins, top_k, first)
     if needs["b"]:
-        if rows is None:
-            rows = _sorted_rows(call, grad, routing, weights, bins, top_k, first)
         if trans_b:  # b[e] is (n, k): rows_e^T @ act(x)_e
             out["b"] = _weight_grad_by_bins(call, a, rows, x_in)
         else:
