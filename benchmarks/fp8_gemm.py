@@ -24,7 +24,9 @@ of the layer, and on a GPU the peak memory allocated while the recipe's steps ra
 the layer, its input and the error check's float32 results included).
 
 Usage (GPU): ``python benchmarks/fp8_gemm.py --out fp8.jsonl [--shapes qwen3,dsv3,mixtral]
-[--layer]``. One JSON object per line, printed as measured. ``--device cpu --tiny`` runs the same
+[--layer] [--tokens T] [--experts E]``; ``--experts`` below the shape's times one rank's slice
+under expert parallelism (the same tokens and top_k, more rows per expert), and the rows name
+such a shape ``<shape>-T<tokens>-E<experts>``. One JSON object per line, printed as measured. ``--device cpu --tiny`` runs the same
 code at a tiny shape on the CPU (a smoke test: timings there mean nothing).
 """
 
@@ -420,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON lines file (appended)")
     parser.add_argument("--shapes", default="qwen3,dsv3,mixtral")
     parser.add_argument("--tokens", type=int, default=None, help="tokens (default: the shape's)")
+    parser.add_argument(
+        "--experts", type=int, default=None,
+        help="experts (default: the shape's); fewer experts at the same tokens and top_k is one "
+        "rank's slice under expert parallelism, with more rows per expert",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny shape only (smoke test)")
     parser.add_argument("--layer", action="store_true", help="also the dMoE training step")
@@ -443,9 +450,14 @@ def main(argv: list[str] | None = None) -> int:
         _SINK.append(f)
         try:
             for name in names:
-                shape = SHAPES[name]
-                if args.tokens is not None:
-                    shape = (args.tokens, *shape[1:])
+                tokens, hidden, ffn, experts, top_k = SHAPES[name]
+                if args.experts is not None and args.experts < top_k:
+                    parser.error(f"--experts {args.experts} is fewer than {name}'s top_k {top_k}")
+                tokens = tokens if args.tokens is None else args.tokens
+                experts = experts if args.experts is None else args.experts
+                shape = (tokens, hidden, ffn, experts, top_k)
+                if shape != SHAPES[name]:  # the rows say which shape they timed
+                    name = f"{name}-T{shape[0]}-E{shape[3]}"
                 if args.sweep:
                     _sweep_rows(name, shape, device, args)
                 if not args.no_gemms:

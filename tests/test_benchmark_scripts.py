@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from triton_interpreter import interpreting
 
 import megablocks_core
 from megablocks_core.formats import FORMAT_NAMES
+from megablocks_core.shapes import SHAPES
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -420,6 +422,23 @@ def test_fp8_gemm_s_layer_rows_check_each_recipe_against_float32_or_skip_the_che
             script.main([*argv, "--recipes", "fp8", "--out", str(picked)])
     rows = [json.loads(line) for line in picked.read_text().splitlines()]
     assert [r["recipe"] for r in rows] == chosen.split(",")
+
+
+def test_fp8_gemm_s_expert_slice_times_the_named_shape_with_more_rows_per_expert(tmp_path):
+    script = _script("fp8_gemm")
+    path = tmp_path / "slice.jsonl"
+    tokens, hidden, ffn, experts, top_k = SHAPES["tiny"]
+    argv = ["--device", "cpu", "--tiny", "--layer", "--no-gemms", "--reps", "1", "--out", str(path)]
+    seen: list[tuple[int, ...]] = []
+    with mock.patch.object(script, "_layer_rows", lambda name, shape, *_: seen.append(shape)):
+        assert script.main([*argv, "--experts", str(top_k), "--tokens", "32"]) == 0
+    assert seen == [(32, hidden, ffn, top_k, top_k)]
+    with megablocks_core.use_backend("reference"):
+        assert script.main([*argv, "--experts", str(top_k), "--recipes", "bf16"]) == 0
+    (row,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert row["shape"] == f"tiny-T{tokens}-E{top_k}" and row["recipe"] == "bf16"
+    with pytest.raises(SystemExit):  # fewer experts than each token picks
+        script.main([*argv, "--experts", str(top_k - 1)])
 
 
 def test_fp8_gemm_s_quantize_rows_time_each_weight_both_ways_beside_two_calls():
