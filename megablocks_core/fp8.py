@@ -135,6 +135,22 @@ def _cached_copies(weight: Tensor) -> dict[Any, tuple[int, Tensor, Tensor]]:
     return copies
 
 
+def _fresh_copy(
+    copies: dict[Any, tuple[int, Tensor, Tensor]], key: Any, version: int
+) -> tuple[Tensor, Tensor] | None:
+    """The copy kept under ``key`` if it was made at the weight's ``version``. Otherwise None,
+    with every copy made at another version dropped (nothing else holds them once a step's
+    backward is done): a changed weight's stale copies are freed before its new ones are made,
+    so that the two generations never hold memory together (both layouts take as many bytes as
+    the bf16 weight)."""
+    kept = copies.get(key)
+    if kept is not None and kept[0] == version:
+        return kept[1], kept[2]
+    for stale in [k for k, (made, *_) in copies.items() if made != version]:
+        del copies[stale]
+    return None
+
+
 def _out_name(dtype: torch.dtype) -> str:
     return _OUT_NAMES.get(dtype, "float32")
 
@@ -209,9 +225,9 @@ class _ScaledCall:
         key = (recipe.format, recipe.encoding, trans_b)
         copies = _cached_copies(b) if recipe.cache_weights and not self.traced else None
         if copies is not None:
-            kept = copies.get(key)
-            if kept is not None and kept[0] == b._version:
-                return kept[1], kept[2]
+            fresh = _fresh_copy(copies, key, b._version)
+            if fresh is not None:
+                return fresh
         if copies is not None and self.both_ways:
             # (data, scale) summed over b's last dim: trans_b's layout; (data_t, scale_t) the other.
             data, scale, data_t, scale_t = self.op(

@@ -13,6 +13,7 @@ import importlib.util
 import itertools
 import math
 import os
+import weakref
 
 import numpy as np
 import pytest
@@ -553,6 +554,45 @@ def test_weight_cache_follows_the_weight_version(fmt, monkeypatch, reference_bac
     with torch.no_grad():  # no backward to come: only the forward's layout
         _mlp(fp8, x, w1.mul_(2), w2, weights, *routing, recipe=cached)
     assert quantized == ["quantize"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_changed_weight_s_stale_copies_are_freed_before_its_new_ones_are_made(
+    fmt, monkeypatch, reference_backend
+):
+    """The cache holds a weight's quantized copies (both layouts: as many bytes as a bf16 copy
+    of it); when the weight changes, the old ones must be gone before quantizing the new ones
+    allocates, or a step that updates the weights holds both generations at once."""
+    x, w1, w2, weights, *routing = _layer_case(2)
+    cached = fp8.Recipe(fmt, cache_weights=True)
+
+    def step() -> None:
+        out = _mlp(fp8, x, w1, w2, weights, *routing, recipe=cached)
+        torch.autograd.grad(out.square().sum(), (x, w1, w2))
+
+    step()
+    old = [weakref.ref(t) for w in (w1, w2) for _, *copies in fp8._cached_copies(w).values()
+           for t in copies]  # fmt: skip
+    assert len(old) == 8  # data and scale in two layouts, for each weight
+    alive_at_quantize: list[int] = []
+    real = fp8.call
+
+    def spy(op, *args):
+        if op.startswith("quantize") and args[0].dim() == 3:
+            alive_at_quantize.append(sum(ref() is not None for ref in old))
+        return real(op, *args)
+
+    monkeypatch.setattr(fp8, "call", spy)
+    with torch.no_grad():
+        w1.mul_(2)
+        w2.add_(1)
+    step()
+    # w1's four stale tensors were gone before w1 was quantized, w2's before w2 was
+    assert alive_at_quantize == [4, 0]
+    assert all(ref() is None for ref in old)
+    del alive_at_quantize[:]
+    step()  # unchanged since: read from the cache, nothing quantized
+    assert alive_at_quantize == []
 
 
 def test_double_backward_through_fp8_is_refused(reference_backend):
