@@ -21,7 +21,8 @@ Then each quantization pass alone against its ideal bytes at the copy bandwidth,
 ``+cached`` weights, and ``+cached+updated``: cached, with the weights changed every step as an
 optimizer's update changes them; ``+wgrad``: the weight gradients in FP8 too, rowwise), with its output's and gradients' error against a float32 copy
 of the layer, and on a GPU the peak memory allocated while the recipe's steps ran (``peak_gib``,
-the layer, its input and the error check's float32 results included).
+the layer, its input and the error check's float32 results included) and in one more step's
+forward alone (``forward_peak_gib``).
 
 Usage (GPU): ``python benchmarks/fp8_gemm.py --out fp8.jsonl [--shapes qwen3,dsv3,mixtral]
 [--layer] [--tokens T] [--experts E]``; ``--experts`` below the shape's times one rank's slice
@@ -395,14 +396,17 @@ def _layer_row(
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(x.device)
 
-    def step() -> None:
+    def forward() -> torch.Tensor:
         if updated:
             for weight in (layer.w1, layer.w2):
                 torch.autograd.graph.increment_version(weight)
         layer.zero_grad(set_to_none=True)
         xb.grad = None
         out, aux = layer(xb)
-        (out.float().sum() + aux).backward()
+        return out.float().sum() + aux
+
+    def step() -> None:
+        forward().backward()
 
     step()
     errors = {}
@@ -413,6 +417,10 @@ def _layer_row(
     row = {"shape": name, "layer": "glu-silu", "recipe": label, "us": time_us(step), **errors}
     if on_gpu:
         row["peak_gib"] = torch.cuda.max_memory_allocated(x.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(x.device)  # one more step, its forward's peak alone
+        loss = forward()
+        row["forward_peak_gib"] = torch.cuda.max_memory_allocated(x.device) / 2**30
+        loss.backward()
     _emit(row)
     return row
 
