@@ -5,14 +5,17 @@ the FP8 operands need (JSON out).
 A weight gradient reduces over the routed rows: out[e] = a[rows of e].T @ grad[rows of e]. In
 FP8 both operands are quantized along the rows (one scale per column per expert) and stored with
 the rows contiguous: ``ops.quantize_transposed`` of a (rows, m) and grad (rows, n), which reads 2
-bytes and writes 1 per element. Per GEMM (each shape's w1 and w2 gradients, uniform routing of T
-tokens): µs and TFLOP/s of our bf16 ``gmm_weight_grad``, our ``scaled_gmm_weight_grad`` (the
-kernel the ranking takes, and the Triton kernel beside it, with whether their outputs are equal),
-torch's bf16 ``_grouped_mm`` and its FP8 ``_scaled_grouped_mm`` on the same FP8 operands (the
-GEMMs alone), the two quantize calls' time and bandwidth, and our FP8 total against ours in bf16;
-with each result's relative error against float32 (Frobenius norm).
+bytes and writes 1 per element. Per GEMM (each shape's w1 and w2 gradients, T tokens routed
+uniformly unless ``--routing`` says otherwise): µs and TFLOP/s of our bf16 ``gmm_weight_grad``,
+our ``scaled_gmm_weight_grad`` (the kernel the ranking takes, and the Triton kernel beside it,
+with whether their outputs are equal), torch's bf16 ``_grouped_mm`` and its FP8
+``_scaled_grouped_mm`` on the same FP8 operands (the GEMMs alone), the two quantize calls' time
+and bandwidth, and our FP8 total against ours in bf16; with each result's relative error against
+float32 (Frobenius norm).
 
 Usage (H200): ``python benchmarks/fp8_wgrad.py [--shapes qwen3,dsv3] [--json PATH]``.
+``--routing routed`` spreads the rows over the experts as a random router does (uneven groups,
+starting anywhere) instead of equally: a layer's groups, where the kernels meet partial chunks.
 ``--quantize-tiles 64x128x4x1,64x32x2x3`` also times the Triton ``quantize_transposed`` of both
 operands at each (rows, columns) tile, warps and loop stages given, each checked bit for bit
 against the ranked kernel's outputs.
@@ -57,42 +60,60 @@ def run(
     tokens: int | None,
     tiles: Sequence[Tile] = (),
     dtype: torch.dtype = torch.bfloat16,
+    routing: str = "uniform",
 ) -> list[dict[str, Any]]:
     t, hidden, ffn, experts, top_k = SHAPES[name]
     tokens = tokens or t
-    rows = tokens * top_k // experts * experts  # uniform groups
+    counts = expert_counts(tokens, experts, top_k, routing)
+    rows = int(counts.sum())
     gen = torch.Generator(device=device).manual_seed(0)
     out = []
     for which, (m, n) in (("w1", (hidden, ffn)), ("w2", (ffn, hidden))):
         a = torch.randn(rows, m, device=device, generator=gen).to(dtype)
         grad = torch.randn(rows, n, device=device, generator=gen).to(dtype)
-        row = one_gemm(a, grad, experts, _timer(device))
+        row = {"routing": routing, **one_gemm(a, grad, counts, _timer(device))}
         # In the layer, w1's row operand is x's rows gathered, w2's the output gradient's rows
         # gathered and weighted: the FP8 recipe quantizes them as it reads them.
         gathered = (a, "a", False) if which == "w1" else (grad, "grad", True)
-        row.update(gathered_operand(*gathered, top_k, experts, _timer(device)))
+        row.update(gathered_operand(*gathered, top_k, counts, _timer(device)))
         row["fp8_gathered_total_vs_bf16"] = (row["bf16_us"] + row["gather_us"]) / (
             row["fp8_us"] + row[f"quantize_{'grad' if which == 'w1' else 'a'}_us"]
             + row["gathered_quantize_us"]
         )  # fmt: skip
         if tiles:
-            row["quantize_tiles"] = _tile_sweep(a, grad, experts, tiles, _timer(device))
+            row["quantize_tiles"] = _tile_sweep(a, grad, counts, tiles, _timer(device))
         row = {"shape": name, "gemm": f"{which} wgrad", **row}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
 
 
+def expert_counts(tokens: int, experts: int, top_k: int, routing: str) -> torch.Tensor:
+    """Rows per expert (int64, on the host): ``uniform``, tokens * top_k // experts each (every
+    group starts on a multiple of it); ``routed``, each token's top_k of random logits, as a
+    freshly initialised router spreads them (uneven groups, starting anywhere: the weight
+    gradient's kernels then meet partial chunks at both ends of a group)."""
+    if routing == "uniform":
+        return torch.full((experts,), tokens * top_k // experts, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(0)
+    picks = torch.randn(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    return torch.bincount(picks.flatten(), minlength=experts)
+
+
 def one_gemm(
-    a: torch.Tensor, grad: torch.Tensor, experts: int, timer: Callable[[Callable[[], Any]], float]
+    a: torch.Tensor,
+    grad: torch.Tensor,
+    counts: torch.Tensor,
+    timer: Callable[[Callable[[], Any]], float],
 ) -> dict[str, Any]:
-    """One weight gradient's row: a (rows, m) and grad (rows, n) in uniform expert groups."""
+    """One weight gradient's row: a (rows, m) and grad (rows, n) in expert groups of ``counts``
+    rows (on the host)."""
     rows, m = a.shape
     n = grad.shape[1]
-    counts = torch.full((experts,), rows // experts, dtype=torch.int64)
     offs = torch.cumsum(counts, 0).to(torch.int32).to(a.device)
     flops = 2.0 * rows * m * n
-    groups = zip(a.split(rows // experts), grad.split(rows // experts), strict=True)
+    sizes = counts.tolist()
+    groups = zip(a.split(sizes), grad.split(sizes), strict=True)
     want = torch.stack([x.float().t() @ g.float() for x, g in groups])
     row: dict[str, Any] = {"rows": rows, "m": m, "n": n}
 
@@ -153,11 +174,11 @@ def gathered_operand(
     which: str,
     weighted: bool,
     top_k: int,
-    experts: int,
+    counts: torch.Tensor,
     timer: Callable[[Callable[[], Any]], float],
 ) -> dict[str, Any]:
     """An operand of ``sorted_rows``' shape read from token rows through a random permutation
-    (uniform groups): µs of gather, of gather then quantize_transposed (what the weight gradient
+    (groups of ``counts`` rows): µs of gather, of gather then quantize_transposed (what the weight gradient
     in bf16 gathers, and FP8 quantizes, before this op) and of gather_quantize_transposed, with
     whether the last two's outputs are equal."""
     rows, width = sorted_rows.shape
@@ -166,9 +187,8 @@ def gathered_operand(
     x = torch.randn(tokens, width, device=sorted_rows.device, generator=gen).to(sorted_rows.dtype)
     indices = torch.randperm(rows, device=x.device, generator=gen).int()
     weights = torch.rand(rows, device=x.device, generator=gen) if weighted else None
-    counts = torch.full((experts,), rows // experts, dtype=torch.int64)
     bins = torch.cumsum(counts, 0).int().to(x.device)
-    bin_ids = torch.repeat_interleave(torch.arange(experts, device=x.device), rows // experts)
+    bin_ids = torch.repeat_interleave(torch.arange(counts.shape[0]), counts).to(x.device)
     gather = (x, indices, bin_ids.int(), weights, bins, top_k, None)
 
     def composed() -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,13 +219,12 @@ def gathered_operand(
 def _tile_sweep(
     a: torch.Tensor,
     grad: torch.Tensor,
-    experts: int,
+    counts: torch.Tensor,
     tiles: Sequence[Tile],
     timer: Callable[[Callable[[], Any]], float],
 ) -> dict[str, dict[str, Any]]:
     """Both operands' Triton quantize_transposed at each tile: µs, and outputs equal to the
     ranked kernel's."""
-    counts = torch.full((experts,), a.shape[0] // experts, dtype=torch.int64)
     want = [ops.quantize_transposed(v, counts, "fp8_rowwise") for v in (a, grad)]
     module = scaled_module
     saved = (module.TRANSPOSED_TILE, module.TRANSPOSED_WARPS, module.TRANSPOSED_STAGES)
@@ -257,13 +276,17 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", choices=("bfloat16", "float16"), default="bfloat16",
         help="the operands' dtype (the CPU interpreter's Triton kernels take float16)",
     )  # fmt: skip
+    parser.add_argument(
+        "--routing", choices=("uniform", "routed"), default="uniform",
+        help="rows per expert: equal (every group aligned), or as a random router spreads them",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     rows = [
         r
         for name in args.shapes.split(",")
-        for r in run(name, device, args.tokens, args.quantize_tiles, dtype)
+        for r in run(name, device, args.tokens, args.quantize_tiles, dtype, args.routing)
     ]
     meta = {"torch": torch.__version__, "argv": sys.argv[1:]}
     if device.type == "cuda":

@@ -319,6 +319,25 @@ def test_fp8_wgrad_reports_ours_in_bf16_and_fp8_with_their_errors(tmp_path, monk
         assert r["gathered_weighted"] == (r["gemm"] == "w2 wgrad")
 
 
+def test_fp8_wgrad_routed_groups_are_uneven_and_their_errors_still_against_float32(
+    tmp_path, monkeypatch
+):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = _script("fp8_wgrad")
+    counts = script.expert_counts(64, 8, 2, "routed")
+    assert int(counts.sum()) == 128 and counts.unique().numel() > 1  # every row placed, unevenly
+    assert torch.equal(script.expert_counts(64, 8, 2, "uniform"), torch.full((8,), 16))
+    path = tmp_path / "out.json"
+    argv = ["--device", "cpu", "--tokens", "32", "--shapes", "qwen3", "--routing", "routed"]
+    with megablocks_core.use_backend("reference"):
+        assert script.main([*argv, "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["routing"] for r in rows] == ["routed", "routed"]
+    for r in rows:  # the float32 reference summed over the same uneven groups
+        assert r["rows"] == 32 * 8 and r["bf16_error"] < 1e-2 and 1e-3 < r["fp8_error"] < 0.1
+        assert r["gathered_quantize_equals"]
+
+
 @pytest.mark.skipif(not interpreting(), reason="the Triton kernels on the CPU: the interpreter")
 def test_fp8_wgrad_times_quantize_tiles_checked_against_the_ranked_kernel(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
