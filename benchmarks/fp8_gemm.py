@@ -22,7 +22,8 @@ Then each quantization pass alone against its ideal bytes at the copy bandwidth,
 optimizer's update changes them; ``+wgrad``: the weight gradients in FP8 too, rowwise), with its output's and gradients' error against a float32 copy
 of the layer, and on a GPU the peak memory allocated while the recipe's steps ran (``peak_gib``,
 the layer, its input and the error check's float32 results included) and in one more step's
-forward alone (``forward_peak_gib``).
+forward alone (``forward_peak_gib``); ``--kernels N`` adds one profiled step's N costliest kernels
+(``kernels``: name, calls, µs).
 
 Usage (GPU): ``python benchmarks/fp8_gemm.py --out fp8.jsonl [--shapes qwen3,dsv3,mixtral]
 [--layer] [--tokens T] [--experts E]``; ``--experts`` below the shape's times one rank's slice
@@ -373,7 +374,7 @@ def _layer_rows(name: str, shape: tuple[int, ...], device: torch.device, args: A
             raise SystemExit(f"--recipes: no recipe {', '.join(sorted(unknown))}")
         recipes = [(label, recipe) for label, recipe in recipes if label in args.recipes]
     rows = [
-        _layer_row(name, label, dMoE(config, fp8=recipe), x, want, time_us, "+updated" in label)
+        _layer_row(name, label, dMoE(config, fp8=recipe), x, want, time_us, args.kernels)
         for label, recipe in recipes
     ]
     return rows
@@ -386,11 +387,13 @@ def _layer_row(
     x: torch.Tensor,
     want: dict[str, torch.Tensor],
     time_us: Any,
-    updated: bool = False,
+    kernels: int = 0,
 ) -> dict:
     """One recipe's training step, timed; the layer is freed on return (one on the GPU at a time).
-    ``updated``: each step marks the weights changed (their version counters, as an optimizer
-    step's in-place update does, without its time), so a cached recipe quantizes them again."""
+    A ``+updated`` label: each step marks the weights changed (their version counters, as an optimizer
+    step's in-place update does, without its time), so a cached recipe quantizes them again.
+    ``kernels``: also one more step's costliest kernels (ops on the CPU), that many."""
+    updated = "+updated" in label
     xb = x.bfloat16().requires_grad_()
     on_gpu = x.device.type == "cuda"
     if on_gpu:
@@ -421,8 +424,27 @@ def _layer_row(
         loss = forward()
         row["forward_peak_gib"] = torch.cuda.max_memory_allocated(x.device) / 2**30
         loss.backward()
+    if kernels:
+        row["kernels"] = _costliest_kernels(step, on_gpu, kernels)
     _emit(row)
     return row
+
+
+def _costliest_kernels(step: Callable[[], Any], on_gpu: bool, count: int) -> list[dict]:
+    """One profiled step's ``count`` costliest kernels (on the CPU, ops): name (cut at 90
+    characters), calls and total µs, the costliest first; where a step's time goes beside the
+    per-GEMM rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    costliest = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:count]
+    return [{"name": e.key[:90], "calls": e.count, "us": getattr(e, key)} for e in costliest]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the layer's recipes, a comma list (default: all): bf16, <format>, "
         "<format>+cached, <format>+cached+updated (the weights changed every step), each "
         "rowwise one +wgrad (the weight gradients in FP8)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kernels", type=int, default=0, metavar="N",
+        help="the layer rows also list one profiled step's N costliest kernels (ops on the CPU)",
     )  # fmt: skip
     parser.add_argument("--reps", type=int, default=3, help="repetitions on the CPU")
     parser.add_argument("--sweep", action="store_true", help="also the scaled GEMM's tile sweep")

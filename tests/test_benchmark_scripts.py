@@ -443,6 +443,22 @@ def test_fp8_gemm_s_layer_rows_check_each_recipe_against_float32_or_skip_the_che
     assert [r["recipe"] for r in rows] == chosen.split(",")
 
 
+def test_fp8_gemm_s_layer_rows_list_one_profiled_step_s_costliest_kernels(tmp_path):
+    script = _script("fp8_gemm")
+    path = tmp_path / "kernels.jsonl"
+    argv = ["--device", "cpu", "--tiny", "--layer", "--no-gemms", "--no-layer-errors"]
+    argv += ["--reps", "1", "--recipes", "bf16,fp8_rowwise", "--out", str(path)]
+    with megablocks_core.use_backend("reference"):
+        assert script.main([*argv, "--kernels", "4"]) == 0
+        assert script.main(argv) == 0
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for row in rows[:2]:  # on the CPU, the ops: the costliest first
+        times = [k["us"] for k in row["kernels"]]
+        assert len(times) == 4 and times == sorted(times, reverse=True) and times[0] > 0
+        assert all(k["calls"] >= 1 and k["name"] for k in row["kernels"])
+    assert "kernels" not in rows[2] and "kernels" not in rows[3]  # only when asked
+
+
 def test_fp8_gemm_s_expert_slice_times_the_named_shape_with_more_rows_per_expert(tmp_path):
     script = _script("fp8_gemm")
     path = tmp_path / "slice.jsonl"
