@@ -390,9 +390,9 @@ def _layer_row(
     kernels: int = 0,
 ) -> dict:
     """One recipe's training step, timed; the layer is freed on return (one on the GPU at a time).
-    A ``+updated`` label: each step marks the weights changed (their version counters, as an optimizer
-    step's in-place update does, without its time), so a cached recipe quantizes them again.
-    ``kernels``: also one more step's costliest kernels (ops on the CPU), that many."""
+    A ``+updated`` label: each step marks the weights changed (their version counters, as an
+    optimizer step's in-place update does, without its time), so a cached recipe quantizes them
+    again. ``kernels``: also one more step's costliest kernels (ops on the CPU), that many."""
     updated = "+updated" in label
     xb = x.bfloat16().requires_grad_()
     on_gpu = x.device.type == "cuda"
