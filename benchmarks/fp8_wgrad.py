@@ -178,9 +178,9 @@ def gathered_operand(
     timer: Callable[[Callable[[], Any]], float],
 ) -> dict[str, Any]:
     """An operand of ``sorted_rows``' shape read from token rows through a random permutation
-    (groups of ``counts`` rows): µs of gather, of gather then quantize_transposed (what the weight gradient
-    in bf16 gathers, and FP8 quantizes, before this op) and of gather_quantize_transposed, with
-    whether the last two's outputs are equal."""
+    (groups of ``counts`` rows): µs of gather, of gather then quantize_transposed (what the
+    weight gradient in bf16 gathers, and FP8 quantizes, before this op) and of
+    gather_quantize_transposed, with whether the last two's outputs are equal."""
     rows, width = sorted_rows.shape
     gen = torch.Generator(device=sorted_rows.device).manual_seed(1)
     tokens = rows // top_k
