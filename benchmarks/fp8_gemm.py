@@ -19,11 +19,13 @@ layout, so these two cover forward and dgrad. Providers:
 Then each quantization pass alone against its ideal bytes at the copy bandwidth, and the layer
 (``--layer``): a dMoE (GLU, SiLU) forward + backward in bf16 and in each FP8 recipe (uncached,
 ``+cached`` weights, and ``+cached+updated``: cached, with the weights changed every step as an
-optimizer's update changes them; ``+wgrad``: the weight gradients in FP8 too, rowwise), with its output's and gradients' error against a float32 copy
-of the layer, and on a GPU the peak memory allocated while the recipe's steps ran (``peak_gib``,
-the layer, its input and the error check's float32 results included) and in one more step's
-forward alone (``forward_peak_gib``); ``--kernels N`` adds one profiled step's N costliest kernels
-(``kernels``: name, calls, µs).
+optimizer's update changes them; ``+wgrad``: the weight gradients in FP8 too, rowwise), with its
+output's and gradients' error against a float32 copy of the layer. On a GPU also: the peak memory
+allocated while the recipe's steps ran (``peak_gib``, the layer, its input and the error check's
+float32 results included) and in one more step's forward alone (``forward_peak_gib``), and how
+often the allocator had to free its cached blocks to serve an allocation after the first step
+(``alloc_retries``). ``--kernels N`` adds one profiled step's N costliest kernels (``kernels``:
+name, calls, µs).
 
 Usage (GPU): ``python benchmarks/fp8_gemm.py --out fp8.jsonl [--shapes qwen3,dsv3,mixtral]
 [--layer] [--tokens T] [--experts E]``; ``--experts`` below the shape's times one rank's slice
@@ -412,6 +414,7 @@ def _layer_row(
         forward().backward()
 
     step()
+    retries = torch.cuda.memory_stats(x.device).get("num_alloc_retries", 0) if on_gpu else 0
     errors = {}
     if want:
         out, _ = layer(xb)
@@ -420,6 +423,11 @@ def _layer_row(
     row = {"shape": name, "layer": "glu-silu", "recipe": label, "us": time_us(step), **errors}
     if on_gpu:
         row["peak_gib"] = torch.cuda.max_memory_allocated(x.device) / 2**30
+        # Allocations the caching allocator could serve only after freeing its cached blocks
+        # (each a device synchronization) after the first step: a step near the memory's limit.
+        row["alloc_retries"] = (
+            torch.cuda.memory_stats(x.device).get("num_alloc_retries", 0) - retries
+        )
         torch.cuda.reset_peak_memory_stats(x.device)  # one more step, its forward's peak alone
         loss = forward()
         row["forward_peak_gib"] = torch.cuda.max_memory_allocated(x.device) / 2**30
