@@ -16,6 +16,8 @@ float32 (Frobenius norm).
 Usage (H200): ``python benchmarks/fp8_wgrad.py [--shapes qwen3,dsv3] [--json PATH]``.
 ``--routing routed`` spreads the rows over the experts as a random router does (uneven groups,
 starting anywhere) instead of equally: a layer's groups, where the kernels meet partial chunks.
+Each row also times the FP8 GEMM on the same quantized groups moved to start on 128-row
+boundaries with zero rows between them (``fp8_aligned``: no partial chunk; the GEMM alone).
 ``--quantize-tiles 64x128x4x1,64x32x2x3`` also times the Triton ``quantize_transposed`` of both
 operands at each (rows, columns) tile, warps and loop stages given, each checked bit for bit
 against the ranked kernel's outputs.
@@ -147,6 +149,16 @@ def one_gemm(
         scaled_module.WGRAD_WARP_SPECIALIZED = True
     row["fp8_total_us"] = row["fp8_us"] + row["quantize_us"]
     row["fp8_total_vs_bf16"] = row["bf16_us"] / row["fp8_total_us"]
+    # The same quantized groups moved to starts on 128-row boundaries, zero rows between them:
+    # what the GEMM alone would take if its operands were laid out so (no partial chunk).
+    (pa, pg), padded = _aligned_groups((qa, qg), counts, ALIGNED_ROWS)
+    row["aligned_rows"] = pa.shape[1]
+
+    def aligned_fp8() -> torch.Tensor:
+        return ops.scaled_gmm_weight_grad(pa, sa, pg, sg, padded, "fp8_rowwise")
+
+    row["fp8_aligned_error"] = _error(aligned_fp8(), want)
+    row["fp8_aligned_us"] = timer(aligned_fp8)
     if a.is_cuda:
         grouped = getattr(torch, "_grouped_mm", None)
         scaled = getattr(torch, "_scaled_grouped_mm", None)
@@ -163,10 +175,32 @@ def one_gemm(
                 row[f"{key}_us"] = timer(fn)
             except RuntimeError as exc:
                 row[f"{key}_refused"] = str(exc).splitlines()[0]
-    for key in ("bf16", "torch_bf16", "torch_fp8", "fp8", "fp8_triton"):
+    for key in ("bf16", "torch_bf16", "torch_fp8", "fp8", "fp8_triton", "fp8_aligned"):
         if f"{key}_us" in row:
             row[f"{key}_tflops"] = flops / row[f"{key}_us"] / 1e6
     return row
+
+
+#: The row boundary ``fp8_aligned`` starts each group on: the weight gradient's chunk depth.
+ALIGNED_ROWS = 128
+
+
+def _aligned_groups(
+    operands: Sequence[torch.Tensor], counts: torch.Tensor, align: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Transposed operands (columns, rows) with each expert's group of rows moved to start on a
+    multiple of ``align``, zero rows after it up to the next; and the groups' padded counts."""
+    padded = (counts + align - 1) // align * align
+    starts = torch.cumsum(padded, 0) - padded
+    group = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    within = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[group]
+    target = (starts[group] + within).to(operands[0].device)
+    moved = []
+    for t in operands:
+        out = torch.zeros(t.shape[0], int(padded.sum()), dtype=torch.uint8, device=t.device)
+        out.index_copy_(1, target, t.view(torch.uint8)[:, : target.shape[0]])
+        moved.append(out.view(t.dtype))
+    return moved, padded
 
 
 def gathered_operand(

@@ -336,6 +336,21 @@ def test_fp8_wgrad_routed_groups_are_uneven_and_their_errors_still_against_float
     for r in rows:  # the float32 reference summed over the same uneven groups
         assert r["rows"] == 32 * 8 and r["bf16_error"] < 1e-2 and 1e-3 < r["fp8_error"] < 0.1
         assert r["gathered_quantize_equals"]
+        # The groups moved to 128-row starts, zeros between them: the same gradient.
+        assert r["aligned_rows"] % 128 == 0 and r["aligned_rows"] >= r["rows"]
+        assert abs(r["fp8_aligned_error"] - r["fp8_error"]) < 1e-3 * r["fp8_error"]
+
+
+def test_fp8_wgrad_s_aligned_groups_start_on_the_boundary_with_zero_rows_between(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    script = _script("fp8_wgrad")
+    data = (torch.arange(16, dtype=torch.uint8) + 1).view(2, 8).view(torch.float8_e4m3fn)
+    (moved,), padded = script._aligned_groups([data], torch.tensor([3, 0, 5]), 4)
+    assert padded.tolist() == [4, 0, 8]
+    got, rows = moved.view(torch.uint8), data.view(torch.uint8)
+    assert got.shape == (2, 12)
+    assert torch.equal(got[:, :3], rows[:, :3]) and torch.equal(got[:, 4:9], rows[:, 3:])
+    assert not got[:, 3].any() and not got[:, 9:].any()
 
 
 @pytest.mark.skipif(not interpreting(), reason="the Triton kernels on the CPU: the interpreter")
