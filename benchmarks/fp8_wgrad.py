@@ -198,7 +198,7 @@ def _aligned_groups(
     moved = []
     for t in operands:
         out = torch.zeros(t.shape[0], int(padded.sum()), dtype=torch.uint8, device=t.device)
-        out.index_copy_(1, target, t.view(torch.uint8)[:, : target.shape[0]])
+        out.index_copy_(1, target, t.view(torch.uint8))
         moved.append(out.view(t.dtype))
     return moved, padded
 
